@@ -1,0 +1,110 @@
+"""EngineConfig: every knob of the engine in one place, and the byte-size parser."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from engine.policy import Policy
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from an int or a string such as "6GiB", "512MiB", "1.5GB" or "1000".
+
+    Raises ValueError with the offending text when it cannot be read.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative: {value!r}")
+        return int(value)
+    m = _SIZE.match(str(value))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use bytes or e.g. 6GiB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(nbytes: float) -> str:
+    """Human-readable binary size: 6.0 GiB, 512.0 MiB, 3.2 KiB, 12 B."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass
+class EngineConfig:
+    """How the engine places, updates and measures a model.
+
+    Optimizer defaults follow torch.optim.AdamW so that a plain-PyTorch loop and the engine
+    agree out of the box.
+    """
+
+    policy: str = "auto"  # "cuda" | "cpu" | "auto"; see engine.policy
+    margin_ratio: float = 0.0  # share of the spare device memory that holds optimizer state
+    device_budget: int | str | None = None  # bytes or "6GiB"; None = the whole real GPU
+    precision: str = "fp32"  # compute dtype of the chunks; master weights are always fp32
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = None  # global-norm clipping; None = no clipping
+    lr_schedule: str = "constant"  # "constant" | "cosine" | "linear" (warm-up then decay)
+    warmup_steps: int = 0
+    total_steps: int | None = None  # needed by the decaying schedules
+    seed: int = 0
+    chunk_size: int | None = None  # elements per chunk; None = searched to waste little
+    initial_loss_scale: float = 2.0**16  # fp16 only: dynamic loss scaling starts here
+    simulate: bool | None = None  # None = simulate when there is no CUDA
+    extra: dict = field(default_factory=dict)  # room for callers; never read by the engine
+
+    def __post_init__(self) -> None:
+        self.policy = Policy.parse(self.policy).value
+        self.margin_ratio = check_margin(self.margin_ratio)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
+                             f"not {self.precision!r}")
+        if self.device_budget is not None:
+            self.device_budget = parse_size(self.device_budget)
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, not {self.lr}")
+        if self.chunk_size is not None and self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
+        if self.lr_schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"lr_schedule must be constant, cosine or linear, "
+                             f"not {self.lr_schedule!r}")
+        if self.lr_schedule != "constant" and not self.total_steps:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step `step` (counted from 1)."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        import math
+
+        span = max(1, (self.total_steps or step) - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        if self.lr_schedule == "linear":
+            return self.lr * (1.0 - progress)
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def check_margin(value: float) -> float:
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"margin_ratio must be within 0..1, not {value}")
+    return value

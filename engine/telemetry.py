@@ -1,0 +1,58 @@
+"""What the engine reports: picklable dataclasses shared by the worker, the metrics file and
+the UI. Field names are a contract (see DESIGN.md); add fields, never rename."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ChunkInfo:
+    index: int
+    location: str  # "device" | "host"
+    state: str  # the most active TensorState of its parameters
+    nbytes: int  # payload bytes (compute dtype)
+
+
+@dataclass
+class MemorySnapshot:
+    device_capacity: int  # the budget (simulated) or the real capacity (CUDA), bytes
+    device_model: int  # chunk bytes (params, grads, optimizer state) on the device now
+    device_non_model_peak: int  # peak activation/workspace bytes on the device in the last step
+    device_peak: int  # peak total device bytes in the last step
+    host_model: int  # chunk bytes on the host now
+    process_rss: int
+    states: dict[str, dict[str, int]] = field(default_factory=dict)
+    chunks: list[ChunkInfo] = field(default_factory=list)
+
+
+@dataclass
+class StepStats:
+    step: int  # counts from 1; a resumed run keeps counting
+    loss: float
+    tokens: int
+    seconds: float
+    forward: float  # seconds, copies excluded
+    backward: float
+    optimizer: float
+    transfer: float  # seconds spent copying chunks between host and device
+    bytes_h2d: int
+    bytes_d2h: int
+    policy: str
+    margin_ratio: float
+    device_budget: int
+    memory: MemorySnapshot
+    skipped: bool = False  # fp16: the update was skipped because gradients overflowed
+    loss_scale: float = 1.0
+    grad_norm: float | None = None
+    lr: float = 0.0
+    applied: list[str] = field(default_factory=list)  # settings changes that took effect here
+
+
+def stats_from_dict(data: dict) -> StepStats:
+    """Inverse of dataclasses.asdict(StepStats) (for metrics files)."""
+    mem = dict(data["memory"])
+    mem["chunks"] = [ChunkInfo(**c) for c in mem.get("chunks", [])]
+    fields = dict(data)
+    fields["memory"] = MemorySnapshot(**mem)
+    return StepStats(**fields)

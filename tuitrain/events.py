@@ -1,0 +1,108 @@
+"""The two one-way channels between the UI and the worker.
+
+Commands go UI -> worker, each with an id, and are answered by Applied(id, step) or
+Rejected(id, reason). Events go worker -> UI. All are small picklable dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.telemetry import ChunkInfo, StepStats
+
+# --- commands (UI -> worker) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    id: int = -1  # assigned by the client when sent
+
+
+@dataclass(frozen=True)
+class SetPolicy(Command):
+    policy: str = "auto"
+
+
+@dataclass(frozen=True)
+class SetMargin(Command):
+    margin_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class SetBudget(Command):
+    device_budget: str = "6GiB"  # bytes as text, or "6GiB"-style
+
+
+@dataclass(frozen=True)
+class Pause(Command):
+    pass
+
+
+@dataclass(frozen=True)
+class Resume(Command):
+    pass
+
+
+@dataclass(frozen=True)
+class Stop(Command):
+    pass
+
+
+@dataclass(frozen=True)
+class Checkpoint(Command):
+    pass
+
+
+# --- events (worker -> UI) ---------------------------------------------------------------
+
+
+@dataclass
+class Event:
+    pass
+
+
+@dataclass
+class Started(Event):
+    model: str
+    parameters: int  # unique parameter elements
+    device: str  # e.g. "simulated, 6.0 GiB" or "NVIDIA GeForce RTX 3060, 6.0 GiB"
+    chunks: list[ChunkInfo]
+    settings: dict  # the settings actually used (Settings.model_dump())
+    pid: int = 0
+    log_path: str = ""
+
+
+@dataclass
+class Step(Event):
+    stats: StepStats
+
+
+@dataclass
+class Log(Event):
+    message: str
+    level: str = "info"  # "info" | "warning" | "error"
+
+
+@dataclass
+class Applied(Event):
+    id: int
+    step: int  # the first step that ran with the change (or the step after which it acted)
+    what: str = ""  # human-readable, e.g. "policy cpu"
+
+
+@dataclass
+class Rejected(Event):
+    id: int
+    reason: str
+
+
+@dataclass
+class Failed(Event):
+    reason: str
+    exitcode: int | None = None  # process exit code; negative = killed by that signal
+    log_tail: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Finished(Event):
+    summary: dict  # steps, tokens, mean step seconds, peak device/host bytes, ...
