@@ -1,58 +1,574 @@
-"""Engine: placeholder plain-PyTorch loop with the final API (replaced by the offload engine)."""
+"""Engine: trains a model whose parameters live in chunks moved between host and device.
+
+    eng = Engine(model, EngineConfig(policy="auto", device_budget="6GiB", precision="bf16"))
+    stats = eng.step(batch)          # forward, backward, AdamW; returns StepStats
+    eng.set_policy("cpu")            # takes effect at the next step boundary
+
+Placement changes where bytes live, never the math: in fp32 every policy, budget and margin
+gives the losses and weights of torch.optim.AdamW(fused=True) on the same batches.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 
 import psutil
 import torch
 
-from engine.config import EngineConfig, check_margin, parse_size
+from engine.chunk import Chunk, Slot, chunk_numel, layout
+from engine.config import EngineConfig, check_margin, format_size, parse_size
+from engine.device import ComputeDevice, make_device
+from engine.hooks import install, wrap_outputs
+from engine.manager import ChunkManager
+from engine.optim import adamw_update, global_grad_norm, restore_params
 from engine.policy import Policy
-from engine.telemetry import MemorySnapshot, StepStats
+from engine.state import TensorState
+from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
+from engine.tracer import NonModelCounter, Trace, TracePoint, tensor_bytes
+
+S = TensorState
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOSS_SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles
+
+
+class BudgetTooSmall(ValueError):
+    """The device budget cannot hold the minimum working set; says what it needs."""
+
+
+def first_use_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Unique parameters in the order a forward pass first touches them.
+
+    Found with a two-token forward under no_grad; registration order if the model cannot
+    run that way (it is the same for the usual decoder stacks).
+    """
+    order: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+
+    def note(module: torch.nn.Module, _args: object) -> None:
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+
+    handles = [m.register_forward_pre_hook(note) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
+    except Exception:
+        order.clear()
+        seen.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    for p in model.parameters():  # parameters the dry run did not reach
+        if id(p) not in seen:
+            seen.add(id(p))
+            order.append(p)
+    return order
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+    """The offload engine. See the module docstring and DESIGN.md ("The engine")."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *,
+                 device: ComputeDevice | None = None) -> None:
+        self.config = config = config or EngineConfig()
         self.model = model
-        self.config = config
-        self.budget = parse_size(config.device_budget or 6 * 1024**3)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
-                                     eps=config.eps, weight_decay=config.weight_decay,
-                                     fused=True)
+        self.device = device or make_device(config.device_budget, config.simulate)
+        self.dtype = DTYPES[config.precision]
         self.step_count = 0
+        self.loss_scale = config.initial_loss_scale if config.precision == "fp16" else 1.0
+        self._good_steps = 0
+        self._pending: dict[str, object] = {}
+        self._pos = -1
+        self._trace: Trace | None = None
+        self._tracing: Trace | None = None
+        self._interval_peak = 0
+        self._peak = 0
+        self._last_non_model_peak = 0
+        self._last_peak = 0
+        self._in_step = False
+
+        self.counter = NonModelCounter(self._is_model_storage, self._on_non_model_change)
+        self.chunks = self._build_chunks(model)
+        self.manager = ChunkManager(self.chunks, self.device, non_model_now=self._non_model_now,
+                                    on_change=self._on_model_change)
+        self.manager.policy = Policy(config.policy)
+        self._account_initial()
+        self._model_ptrs: set[int] = set()
+        self._slot_of = {id(s.param): (c, s) for c in self.chunks for s in c.slots}
+        self._handles, owned = install(model, pre_forward=self._pre_forward,
+                                       post_forward=self._post_forward, on_grad=self._on_grad)
+        self._module_slots = {k: [self._slot_of[id(p)] for p in ps] for k, ps in owned.items()}
+        self._module_chunks = {
+            k: tuple(dict.fromkeys(c for c, _ in pairs)) for k, pairs in self._module_slots.items()}
+        self._move_buffers()
+        self._check_budget(self.device.budget, Policy(config.policy))
+        self._place()
+
+    # --- construction --------------------------------------------------------------------
+
+    def _build_chunks(self, model: torch.nn.Module) -> list[Chunk]:
+        names: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        params = first_use_order(model)
+        sizes = [p.numel() for p in params]
+        self.chunk_size, groups = layout(sizes, self.config.chunk_size)
+        chunks = []
+        for index, members in enumerate(groups):
+            numel = chunk_numel(sizes, members)
+            slots, offset = [], 0
+            for i in members:
+                p = params[i]
+                slots.append(Slot(names[id(p)], p, offset, p.numel(), p.shape))
+                offset += chunk_numel(sizes, [i])
+            chunk = Chunk(index, numel, self.dtype, slots)
+            self._fill(chunk)
+            chunks.append(chunk)
+        return chunks
+
+    def _fill(self, chunk: Chunk) -> None:
+        """Copy the chunk's parameters in, then free their original storage one by one."""
+        dev = self.device
+        chunk.master = dev.host_empty(chunk.numel, torch.float32).zero_()
+        for slot in chunk.slots:
+            src = slot.param.detach().reshape(-1)
+            chunk.master[slot.offset:slot.offset + slot.numel].copy_(src)
+            slot.param.data = torch.empty(0, dtype=self.dtype, device=dev.torch_device)
+        chunk.payload = dev.host_empty(chunk.numel, self.dtype)
+        chunk.payload.copy_(chunk.master)
+        chunk.exp_avg = dev.host_empty(chunk.numel, torch.float32).zero_()
+        chunk.exp_avg_sq = dev.host_empty(chunk.numel, torch.float32).zero_()
+        chunk.step = torch.zeros((), dtype=torch.float32)
+        chunk.device_payload = dev.empty(chunk.numel, self.dtype)
+        chunk.bind_params()  # views first: a view cannot be made of empty storage
+        chunk.device_payload.untyped_storage().resize_(0)
+
+    def _account_initial(self) -> None:
+        m = self.manager
+        m.host_bytes = sum(c.payload.nbytes + 3 * c.master.nbytes for c in self.chunks)
+
+    def _move_buffers(self) -> None:
+        dev = self.device.torch_device
+        for module in self.model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.device != dev:
+                    module._buffers[name] = buf.to(dev)
+
+    # --- settings (applied at the next step boundary) -----------------------------------------
+
+    def set_policy(self, policy: str | Policy) -> None:
+        """Switch placement at the next step. Raises ValueError if it cannot fit."""
+        p = Policy.parse(policy)
+        self._check_budget(self._pending.get("budget", self.device.budget), p)
+        self._pending["policy"] = p
+
+    def set_margin(self, ratio: float) -> None:
+        """Share (0..1) of the spare device memory that keeps optimizer state there."""
+        self._pending["margin"] = check_margin(ratio)
+
+    def set_budget(self, budget: int | str) -> None:
+        """Change the device budget at the next step. Raises ValueError if it is too small."""
+        nbytes = parse_size(budget)
+        if nbytes <= 0:
+            raise ValueError("the device budget must be positive")
+        self._check_budget(nbytes, self._pending.get("policy", self.manager.policy))
+        self._pending["budget"] = nbytes
+
+    def _check_budget(self, budget: int, policy: Policy) -> None:
+        if not self.device.simulated:
+            budget = min(budget, self.device.capacity())
+        need = self.min_working_set()
+        if budget < need:
+            raise BudgetTooSmall(
+                f"device budget {format_size(budget)} is below the minimum working set "
+                f"{format_size(need)} (largest chunks in use at once"
+                f"{', plus activations' if self._trace else ''})")
+        if policy == Policy.CUDA:
+            need = self.cuda_policy_bytes()
+            if budget < need:
+                raise BudgetTooSmall(
+                    f"policy cuda needs {format_size(need)} on the device (model data "
+                    f"{format_size(sum(self.manager.resident_cost(c) for c in self.chunks))}"
+                    f" + activations {format_size(self._non_model_forecast())}) but the "
+                    f"budget is {format_size(budget)}; use policy auto or cpu")
+
+    def min_working_set(self) -> int:
+        """Least device bytes a step needs under any placement."""
+        if self._trace is not None:
+            return self._trace.working_set
+        # Before the first step: the chunks of the largest module, with gradient buffers.
+        return max((2 * sum(c.nbytes for c in cs) for cs in self._module_chunks.values()),
+                   default=0)
+
+    def cuda_policy_bytes(self) -> int:
+        return sum(self.manager.resident_cost(c) for c in self.chunks) + \
+            self._non_model_forecast()
+
+    def _non_model_forecast(self) -> int:
+        return self._trace.non_model_peak if self._trace else 0
+
+    def _apply_pending(self) -> list[str]:
+        applied = []
+        if "budget" in self._pending:
+            self.device.budget = self._pending.pop("budget")
+            applied.append(f"device_budget {format_size(self.device.budget)}")
+        if "policy" in self._pending:
+            self.manager.policy = self._pending.pop("policy")
+            self.config.policy = self.manager.policy.value
+            applied.append(f"policy {self.config.policy}")
+        if "margin" in self._pending:
+            self.config.margin_ratio = self._pending.pop("margin")
+            applied.append(f"margin_ratio {self.config.margin_ratio:g}")
+        if applied:
+            self._place()
+        return applied
+
+    def _place(self) -> None:
+        """Decide which chunks are resident (payload and optimizer state on the device).
+
+        cuda: all of them. Otherwise `margin_ratio` of the margin (capacity minus the traced
+        peak of a step that keeps nothing resident), in use order; re-applied whenever the
+        policy, margin or budget changes.
+        """
+        m = self.manager
+        if m.policy == Policy.CUDA:
+            want = set(self.chunks)
+        else:
+            want = set()
+            if self._trace is not None and self.config.margin_ratio > 0:
+                room = self.config.margin_ratio * max(
+                    0, self.device.capacity() - self._trace.working_set)
+                for chunk in self.chunks:
+                    cost = m.resident_cost(chunk)
+                    if cost <= room:
+                        want.add(chunk)
+                        room -= cost
+        for chunk in self.chunks:
+            if chunk.resident and chunk not in want:
+                m.set_resident(chunk, False)
+        m.release_all()
+        for chunk in self.chunks:
+            if chunk in want:
+                m.set_resident(chunk, True)
+
+    # --- accounting callbacks -------------------------------------------------------------
+
+    def _is_model_storage(self, ptr: int) -> bool:
+        return ptr in self._model_ptrs
+
+    def _non_model_now(self) -> int:
+        allocated = self.device.allocator_bytes()
+        if allocated is None:
+            return self.counter.current
+        return max(0, allocated - self.manager.device_bytes)
+
+    def _on_model_change(self) -> None:
+        self._model_ptrs = {c.device_payload.untyped_storage().data_ptr()
+                            for c in self.chunks if c.on_device}
+        self._sample()
+
+    def _on_non_model_change(self) -> None:
+        if self._in_step and self.device.simulated:
+            over = self.manager.device_bytes + self.counter.current - self.device.capacity()
+            if over > 0:
+                # A real device would fail the allocation; evict idle chunks first.
+                self.manager.make_room(0, self._pos, self._chunks_in_use())
+        self._sample()
+
+    def _sample(self) -> None:
+        if not hasattr(self, "manager"):
+            return
+        non_model = self._non_model_now()
+        self._interval_peak = max(self._interval_peak, non_model)
+        self._peak = max(self._peak, self.manager.device_bytes + non_model)
+
+    def _chunks_in_use(self) -> tuple[Chunk, ...]:
+        return tuple(c for c in self.chunks if c.in_use() or c.grad is not None)
+
+    # --- hook callbacks --------------------------------------------------------------------
+
+    def _point(self, key: int, phase: str) -> None:
+        self._pos += 1
+        if self._tracing is not None:
+            points = self._tracing.points
+            if points:
+                points[-1].non_model_peak = self._interval_peak
+            chunks = self._module_chunks[key]
+            live_grads = sum(c.nbytes for c in self.chunks if c.grad is not None)
+            points.append(TracePoint(tuple(c.index for c in chunks), phase,
+                                     sum(c.nbytes for c in chunks) + live_grads))
+        self._interval_peak = self._non_model_now()
+
+    def _pre_forward(self, key: int) -> None:
+        if not self._in_step:
+            self._outside_step(key)
+            return
+        self._point(key, "forward")
+        self.manager.prepare(self._module_chunks[key], self._pos)
+        for chunk, slot in self._module_slots[key]:
+            chunk.set_state(slot, S.COMPUTE)
+
+    def _post_forward(self, key: int, output: object) -> object:
+        if not self._in_step:
+            return output
+        for chunk, slot in self._module_slots[key]:
+            chunk.set_state(slot, S.HOLD_AFTER_FWD)
+        self.counter.set_output(tensor_bytes(output))
+        if torch.is_grad_enabled():
+            return wrap_outputs(output, lambda: self._pre_backward(key))
+        return output
+
+    def _pre_backward(self, key: int) -> None:
+        self._point(key, "backward")
+        self.manager.prepare(self._module_chunks[key], self._pos)
+        for chunk, slot in self._module_slots[key]:
+            if slot.state != S.HOLD_AFTER_BWD:
+                chunk.set_state(slot, S.COMPUTE)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        chunk, slot = self._slot_of[id(param)]
+        buf = self.manager.grad_buffer(chunk, self._pos)
+        buf[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+        param.grad = None
+        slot.got_grad = True
+        if slot.state != S.HOLD_AFTER_BWD:
+            chunk.set_state(slot, S.HOLD_AFTER_BWD)
+        chunk.grads_pending -= 1
+        if chunk.grads_pending == 0:
+            self.manager.finish_grads(chunk)
+
+    def _outside_step(self, key: int) -> None:
+        """A forward outside step() (evaluation, generation): fetch like the cpu policy."""
+        chunks = self._module_chunks[key]
+        self.manager.prepare(chunks, self._pos)
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def step(self, batch: dict[str, torch.Tensor]) -> StepStats:
+        """One optimizer step on `batch` (input_ids, labels, optional attention_mask)."""
+        t_start = time.perf_counter()
+        applied = self._apply_pending()
+        m = self.manager
+        shape = tuple(batch["input_ids"].shape)
+        if self._trace is None or self._trace.shape != shape:
+            self._tracing = Trace(shape)
+            m.strict = False
+            m.overrun = 0
+        m.bytes_h2d = m.bytes_d2h = 0
+        m.transfer_seconds = 0.0
+        self._pos = -1
+        self._peak = m.device_bytes
+        self.device.reset_peak()
+        self.counter.reset()
+        for chunk in self.chunks:
+            chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)
+            for slot in chunk.slots:
+                slot.got_grad = False
+        dev = self.device.torch_device
+        batch = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+        self.model.train()
+        self._in_step = True
+        try:
+            with self.counter.hooks():
+                t0, x0 = time.perf_counter(), m.transfer_seconds
+                loss = self.model(**batch).loss
+                self.counter.set_output(0)
+                t1, x1 = time.perf_counter(), m.transfer_seconds
+                (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+            self._finish_backward()
+            t2, x2 = time.perf_counter(), m.transfer_seconds
+        except BaseException:
+            self._abort_step()
+            raise
+        finally:
+            self._in_step = False
+            m.strict = True
+        if self._tracing is not None:
+            self._end_trace()
+        loss_value = float(loss.detach())
+        skipped, grad_norm = self._optimizer_step()
+        t3 = time.perf_counter()
+        return self._stats(loss_value, batch, t_start, (t0, t1, t2, t3), (x0, x1, x2),
+                           skipped, grad_norm, applied)
+
+    def _finish_backward(self) -> None:
+        m = self.manager
+        for chunk in self.chunks:
+            m.finish_grads(chunk)  # parameters that got no gradient leave none waiting
+            for slot in chunk.slots:
+                if slot.state in (S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
+                    chunk.set_state(slot, S.HOLD)
+        m.release_all()  # device copies are outdated by the update that follows
+
+    def _abort_step(self) -> None:
+        """Leave the engine consistent after a failed forward/backward: no grads, no copies."""
+        for chunk in self.chunks:
+            if chunk.grad is not None:
+                self.manager._free("device", chunk.grad)
+                chunk.grad = None
+            if chunk.holds_grads:
+                restore_params(chunk)
+                chunk.stale = chunk.on_device and not chunk.resident
+            for slot in chunk.slots:
+                if slot.state not in (S.FREE, S.HOLD):
+                    slot.state = S.HOLD  # reset after a failure; not a transition
+                slot.param.grad = None
+        self.manager.release_all()
+        self._tracing = None
+        self.counter.reset()
+
+    def _end_trace(self) -> None:
+        trace, self._tracing = self._tracing, None
+        if trace.points:
+            trace.points[-1].non_model_peak = self._interval_peak
+        trace.finish()
+        overrun = self.manager.overrun
+        self._trace = self.manager.trace = trace
+        if overrun > 0 or trace.working_set > self.device.capacity():
+            for chunk in self.chunks:
+                if chunk.holds_grads:
+                    restore_params(chunk)
+            self._place()
+            raise BudgetTooSmall(
+                f"device budget {format_size(self.device.capacity())} is below the minimum "
+                f"working set {format_size(trace.working_set)} for batch shape "
+                f"{tuple(trace.shape)} (chunks in use plus activations)")
+        self._place()  # the margin needs the traced peak
+
+    def _optimizer_step(self) -> tuple[bool, float | None]:
+        cfg = self.config
+        with_grads = [c for c in self.chunks if c.holds_grads]
+        scale = 1.0 / self.loss_scale
+        grad_norm = None
+        if cfg.max_grad_norm is not None or cfg.precision == "fp16":
+            grad_norm = global_grad_norm(with_grads) * scale
+            if not math.isfinite(grad_norm):
+                for chunk in with_grads:
+                    restore_params(chunk)
+                self.loss_scale /= 2.0
+                self._good_steps = 0
+                self.step_count += 1
+                return True, grad_norm
+            if cfg.max_grad_norm is not None and grad_norm > cfg.max_grad_norm:
+                scale *= cfg.max_grad_norm / (grad_norm + 1e-6)
+        self.step_count += 1
+        lr = cfg.lr_at(self.step_count)
+        for chunk in with_grads:
+            adamw_update(chunk, lr=lr, betas=cfg.betas, eps=cfg.eps,
+                         weight_decay=cfg.weight_decay, grad_scale=scale)
+        if cfg.precision == "fp16":
+            self._good_steps += 1
+            if self._good_steps % LOSS_SCALE_GROWTH_INTERVAL == 0:
+                self.loss_scale *= 2.0
+        return False, grad_norm
+
+    def _stats(self, loss: float, batch: dict, t_start: float, t: tuple, x: tuple,
+               skipped: bool, grad_norm: float | None, applied: list[str]) -> StepStats:
+        t0, t1, t2, t3 = t
+        x0, x1, x2 = x
+        m = self.manager
+        allocator_peak = self.device.allocator_peak()
+        self._last_peak = allocator_peak if allocator_peak is not None else self._peak
+        self._last_non_model_peak = (self._trace.non_model_peak if self._trace else 0)
+        fwd_transfer, bwd_transfer = x1 - x0, x2 - x1
+        return StepStats(
+            step=self.step_count, loss=loss, tokens=int(batch["input_ids"].numel()),
+            seconds=t3 - t_start, forward=(t1 - t0) - fwd_transfer,
+            backward=(t2 - t1) - bwd_transfer, optimizer=t3 - t2,
+            transfer=m.transfer_seconds, bytes_h2d=m.bytes_h2d, bytes_d2h=m.bytes_d2h,
+            policy=m.policy.value, margin_ratio=self.config.margin_ratio,
+            device_budget=self.device.budget, memory=self.snapshot(), skipped=skipped,
+            loss_scale=self.loss_scale, grad_norm=grad_norm,
+            lr=self.config.lr_at(self.step_count), applied=applied)
+
+    # --- views ------------------------------------------------------------------------------
 
     @property
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return sum(s.numel for c in self.chunks for s in c.slots)
 
-    def set_policy(self, policy: str) -> None:
-        self.config.policy = Policy.parse(policy).value
+    @property
+    def policy(self) -> str:
+        return self.manager.policy.value
 
-    def set_margin(self, ratio: float) -> None:
-        self.config.margin_ratio = check_margin(ratio)
+    @property
+    def trace(self) -> Trace | None:
+        return self._trace
 
-    def set_budget(self, budget: int | str) -> None:
-        self.budget = parse_size(budget)
+    def describe_device(self) -> str:
+        return self.device.describe()
 
     def snapshot(self) -> MemorySnapshot:
-        return MemorySnapshot(self.budget, 0, 0, 0, 0, psutil.Process().memory_info().rss,
-                              {}, [])
+        """Where memory is now (mid-step too), and the peaks of the last step."""
+        states = {loc: {s.value: 0 for s in TensorState} for loc in ("device", "host")}
+        chunks = []
+        for c in self.chunks:
+            loc = "device" if c.on_device else "host"
+            for slot in c.slots:
+                states[loc][slot.state.value] += 1
+            chunks.append(ChunkInfo(c.index, loc, c.most_active().value, c.nbytes))
+        return MemorySnapshot(
+            device_capacity=self.device.capacity(), device_model=self.manager.device_bytes,
+            device_non_model_peak=self._last_non_model_peak, device_peak=self._last_peak,
+            host_model=self.manager.host_bytes, process_rss=psutil.Process().memory_info().rss,
+            states=states, chunks=chunks)
 
-    def step(self, batch: dict) -> StepStats:
-        t0 = time.perf_counter()
-        self.model.train()
-        out = self.model(**batch)
-        t1 = time.perf_counter()
-        out.loss.backward()
-        t2 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        self.step_count += 1
-        return StepStats(self.step_count, float(out.loss), int(batch["input_ids"].numel()),
-                         t3 - t0, t1 - t0, t2 - t1, t3 - t2, 0.0, 0, 0, self.config.policy,
-                         self.config.margin_ratio, self.budget, self.snapshot())
+    # --- weights and state ----------------------------------------------------------------------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().float().clone() for k, v in self.model.state_dict().items()}
+        """Full-precision weights on the CPU under the model's own names (tied names too)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            hit = self._slot_of.get(id(value))
+            if hit is None:
+                out[name] = value.detach().cpu().clone()
+            else:
+                chunk, slot = hit
+                flat = chunk.master[slot.offset:slot.offset + slot.numel]
+                out[name] = flat.detach().cpu().clone().view(slot.shape)
+        return out
+
+    def state_dict(self) -> dict:
+        """Everything to resume exactly: fp32 master, moments and steps by parameter name,
+        the loss scale and the engine settings. Tensors are plain CPU tensors."""
+        tensors: dict[str, torch.Tensor] = {}
+        for c in self.chunks:
+            for s in c.slots:
+                sl = slice(s.offset, s.offset + s.numel)
+                tensors[f"master/{s.name}"] = c.master[sl].cpu().clone()
+                tensors[f"exp_avg/{s.name}"] = c.exp_avg[sl].cpu().clone()
+                tensors[f"exp_avg_sq/{s.name}"] = c.exp_avg_sq[sl].cpu().clone()
+                tensors[f"step/{s.name}"] = c.step.detach().cpu().clone().reshape(1)
+        meta = {"step": self.step_count, "loss_scale": self.loss_scale,
+                "good_steps": self._good_steps, "policy": self.manager.policy.value,
+                "margin_ratio": self.config.margin_ratio, "device_budget": self.device.budget,
+                "precision": self.config.precision}
+        return {"tensors": tensors, "meta": meta}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of state_dict(); raises ValueError naming what does not match."""
+        tensors, meta = state["tensors"], state["meta"]
+        for c in self.chunks:
+            for s in c.slots:
+                sl = slice(s.offset, s.offset + s.numel)
+                for kind in ("master", "exp_avg", "exp_avg_sq"):
+                    key = f"{kind}/{s.name}"
+                    if key not in tensors:
+                        raise ValueError(f"state has no {key}")
+                    src = tensors[key].reshape(-1)
+                    if src.numel() != s.numel:
+                        raise ValueError(f"{key}: {src.numel()} elements, expected {s.numel}")
+                    getattr(c, kind)[sl].copy_(src)
+                c.step.fill_(float(tensors[f"step/{s.name}"].reshape(-1)[0]))
+            c.payload.copy_(c.master)
+            c.holds_grads = False
+            c.stale = c.on_device and not c.resident
+        self.manager.release_all()
+        self.step_count = int(meta["step"])
+        self.loss_scale = float(meta.get("loss_scale", self.loss_scale))
+        self._good_steps = int(meta.get("good_steps", 0))

@@ -1,0 +1,172 @@
+"""Chunks: flat buffers that hold several parameters back to back.
+
+A chunk owns, for its parameters:
+- `payload`: the parameters in the compute dtype. Its home is the host, or the device when
+  the chunk is resident. After backward the home payload is reused for the gradients (the
+  parameters are regenerated from the fp32 master by the optimizer), which is how bf16
+  training fits in 14 bytes per parameter on the host.
+- `device_payload`: the device copy; parameters are views into it for the whole run and hold
+  empty storage whenever it is released.
+- `master`, `exp_avg`, `exp_avg_sq`: fp32 AdamW state, on the host or (resident) the device.
+
+The layout (which parameter goes where) is a pure function of the parameter sizes, so the
+planner can compute it on the meta device without allocating anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.state import ACTIVITY, TensorState, check_transition
+
+ALIGN = 32  # elements; keeps every parameter view 64-byte aligned for vectorised kernels
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def pack(sizes: list[int], chunk_size: int) -> list[list[int]]:
+    """Greedy packing of parameters (in use order) into chunks of `chunk_size` elements.
+
+    A parameter larger than the chunk gets a chunk of its own. Returns the parameter
+    indices of each chunk.
+    """
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        need = _aligned(n)
+        if need > chunk_size:
+            if current:
+                chunks.append(current)
+                current, used = [], 0
+            chunks.append([i])
+            continue
+        if used + need > chunk_size:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += need
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def packing_waste(sizes: list[int], chunk_size: int) -> int:
+    """Elements left empty if every regular chunk were `chunk_size` long."""
+    waste = 0
+    for members in pack(sizes, chunk_size):
+        filled = sum(_aligned(sizes[i]) for i in members)
+        if filled <= chunk_size:
+            waste += chunk_size - filled
+    return waste
+
+
+def search_chunk_size(sizes: list[int], *, candidates: int = 64) -> int:
+    """The chunk size (elements) that wastes least, among sizes fit for offloading.
+
+    Chunks much smaller than a transformer block make many tiny copies; much larger ones
+    raise the minimum working set. So the search looks between 1/64 and 1/4 of the model
+    (clamped to 2^12..2^26 elements), from the largest of the ordinary parameters, and
+    prefers the smaller size on a tie.
+    """
+    total = sum(_aligned(n) for n in sizes)
+    lo = max(2**12, min(total // 64, 2**26))
+    hi = max(lo, min(total // 4, 2**26))
+    step = max(ALIGN, (hi - lo) // candidates // ALIGN * ALIGN)
+    best, best_waste = hi, None
+    for size in range(lo, hi + 1, step):
+        waste = packing_waste(sizes, size)
+        # Waste is weighed against the chunk size: one empty slot in a large chunk costs
+        # the same bytes as in a small one, but the small chunk moves more often.
+        if best_waste is None or waste < best_waste:
+            best, best_waste = size, waste
+    return best
+
+
+@dataclass(eq=False)
+class Slot:
+    """Where one parameter sits in its chunk."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    state: TensorState = TensorState.FREE
+    got_grad: bool = False
+
+
+@dataclass(eq=False)
+class Chunk:
+    index: int
+    numel: int
+    dtype: torch.dtype
+    slots: list[Slot]
+    payload: torch.Tensor | None = None  # home copy in the compute dtype (host unless resident)
+    device_payload: torch.Tensor | None = None  # storage resized to 0 when not on the device
+    grad: torch.Tensor | None = None  # device gradient buffer while backward fills it
+    master: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    step: torch.Tensor | None = None  # AdamW step count, fp32 scalar next to the state
+    resident: bool = False  # payload and optimizer state live on the device
+    on_device: bool = False  # device_payload is materialised
+    stale: bool = False  # device copy no longer matches the parameters (after an update)
+    grads_pending: int = 0  # parameters whose gradient has not arrived this backward
+    holds_grads: bool = False  # the home payload holds gradients, not parameters
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes in the compute dtype."""
+        return self.numel * self.itemsize
+
+    @property
+    def optim_nbytes(self) -> int:
+        """fp32 master + two AdamW moments."""
+        return self.numel * 12
+
+    def set_state(self, slot: Slot, new: TensorState) -> None:
+        check_transition(slot.name, slot.state, new)
+        slot.state = new
+
+    def set_states(self, new: TensorState) -> None:
+        for slot in self.slots:
+            if slot.state != new:
+                self.set_state(slot, new)
+
+    def in_use(self) -> bool:
+        return any(s.state == TensorState.COMPUTE for s in self.slots)
+
+    def most_active(self) -> TensorState:
+        present = {s.state for s in self.slots}
+        return next(state for state in ACTIVITY if state in present)
+
+    def bind_params(self) -> None:
+        """Point every parameter at its slice of the device payload (permanent views)."""
+        assert self.device_payload is not None
+        for slot in self.slots:
+            view = self.device_payload[slot.offset : slot.offset + slot.numel]
+            slot.param.data = view.view(slot.shape)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[s.offset : s.offset + s.numel] for s in self.slots]
+
+
+def layout(sizes: list[int], chunk_size: int | None) -> tuple[int, list[list[int]]]:
+    """(chunk size, parameter indices per chunk) for parameters of `sizes` in use order."""
+    size = chunk_size or search_chunk_size(sizes)
+    return size, pack(sizes, size)
+
+
+def chunk_numel(sizes: list[int], members: list[int]) -> int:
+    """Elements a chunk holding `members` needs (each parameter aligned)."""
+    return sum(_aligned(sizes[i]) for i in members)

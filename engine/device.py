@@ -1,0 +1,140 @@
+"""Compute devices: where chunks go when they are "on the device".
+
+`SimulatedDevice` stands in for a GPU on machines without one: tensors "on the device" are
+separate CPU tensors, a move is a real copy, and the budget is enforced by the engine's
+accounting. `CudaDevice` is a real GPU. The engine never asks which one it has, except for
+how non-model bytes are measured.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from engine.config import format_size
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """The device cannot hold what the step needs, even after evicting every idle chunk."""
+
+
+class ComputeDevice(Protocol):
+    torch_device: torch.device
+    simulated: bool
+    budget: int
+
+    def describe(self) -> str: ...
+
+    def capacity(self) -> int: ...
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> float: ...
+
+    def allocator_bytes(self) -> int | None: ...
+
+    def reset_peak(self) -> None: ...
+
+    def allocator_peak(self) -> int | None: ...
+
+
+class SimulatedDevice:
+    """A device of `budget` bytes that lives in CPU memory."""
+
+    simulated = True
+
+    def __init__(self, budget: int) -> None:
+        if budget <= 0:
+            raise ValueError(f"the simulated device needs a positive budget, not {budget}")
+        self.budget = int(budget)
+        self.torch_device = torch.device("cpu")
+
+    def describe(self) -> str:
+        return f"simulated, {format_size(self.budget)}"
+
+    def capacity(self) -> int:
+        return self.budget
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+
+    def allocator_bytes(self) -> int | None:
+        return None  # non-model bytes are counted by the tracer instead
+
+    def reset_peak(self) -> None:
+        pass
+
+    def allocator_peak(self) -> int | None:
+        return None
+
+
+class CudaDevice:
+    """The current CUDA device, optionally capped at `budget` bytes.
+
+    Capacity is re-read from the driver on every call: other processes and fragmentation
+    change what is really free, and ignoring that is what makes offload planners OOM.
+    """
+
+    simulated = False
+
+    def __init__(self, budget: int | None = None, index: int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaDevice needs CUDA; use SimulatedDevice on this machine")
+        self.index = torch.cuda.current_device() if index is None else index
+        self.torch_device = torch.device("cuda", self.index)
+        total = torch.cuda.get_device_properties(self.index).total_memory
+        self.budget = int(min(budget, total) if budget else total)
+
+    def describe(self) -> str:
+        name = torch.cuda.get_device_name(self.index)
+        return f"{name}, {format_size(self.budget)}"
+
+    def capacity(self) -> int:
+        free, _ = torch.cuda.mem_get_info(self.index)
+        return int(min(self.budget, free + torch.cuda.memory_allocated(self.index)))
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        # Pinned once at allocation and reused for the life of the chunk: pinning on the fly
+        # is slower than a plain copy.
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.current_stream(self.index).synchronize()
+        return time.perf_counter() - t0
+
+    def allocator_bytes(self) -> int | None:
+        return int(torch.cuda.memory_allocated(self.index))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def allocator_peak(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.index))
+
+
+def make_device(budget: int | None, simulate: bool | None = None) -> ComputeDevice:
+    """CUDA when present (unless told to simulate), else a simulated device of `budget`."""
+    if simulate is None:
+        simulate = not torch.cuda.is_available()
+    if simulate:
+        if budget is None:
+            raise ValueError("the simulated device needs a device_budget (e.g. '6GiB')")
+        return SimulatedDevice(budget)
+    return CudaDevice(budget)

@@ -1,0 +1,89 @@
+"""Module and gradient hooks that drive chunk movement during a step.
+
+- forward pre-hook: fetch the module's chunks, its parameters become COMPUTE;
+- forward hook: parameters become HOLD_AFTER_FWD, and the outputs are wrapped in an identity
+  autograd Function whose backward fetches the chunks again. A full-backward-pre-hook would
+  not fire for a module none of whose inputs needs grad (the embedding), this does;
+- post-accumulate-grad hook (per parameter): the gradient goes into the chunk's buffer.
+  Autograd sums every use of a tied weight before calling it, so tied weights add up in one
+  chunk by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor):
+        ctx.callback = callback
+        # detach() shares storage without making an autograd view, so later in-place ops
+        # on the module output stay legal.
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.callback()
+        return (None, *grads)
+
+
+def wrap_outputs(output: object, callback: Callable[[], None]) -> object:
+    """`output` with every grad-requiring tensor routed through a _PreBackward node."""
+    found: list[torch.Tensor] = []
+
+    def collect(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad:
+                found.append(obj)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                collect(v)
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                collect(v)
+
+    collect(output)
+    if not found:
+        return output
+    wrapped = dict(zip(map(id, found), _PreBackward.apply(callback, *found), strict=True))
+
+    def rebuild(obj: object) -> object:
+        if isinstance(obj, torch.Tensor):
+            return wrapped.get(id(obj), obj)
+        if isinstance(obj, dict):
+            for k in list(obj.keys()):
+                obj[k] = rebuild(obj[k])
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*(rebuild(v) for v in obj))
+        if isinstance(obj, list | tuple):
+            return type(obj)(rebuild(v) for v in obj)
+        return obj
+
+    return rebuild(output)
+
+
+def install(model: torch.nn.Module, *, pre_forward: Callable[[int], None],
+            post_forward: Callable[[int, object], object],
+            on_grad: Callable[[torch.nn.Parameter], None]) -> tuple[list, dict[int, list]]:
+    """Hook every module that owns parameters directly; returns (handles, key -> params)."""
+    handles = []
+    owned: dict[int, list[torch.nn.Parameter]] = {}
+    for key, module in enumerate(model.modules()):
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        owned[key] = params
+        handles.append(module.register_forward_pre_hook(
+            lambda _m, _args, key=key: pre_forward(key), prepend=True))
+        handles.append(module.register_forward_hook(
+            lambda _m, _args, out, key=key: post_forward(key, out), prepend=True))
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) not in seen and p.requires_grad:
+            seen.add(id(p))
+            handles.append(p.register_post_accumulate_grad_hook(on_grad))
+    return handles, owned

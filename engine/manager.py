@@ -1,0 +1,223 @@
+"""ChunkManager: where every chunk's bytes are, and moving them.
+
+Byte accounting is exact: every tensor a chunk allocates or frees goes through `_alloc` /
+`_free`, so `device_bytes` and `host_bytes` are counted, never estimated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.chunk import Chunk
+from engine.config import format_size
+from engine.device import ComputeDevice, DeviceOutOfMemory
+from engine.policy import Policy
+from engine.state import TensorState
+from engine.tracer import Trace
+
+S = TensorState
+
+
+class ChunkManager:
+    def __init__(self, chunks: list[Chunk], device: ComputeDevice, *,
+                 non_model_now: Callable[[], int], on_change: Callable[[], None]) -> None:
+        self.chunks = chunks
+        self.device = device
+        self.policy = Policy.AUTO
+        self.trace: Trace | None = None
+        self.non_model_now = non_model_now
+        self.on_change = on_change
+        self.device_bytes = 0
+        self.host_bytes = 0
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self.transfer_seconds = 0.0
+        self.strict = True  # raise when room cannot be made; off while tracing
+        self.overrun = 0  # most bytes over capacity seen while not strict
+        self._last_use: dict[int, int] = {}  # chunk -> position of its latest use (LRU)
+
+    # --- accounting -------------------------------------------------------------------
+
+    def _alloc(self, where: str, numel: int, dtype: torch.dtype, zero: bool = False
+               ) -> torch.Tensor:
+        if where == "device":
+            t = self.device.empty(numel, dtype)
+            self.device_bytes += t.nbytes
+        else:
+            t = self.device.host_empty(numel, dtype)
+            self.host_bytes += t.nbytes
+        if zero:
+            t.zero_()
+        self.on_change()
+        return t
+
+    def _free(self, where: str, t: torch.Tensor | None) -> None:
+        if t is None:
+            return
+        if where == "device":
+            self.device_bytes -= t.nbytes
+        else:
+            self.host_bytes -= t.nbytes
+        self.on_change()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
+        self.transfer_seconds += self.device.copy(dst, src)
+        if direction == "h2d":
+            self.bytes_h2d += src.nbytes
+        elif direction == "d2h":
+            self.bytes_d2h += src.nbytes
+
+    def _move(self, t: torch.Tensor, to: str) -> torch.Tensor:
+        """A real move: copy to the other location, free the source."""
+        src = "host" if to == "device" else "device"
+        dst = self._alloc(to, t.numel(), t.dtype)
+        self._copy(dst, t, "h2d" if to == "device" else "d2h")
+        self._free(src, t)
+        return dst
+
+    # --- the device payload -------------------------------------------------------------
+
+    def _storage_resize(self, chunk: Chunk, on: bool) -> None:
+        storage = chunk.device_payload.untyped_storage()
+        storage.resize_(chunk.nbytes if on else 0)
+        chunk.on_device = on
+        self.device_bytes += chunk.nbytes if on else -chunk.nbytes
+        self.on_change()
+
+    def materialise(self, chunk: Chunk, pos: int, protect: tuple[Chunk, ...] = ()) -> None:
+        """Make sure the chunk's parameters are on the device (HOLD or better)."""
+        self._last_use[chunk.index] = pos
+        if chunk.on_device and not chunk.stale:
+            return
+        if not chunk.on_device:
+            self.make_room(chunk.nbytes, pos, protect + (chunk,))
+            self._storage_resize(chunk, True)
+        self._copy(chunk.device_payload, chunk.payload, "h2d")
+        chunk.stale = False
+        for slot in chunk.slots:
+            if slot.state == S.FREE:
+                chunk.set_state(slot, S.HOLD)
+
+    def release(self, chunk: Chunk) -> bool:
+        """Drop the device copy of an idle, non-resident chunk. Returns whether it did."""
+        if chunk.resident or not chunk.on_device or chunk.in_use():
+            return False
+        self._storage_resize(chunk, False)
+        chunk.stale = False
+        for slot in chunk.slots:
+            if slot.state != S.FREE:
+                if slot.state != S.HOLD:
+                    chunk.set_state(slot, S.HOLD)
+                chunk.set_state(slot, S.FREE)
+        return True
+
+    def release_all(self) -> None:
+        for chunk in self.chunks:
+            self.release(chunk)
+
+    def free_bytes(self, extra_non_model: int = 0) -> int:
+        return self.device.capacity() - self.device_bytes - self.non_model_now() - extra_non_model
+
+    def make_room(self, nbytes: int, pos: int, protect: tuple[Chunk, ...] = ()) -> None:
+        """Evict idle chunks until `nbytes` (plus the forecast non-model growth) fit.
+
+        The victim is the chunk whose next use is farthest away (Belady's choice, from the
+        warm-up trace); before there is a trace, the least recently used one.
+        """
+        forecast = 0
+        if self.trace is not None and self.policy != Policy.CUDA:
+            forecast = max(0, self.trace.non_model_ahead(pos) - self.non_model_now())
+        while self.free_bytes(forecast) < nbytes:
+            victim = self._victim(pos, protect)
+            if victim is None:
+                short = nbytes - self.free_bytes(forecast)
+                if self.strict:
+                    raise DeviceOutOfMemory(
+                        f"the device ({format_size(self.device.capacity())}) cannot hold "
+                        f"{format_size(nbytes)} more: {format_size(self.device_bytes)} of "
+                        f"model data and {format_size(self.non_model_now())} of activations "
+                        f"are in use, {format_size(short)} short")
+                self.overrun = max(self.overrun, short)
+                return
+            self.release(victim)
+
+    def _victim(self, pos: int, protect: tuple[Chunk, ...]) -> Chunk | None:
+        idle = [c for c in self.chunks if c.on_device and not c.resident and not c.in_use()
+                and c not in protect]
+        if not idle:
+            return None
+        if self.trace is not None:
+            return max(idle, key=lambda c: (self.trace.next_use(c.index, pos), c.index))
+        return min(idle, key=lambda c: self._last_use.get(c.index, -1))
+
+    def prepare(self, needed: tuple[Chunk, ...], pos: int) -> None:
+        """Bring `needed` to the device for the module about to run."""
+        if self.policy == Policy.CPU:
+            # Copied in right before use and dropped right after: anything the next module
+            # does not need goes now.
+            for chunk in self.chunks:
+                if chunk.on_device and chunk not in needed:
+                    self.release(chunk)
+        for chunk in needed:
+            self.materialise(chunk, pos, needed)
+
+    # --- gradients ------------------------------------------------------------------------
+
+    def grad_buffer(self, chunk: Chunk, pos: int) -> torch.Tensor:
+        if chunk.grad is None:
+            self.make_room(chunk.nbytes, pos, (chunk,))
+            chunk.grad = self._alloc("device", chunk.numel, chunk.dtype, zero=True)
+        return chunk.grad
+
+    def finish_grads(self, chunk: Chunk) -> None:
+        """Every gradient of the chunk is in: move them into the home payload."""
+        if chunk.grad is None:
+            return
+        if chunk.resident:
+            # The device payload is the home; the parameters are rebuilt from the master.
+            chunk.device_payload.copy_(chunk.grad)
+        else:
+            self._copy(chunk.payload, chunk.grad, "d2h")
+            chunk.stale = chunk.on_device  # the device copy will be outdated by the update
+        self._free("device", chunk.grad)
+        chunk.grad = None
+        chunk.holds_grads = True
+
+    # --- residency (cuda policy and the margin) -----------------------------------------------
+
+    def set_resident(self, chunk: Chunk, resident: bool) -> None:
+        """Move a chunk's payload and optimizer state to the device, or back to the host."""
+        if chunk.resident == resident:
+            return
+        if resident:
+            if not chunk.on_device:
+                self._storage_resize(chunk, True)
+                self._copy(chunk.device_payload, chunk.payload, "h2d")
+            elif chunk.stale:
+                self._copy(chunk.device_payload, chunk.payload, "h2d")
+            self._free("host", chunk.payload)
+            chunk.payload = chunk.device_payload
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                setattr(chunk, name, self._move(getattr(chunk, name), "device"))
+            chunk.step = chunk.step.to(self.device.torch_device)
+            chunk.stale = False
+            chunk.resident = True
+            for slot in chunk.slots:
+                if slot.state == S.FREE:
+                    chunk.set_state(slot, S.HOLD)
+        else:
+            host = self._alloc("host", chunk.numel, chunk.dtype)
+            self._copy(host, chunk.device_payload, "d2h")
+            chunk.payload = host
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                setattr(chunk, name, self._move(getattr(chunk, name), "host"))
+            chunk.step = chunk.step.cpu()
+            chunk.resident = False
+            self.release(chunk)
+
+    def resident_cost(self, chunk: Chunk) -> int:
+        """Device bytes a chunk needs to be resident: payload, a gradient buffer, fp32 state."""
+        return 2 * chunk.nbytes + chunk.optim_nbytes
+

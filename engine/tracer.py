@@ -1,0 +1,137 @@
+"""Warm-up trace: the order in which chunks are used, and non-model memory between uses.
+
+Recorded on the first step, and again whenever the batch shape changes (a new sequence
+length changes activation sizes; memoising layouts across shapes is a known way to OOM).
+
+On the simulated device, non-model bytes are the activations autograd saves for backward
+(counted through `saved_tensors_hooks`, each storage once, until autograd frees it) plus the
+latest module output. On CUDA they are read from the caching allocator.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TracePoint:
+    chunks: tuple[int, ...]  # chunks the module about to run needs
+    phase: str  # "forward" | "backward"
+    model_bytes: int = 0  # bytes of `chunks` plus live gradient buffers at this point
+    non_model_peak: int = 0  # peak non-model bytes from this point to the next
+
+
+@dataclass
+class Trace:
+    shape: tuple
+    points: list[TracePoint] = field(default_factory=list)
+    _uses: dict[int, list[int]] = field(default_factory=dict)
+
+    def finish(self) -> None:
+        self._uses = {}
+        for pos, point in enumerate(self.points):
+            for c in point.chunks:
+                self._uses.setdefault(c, []).append(pos)
+
+    def next_use(self, chunk: int, pos: int) -> float:
+        """Position of the first use of `chunk` after `pos`; infinity if none this step."""
+        uses = self._uses.get(chunk, [])
+        i = bisect.bisect_right(uses, pos)
+        return uses[i] if i < len(uses) else float("inf")
+
+    def non_model_ahead(self, pos: int) -> int:
+        """Non-model peak forecast for the interval starting at `pos`."""
+        if 0 <= pos < len(self.points):
+            return self.points[pos].non_model_peak
+        return 0
+
+    @property
+    def non_model_peak(self) -> int:
+        return max((p.non_model_peak for p in self.points), default=0)
+
+    @property
+    def working_set(self) -> int:
+        """Least device bytes any placement needs: in-use chunks + live grads + activations."""
+        return max((p.model_bytes + p.non_model_peak for p in self.points), default=0)
+
+
+class _Saved:
+    """Holds one saved activation; frees its count when autograd drops it."""
+
+    __slots__ = ("tensor", "key", "counter")
+
+    def __init__(self, tensor: torch.Tensor, key: int, counter: NonModelCounter) -> None:
+        self.tensor, self.key, self.counter = tensor, key, counter
+
+    def __del__(self) -> None:
+        self.counter._drop(self.key)
+
+
+class NonModelCounter:
+    """Counts activation bytes saved for backward, each storage once, while they live."""
+
+    def __init__(self, is_model_storage: Callable[[int], bool],
+                 on_change: Callable[[], None]) -> None:
+        self.is_model_storage = is_model_storage
+        self.on_change = on_change
+        self.saved = 0  # bytes of saved activations alive now
+        self.output = 0  # bytes of the latest module output
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [nbytes, references]
+
+    @property
+    def current(self) -> int:
+        return self.saved + self.output
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def set_output(self, nbytes: int) -> None:
+        self.output = nbytes
+        self.on_change()
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or tensor.device.type == "meta" or self.is_model_storage(key):
+            return tensor
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [storage.nbytes(), 1]
+            self.saved += storage.nbytes()
+            self.on_change()
+        else:
+            entry[1] += 1
+        return _Saved(tensor, key, self)
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _drop(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._live[key]
+            self.saved -= entry[0]
+
+    def reset(self) -> None:
+        self._live.clear()
+        self.saved = 0
+        self.output = 0
+
+
+def tensor_bytes(obj: object) -> int:
+    """Bytes of every tensor in a (nested) module output."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
