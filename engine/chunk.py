@@ -65,13 +65,15 @@ def packing_waste(sizes: list[int], chunk_size: int) -> int:
     return waste
 
 
-def search_chunk_size(sizes: list[int], *, candidates: int = 64) -> int:
-    """The chunk size (elements) that wastes least, among sizes fit for offloading.
+def search_chunk_size(sizes: list[int], *, candidates: int = 64,
+                      max_waste: float = 0.05) -> int:
+    """The smallest chunk size (elements) that wastes at most `max_waste` of the model.
 
-    Chunks much smaller than a transformer block make many tiny copies; much larger ones
-    raise the minimum working set. So the search looks between 1/64 and 1/4 of the model
-    (clamped to 2^12..2^26 elements), from the largest of the ordinary parameters, and
-    prefers the smaller size on a tie.
+    Smaller chunks lower the minimum working set (a chunk and its gradient buffer must fit
+    beside the activations) and let the auto policy keep finer-grained pieces; below ~1/64
+    of the model they only add copies and kernel calls. So the search runs from 1/64 to 1/4
+    of the model (clamped to 2^12..2^26 elements) and takes the first size that packs
+    well, or the one that wastes least if none does.
     """
     total = sum(_aligned(n) for n in sizes)
     lo = max(2**12, min(total // 64, 2**26))
@@ -80,8 +82,8 @@ def search_chunk_size(sizes: list[int], *, candidates: int = 64) -> int:
     best, best_waste = hi, None
     for size in range(lo, hi + 1, step):
         waste = packing_waste(sizes, size)
-        # Waste is weighed against the chunk size: one empty slot in a large chunk costs
-        # the same bytes as in a small one, but the small chunk moves more often.
+        if waste <= max_waste * total:
+            return size
         if best_waste is None or waste < best_waste:
             best, best_waste = size, waste
     return best

@@ -86,10 +86,13 @@ class Engine:
         self._trace: Trace | None = None
         self._tracing: Trace | None = None
         self._interval_peak = 0
+        self._interval_ws = 0
+        self._pinned = 0
         self._peak = 0
         self._last_non_model_peak = 0
         self._last_peak = 0
         self._in_step = False
+        self._evicting = False
 
         self.counter = NonModelCounter(self._is_model_storage, self._on_non_model_change)
         self.chunks = self._build_chunks(model)
@@ -227,7 +230,7 @@ class Engine:
             self._place()
         return applied
 
-    def _place(self) -> None:
+    def _place(self, *, margin: bool = True) -> None:
         """Decide which chunks are resident (payload and optimizer state on the device).
 
         cuda: all of them. Otherwise `margin_ratio` of the margin (capacity minus the traced
@@ -239,7 +242,7 @@ class Engine:
             want = set(self.chunks)
         else:
             want = set()
-            if self._trace is not None and self.config.margin_ratio > 0:
+            if margin and self._trace is not None and self.config.margin_ratio > 0:
                 room = self.config.margin_ratio * max(
                     0, self.device.capacity() - self._trace.working_set)
                 for chunk in self.chunks:
@@ -275,15 +278,22 @@ class Engine:
         if self._in_step and self.device.simulated:
             over = self.manager.device_bytes + self.counter.current - self.device.capacity()
             if over > 0:
-                # A real device would fail the allocation; evict idle chunks first.
-                self.manager.make_room(0, self._pos, self._chunks_in_use())
+                # A real device would fail the allocation; evict idle chunks first, and
+                # sample only once they are gone.
+                self._evicting = True
+                try:
+                    self.manager.make_room(0, self._pos, self._chunks_in_use())
+                finally:
+                    self._evicting = False
         self._sample()
 
     def _sample(self) -> None:
-        if not hasattr(self, "manager"):
+        if self._evicting or not hasattr(self, "manager"):
             return
         non_model = self._non_model_now()
         self._interval_peak = max(self._interval_peak, non_model)
+        self._interval_ws = max(self._interval_ws,
+                                self._pinned + self.manager.grad_bytes + non_model)
         self._peak = max(self._peak, self.manager.device_bytes + non_model)
 
     def _chunks_in_use(self) -> tuple[Chunk, ...]:
@@ -292,16 +302,19 @@ class Engine:
     # --- hook callbacks --------------------------------------------------------------------
 
     def _point(self, key: int, phase: str) -> None:
+        """A module is about to run: close the trace interval and open the next."""
         self._pos += 1
+        chunks = self._module_chunks[key]
         if self._tracing is not None:
             points = self._tracing.points
             if points:
                 points[-1].non_model_peak = self._interval_peak
-            chunks = self._module_chunks[key]
-            live_grads = sum(c.nbytes for c in self.chunks if c.grad is not None)
-            points.append(TracePoint(tuple(c.index for c in chunks), phase,
-                                     sum(c.nbytes for c in chunks) + live_grads))
-        self._interval_peak = self._non_model_now()
+                points[-1].working_set = self._interval_ws
+            points.append(TracePoint(tuple(c.index for c in chunks), phase))
+        # Bytes no placement could evict until the next point: chunks in use or about to be.
+        self._pinned = sum(c.nbytes for c in self.chunks if c.in_use() or c in chunks)
+        self._interval_peak = self._interval_ws = 0
+        self._sample()
 
     def _pre_forward(self, key: int) -> None:
         if not self._in_step:
@@ -358,6 +371,8 @@ class Engine:
             self._tracing = Trace(shape)
             m.strict = False
             m.overrun = 0
+            if self.config.margin_ratio > 0 and m.policy != Policy.CUDA:
+                self._place(margin=False)  # a new shape may need that room for activations
         m.bytes_h2d = m.bytes_d2h = 0
         m.transfer_seconds = 0.0
         self._pos = -1
@@ -426,6 +441,7 @@ class Engine:
         trace, self._tracing = self._tracing, None
         if trace.points:
             trace.points[-1].non_model_peak = self._interval_peak
+            trace.points[-1].working_set = self._interval_ws
         trace.finish()
         overrun = self.manager.overrun
         self._trace = self.manager.trace = trace

@@ -31,6 +31,7 @@ class ChunkManager:
         self.on_change = on_change
         self.device_bytes = 0
         self.host_bytes = 0
+        self.grad_bytes = 0  # device gradient buffers alive now
         self.bytes_h2d = 0
         self.bytes_d2h = 0
         self.transfer_seconds = 0.0
@@ -168,6 +169,7 @@ class ChunkManager:
     def grad_buffer(self, chunk: Chunk, pos: int) -> torch.Tensor:
         if chunk.grad is None:
             self.make_room(chunk.nbytes, pos, (chunk,))
+            self.grad_bytes += chunk.nbytes
             chunk.grad = self._alloc("device", chunk.numel, chunk.dtype, zero=True)
         return chunk.grad
 
@@ -181,6 +183,7 @@ class ChunkManager:
         else:
             self._copy(chunk.payload, chunk.grad, "d2h")
             chunk.stale = chunk.on_device  # the device copy will be outdated by the update
+        self.grad_bytes -= chunk.nbytes
         self._free("device", chunk.grad)
         chunk.grad = None
         chunk.holds_grads = True

@@ -21,8 +21,8 @@ import torch
 class TracePoint:
     chunks: tuple[int, ...]  # chunks the module about to run needs
     phase: str  # "forward" | "backward"
-    model_bytes: int = 0  # bytes of `chunks` plus live gradient buffers at this point
     non_model_peak: int = 0  # peak non-model bytes from this point to the next
+    working_set: int = 0  # peak of pinned chunks + gradient buffers + non-model, same span
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Trace:
     @property
     def working_set(self) -> int:
         """Least device bytes any placement needs: in-use chunks + live grads + activations."""
-        return max((p.model_bytes + p.non_model_peak for p in self.points), default=0)
+        return max((p.working_set for p in self.points), default=0)
 
 
 class _Saved:

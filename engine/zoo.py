@@ -58,9 +58,12 @@ class UnknownModel(ValueError):
     """A model name that is neither in the zoo nor a folder on disk."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(
-            f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}, or a local model folder"
-        )
+        known = ", ".join(KNOWN_MODELS)
+        if any(mark in name for mark in ("/", os.sep, "~")) or name.startswith("."):
+            message = f"no model folder at {name!r}; zoo models: {known}"
+        else:
+            message = f"unknown model {name!r}; known: {known}, or a local model folder"
+        super().__init__(message)
 
 
 class BadCheckpoint(ValueError):

@@ -1,0 +1,175 @@
+"""Tokenizers: a model folder's own, or a byte-level BPE trained once per corpus and cached.
+
+The trained tokenizer reserves OPT's special tokens at OPT's ids (<s>=0, <pad>=1, </s>=2,
+<unk>=3), so the zoo configs' pad/bos/eos ids mean the same thing for it as for the
+published vocabulary: the embedding's padding row (id 1) is never a real token, and
+documents are separated by </s>, the id the configs name as end of sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+__all__ = [
+    "DEFAULT_VOCAB_SIZE",
+    "MIN_VOCAB_SIZE",
+    "SPECIAL_TOKENS",
+    "atomic_write",
+    "cache_dir",
+    "cached_tokenizer",
+    "folder_tokenizer",
+    "save_tokenizer",
+    "tokenizer_fingerprint",
+    "train_tokenizer",
+]
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")
+# Small enough to learn from a few MB of text in seconds, large enough that a token holds
+# ~3-4 bytes of source code; fits the tiny model's 8192-row embedding.
+DEFAULT_VOCAB_SIZE = 8000
+# Byte-level BPE needs one token per byte value before it can merge anything.
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+# BPE statistics settle long before this much text; more only makes the first run slower.
+TRAIN_CHAR_LIMIT = 64 * 1024 * 1024
+
+_FORMAT = "bpe-v1"  # bump when the trainer's settings change, so old caches are not reused
+
+
+def cache_dir() -> Path:
+    """Where trained tokenizers and tokenised corpora are kept.
+
+    `$TUITRAIN_CACHE` if set, else `$XDG_CACHE_HOME/tuitrain`, else `~/.cache/tuitrain`.
+    """
+    if override := os.environ.get("TUITRAIN_CACHE"):
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tuitrain"
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Call `write(tmp)` and move tmp onto `path`: readers see the old file or the whole new one.
+
+    Two processes filling the same cache entry at once both succeed; the last one wins.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _wrap(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="</s>",  # OPT starts and ends sequences with the same token
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+
+
+def _limited(texts: Iterable[str], limit: int) -> Iterator[str]:
+    seen = 0
+    for text in texts:
+        yield text[: limit - seen]
+        seen += len(text)
+        if seen >= limit:
+            return
+
+
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with at most `vocab_size` tokens learned from `texts`.
+
+    Byte-level means every string can be encoded, whatever its script, with no unknown
+    token; the first `TRAIN_CHAR_LIMIT` characters are enough to learn the merges.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"a byte-level BPE needs at least {MIN_VOCAB_SIZE} tokens, not {vocab_size}"
+        )
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_limited(texts, TRAIN_CHAR_LIMIT), trainer=trainer)
+    return _wrap(backend)
+
+
+def cached_tokenizer(
+    texts: Callable[[], Iterable[str]], *, identity: str, vocab_size: int
+) -> PreTrainedTokenizerFast:
+    """The BPE for a corpus, trained on the first call and read from the cache after.
+
+    Args:
+        texts: returns the corpus documents; only called when the cache has no entry.
+        identity: names the corpus (its files, sizes and modification times), so an edited
+            corpus gets a new tokenizer.
+        vocab_size: passed to `train_tokenizer`; part of the cache key.
+    """
+    key = hashlib.sha256(f"{_FORMAT}\n{vocab_size}\n{identity}".encode()).hexdigest()[:32]
+    path = cache_dir() / "tokenizers" / f"{key}.json"
+    if path.is_file():
+        try:
+            return _wrap(Tokenizer.from_file(str(path)))
+        except Exception as error:  # a cache entry from an incompatible tokenizers release
+            log.warning("ignoring unreadable cached tokenizer %s: %s", path, error)
+    log.info(
+        "training a %d-token byte-level BPE on the corpus (once; cached in %s)",
+        vocab_size,
+        path.parent,
+    )
+    tokenizer = train_tokenizer(texts(), vocab_size=vocab_size)
+    atomic_write(path, lambda tmp: tokenizer.backend_tokenizer.save(str(tmp)))
+    return tokenizer
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def folder_tokenizer(folder: str | os.PathLike) -> PreTrainedTokenizerBase | None:
+    """The tokenizer a model folder brings, or None when it has no tokenizer files.
+
+    Raises ValueError (one line) when the files are there but cannot be loaded.
+    """
+    folder = Path(folder)
+    if not folder.is_dir() or not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as error:  # transformers raises OSError, ValueError, or its own types
+        line = (str(error).strip() or type(error).__name__).splitlines()[0]
+        raise ValueError(f"cannot load the tokenizer in {folder}: {line}") from error
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A digest that changes whenever the tokenizer would encode text differently."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer):
+        text = backend.to_str()
+    else:
+        text = repr(sorted(tokenizer.get_vocab().items())) + type(tokenizer).__name__
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: str | os.PathLike) -> None:
+    """Write the tokenizer next to a checkpoint so `AutoTokenizer.from_pretrained` reads it."""
+    tokenizer.save_pretrained(str(directory))
