@@ -1,0 +1,95 @@
+"""The chunked AdamW beyond fp32: loss scaling, schedules, and resuming from state_dict."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import build, make_batches, max_relative_difference
+
+from engine import Engine, EngineConfig
+from engine.chunk import pack, packing_waste, search_chunk_size
+
+MODEL = build("opt", layers=4, hidden=64)
+
+
+def engine(**kw) -> Engine:
+    kw.setdefault("device_budget", "64MiB")
+    kw.setdefault("policy", "cpu")
+    return Engine(copy.deepcopy(MODEL), EngineConfig(**kw))
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale():
+    eng = engine(precision="fp16", initial_loss_scale=2.0**40)  # overflows fp16 for sure
+    before = eng.model_state_dict()
+    stats = eng.step(make_batches(1)[0])
+    assert stats.skipped and stats.loss_scale == 2.0**39
+    after = eng.model_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was updated
+    for _ in range(30):
+        stats = eng.step(make_batches(1)[0])
+        if not stats.skipped:
+            break
+    assert not stats.skipped and stats.loss_scale < 2.0**39
+
+
+def test_fp16_with_a_sane_scale_trains():
+    eng = engine(precision="fp16")
+    batch = make_batches(1)[0]
+    losses = [eng.step(batch).loss for _ in range(8)]
+    assert losses[-1] < losses[0]
+
+
+def test_state_dict_resumes_exactly():
+    batches = make_batches(6)
+    straight = engine(policy="auto")
+    losses = [straight.step(b).loss for b in batches]
+
+    first = engine(policy="auto")
+    for b in batches[:3]:
+        first.step(b)
+    state = first.state_dict()
+    resumed = engine(policy="cpu", margin_ratio=0.5)  # placement may differ on resume
+    resumed.load_state_dict(state)
+    later = [resumed.step(b) for b in batches[3:]]
+    assert [s.step for s in later] == [4, 5, 6]
+    assert [s.loss for s in later] == losses[3:]
+    assert max_relative_difference(resumed.model_state_dict(), straight.model_state_dict()) == 0
+
+
+def test_load_state_dict_names_what_is_missing():
+    eng = engine()
+    state = eng.state_dict()
+    del state["tensors"]["exp_avg/model.decoder.embed_tokens.weight"]
+    with pytest.raises(ValueError, match="exp_avg/"):
+        engine().load_state_dict(state)
+
+
+def test_learning_rate_schedule_warms_up_then_decays():
+    eng = engine(lr=1e-3, lr_schedule="cosine", warmup_steps=2, total_steps=6)
+    lrs = [eng.step(b).lr for b in make_batches(6)]
+    assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)
+    assert lrs[2] > lrs[3] > lrs[4] > lrs[5] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_packing_puts_an_oversized_parameter_in_its_own_chunk():
+    chunks = pack([10, 10, 1000, 10], chunk_size=64)
+    assert chunks == [[0, 1], [2], [3]]
+
+
+def test_searched_chunk_size_wastes_little_on_a_real_model():
+    sizes = [p.numel() for p in build("opt", layers=8, hidden=128).parameters()]
+    size = search_chunk_size(sizes)
+    assert packing_waste(sizes, size) <= 0.05 * sum(sizes)
+    assert size < sum(sizes) // 4  # small enough to offload piecewise
+
+
+def test_model_state_dict_loads_into_a_fresh_model():
+    eng = engine()
+    eng.step(make_batches(1)[0])
+    fresh = build("opt", layers=4, hidden=64, seed=5)
+    fresh.load_state_dict(eng.model_state_dict())
+    got = dict(fresh.named_parameters())
+    want = eng.model_state_dict()
+    assert all(torch.equal(got[k].detach(), want[k]) for k in got)
