@@ -9,10 +9,8 @@ corpus files' sizes and modification times, so a second run starts in moments.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import logging
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -26,11 +24,9 @@ from transformers import PreTrainedTokenizerBase
 from engine.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     MIN_VOCAB_SIZE,
-    atomic_write,
-    cache_dir,
     cached_tokenizer,
+    cached_tokens,
     folder_tokenizer,
-    tokenizer_fingerprint,
 )
 from engine.zoo import KNOWN_MODELS, model_config
 
@@ -46,8 +42,6 @@ __all__ = [
     "tokenize_corpus",
 ]
 
-log = logging.getLogger(__name__)
-
 # Files a folder corpus reads: prose and source code. Anything else in the folder (images,
 # archives, lock files) is skipped rather than decoded as garbage.
 TEXT_SUFFIXES = frozenset(
@@ -60,11 +54,7 @@ _STDLIB_SKIP = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 )
 _DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-# Documents are encoded in pieces of about this many characters (cut at line ends) so the
-# tokenizer can spread one large file over all cores.
-_PIECE_CHARS = 1 << 16
-_ENCODE_GROUP_CHARS = 1 << 23  # bounds the memory held by one encode_batch call
-_FORMAT = "tokens-v1"  # bump when reading or packing changes, so old caches are not reused
+_READER = "corpus-v1"  # part of every corpus identity: bump when reading changes
 
 
 class DataError(ValueError):
@@ -84,19 +74,23 @@ class Corpus:
     datasets_folder: Path | None = None  # set when the corpus was written by `datasets`
 
     def identity(self) -> str:
-        lines = [self.source, str(self.datasets_folder)]
+        lines = [_READER, self.source, str(self.datasets_folder)]
         for path in self.files:
             stat = path.stat()
             lines.append(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}")
         return "\n".join(lines)
 
     def documents(self) -> Iterator[str]:
-        """Every document, in a fixed order; empty documents are skipped."""
+        """Every document, in a fixed order; empty and missing ones are skipped."""
         if self.datasets_folder is not None:
             texts = _dataset_texts(self.datasets_folder)
         else:
             texts = (text for path in self.files for text in _file_texts(path))
-        return (text for text in texts if text)
+        for text in texts:
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"{self.source}: a text holds {type(text).__name__}, not text")
+            if text:
+                yield text
 
 
 def _read_text(path: Path) -> str:
@@ -107,20 +101,32 @@ def _read_text(path: Path) -> str:
         raise DataError(f"cannot read {path}: {error.strerror or error}") from error
 
 
+def _jsonl_texts(path: Path) -> Iterator[str]:
+    # Iterating the file splits at line ends only; str.splitlines would also split inside
+    # records at U+2028 and friends, which JSON allows unescaped.
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise DataError(f"{path}:{number}: not valid JSON ({error.msg})") from error
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise DataError(
+                        f'{path}:{number}: expected an object with a string "text" field'
+                    )
+                yield record["text"]
+    except OSError as error:
+        raise DataError(f"cannot read {path}: {error.strerror or error}") from error
+
+
 def _file_texts(path: Path) -> Iterator[str]:
-    if path.suffix.lower() != ".jsonl":
+    if path.suffix.lower() == ".jsonl":
+        yield from _jsonl_texts(path)
+    else:
         yield _read_text(path)
-        return
-    for number, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}: not valid JSON ({error.msg})") from error
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f'{path}:{number}: expected an object with a string "text" field')
-        yield record["text"]
 
 
 def _dataset_split(folder: Path) -> Path:
@@ -139,6 +145,16 @@ def _installed(package: str) -> bool:
 
 
 def _dataset_texts(folder: Path) -> Iterator[str]:
+    try:
+        yield from _read_dataset(folder)
+    except DataError:
+        raise
+    except Exception as error:  # datasets, pyarrow and json each raise their own types
+        line = (str(error).strip() or type(error).__name__).splitlines()[0]
+        raise DataError(f"cannot read the datasets folder {folder}: {line}") from error
+
+
+def _read_dataset(folder: Path) -> Iterator[str | None]:
     if _installed("datasets"):
         import datasets
 
@@ -149,7 +165,7 @@ def _dataset_texts(folder: Path) -> Iterator[str]:
             raise DataError(
                 f'{folder}: no "text" column (columns: {", ".join(dataset.column_names)})'
             )
-        for batch in dataset.iter(batch_size=1024):
+        for batch in dataset.select_columns(["text"]).iter(batch_size=1024):
             yield from batch["text"]
         return
     # Without `datasets`, read its Arrow stream files directly, in the order it lists them.
@@ -157,7 +173,7 @@ def _dataset_texts(folder: Path) -> Iterator[str]:
 
     split = _dataset_split(folder)
     state = json.loads((split / "state.json").read_text())
-    for entry in state.get("_data_files", []):
+    for entry in state["_data_files"]:
         with pa.memory_map(str(split / entry["filename"])) as source:
             for batch in pa.ipc.open_stream(source):
                 if "text" not in batch.schema.names:
@@ -225,77 +241,10 @@ def open_corpus(data_path: str | os.PathLike | None) -> Corpus:
     return Corpus(source=str(data_path), files=tuple(files))
 
 
-def _pieces(text: str) -> Iterator[str]:
-    """`text` cut after a newline roughly every `_PIECE_CHARS` characters."""
-    start = 0
-    while start < len(text):
-        end = start + _PIECE_CHARS
-        if end < len(text):
-            newline = text.rfind("\n", start, end)
-            end = newline + 1 if newline >= start else end
-        yield text[start:end]
-        start = end
-
-
-def _encode_pieces(tokenizer: PreTrainedTokenizerBase, pieces: list[str]) -> list[list[int]]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        # The fast variant skips character offsets, which packing never reads.
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        return [e.ids for e in encode(pieces, add_special_tokens=False)]
-    return tokenizer(pieces, add_special_tokens=False)["input_ids"]
-
-
-def _encode(corpus: Corpus, tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
-    """The whole corpus as one stream, each document followed by the end-of-sequence id."""
-    separator = tokenizer.eos_token_id
-    if separator is None:
-        separator = tokenizer.sep_token_id
-    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
-    parts: list[np.ndarray] = []
-    pieces: list[str] = []
-    ends: list[bool] = []  # whether each piece is the last of its document
-
-    def flush() -> None:
-        for ids, last in zip(_encode_pieces(tokenizer, pieces), ends, strict=True):
-            if last and separator is not None:
-                ids = [*ids, separator]
-            parts.append(np.asarray(ids, dtype=dtype))
-        pieces.clear()
-        ends.clear()
-
-    held = 0
-    for document in corpus.documents():
-        cut = list(_pieces(document))
-        pieces.extend(cut)
-        ends.extend([False] * (len(cut) - 1) + [True])
-        held += len(document)
-        if held >= _ENCODE_GROUP_CHARS:
-            flush()
-            held = 0
-    flush()
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
-
 def tokenize_corpus(corpus: Corpus, tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
-    """The corpus's token stream, read from the cache when this corpus and tokenizer met
-    before; a read-only memory map in that case."""
-    text = f"{_FORMAT}\n{tokenizer_fingerprint(tokenizer)}\n{corpus.identity()}"
-    path = cache_dir() / "tokens" / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.npy"
-    if path.is_file():
-        try:
-            return np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as error:
-            log.warning("ignoring unreadable token cache %s: %s", path, error)
-    log.info("tokenising %s (once; cached in %s)", corpus.source, path.parent)
-    tokens = _encode(corpus, tokenizer)
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            np.save(f, tokens)
-
-    atomic_write(path, write)
-    return tokens
+    """The corpus's token stream, each document ended by the end-of-sequence id; from the
+    cache (a read-only memory map) when this corpus met this tokenizer before."""
+    return cached_tokens(corpus.documents, identity=corpus.identity(), tokenizer=tokenizer)
 
 
 class TokenBatches:

@@ -1,4 +1,5 @@
-"""Tokenizers: a model folder's own, or a byte-level BPE trained once per corpus and cached.
+"""Text to token ids: a model folder's tokenizer or a byte-level BPE trained once per
+corpus, and the corpus's token stream; both cached under `cache_dir()`.
 
 The trained tokenizer reserves OPT's special tokens at OPT's ids (<s>=0, <pad>=1, </s>=2,
 <unk>=3), so the zoo configs' pad/bos/eos ids mean the same thing for it as for the
@@ -15,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -25,8 +27,11 @@ __all__ = [
     "atomic_write",
     "cache_dir",
     "cached_tokenizer",
+    "cached_tokens",
+    "encode_documents",
     "folder_tokenizer",
     "save_tokenizer",
+    "store_in_cache",
     "tokenizer_fingerprint",
     "train_tokenizer",
 ]
@@ -43,6 +48,11 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 TRAIN_CHAR_LIMIT = 64 * 1024 * 1024
 
 _FORMAT = "bpe-v1"  # bump when the trainer's settings change, so old caches are not reused
+# Documents are encoded in pieces of about this many characters (cut at line ends) so the
+# tokenizer can spread one large file over all cores.
+_PIECE_CHARS = 1 << 16
+_ENCODE_GROUP_CHARS = 1 << 23  # bounds the memory held by one encode_batch call
+_TOKENS_FORMAT = "tokens-v1"  # bump when encoding or packing changes
 
 
 def cache_dir() -> Path:
@@ -70,6 +80,14 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def store_in_cache(path: Path, write: Callable[[Path], None]) -> None:
+    """`atomic_write`, except that a cache that cannot be written only costs time later."""
+    try:
+        atomic_write(path, write)
+    except OSError as error:
+        log.warning("not cached (%s): %s", path, error)
 
 
 def _wrap(backend: Tokenizer) -> PreTrainedTokenizerFast:
@@ -138,7 +156,7 @@ def cached_tokenizer(
         path.parent,
     )
     tokenizer = train_tokenizer(texts(), vocab_size=vocab_size)
-    atomic_write(path, lambda tmp: tokenizer.backend_tokenizer.save(str(tmp)))
+    store_in_cache(path, lambda tmp: tokenizer.backend_tokenizer.save(str(tmp)))
     return tokenizer
 
 
@@ -173,3 +191,83 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: str | os.PathLike) -> None:
     """Write the tokenizer next to a checkpoint so `AutoTokenizer.from_pretrained` reads it."""
     tokenizer.save_pretrained(str(directory))
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text` cut after a newline roughly every `_PIECE_CHARS` characters."""
+    start = 0
+    while start < len(text):
+        end = start + _PIECE_CHARS
+        if end < len(text):
+            newline = text.rfind("\n", start, end)
+            end = newline + 1 if newline >= start else end
+        yield text[start:end]
+        start = end
+
+
+def _encode_pieces(tokenizer: PreTrainedTokenizerBase, pieces: list[str]) -> list[list[int]]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # The fast variant skips character offsets, which packing never reads.
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [e.ids for e in encode(pieces, add_special_tokens=False)]
+    return tokenizer(pieces, add_special_tokens=False)["input_ids"]
+
+
+def encode_documents(documents: Iterable[str], tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
+    """One token stream, each document followed by the end-of-sequence id."""
+    separator = tokenizer.eos_token_id
+    if separator is None:
+        separator = tokenizer.sep_token_id
+    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+    parts: list[np.ndarray] = []
+    pieces: list[str] = []
+    ends: list[bool] = []  # whether each piece is the last of its document
+
+    def flush() -> None:
+        for ids, last in zip(_encode_pieces(tokenizer, pieces), ends, strict=True):
+            if last and separator is not None:
+                ids = [*ids, separator]
+            parts.append(np.asarray(ids, dtype=dtype))
+        pieces.clear()
+        ends.clear()
+
+    held = 0
+    for document in documents:
+        cut = list(_pieces(document))
+        pieces.extend(cut)
+        ends.extend([False] * (len(cut) - 1) + [True])
+        held += len(document)
+        if held >= _ENCODE_GROUP_CHARS:
+            flush()
+            held = 0
+    flush()
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def cached_tokens(
+    documents: Callable[[], Iterable[str]], *, identity: str, tokenizer: PreTrainedTokenizerBase
+) -> np.ndarray:
+    """`encode_documents` once per corpus and tokenizer, then a read-only memory map of it.
+
+    Args:
+        documents: returns the corpus documents; only called when the cache has no entry.
+        identity: names the corpus, as for `cached_tokenizer`.
+        tokenizer: part of the key through `tokenizer_fingerprint`.
+    """
+    text = f"{_TOKENS_FORMAT}\n{tokenizer_fingerprint(tokenizer)}\n{identity}"
+    path = cache_dir() / "tokens" / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.npy"
+    if path.is_file():
+        try:
+            return np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as error:
+            log.warning("ignoring unreadable token cache %s: %s", path, error)
+    log.info("tokenising the corpus (once; cached in %s)", path.parent)
+    tokens = encode_documents(documents(), tokenizer)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, tokens)
+
+    store_in_cache(path, write)
+    return tokens
