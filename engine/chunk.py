@@ -2,9 +2,10 @@
 
 A chunk owns, for its parameters:
 - `payload`: the parameters in the compute dtype. Its home is the host, or the device when
-  the chunk is resident. After backward the home payload is reused for the gradients (the
-  parameters are regenerated from the fp32 master by the optimizer), which is how bf16
-  training fits in 14 bytes per parameter on the host.
+  the chunk is resident. In bf16/fp16, after backward the host payload is reused for the
+  gradients (the optimizer regenerates the parameters from the fp32 master), which is how
+  bf16 training fits in 14 bytes per parameter on the host. In fp32 the payload *is* the
+  master (one tensor, no copy after the update) and gradients land in `host_grad`.
 - `device_payload`: the device copy; parameters are views into it for the whole run and hold
   empty storage whenever it is released.
 - `master`, `exp_avg`, `exp_avg_sq`: fp32 AdamW state, on the host or (resident) the device.
@@ -111,6 +112,8 @@ class Chunk:
     payload: torch.Tensor | None = None  # home copy in the compute dtype (host unless resident)
     device_payload: torch.Tensor | None = None  # storage resized to 0 when not on the device
     grad: torch.Tensor | None = None  # device gradient buffer while backward fills it
+    host_grad: torch.Tensor | None = None  # fp32 only: where gradients land on the host
+    slot_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # resident: autograd's
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
@@ -121,6 +124,11 @@ class Chunk:
     grads_pending: int = 0  # parameters whose gradient has not arrived this backward
     holds_grads: bool = False  # the home payload holds gradients, not parameters
     extra: dict = field(default_factory=dict)
+
+    @property
+    def aliased(self) -> bool:
+        """The payload is the fp32 master itself."""
+        return self.dtype == torch.float32
 
     @property
     def itemsize(self) -> int:

@@ -141,8 +141,12 @@ class Engine:
             src = slot.param.detach().reshape(-1)
             chunk.master[slot.offset:slot.offset + slot.numel].copy_(src)
             slot.param.data = torch.empty(0, dtype=self.dtype, device=dev.torch_device)
-        chunk.payload = dev.host_empty(chunk.numel, self.dtype)
-        chunk.payload.copy_(chunk.master)
+        if chunk.aliased:
+            chunk.payload = chunk.master
+            chunk.host_grad = dev.host_empty(chunk.numel, torch.float32)
+        else:
+            chunk.payload = dev.host_empty(chunk.numel, self.dtype)
+            chunk.payload.copy_(chunk.master)
         chunk.exp_avg = dev.host_empty(chunk.numel, torch.float32).zero_()
         chunk.exp_avg_sq = dev.host_empty(chunk.numel, torch.float32).zero_()
         chunk.step = torch.zeros((), dtype=torch.float32)
@@ -151,8 +155,10 @@ class Engine:
         chunk.device_payload.untyped_storage().resize_(0)
 
     def _account_initial(self) -> None:
-        m = self.manager
-        m.host_bytes = sum(c.payload.nbytes + 3 * c.master.nbytes for c in self.chunks)
+        tensors = {id(t): t for c in self.chunks
+                   for t in (c.payload, c.master, c.exp_avg, c.exp_avg_sq, c.host_grad)
+                   if t is not None}
+        self.manager.host_bytes = sum(t.nbytes for t in tensors.values())
 
     def _move_buffers(self) -> None:
         dev = self.device.torch_device
@@ -344,15 +350,21 @@ class Engine:
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         chunk, slot = self._slot_of[id(param)]
-        buf = self.manager.grad_buffer(chunk, self._pos)
-        buf[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+        if chunk.resident:
+            self.manager.keep_slot_grad(chunk, chunk.slots.index(slot), param.grad, self._pos)
+        else:
+            buf = self.manager.grad_buffer(chunk, self._pos)
+            buf[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
         param.grad = None
         slot.got_grad = True
         if slot.state != S.HOLD_AFTER_BWD:
             chunk.set_state(slot, S.HOLD_AFTER_BWD)
         chunk.grads_pending -= 1
         if chunk.grads_pending == 0:
-            self.manager.finish_grads(chunk)
+            if chunk.resident:
+                chunk.holds_grads = True
+            else:
+                self.manager.finish_grads(chunk)
 
     def _outside_step(self, key: int) -> None:
         """A forward outside step() (evaluation, generation): fetch like the cpu policy."""
@@ -403,10 +415,13 @@ class Engine:
         finally:
             self._in_step = False
             m.strict = True
-        if self._tracing is not None:
+        traced = self._tracing is not None
+        if traced:
             self._end_trace()
         loss_value = float(loss.detach())
         skipped, grad_norm = self._optimizer_step()
+        if traced:
+            self._place()  # the margin needs the traced peak; grads are consumed by now
         t3 = time.perf_counter()
         return self._stats(loss_value, batch, t_start, (t0, t1, t2, t3), (x0, x1, x2),
                            skipped, grad_norm, applied)
@@ -414,7 +429,10 @@ class Engine:
     def _finish_backward(self) -> None:
         m = self.manager
         for chunk in self.chunks:
-            m.finish_grads(chunk)  # parameters that got no gradient leave none waiting
+            # Parameters that got no gradient leave no chunk waiting.
+            if chunk.slot_grads:
+                chunk.holds_grads = True
+            m.finish_grads(chunk)
             for slot in chunk.slots:
                 if slot.state in (S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
                     chunk.set_state(slot, S.HOLD)
@@ -424,8 +442,10 @@ class Engine:
         """Leave the engine consistent after a failed forward/backward: no grads, no copies."""
         for chunk in self.chunks:
             if chunk.grad is not None:
+                self.manager.grad_bytes -= chunk.nbytes
                 self.manager._free("device", chunk.grad)
                 chunk.grad = None
+            self.manager.drop_slot_grads(chunk)
             if chunk.holds_grads:
                 restore_params(chunk)
                 chunk.stale = chunk.on_device and not chunk.resident
@@ -447,14 +467,17 @@ class Engine:
         self._trace = self.manager.trace = trace
         if overrun > 0 or trace.working_set > self.device.capacity():
             for chunk in self.chunks:
-                if chunk.holds_grads:
-                    restore_params(chunk)
+                self._discard_grads(chunk)
             self._place()
             raise BudgetTooSmall(
                 f"device budget {format_size(self.device.capacity())} is below the minimum "
                 f"working set {format_size(trace.working_set)} for batch shape "
                 f"{tuple(trace.shape)} (chunks in use plus activations)")
-        self._place()  # the margin needs the traced peak
+
+    def _discard_grads(self, chunk: Chunk) -> None:
+        if chunk.holds_grads:
+            restore_params(chunk)
+        self.manager.drop_slot_grads(chunk)
 
     def _optimizer_step(self) -> tuple[bool, float | None]:
         cfg = self.config
@@ -465,7 +488,7 @@ class Engine:
             grad_norm = global_grad_norm(with_grads) * scale
             if not math.isfinite(grad_norm):
                 for chunk in with_grads:
-                    restore_params(chunk)
+                    self._discard_grads(chunk)
                 self.loss_scale /= 2.0
                 self._good_steps = 0
                 self.step_count += 1
@@ -477,6 +500,7 @@ class Engine:
         for chunk in with_grads:
             adamw_update(chunk, lr=lr, betas=cfg.betas, eps=cfg.eps,
                          weight_decay=cfg.weight_decay, grad_scale=scale)
+            self.manager.drop_slot_grads(chunk)
         if cfg.precision == "fp16":
             self._good_steps += 1
             if self._good_steps % LOSS_SCALE_GROWTH_INTERVAL == 0:
@@ -581,8 +605,9 @@ class Engine:
                         raise ValueError(f"{key}: {src.numel()} elements, expected {s.numel}")
                     getattr(c, kind)[sl].copy_(src)
                 c.step.fill_(float(tensors[f"step/{s.name}"].reshape(-1)[0]))
-            c.payload.copy_(c.master)
-            c.holds_grads = False
+            self._discard_grads(c)
+            if not c.aliased:
+                c.payload.copy_(c.master)
             c.stale = c.on_device and not c.resident
         self.manager.release_all()
         self.step_count = int(meta["step"])

@@ -173,20 +173,35 @@ class ChunkManager:
             chunk.grad = self._alloc("device", chunk.numel, chunk.dtype, zero=True)
         return chunk.grad
 
+    def grad_home(self, chunk: Chunk) -> torch.Tensor:
+        """Where a non-resident chunk's gradients land on the host."""
+        return chunk.host_grad if chunk.aliased else chunk.payload
+
     def finish_grads(self, chunk: Chunk) -> None:
-        """Every gradient of the chunk is in: move them into the home payload."""
+        """Every gradient of a non-resident chunk is in: move them to the host."""
         if chunk.grad is None:
             return
-        if chunk.resident:
-            # The device payload is the home; the parameters are rebuilt from the master.
-            chunk.device_payload.copy_(chunk.grad)
-        else:
-            self._copy(chunk.payload, chunk.grad, "d2h")
-            chunk.stale = chunk.on_device  # the device copy will be outdated by the update
+        self._copy(self.grad_home(chunk), chunk.grad, "d2h")
+        chunk.stale = chunk.on_device  # the device copy will be outdated by the update
         self.grad_bytes -= chunk.nbytes
         self._free("device", chunk.grad)
         chunk.grad = None
         chunk.holds_grads = True
+
+    def keep_slot_grad(self, chunk: Chunk, index: int, grad: torch.Tensor, pos: int) -> None:
+        """A resident chunk keeps autograd's gradient tensor as is: no buffer, no copy.
+
+        Its room was planned with the residency, but the auto policy may have filled it
+        with idle chunks since: those go first."""
+        self.make_room(grad.nbytes, pos, (chunk,))
+        chunk.slot_grads[index] = grad.reshape(-1)
+        self.device_bytes += grad.nbytes
+        self.on_change()
+
+    def drop_slot_grads(self, chunk: Chunk) -> None:
+        self.device_bytes -= sum(g.nbytes for g in chunk.slot_grads.values())
+        chunk.slot_grads.clear()
+        self.on_change()
 
     # --- residency (cuda policy and the margin) -----------------------------------------------
 
@@ -195,15 +210,21 @@ class ChunkManager:
         if chunk.resident == resident:
             return
         if resident:
+            fresh = chunk.on_device and not chunk.stale
             if not chunk.on_device:
                 self._storage_resize(chunk, True)
-                self._copy(chunk.device_payload, chunk.payload, "h2d")
-            elif chunk.stale:
+            if not fresh:
                 self._copy(chunk.device_payload, chunk.payload, "h2d")
             self._free("host", chunk.payload)
+            if chunk.aliased:
+                chunk.master = chunk.device_payload
+                self._free("host", chunk.host_grad)
+                chunk.host_grad = None
+            else:
+                chunk.master = self._move(chunk.master, "device")
             chunk.payload = chunk.device_payload
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                setattr(chunk, name, self._move(getattr(chunk, name), "device"))
+            chunk.exp_avg = self._move(chunk.exp_avg, "device")
+            chunk.exp_avg_sq = self._move(chunk.exp_avg_sq, "device")
             chunk.step = chunk.step.to(self.device.torch_device)
             chunk.stale = False
             chunk.resident = True
@@ -214,13 +235,19 @@ class ChunkManager:
             host = self._alloc("host", chunk.numel, chunk.dtype)
             self._copy(host, chunk.device_payload, "d2h")
             chunk.payload = host
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                setattr(chunk, name, self._move(getattr(chunk, name), "host"))
+            if chunk.aliased:
+                chunk.master = host
+                chunk.host_grad = self._alloc("host", chunk.numel, chunk.dtype)
+            else:
+                chunk.master = self._move(chunk.master, "host")
+            chunk.exp_avg = self._move(chunk.exp_avg, "host")
+            chunk.exp_avg_sq = self._move(chunk.exp_avg_sq, "host")
             chunk.step = chunk.step.cpu()
             chunk.resident = False
             self.release(chunk)
 
     def resident_cost(self, chunk: Chunk) -> int:
-        """Device bytes a chunk needs to be resident: payload, a gradient buffer, fp32 state."""
-        return 2 * chunk.nbytes + chunk.optim_nbytes
+        """Device bytes a chunk needs to be resident: payload, gradients, fp32 state."""
+        master_alias = chunk.numel * 4 if chunk.aliased else 0
+        return 2 * chunk.nbytes + chunk.optim_nbytes - master_alias
 
