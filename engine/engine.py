@@ -16,12 +16,14 @@ import time
 import psutil
 import torch
 
-from engine.chunk import Chunk, Slot, chunk_numel, layout
+from engine import weights
+from engine.chunk import Chunk
 from engine.config import EngineConfig, check_margin, format_size, parse_size
 from engine.device import ComputeDevice, make_device
 from engine.hooks import install, wrap_outputs
 from engine.manager import ChunkManager
 from engine.optim import adamw_update, global_grad_norm, restore_params
+from engine.packing import build_chunks, first_use_order  # noqa: F401 (re-exported)
 from engine.policy import Policy
 from engine.state import TensorState
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
@@ -34,39 +36,6 @@ LOSS_SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubl
 
 class BudgetTooSmall(ValueError):
     """The device budget cannot hold the minimum working set; says what it needs."""
-
-
-def first_use_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Unique parameters in the order a forward pass first touches them.
-
-    Found with a two-token forward under no_grad; registration order if the model cannot
-    run that way (it is the same for the usual decoder stacks).
-    """
-    order: list[torch.nn.Parameter] = []
-    seen: set[int] = set()
-
-    def note(module: torch.nn.Module, _args: object) -> None:
-        for p in module.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                order.append(p)
-
-    handles = [m.register_forward_pre_hook(note) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            device = next(model.parameters()).device
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
-    except Exception:
-        order.clear()
-        seen.clear()
-    finally:
-        for h in handles:
-            h.remove()
-    for p in model.parameters():  # parameters the dry run did not reach
-        if id(p) not in seen:
-            seen.add(id(p))
-            order.append(p)
-    return order
 
 
 class Engine:
@@ -114,45 +83,9 @@ class Engine:
     # --- construction --------------------------------------------------------------------
 
     def _build_chunks(self, model: torch.nn.Module) -> list[Chunk]:
-        names: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), name)
-        params = first_use_order(model)
-        sizes = [p.numel() for p in params]
-        self.chunk_size, groups = layout(sizes, self.config.chunk_size)
-        chunks = []
-        for index, members in enumerate(groups):
-            numel = chunk_numel(sizes, members)
-            slots, offset = [], 0
-            for i in members:
-                p = params[i]
-                slots.append(Slot(names[id(p)], p, offset, p.numel(), p.shape))
-                offset += chunk_numel(sizes, [i])
-            chunk = Chunk(index, numel, self.dtype, slots)
-            self._fill(chunk)
-            chunks.append(chunk)
+        self.chunk_size, chunks = build_chunks(model, dtype=self.dtype, device=self.device,
+                                               chunk_size=self.config.chunk_size)
         return chunks
-
-    def _fill(self, chunk: Chunk) -> None:
-        """Copy the chunk's parameters in, then free their original storage one by one."""
-        dev = self.device
-        chunk.master = dev.host_empty(chunk.numel, torch.float32).zero_()
-        for slot in chunk.slots:
-            src = slot.param.detach().reshape(-1)
-            chunk.master[slot.offset:slot.offset + slot.numel].copy_(src)
-            slot.param.data = torch.empty(0, dtype=self.dtype, device=dev.torch_device)
-        if chunk.aliased:
-            chunk.payload = chunk.master
-            chunk.host_grad = dev.host_empty(chunk.numel, torch.float32)
-        else:
-            chunk.payload = dev.host_empty(chunk.numel, self.dtype)
-            chunk.payload.copy_(chunk.master)
-        chunk.exp_avg = dev.host_empty(chunk.numel, torch.float32).zero_()
-        chunk.exp_avg_sq = dev.host_empty(chunk.numel, torch.float32).zero_()
-        chunk.step = torch.zeros((), dtype=torch.float32)
-        chunk.device_payload = dev.empty(chunk.numel, self.dtype)
-        chunk.bind_params()  # views first: a view cannot be made of empty storage
-        chunk.device_payload.untyped_storage().resize_(0)
 
     def _account_initial(self) -> None:
         tensors = {id(t): t for c in self.chunks
@@ -562,54 +495,27 @@ class Engine:
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision weights on the CPU under the model's own names (tied names too)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, value in self.model.state_dict(keep_vars=True).items():
-            hit = self._slot_of.get(id(value))
-            if hit is None:
-                out[name] = value.detach().cpu().clone()
-            else:
-                chunk, slot = hit
-                flat = chunk.master[slot.offset:slot.offset + slot.numel]
-                out[name] = flat.detach().cpu().clone().view(slot.shape)
-        return out
+        return weights.model_state_dict(self.model, self._slot_of)
 
     def state_dict(self) -> dict:
-        """Everything to resume exactly: fp32 master, moments and steps by parameter name,
-        the loss scale and the engine settings. Tensors are plain CPU tensors."""
-        tensors: dict[str, torch.Tensor] = {}
-        for c in self.chunks:
-            for s in c.slots:
-                sl = slice(s.offset, s.offset + s.numel)
-                tensors[f"master/{s.name}"] = c.master[sl].cpu().clone()
-                tensors[f"exp_avg/{s.name}"] = c.exp_avg[sl].cpu().clone()
-                tensors[f"exp_avg_sq/{s.name}"] = c.exp_avg_sq[sl].cpu().clone()
-                tensors[f"step/{s.name}"] = c.step.detach().cpu().clone().reshape(1)
+        """Everything to resume exactly: fp32 master, moments and step counts by parameter
+        name (plain CPU tensors, safetensors-ready), the loss scale and the settings."""
         meta = {"step": self.step_count, "loss_scale": self.loss_scale,
                 "good_steps": self._good_steps, "policy": self.manager.policy.value,
                 "margin_ratio": self.config.margin_ratio, "device_budget": self.device.budget,
                 "precision": self.config.precision}
-        return {"tensors": tensors, "meta": meta}
+        return {"tensors": weights.optimizer_tensors(self.chunks), "meta": meta}
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of state_dict(); raises ValueError naming what does not match."""
-        tensors, meta = state["tensors"], state["meta"]
+        weights.load_optimizer_tensors(self.chunks, state["tensors"])
         for c in self.chunks:
-            for s in c.slots:
-                sl = slice(s.offset, s.offset + s.numel)
-                for kind in ("master", "exp_avg", "exp_avg_sq"):
-                    key = f"{kind}/{s.name}"
-                    if key not in tensors:
-                        raise ValueError(f"state has no {key}")
-                    src = tensors[key].reshape(-1)
-                    if src.numel() != s.numel:
-                        raise ValueError(f"{key}: {src.numel()} elements, expected {s.numel}")
-                    getattr(c, kind)[sl].copy_(src)
-                c.step.fill_(float(tensors[f"step/{s.name}"].reshape(-1)[0]))
             self._discard_grads(c)
             if not c.aliased:
                 c.payload.copy_(c.master)
             c.stale = c.on_device and not c.resident
         self.manager.release_all()
+        meta = state["meta"]
         self.step_count = int(meta["step"])
         self.loss_scale = float(meta.get("loss_scale", self.loss_scale))
         self._good_steps = int(meta.get("good_steps", 0))
