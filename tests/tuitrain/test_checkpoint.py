@@ -1,0 +1,147 @@
+"""Checkpoints: written atomically, loaded whole or not at all, and resumed exactly."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import Engine, EngineConfig
+from engine.data import TokenBatches
+from engine.zoo import build_model
+from tuitrain import checkpoint
+from tuitrain.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from tuitrain.settings import Settings
+
+TOKENS = np.random.default_rng(0).integers(0, 1000, 20_000).astype(np.int64)
+
+
+class Run:
+    """A tiny fp32 training run: the pieces the worker hands to the checkpoint functions."""
+
+    def __init__(self, tmp_path, **checkpoint_settings) -> None:
+        self.settings = Settings(model="tiny", checkpoint={"dir": str(tmp_path / "ck"),
+                                                           **checkpoint_settings})
+        torch.manual_seed(0)
+        self.model = build_model("tiny", seed=0)
+        self.engine = Engine(self.model, EngineConfig(policy="auto", device_budget="64MiB",
+                                                      precision="fp32"))
+        self.data = TokenBatches(TOKENS, batch_size=2, seq_len=16, seed=0)
+        self.batches = iter(self.data)
+
+    def steps(self, n: int) -> list[float]:
+        return [self.engine.step(next(self.batches)).loss for _ in range(n)]
+
+    def save(self) -> object:
+        return save_checkpoint(self.engine, self.model, self.data, self.settings,
+                               self.engine.step_count)
+
+
+def test_resume_gives_the_same_losses_as_the_uninterrupted_run(tmp_path):
+    straight = Run(tmp_path)
+    losses = straight.steps(10)
+
+    first = Run(tmp_path)
+    first.steps(5)
+    folder = first.save()
+    assert folder.name == "step-000005"
+
+    resumed = Run(tmp_path, resume=str(tmp_path / "ck"))  # the newest checkpoint in DIR
+    assert load_checkpoint(resumed.engine, resumed.model, resumed.data, resumed.settings) == 5
+    assert resumed.steps(5) == losses[5:]
+    assert resumed.engine.step_count == 10
+
+
+def test_the_model_folder_loads_with_transformers(tmp_path):
+    run = Run(tmp_path)
+    run.steps(2)
+    folder = run.save()
+    loaded = AutoModelForCausalLM.from_pretrained(folder / "model", local_files_only=True)
+    want = run.engine.model_state_dict()
+    got = loaded.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    names = {p.name for p in (folder / "model").iterdir()}
+    assert {"config.json", "model.safetensors"} <= names
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_and_nothing_to_resume(
+        tmp_path, monkeypatch):
+    run = Run(tmp_path)
+    run.steps(2)
+    good = run.save()
+    run.steps(1)
+
+    def crash(*_args, **_kw):
+        raise KeyboardInterrupt  # the process dies half-way through the optimizer state
+
+    monkeypatch.setattr(checkpoint, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        run.save()
+    root = tmp_path / "ck"
+    assert sorted(p.name for p in root.iterdir()) == [good.name]  # no half checkpoint
+    assert find_checkpoint(root) == good
+
+
+def test_a_full_disk_fails_cleanly_and_training_goes_on(tmp_path, monkeypatch):
+    run = Run(tmp_path)
+    run.steps(1)
+
+    def full(*_args, **_kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(OSError, match="No space left"):
+        run.save()
+    assert not any((tmp_path / "ck").iterdir())
+    assert len(run.steps(2)) == 2  # the engine is untouched and trains on
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "no-manifest"])
+def test_a_damaged_checkpoint_is_refused_and_nothing_is_loaded(tmp_path, damage):
+    run = Run(tmp_path)
+    run.steps(3)
+    folder = run.save()
+    target = folder / "optimizer.safetensors"
+    if damage == "missing":
+        target.unlink()
+    elif damage == "corrupt":
+        data = bytearray(target.read_bytes())
+        data[-10] ^= 0xFF
+        target.write_bytes(bytes(data))
+    else:
+        (folder / "manifest.json").unlink()
+
+    fresh = Run(tmp_path, resume=str(folder))
+    before = fresh.engine.model_state_dict()
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(fresh.engine, fresh.model, fresh.data, fresh.settings)
+    assert str(folder) in str(err.value)
+    after = fresh.engine.model_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert fresh.engine.step_count == 0
+
+
+def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
+    run = Run(tmp_path)
+    run.steps(2)
+    run.save()
+    run.steps(2)
+    newest = run.save()
+    (tmp_path / "ck" / "step-000009").mkdir()  # a folder with no manifest is not complete
+    assert find_checkpoint(tmp_path / "ck") == newest
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        find_checkpoint(tmp_path / "nowhere")
+
+
+def test_checkpoints_hold_no_pickles(tmp_path):
+    run = Run(tmp_path)
+    run.steps(1)
+    folder = run.save()
+    suffixes = {p.suffix for p in folder.rglob("*") if p.is_file()}
+    assert suffixes <= {".json", ".safetensors", ".txt", ".model", ""}
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert "optimizer.safetensors" in manifest["files"]

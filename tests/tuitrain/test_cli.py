@@ -1,0 +1,418 @@
+"""The `tuitrain` command: what a user types, what they see, and what status they get back.
+
+Mistakes are one line on stderr with status 2 and no traceback, found before anything heavy
+starts. A few cases run the real console script and `python -m tuitrain` in a subprocess; the
+rest call main(argv) in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.telemetry import MemorySnapshot, StepStats
+from engine.zoo import KNOWN_MODELS
+from tuitrain import __version__
+from tuitrain.cli import RUN_FLAGS, build_parser, main, measure_metrics, resolve_settings
+from tuitrain.presets import SHIPPED_DIR, load_preset
+from tuitrain.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(sys.executable).parent / "tuitrain"
+SHIPPED = ["cpu-only", "desktop-24gb", "laptop-6gb", "v100-32gb"]
+
+
+def one_error_line(err: str) -> str:
+    """The single stderr line of a refused command (and proof that it is the only one)."""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("tuitrain: error: ")
+    return lines[0]
+
+
+def refused(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return one_error_line(captured.err)
+
+
+def write(folder: Path, text: str, name: str = "p.yaml") -> Path:
+    path = folder / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# --- the real command in a subprocess ----------------------------------------------------
+
+
+def run_cli(args: list[str], cwd: Path, *, module: bool = False) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "tuitrain", *args] if module else [str(SCRIPT), *args]
+    return subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=240
+    )
+
+
+def test_console_script_unknown_model_lists_the_known_ones(tmp_path):
+    done = run_cli(["run", "opt-7b", "--headless"], tmp_path)
+    assert done.returncode == 2
+    line = one_error_line(done.stderr)
+    assert "unknown model 'opt-7b'" in line
+    assert all(name in line for name in KNOWN_MODELS)
+
+
+def test_python_m_margin_out_of_range(tmp_path):
+    done = run_cli(["run", "tiny", "--headless", "--margin", "1.5"], tmp_path, module=True)
+    assert done.returncode == 2
+    assert one_error_line(done.stderr) == (
+        "tuitrain: error: --margin: must be within 0..1 (got 1.5)"
+    )
+
+
+def test_console_script_malformed_preset_names_the_file_and_line(tmp_path):
+    preset = write(tmp_path, "version: 1\nengine:\n  policy: [cpu\n")
+    done = run_cli(["run", "tiny", "--preset", str(preset), "--headless"], tmp_path)
+    assert done.returncode == 2
+    line = one_error_line(done.stderr)
+    assert str(preset) in line
+    assert "malformed YAML" in line
+
+
+def test_console_script_version_and_help_are_quick_and_complete(tmp_path):
+    done = run_cli(["--version"], tmp_path)
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"tuitrain {__version__}"
+    done = run_cli(["run", "--help"], tmp_path, module=True)
+    assert done.returncode == 0
+    for flag in [*RUN_FLAGS, "--preset", "--headless", "--save-preset", "--force"]:
+        assert flag in done.stdout
+
+
+def test_a_usage_error_from_argparse_is_usage_plus_one_line(tmp_path):
+    done = run_cli(["run", "tiny", "--stepz", "3"], tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("usage: tuitrain")
+    assert "unrecognized arguments: --stepz" in lines[-1]
+    assert "Traceback" not in done.stderr
+
+
+# --- bad input, in process ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--steps", "0"], "tuitrain: error: --steps: must be greater than 0 (got 0)"),
+        (
+            ["--device-mem", "6 gigs"],
+            "tuitrain: error: --device-mem: not a size: '6 gigs' (use bytes or e.g. 6GiB, 512MiB)",
+        ),
+        (["--margin", "-0.1"], "tuitrain: error: --margin: must be within 0..1 (got -0.1)"),
+        (
+            ["--policy", "gpu"],
+            "tuitrain: error: --policy: must be 'cuda', 'cpu' or 'auto' (got 'gpu')",
+        ),
+        (
+            ["--precision", "fp8"],
+            "tuitrain: error: --precision: must be 'fp32', 'bf16' or 'fp16' (got 'fp8')",
+        ),
+        (
+            ["--batch-size", "two"],
+            "tuitrain: error: --batch-size: must be a whole number (got 'two')",
+        ),
+        (["--lr", "0"], "tuitrain: error: --lr: must be greater than 0.0 (got 0)"),
+        (
+            ["--checkpoint-every", "10"],
+            "tuitrain: error: --checkpoint-every needs --checkpoint-dir",
+        ),
+    ],
+)
+def test_each_bad_flag_is_one_line_naming_the_flag(capsys, args, expected):
+    assert refused(capsys, ["run", "tiny", "--headless", *args]) == expected
+
+
+def test_a_missing_data_path(capsys, tmp_path):
+    missing = tmp_path / "corpus.txt"
+    line = refused(capsys, ["run", "tiny", "--headless", "--data", str(missing)])
+    assert line == f"tuitrain: error: data path not found: {missing}"
+
+
+def test_unknown_model_in_process(capsys):
+    line = refused(capsys, ["run", "gpt-5", "--headless"])
+    assert "unknown model 'gpt-5'" in line
+    assert "opt-1.3b" in line
+
+
+def test_a_folder_that_is_not_a_model(capsys, tmp_path):
+    line = refused(capsys, ["run", str(tmp_path), "--headless"])
+    assert str(tmp_path) in line
+    assert "config.json" in line
+
+
+def test_a_sequence_longer_than_the_model_takes(capsys):
+    line = refused(capsys, ["run", "tiny", "--headless", "--seq-len", "4096"])
+    assert "4096" in line
+    assert "512" in line
+
+
+def test_a_missing_checkpoint_to_resume(capsys, tmp_path):
+    line = refused(capsys, ["run", "tiny", "--headless", "--resume", str(tmp_path / "ck")])
+    assert "resume" in line
+    assert str(tmp_path / "ck") in line
+
+
+def test_a_metrics_file_in_a_missing_folder(capsys, tmp_path):
+    line = refused(capsys, ["run", "tiny", "--headless", "--metrics", str(tmp_path / "a/m.jsonl")])
+    assert str(tmp_path / "a") in line
+
+
+def test_no_model_and_no_preset_naming_one(capsys, tmp_path):
+    assert "no model given" in refused(capsys, ["run", "--headless"])
+    preset = write(tmp_path, "version: 1\nengine:\n  policy: cpu\n")
+    assert "no model given" in refused(capsys, ["run", "--preset", str(preset), "--headless"])
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("version: 1\nengine:\n  polcy: cpu\n", ["engine.polcy", "unknown key"]),
+        ("version: 1\ntraining:\n  steps: lots\n", ["training.steps", "whole number"]),
+        ("version: 1\nengine:\n  policy: [cpu\n", ["malformed YAML", "line"]),
+        ("version: 2\nmodel: tiny\n", ["version", "unsupported preset version 2"]),
+        ("version: 1\nengine:\n  margin_ratio: 1.5\n", ["engine.margin_ratio", "0..1", "1.5"]),
+        ("- just\n- a list\n", ["expected a mapping"]),
+    ],
+)
+def test_each_bad_preset_is_one_line_naming_file_and_key(capsys, tmp_path, text, needles):
+    preset = write(tmp_path, text)
+    line = refused(capsys, ["run", "tiny", "--preset", str(preset), "--headless"])
+    assert str(preset) in line
+    for needle in needles:
+        assert needle in line
+
+
+def test_a_missing_preset_lists_the_shipped_ones(capsys):
+    line = refused(capsys, ["run", "tiny", "--preset", "gaming-rig", "--headless"])
+    assert "gaming-rig" in line
+    assert all(name in line for name in SHIPPED)
+
+
+def test_the_app_needs_a_terminal(capsys):
+    # Under pytest stdout is captured, so it is not a terminal, as in a pipe or a cron job.
+    line = refused(capsys, ["run", "tiny"])
+    assert "terminal" in line
+    assert "--headless" in line
+
+
+def test_save_preset_is_for_headless_runs(capsys, tmp_path):
+    line = refused(capsys, ["run", "tiny", "--save-preset", str(tmp_path / "p.yaml")])
+    assert "--headless" in line
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_save_preset_never_replaces_a_file_without_force(capsys, tmp_path):
+    mine = write(tmp_path, "# found by hand\nversion: 1\n", "mine.yaml")
+    line = refused(capsys, ["run", "tiny", "--headless", "--save-preset", str(mine)])
+    assert "--force" in line
+    assert mine.read_text() == "# found by hand\nversion: 1\n"
+
+
+def test_plan_checks_its_input_before_planning(capsys):
+    line = refused(capsys, ["plan", "opt-1.3b", "--device-mem", "six"])
+    assert line.startswith("tuitrain: error: --device-mem: not a size")
+    line = refused(capsys, ["plan", "opt-1.3b", "--host-mem=-1GiB"])
+    assert line.startswith("tuitrain: error: --host-mem: not a size")
+    line = refused(capsys, ["plan", "opt-1.3b", "--precision", "fp4"])
+    assert line.startswith("tuitrain: error: --precision:")
+    assert "unknown model 'opt-9b'" in refused(capsys, ["plan", "opt-9b"])
+
+
+# --- settings: defaults < preset < flags -------------------------------------------------
+
+
+def parsed(argv: list[str]):
+    return resolve_settings(build_parser().parse_args(argv))
+
+
+def test_flags_override_the_preset_which_overrides_the_defaults(tmp_path):
+    preset = write(
+        tmp_path,
+        "version: 1\nmodel: opt-350m\nengine:\n  policy: cpu\n  margin_ratio: 0.3\n"
+        "training:\n  steps: 7\n  lr: 0.01\n",
+    )
+    settings = parsed(["run", "tiny", "--preset", str(preset), "--steps", "3", "--margin", "0.6"])
+    defaults = Settings()
+    assert settings.model == "tiny"  # flag (MODEL) over preset
+    assert settings.training.steps == 3  # flag over preset
+    assert settings.engine.margin_ratio == 0.6  # flag over preset
+    assert settings.engine.policy == "cpu"  # preset over default
+    assert settings.training.lr == 0.01  # preset over default
+    assert settings.training.batch_size == defaults.training.batch_size  # default
+    assert settings.engine.precision == defaults.engine.precision  # default
+
+
+def test_the_preset_model_is_used_when_no_model_is_given(tmp_path):
+    preset = write(tmp_path, "version: 1\nmodel: opt-350m\n")
+    assert parsed(["run", "--preset", str(preset)]).model == "opt-350m"
+
+
+def test_a_shipped_preset_by_name():
+    assert parsed(["run", "--preset", "laptop-6gb"]).engine.device_budget == "5.5GiB"
+
+
+def test_every_flag_reaches_its_setting(tmp_path):
+    data = write(tmp_path, "some text", "corpus.txt")
+    settings = parsed(
+        [
+            "run", "tiny", "--policy", "cpu", "--margin", "0.25", "--device-mem", "512MiB",
+            "--precision", "fp16", "--steps", "9", "--batch-size", "3", "--seq-len", "64",
+            "--lr", "1e-4", "--seed", "5", "--checkpointing", "--data", str(data),
+            "--metrics", "m.jsonl", "--checkpoint-dir", "ck", "--checkpoint-every", "4",
+            "--resume", "old",
+        ]
+    )  # fmt: skip
+    assert settings.engine.model_dump() == {
+        "policy": "cpu", "margin_ratio": 0.25, "device_budget": "512MiB",
+        "precision": "fp16", "chunk_size": None,
+    }  # fmt: skip
+    t = settings.training
+    assert (t.steps, t.batch_size, t.seq_len, t.lr, t.seed) == (9, 3, 64, 1e-4, 5)
+    assert t.activation_checkpointing is True
+    assert settings.data.path == str(data)
+    assert settings.logging.metrics == "m.jsonl"
+    assert settings.checkpoint.model_dump() == {"dir": "ck", "every": 4, "resume": "old"}
+
+
+def test_no_checkpointing_turns_off_what_a_preset_turned_on():
+    assert parsed(["run", "--preset", "laptop-6gb"]).training.activation_checkpointing
+    off = parsed(["run", "--preset", "laptop-6gb", "--no-checkpointing"])
+    assert off.training.activation_checkpointing is False
+
+
+def test_help_states_the_real_built_in_defaults():
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    defaults = Settings().model_dump()
+    checked = 0
+    for action in run._actions:
+        flag = next((o for o in action.option_strings if o in RUN_FLAGS), None)
+        shown = re.search(r"\(default (\S+)\)", action.help or "")
+        if flag is None or shown is None:
+            continue
+        section, key = RUN_FLAGS[flag].split(".")
+        assert yaml.safe_load(shown.group(1)) == defaults[section][key], flag
+        checked += 1
+    assert checked >= 8
+
+
+# --- listing -----------------------------------------------------------------------------
+
+
+def test_models_lists_the_zoo_with_sizes(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    for name in KNOWN_MODELS:
+        assert name in rows
+    assert rows["opt-1.3b"][1:] == ["1.3B", "1,315,758,080", "24", "2048"]
+    assert rows["opt-125m"][1:] == ["125M", "125,239,296", "12", "768"]
+    assert out.splitlines()[0].split() == ["MODEL", "SIZE", "PARAMETERS", "LAYERS", "HIDDEN"]
+
+
+def test_presets_lists_the_four_shipped_presets_with_their_description(capsys):
+    assert main(["presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == SHIPPED
+    laptop = next(line for line in lines if line.startswith("laptop-6gb"))
+    first_comment = (SHIPPED_DIR / "laptop-6gb.yaml").read_text().splitlines()[0]
+    assert laptop.split(None, 1)[1] == first_comment.lstrip("# ")
+
+
+def test_presets_show_prints_the_file(capsys):
+    assert main(["presets", "show", "v100-32gb"]) == 0
+    assert capsys.readouterr().out == (SHIPPED_DIR / "v100-32gb.yaml").read_text()
+    line = refused(capsys, ["presets", "show", "nope"])
+    assert "nope" in line
+
+
+# --- measurements for a saved preset -----------------------------------------------------
+
+
+def stats_line(step: int, *, seconds: float, peak: int, tokens: int = 256) -> str:
+    memory = MemorySnapshot(
+        device_capacity=1 << 30, device_model=0, device_non_model_peak=0, device_peak=peak,
+        host_model=0, process_rss=0,
+    )  # fmt: skip
+    stats = StepStats(
+        step=step, loss=1.0, tokens=tokens, seconds=seconds, forward=0.0, backward=0.0,
+        optimizer=0.0, transfer=0.0, bytes_h2d=0, bytes_d2h=0, policy="auto",
+        margin_ratio=0.0, device_budget=1 << 30, memory=memory,
+    )  # fmt: skip
+    return json.dumps(asdict(stats))
+
+
+def test_measure_metrics_reads_the_latest_run_and_skips_the_warm_up_step(tmp_path):
+    path = tmp_path / "m.jsonl"
+    lines = [
+        json.dumps({"settings": {"model": "tiny"}}),
+        stats_line(1, seconds=9.0, peak=999 << 20),  # an earlier run appended before
+        json.dumps({"settings": {"model": "tiny"}}),
+        stats_line(1, seconds=5.0, peak=10 << 20),  # warm-up: traced, slow
+        stats_line(2, seconds=1.0, peak=12 << 20),
+        stats_line(3, seconds=3.0, peak=11 << 20),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    assert measure_metrics(path) == {
+        "device_peak": 12 << 20,
+        "step_seconds": 2.0,
+        "tokens_per_second": 128.0,
+        "step": 3,
+    }
+    path.write_text(json.dumps({"settings": {}}) + "\n")
+    assert measure_metrics(path) is None
+
+
+# --- real runs (the worker, the engine and the tiny model) -------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_shipped_preset_runs_a_step_of_tiny(capsys, tmp_path, name):
+    argv = ["run", "tiny", "--preset", f"{REPO}/presets/{name}.yaml", "--headless", "--steps",
+            "1", "--device-mem", "256MiB"]  # fmt: skip
+    saved = tmp_path / "found.yaml"
+    metrics = tmp_path / "m.jsonl"
+    if name == "cpu-only":  # one of the runs also saves what it used and measured
+        argv += ["--metrics", str(metrics), "--save-preset", str(saved)]
+    status = main(argv)
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "Traceback" not in captured.err
+    if name == "cpu-only":
+        assert f"preset saved to {saved}" in captured.out
+        used = parsed(argv)
+        assert load_preset(saved) == used
+        header = [line for line in saved.read_text().splitlines() if line.startswith("#")]
+        assert f"# reproduce: tuitrain run --preset {saved} --headless" in header
+        assert any(line.startswith("# measured at step 1: device peak ") for line in header)
+
+
+@pytest.mark.slow
+def test_a_run_refused_by_the_engine_saves_no_preset_and_says_one_line(capsys, tmp_path):
+    saved = tmp_path / "p.yaml"
+    # 1 KiB cannot hold the working set of even the tiny model: the engine refuses it.
+    argv = ["run", "tiny", "--headless", "--steps", "1", "--device-mem", "1KiB", "--save-preset",
+            str(saved)]  # fmt: skip
+    assert main(argv) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "minimum" in line
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,5 @@
+"""`python -m tuitrain`: the same command as the `tuitrain` console script."""
+
+from tuitrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""Checkpoints: atomic save, complete-or-nothing load, exact resume.
+
+A checkpoint is a folder `DIR/step-NNNNNN/`:
+
+    model/                 a Hugging Face model folder (config + safetensors + tokenizer):
+                           `AutoModelForCausalLM.from_pretrained` loads it as is
+    optimizer.safetensors  fp32 master weights, AdamW moments and step counts by name
+    state.json             engine and training settings, data position, step, loss scale
+    rng.safetensors        the random number generator states
+    manifest.json          every file above with its size and SHA-256; written last
+
+It is written to a hidden temporary folder beside it, synced, then renamed into place, so a
+crash mid-write leaves the previous checkpoint intact and nothing `--resume` would pick.
+Loading reads safetensors and JSON only: nothing is unpickled, no code runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = 1
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says which file and why."""
+
+
+def step_folder(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step-{step:06d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Files first, then their folders, deepest first: all on disk before the rename."""
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        _fsync(path)
+    _fsync(folder)
+
+
+def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: Any,
+                    step: int) -> Path:
+    """Write the checkpoint after `step` under `settings.checkpoint.dir`; returns its folder.
+
+    On any failure (a full disk, say) the temporary folder is removed and the error raised;
+    checkpoints already there are untouched, and training can go on.
+    """
+    root = Path(settings.checkpoint.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = step_folder(root, step)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        _write(tmp, engine, model, data, settings, step)
+        _fsync_tree(tmp)
+        if final.exists():  # saving the same step again: replace it whole
+            old = root / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _write(folder: Path, engine: Any, model: torch.nn.Module, data: Any, settings: Any,
+           step: int) -> None:
+    model_dir = folder / "model"
+    model.save_pretrained(model_dir, state_dict=engine.model_state_dict(),
+                          safe_serialization=True)
+    tokenizer = getattr(data, "tokenizer", None)
+    if tokenizer is not None:
+        from engine.tokenizer import save_tokenizer
+
+        save_tokenizer(tokenizer, model_dir)
+    state = engine.state_dict()
+    save_file(state["tensors"], folder / "optimizer.safetensors")
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(rng, folder / "rng.safetensors")
+    record = {"format": FORMAT, "step": step, "engine": state["meta"],
+              "settings": settings.model_dump(),
+              "data": data.state_dict() if hasattr(data, "state_dict") else None}
+    (folder / "state.json").write_text(json.dumps(record, indent=2))
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                for p in files}
+    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": manifest}, indent=2))
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The step folder `path` names, or the newest complete one inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}")
+    if (path / MANIFEST).exists() or STEP_DIR.match(path.name):
+        return path
+    steps = sorted((int(m.group(1)), p) for p in path.iterdir()
+                   if p.is_dir() and (m := STEP_DIR.match(p.name)) and (p / MANIFEST).exists())
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint (step-NNNNNN with {MANIFEST}) in {path}")
+    return steps[-1][1]
+
+
+def verify(folder: Path) -> dict:
+    """Check every file against the manifest before anything is loaded; returns state.json."""
+    manifest_path = folder / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} is incomplete: {MANIFEST} is missing") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest_path} is unreadable: {err}") from None
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{folder} is incomplete: {name} is missing")
+        if path.stat().st_size != want["bytes"] or _sha256(path) != want["sha256"]:
+            raise CheckpointError(f"{path} is corrupt (size or checksum differs from the "
+                                  f"manifest)")
+    try:
+        state = json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{folder / 'state.json'} is unreadable: {err}") from None
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{folder} has format {state.get('format')!r}; "
+                              f"this version reads {FORMAT}")
+    return state
+
+
+def load_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: Any) -> int:
+    """Restore engine, data position and RNG from `settings.checkpoint.resume`.
+
+    Everything is verified first, so a bad checkpoint is refused whole, never half-loaded.
+    Returns the step the checkpoint was saved after; the run continues from the next.
+    """
+    folder = find_checkpoint(settings.checkpoint.resume)
+    state = verify(folder)
+    try:
+        tensors = load_file(folder / "optimizer.safetensors")
+        rng = load_file(folder / "rng.safetensors")
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{folder}: unreadable tensors: {err}") from None
+    engine.load_state_dict({"tensors": tensors, "meta": state["engine"]})
+    if state.get("data") is not None and hasattr(data, "load_state_dict"):
+        data.load_state_dict(state["data"])
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([rng[k] for k in sorted(rng) if k.startswith("cuda")])
+    return int(state["step"])
