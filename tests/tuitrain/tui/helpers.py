@@ -1,0 +1,29 @@
+"""Shared by the TUI tests: an app on a FakeWorker, and a way to let its events land."""
+
+from __future__ import annotations
+
+from textual.pilot import Pilot
+
+from tuitrain.events import Event
+from tuitrain.fakeworker import FakeWorker
+from tuitrain.settings import Settings
+from tuitrain.tui.app import TuitrainApp
+
+SIZE = (120, 40)
+
+
+def make_app(
+    script: list[Event], *, settings: Settings | None = None, steps_per_poll: int = 10_000
+) -> tuple[TuitrainApp, FakeWorker]:
+    """An app whose worker plays `script`; by default one poll delivers all of it."""
+    fake = FakeWorker(script, steps_per_poll=steps_per_poll)
+    settings = settings or Settings(model="opt-125m")
+    return TuitrainApp(settings, worker_factory=lambda _: fake), fake
+
+
+async def settle(app: TuitrainApp, pilot: Pilot) -> None:
+    """Drain the worker and redraw now, instead of waiting for the app's timers."""
+    await pilot.pause()
+    app.poll_worker()
+    app.redraw()
+    await pilot.pause()

@@ -1,0 +1,372 @@
+"""The terminal app on a scripted worker: keys send commands, events reach every panel."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tuitrain.events import (
+    Checkpoint,
+    Failed,
+    Log,
+    Pause,
+    Resume,
+    SetBudget,
+    SetMargin,
+    SetPolicy,
+    Started,
+    Step,
+)
+from tuitrain.fakeworker import FakeWorker, fake_run, fake_stats
+from tuitrain.settings import Settings
+from tuitrain.tui.app import TuitrainApp
+from tuitrain.tui.chunk_map import ChunkMap
+from tuitrain.tui.controls import Controls
+from tuitrain.tui.failure_panel import FailurePanel
+from tuitrain.tui.header import RunHeader
+from tuitrain.tui.help_screen import HelpScreen
+from tuitrain.tui.log_panel import LogPanel
+from tuitrain.tui.memory_chart import HISTORY, MemoryChart
+from tuitrain.tui.states_table import StatesTable
+from tuitrain.tui.step_panel import StepPanel
+
+from .helpers import SIZE, make_app, settle
+
+pytestmark = pytest.mark.anyio
+
+
+def commands_of(fake: FakeWorker, kind: type) -> list:
+    return [c for c in fake.commands if isinstance(c, kind)]
+
+
+# --- keys send the right commands ---------------------------------------------------------
+
+
+async def test_c_cycles_the_policy_from_the_one_asked_for_last():
+    app, fake = make_app(fake_run(3, policy="cuda"), settings=_settings(policy="cuda"))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("c")
+        await pilot.press("c")
+        await pilot.press("c")
+    assert [c.policy for c in commands_of(fake, SetPolicy)] == ["cpu", "auto", "cuda"]
+
+
+async def test_plus_and_minus_move_the_margin_by_five_hundredths_within_0_and_1():
+    app, fake = make_app(fake_run(3, margin_ratio=0.95), settings=_settings(margin_ratio=0.95))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("plus")
+        await pilot.press("plus")  # already at 1: nothing to send
+        assert "already 1.00" in app.query_one(Controls).message
+        await pilot.press("minus", "minus")
+    assert [c.margin_ratio for c in commands_of(fake, SetMargin)] == [1.0, 0.95, 0.9]
+
+
+async def test_minus_stops_at_zero():
+    app, fake = make_app(fake_run(2))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("minus")
+    assert commands_of(fake, SetMargin) == []
+
+
+async def test_space_pauses_then_resumes():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("space")
+        await settle(app, pilot)
+        assert app.run_state == "paused"
+        assert "paused" in app.query_one(RunHeader).plain
+        await pilot.press("space")
+        await settle(app, pilot)
+        assert app.run_state == "running"
+    assert [type(c) for c in fake.commands] == [Pause, Resume]
+
+
+async def test_space_pauses_even_when_the_policy_select_has_focus():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        app.query_one("#policy").focus()
+        await pilot.press("space")
+    assert [type(c) for c in fake.commands] == [Pause]
+
+
+async def test_q_stops_the_worker_and_quits():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("q")
+        await pilot.pause()
+        assert fake.stop_calls >= 1
+        assert not fake.alive
+    assert app.return_code == 0
+
+
+async def test_checkpoint_is_sent_from_the_command_palette():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"checkpoint")
+        await pilot.pause(0.3)  # the palette searches in the background
+        await pilot.press("enter")
+        await settle(app, pilot)
+        assert "checkpoint" in app.query_one(LogPanel).messages[-1]
+    assert [type(c) for c in fake.commands] == [Checkpoint]
+
+
+async def test_the_palette_lists_every_key_action():
+    app, _ = make_app(fake_run(1))
+    async with app.run_test(size=SIZE) as pilot:
+        titles = {command.title for command in app.get_system_commands(app.screen)}
+        await pilot.pause()
+    assert {
+        "Cycle policy",
+        "Margin +0.05",
+        "Margin -0.05",
+        "Pause / resume",
+        "Save preset",
+        "Save checkpoint",
+        "Restart run",
+        "Help",
+        "Quit",
+    } <= titles
+
+
+async def test_question_mark_shows_the_keys_and_escape_closes_them():
+    app, _ = make_app(fake_run(1))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_keys_of_the_main_screen_do_nothing_while_help_is_open():
+    app, fake = make_app(fake_run(2))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("question_mark", "c", "space", "plus")
+    assert fake.commands == []
+
+
+# --- the controls -------------------------------------------------------------------------
+
+
+async def test_a_margin_outside_0_to_1_is_refused_on_screen_and_never_sent():
+    app, fake = make_app(fake_run(2))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await type_into(pilot, "#margin", "1.5")
+        assert app.query_one("#margin").value == "1.5"
+        await pilot.press("enter")
+        message = app.query_one(Controls).message
+    assert "within 0..1" in message and "1.5" in message
+    assert fake.commands == []
+
+
+async def test_a_margin_typed_in_the_field_is_sent():
+    app, fake = make_app(fake_run(2))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await type_into(pilot, "#margin", "0.4")
+        await pilot.press("enter")
+    assert [c.margin_ratio for c in fake.commands] == [0.4]
+
+
+async def test_choosing_a_policy_in_the_select_sends_it_once():
+    app, fake = make_app(fake_run(2))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        app.query_one("#policy").value = "cpu"
+        await pilot.pause()
+        await pilot.press("c")  # from cpu, the one asked for last, to auto
+        await pilot.pause()
+    assert [c.policy for c in commands_of(fake, SetPolicy)] == ["cpu", "auto"]
+
+
+async def test_the_budget_field_sends_a_size_and_refuses_nonsense():
+    app, fake = make_app(fake_run(2))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await type_into(pilot, "#budget", "lots")
+        await pilot.press("enter")
+        assert "not a size" in app.query_one(Controls).message
+        await type_into(pilot, "#budget", "4GiB")
+        await pilot.press("enter")
+    assert [c.device_budget for c in fake.commands] == ["4GiB"]
+    assert all(isinstance(c, SetBudget) for c in fake.commands)
+
+
+async def test_the_budget_field_is_disabled_on_a_real_gpu():
+    started = Started("opt-125m", 125_000_000, "NVIDIA GeForce RTX 3060, 6.0 GiB", [], {})
+    app, _ = make_app([started])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert app.query_one("#budget").disabled
+
+
+# --- events reach the panels --------------------------------------------------------------
+
+
+async def test_step_events_update_every_panel():
+    settings = _settings(policy="cpu")
+    app, _ = make_app(fake_run(7, policy="cpu", n_chunks=30), settings=settings)
+    last = fake_stats(7, policy="cpu", n_chunks=30)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        header = app.query_one(RunHeader).plain
+        states = app.query_one(StatesTable)
+        chunk_map = app.query_one(ChunkMap)
+        times = app.query_one(StepPanel).times_text
+        memory = app.query_one(MemoryChart)
+        assert "step 7/200" in header and "policy cpu" in header
+        assert "125.2M params" in header and "simulated, 6.0 GiB" in header
+        assert "running" in header
+        for state, count in last.memory.states["host"].items():
+            assert states.cell(state, "host") == f"{count:,}"
+        assert states.cell("COMPUTE", "device") == f"{last.memory.states['device']['COMPUTE']:,}"
+        assert states.cell("chunk bytes", "device") == "8.0 MiB"  # the one chunk in use
+        assert chunk_map.cell_count == 30
+        assert "device 1" in chunk_map.query_one("#chunk-legend").content.plain
+        assert "step 7" in times and f"{last.forward * 1e3:.1f} ms" in times
+        assert len(memory.samples) == 7
+        assert "budget 6.0 GiB" in memory.device_caption().plain
+
+
+async def test_hundreds_of_chunks_wrap_to_the_width_of_the_map():
+    app, _ = make_app(fake_run(2, n_chunks=600, parameters=6_700_000_000))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        chunk_map = app.query_one(ChunkMap)
+        lines = chunk_map.cells_text.splitlines()
+        assert chunk_map.cell_count == 600
+        assert len(lines) > 1
+        assert all(len(line) <= chunk_map.scrollable_content_region.width for line in lines)
+
+
+async def test_a_device_the_worker_cannot_name_reads_n_a():
+    started = Started("opt-125m", 125_000_000, "", [], {})
+    app, _ = make_app([started])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert "device N/A" in app.query_one(RunHeader).plain
+
+
+async def test_a_change_is_pending_until_the_worker_applies_it():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("c")
+        await settle(app, pilot)
+        controls = app.query_one(Controls)
+        assert "policy: auto → cuda (pending)" in controls.changes_text
+        assert "policy auto" in app.query_one(RunHeader).plain  # not before it is applied
+        fake.emit(Step(fake_stats(4)))
+        await settle(app, pilot)
+        assert "policy: auto → cuda, applied at step 4" in controls.changes_text
+        assert "(pending)" not in controls.changes_text
+        assert "policy cuda" in app.query_one(RunHeader).plain
+        assert any("applied at step 4" in m for m in app.query_one(LogPanel).messages)
+    assert app.settings.engine.policy == "cuda"
+
+
+async def test_a_rejected_change_shows_the_reason_and_the_control_goes_back():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        app.request("margin_ratio", 1.5)  # as a buggy client would; the worker refuses
+        await settle(app, pilot)
+        controls = app.query_one(Controls)
+        assert "rejected: margin_ratio must be within 0..1" in controls.changes_text
+        assert app.query_one("#margin").value == "0.00"
+    assert app.settings.engine.margin_ratio == 0.0
+
+
+async def test_log_events_reach_the_log_panel():
+    app, _ = make_app([*fake_run(2), Log("data: 1,234 documents", level="info")])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert "data: 1,234 documents" in app.query_one(LogPanel).messages
+
+
+async def test_a_failure_shows_its_reason_and_log_and_the_app_stays_open():
+    failed = Failed("CUDA out of memory", exitcode=1, log_tail=["Traceback …", "OOM at step 3"])
+    app, _ = make_app([*fake_run(2), failed])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        panel = app.query_one(FailurePanel)
+        assert panel.display
+        assert "CUDA out of memory" in panel.plain and "OOM at step 3" in panel.plain
+        assert "failed" in app.query_one(RunHeader).plain
+        await pilot.press("space")  # nothing to pause
+        assert app.is_running
+
+
+async def test_r_restarts_a_failed_run_with_a_new_worker_and_the_current_settings():
+    workers: list[FakeWorker] = []
+
+    def factory(settings: Settings) -> FakeWorker:
+        script = [*fake_run(2), Failed("boom")] if not workers else fake_run(1, policy="cpu")
+        workers.append(FakeWorker(script, steps_per_poll=100))
+        workers[-1].settings = settings
+        return workers[-1]
+
+    app = TuitrainApp(_settings(), worker_factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert app.run_state == "failed"
+        await pilot.press("c")  # no worker to ask: it changes what the restart uses
+        await pilot.press("r")
+        await settle(app, pilot)
+        assert app.run_state == "running"
+        assert not app.query_one(FailurePanel).display
+    assert len(workers) == 2
+    assert workers[0].stop_calls >= 1
+    assert workers[1].settings.engine.policy == "cuda"
+    assert workers[1].commands == []
+
+
+async def test_a_worker_that_cannot_start_is_a_failure_on_screen():
+    def factory(settings: Settings) -> FakeWorker:
+        raise RuntimeError("no such model")
+
+    app = TuitrainApp(_settings(), worker_factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert "no such model" in app.query_one(FailurePanel).plain
+        assert app.is_running
+
+
+async def test_a_burst_of_steps_is_drained_at_once_and_drawn_from_the_latest():
+    app, fake = make_app([])
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        fake.emit(*fake_run(1500))  # 1500 steps waiting: a fast worker, a slow screen
+        start = time.perf_counter()
+        handled = app.poll_worker()
+        app.redraw()
+        elapsed = time.perf_counter() - start
+        await pilot.pause()
+        assert handled == 1501
+        assert "step 1500/200" in app.query_one(RunHeader).plain
+        assert len(app.query_one(MemoryChart).samples) == HISTORY
+    assert elapsed < 1.0  # ~0.1 s here; generous for a shared CPU
+
+
+async def type_into(pilot, selector: str, text: str) -> None:
+    """Click a field, empty it, type `text` (without submitting)."""
+    await pilot.click(selector)
+    await pilot.press("ctrl+a", "ctrl+k", *text)
+
+
+def _settings(**engine: object) -> Settings:
+    settings = Settings(model="opt-125m")
+    for key, value in engine.items():
+        setattr(settings.engine, key, value)
+    return settings

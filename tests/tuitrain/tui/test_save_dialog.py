@@ -1,0 +1,127 @@
+"""Saving a preset from the app: prefilled path, what is written, and never a silent overwrite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tuitrain.events import Step
+from tuitrain.fakeworker import fake_run, fake_stats
+from tuitrain.presets import load_preset
+from tuitrain.tui.app import TuitrainApp
+from tuitrain.tui.controls import Controls
+from tuitrain.tui.save_dialog import ConfirmOverwrite, SaveDialog, default_preset_path
+
+from .helpers import SIZE, make_app, settle
+
+pytestmark = pytest.mark.anyio
+
+PRESET = Path("presets/opt-125m-auto.yaml")
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+async def open_dialog(app: TuitrainApp, pilot) -> SaveDialog:
+    await settle(app, pilot)
+    await pilot.press("s")
+    await pilot.pause()
+    assert isinstance(app.screen, SaveDialog)
+    return app.screen
+
+
+def test_the_default_path_is_model_and_policy_under_presets():
+    assert default_preset_path("opt-1.3b", "cpu") == "presets/opt-1.3b-cpu.yaml"
+    assert default_preset_path("/models/my-opt/", "auto") == "presets/my-opt-auto.yaml"
+
+
+async def test_enter_saves_the_settings_with_the_command_and_the_measurements():
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        dialog = await open_dialog(app, pilot)
+        assert dialog.query_one("#preset-path").value == str(PRESET)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert not isinstance(app.screen, SaveDialog)
+    text = PRESET.read_text()
+    assert "# reproduce: tuitrain run --preset presets/opt-125m-auto.yaml" in text
+    assert "measured at step 3" in text and "device peak" in text
+    saved = load_preset(PRESET)
+    assert saved == app.settings
+    assert saved.model == "opt-125m" and saved.engine.policy == "auto"
+
+
+async def test_the_preset_holds_the_changes_the_worker_applied_and_not_the_pending_ones():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("c")  # auto -> cuda
+        fake.emit(Step(fake_stats(4)))
+        await settle(app, pilot)
+        await pilot.press("plus")  # still pending when saved
+        dialog = await open_dialog(app, pilot)
+        assert dialog.query_one("#preset-path").value == "presets/opt-125m-cuda.yaml"
+        await pilot.press("enter")
+        await pilot.pause()
+    saved = load_preset("presets/opt-125m-cuda.yaml")
+    assert saved.engine.policy == "cuda"
+    assert saved.engine.margin_ratio == 0.0
+
+
+async def test_an_existing_file_is_kept_unless_the_user_says_yes():
+    PRESET.parent.mkdir()
+    PRESET.write_text("# mine\n")
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await open_dialog(app, pilot)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmOverwrite)
+        assert PRESET.read_text() == "# mine\n"
+        await pilot.press("n")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmOverwrite)
+        assert PRESET.read_text() == "# mine\n"
+
+        await open_dialog(app, pilot)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert PRESET.read_text() == "# mine\n"
+        await pilot.press("y")
+        await pilot.pause()
+    assert load_preset(PRESET).model == "opt-125m"
+
+
+async def test_escape_cancels_without_writing():
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await open_dialog(app, pilot)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, SaveDialog)
+    assert not PRESET.exists()
+
+
+async def test_typing_in_the_path_field_does_not_trigger_the_app_keys():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await open_dialog(app, pilot)
+        await pilot.press("ctrl+a", "ctrl+k", *"my cpu+run.yaml", "enter")
+        await pilot.pause()
+    assert fake.commands == []
+    assert load_preset("my cpu+run.yaml").engine.policy == "auto"
+
+
+async def test_a_path_that_cannot_be_written_is_reported_and_the_app_stays_open(in_tmp_path):
+    (in_tmp_path / "blocker").write_text("a file, not a folder")
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await open_dialog(app, pilot)
+        await pilot.press("ctrl+a", "ctrl+k", *"blocker/x.yaml", "enter")
+        await pilot.pause()
+        assert "could not save blocker/x.yaml" in app.query_one(Controls).message
+        assert app.is_running

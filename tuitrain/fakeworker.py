@@ -1,0 +1,402 @@
+"""FakeWorker: a scripted stand-in for the training process, so the UI can be driven in tests.
+
+It speaks the same protocol as the real worker (tuitrain.client.WorkerClient): events come
+from a script instead of an engine, and commands are answered the way the worker answers
+them. Everything is a pure function of the script and the commands, never of the clock, so
+a screen drawn from it is the same on every run.
+
+The helpers `fake_stats`, `fake_started` and `fake_run` make plausible telemetry (memory
+split by policy, chunk placement, time split, a decaying loss) for screens and demos.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+
+from engine.config import check_margin, format_size, parse_size
+from engine.policy import Policy
+from engine.state import TensorState
+from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
+from tuitrain.events import (
+    Applied,
+    Checkpoint,
+    Command,
+    Event,
+    Failed,
+    Finished,
+    Pause,
+    Rejected,
+    Resume,
+    SetBudget,
+    SetMargin,
+    SetPolicy,
+    Started,
+    Step,
+    Stop,
+)
+
+GiB = 1024**3
+MiB = 1024**2
+
+# A script yields events; a None means "time passes here": the current poll ends.
+Script = Iterable[Event | None] | Callable[[], Iterable[Event | None]]
+
+# Parameters (tensors) packed in each chunk: a transformer layer's dozen or so, roughly.
+TENSORS_PER_CHUNK = 8
+# Bytes per parameter element of optimizer-side data: fp32 master + two AdamW moments + a bf16 grad.
+_OPTIMIZER_BYTES_PER_PARAM = 4 + 4 + 4 + 2
+# Throughputs that make the time split look like a laptop GPU on PCIe 3.
+_DEVICE_FLOPS = 5e12
+_HOST_ADAM_BYTES_PER_S = 20e9
+_PCIE_BYTES_PER_S = 12e9
+
+
+class FakeWorker:
+    """A WorkerClient that plays a script of events and records every command it receives.
+
+    Args:
+        script: the events to play, in order: a list, a generator, or a callable returning
+            one (called at start()). A None in the script ends the current poll, which is
+            how a generator says "the next events come later".
+        steps_per_poll: how many Step events one poll() delivers at most (default 1, like a
+            worker slower than the UI's timer). Events queued with `emit` come after the
+            script.
+
+    Commands are answered as the real worker answers them: SetPolicy/SetMargin/SetBudget are
+    Applied at the next scripted Step, whose stats (and all later ones) carry the new value;
+    a bad value is Rejected at once; Pause/Resume/Checkpoint are Applied at once with the
+    last step; Stop is Applied and followed by Finished. While paused no Step is delivered.
+    """
+
+    def __init__(self, script: Script = (), *, steps_per_poll: int = 1) -> None:
+        if steps_per_poll < 1:
+            raise ValueError(f"steps_per_poll must be at least 1, not {steps_per_poll}")
+        self.commands: list[Command] = []
+        self.started = False
+        self.stop_calls = 0
+        self.steps_per_poll = steps_per_poll
+        self._source = script
+        self._script: Iterator[Event | None] = iter(())
+        self._emitted: deque[Event] = deque()
+        self._answers: deque[Event] = deque()
+        self._waiting: list[tuple[Command, str, str | float]] = []  # (command, field, value)
+        self._overrides: dict[str, str | float] = {}
+        self._paused = False
+        self._alive = False
+        self._last_step = 0
+        self._next_id = 1
+
+    # --- WorkerClient ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        self._alive = True
+        source = self._source() if callable(self._source) else self._source
+        self._script = iter(source)
+
+    def send(self, command: Command) -> int:
+        command = dataclasses.replace(command, id=self._next_id)
+        self._next_id += 1
+        self.commands.append(command)
+        if self._alive:
+            self._answer(command)
+        return command.id
+
+    def poll(self) -> list[Event]:
+        if not self.started:
+            return []
+        out: list[Event] = list(self._answers)
+        self._answers.clear()
+        if any(isinstance(event, Finished) for event in out):
+            self._alive = False  # a Stop was answered: no step runs after it
+        steps = 0
+        while self._alive and not self._paused and steps < self.steps_per_poll:
+            event = self._next_event()
+            if event is None:
+                break
+            if isinstance(event, Step):
+                event = self._apply_waiting(event, out)
+                steps += 1
+            out.append(event)
+            if isinstance(event, Finished | Failed):
+                self._alive = False
+        return out
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stop_calls += 1
+        self._alive = False
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    # --- for tests ------------------------------------------------------------------------
+
+    def emit(self, *events: Event) -> None:
+        """Queue more events, delivered after the script by later polls."""
+        self._emitted.extend(events)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _next_event(self) -> Event | None:
+        for event in self._script:
+            return event
+        if self._emitted:
+            return self._emitted.popleft()
+        return None
+
+    def _answer(self, command: Command) -> None:
+        try:
+            if isinstance(command, SetPolicy):
+                value = Policy.parse(command.policy).value
+                self._waiting.append((command, "policy", value))
+            elif isinstance(command, SetMargin):
+                value = check_margin(command.margin_ratio)
+                self._waiting.append((command, "margin_ratio", value))
+            elif isinstance(command, SetBudget):
+                value = parse_size(command.device_budget)
+                self._waiting.append((command, "device_budget", value))
+            elif isinstance(command, Pause):
+                self._paused = True
+                self._answers.append(Applied(command.id, self._last_step, "paused"))
+            elif isinstance(command, Resume):
+                self._paused = False
+                self._answers.append(Applied(command.id, self._last_step, "resumed"))
+            elif isinstance(command, Checkpoint):
+                what = f"checkpoint at step {self._last_step}"
+                self._answers.append(Applied(command.id, self._last_step, what))
+            elif isinstance(command, Stop):
+                self._answers.append(Applied(command.id, self._last_step, "stop"))
+                self._answers.append(Finished({"steps": self._last_step, "stopped": True}))
+                self._paused = False
+            else:
+                self._answers.append(Rejected(command.id, f"unknown command {command!r}"))
+        except ValueError as exc:
+            self._answers.append(Rejected(command.id, str(exc)))
+
+    def _apply_waiting(self, event: Step, out: list[Event]) -> Step:
+        stats = event.stats
+        applied: list[str] = []
+        for command, field, value in self._waiting:
+            self._overrides[field] = value
+            what = _describe(field, value)
+            applied.append(what)
+            out.append(Applied(command.id, stats.step, what))
+        self._waiting.clear()
+        self._last_step = stats.step
+        if not self._overrides and not applied:
+            return event
+        stats = dataclasses.replace(stats, **self._overrides, applied=stats.applied + applied)
+        if "device_budget" in self._overrides:
+            memory = dataclasses.replace(
+                stats.memory, device_capacity=self._overrides["device_budget"]
+            )
+            stats = dataclasses.replace(stats, memory=memory)
+        return Step(stats)
+
+
+def _describe(field: str, value: str | float) -> str:
+    if field == "device_budget":
+        return f"device_budget {format_size(int(value))}"
+    if field == "margin_ratio":
+        return f"margin_ratio {value:.2f}"
+    return f"{field} {value}"
+
+
+# --- plausible telemetry -----------------------------------------------------------------
+
+
+def fake_chunks(
+    step: int,
+    *,
+    policy: str = "auto",
+    budget: int = 6 * GiB,
+    n_chunks: int = 24,
+    parameters: int = 125_239_296,
+    non_model: int | None = None,
+) -> tuple[list[ChunkInfo], dict[str, dict[str, int]]]:
+    """Chunk placement and per-location TensorState counts in the middle of step `step`.
+
+    Counts are of parameters (tensors), as the engine reports them: TENSORS_PER_CHUNK per
+    chunk. The chunk in use moves with the step; chunks before it in the pass are
+    HOLD_AFTER_FWD.
+    """
+    param_bytes = parameters * 2
+    chunk_bytes = param_bytes // n_chunks
+    non_model = _non_model(param_bytes) if non_model is None else non_model
+    on_device = _chunks_on_device(policy, budget, n_chunks, chunk_bytes, non_model)
+    in_use = (step * 7) % n_chunks
+    chunks: list[ChunkInfo] = []
+    states = {loc: dict.fromkeys((s.value for s in TensorState), 0) for loc in ("device", "host")}
+    per_chunk = parameters // n_chunks
+    for index in range(n_chunks):
+        numel = per_chunk + (parameters - per_chunk * n_chunks if index == n_chunks - 1 else 0)
+        nbytes = numel * 2
+        if index == in_use:
+            location, state = "device", TensorState.COMPUTE
+        elif index in on_device:
+            location = "device"
+            state = TensorState.HOLD_AFTER_FWD if index < in_use else TensorState.HOLD
+        else:
+            location, state = "host", TensorState.FREE
+        chunks.append(ChunkInfo(index, location, state.value, nbytes))
+        states[location][state.value] += TENSORS_PER_CHUNK
+    return chunks, states
+
+
+def fake_stats(
+    step: int,
+    *,
+    policy: str = "auto",
+    margin_ratio: float = 0.0,
+    budget: int = 6 * GiB,
+    n_chunks: int = 24,
+    parameters: int = 125_239_296,
+    tokens: int = 256,
+    non_model: int | None = None,
+) -> StepStats:
+    """Plausible StepStats for step `step` of a bf16 run under the given settings.
+
+    Deterministic in its arguments. Memory follows the policy (cuda keeps everything on the
+    device, cpu keeps one chunk there, auto fills the budget); the margin brings optimizer
+    state onto the device; the loss decays with a small wobble.
+    """
+    chunks, states = fake_chunks(
+        step,
+        policy=policy,
+        budget=budget,
+        n_chunks=n_chunks,
+        parameters=parameters,
+        non_model=non_model,
+    )
+    param_bytes = parameters * 2
+    non_model = _non_model(param_bytes) if non_model is None else non_model
+    non_model = int(non_model * (1.0 + 0.05 * math.sin(step * 0.9)))
+    optimizer_bytes = parameters * _OPTIMIZER_BYTES_PER_PARAM
+    device_chunk_bytes = sum(c.nbytes for c in chunks if c.location == "device")
+    host_chunk_bytes = param_bytes - device_chunk_bytes
+    if policy == "cuda":
+        device_optimizer = optimizer_bytes
+    else:
+        spare = max(0, budget - device_chunk_bytes - int(non_model * 1.05))
+        device_optimizer = min(optimizer_bytes, int(margin_ratio * spare))
+    device_model = device_chunk_bytes + device_optimizer
+    host_model = host_chunk_bytes + optimizer_bytes - device_optimizer
+
+    compute = parameters * tokens * 6 / _DEVICE_FLOPS
+    moved_h2d = 2 * host_chunk_bytes  # fetched for the forward and again for the backward
+    moved_d2h = host_chunk_bytes  # their gradients go back
+    host_share = 1.0 - device_optimizer / optimizer_bytes
+    optimizer = optimizer_bytes * host_share / _HOST_ADAM_BYTES_PER_S + 0.002
+    transfer = (moved_h2d + moved_d2h) / _PCIE_BYTES_PER_S
+    wobble = 1.0 + 0.03 * math.sin(step * 1.3)
+    forward, backward = compute / 3 * wobble, compute * 2 / 3 * wobble
+    seconds = forward + backward + optimizer + transfer
+    memory = MemorySnapshot(
+        device_capacity=budget,
+        device_model=device_model,
+        device_non_model_peak=non_model,
+        device_peak=device_model + non_model,
+        host_model=host_model,
+        process_rss=host_model + int(1.4 * GiB),
+        states=states,
+        chunks=chunks,
+    )
+    return StepStats(
+        step=step,
+        loss=2.2 + 8.6 * math.exp(-step / 60) + 0.08 * math.sin(step * 1.7),
+        tokens=tokens,
+        seconds=seconds,
+        forward=forward,
+        backward=backward,
+        optimizer=optimizer,
+        transfer=transfer,
+        bytes_h2d=moved_h2d,
+        bytes_d2h=moved_d2h,
+        policy=policy,
+        margin_ratio=margin_ratio,
+        device_budget=budget,
+        memory=memory,
+        lr=3e-4,
+    )
+
+
+def fake_started(
+    *,
+    model: str = "opt-125m",
+    parameters: int = 125_239_296,
+    budget: int = 6 * GiB,
+    n_chunks: int = 24,
+    policy: str = "auto",
+    settings: dict | None = None,
+) -> Started:
+    """The Started event of a run on the simulated device."""
+    chunks, _ = fake_chunks(
+        0, policy=policy, budget=budget, n_chunks=n_chunks, parameters=parameters
+    )
+    return Started(
+        model=model,
+        parameters=parameters,
+        device=f"simulated, {format_size(budget)}",
+        chunks=chunks,
+        settings=settings or {},
+        pid=4242,
+        log_path="runs/fake.log",
+    )
+
+
+def fake_run(
+    steps: int,
+    *,
+    model: str = "opt-125m",
+    policy: str = "auto",
+    margin_ratio: float = 0.0,
+    budget: int = 6 * GiB,
+    n_chunks: int = 24,
+    parameters: int = 125_239_296,
+    tokens: int = 256,
+    first_step: int = 1,
+) -> list[Event]:
+    """A Started event followed by `steps` Step events: a whole scripted run."""
+    events: list[Event] = [
+        fake_started(
+            model=model, parameters=parameters, budget=budget, n_chunks=n_chunks, policy=policy
+        )
+    ]
+    for step in range(first_step, first_step + steps):
+        stats = fake_stats(
+            step,
+            policy=policy,
+            margin_ratio=margin_ratio,
+            budget=budget,
+            n_chunks=n_chunks,
+            parameters=parameters,
+            tokens=tokens,
+        )
+        events.append(Step(stats))
+    return events
+
+
+def _non_model(param_bytes: int) -> int:
+    return max(64 * MiB, param_bytes // 2)
+
+
+def _chunks_on_device(
+    policy: str, budget: int, n_chunks: int, chunk_bytes: int, non_model: int
+) -> set[int]:
+    if policy == "cuda":
+        return set(range(n_chunks))
+    if policy == "cpu":
+        return set()
+    # Leave room for the non-model peak at its highest (fake_stats lets it wobble by 5%).
+    room = max(0, budget - int(non_model * 1.05)) // max(1, chunk_bytes)
+    return set(range(min(n_chunks, room)))

@@ -1,0 +1,5 @@
+"""The terminal app: watch a training run's memory, steer its placement, save a preset."""
+
+from tuitrain.tui.app import TuitrainApp, run_app
+
+__all__ = ["TuitrainApp", "run_app"]

@@ -1,0 +1,112 @@
+"""Changes the screen asked the worker for, from pending until Applied or Rejected.
+
+A change is pending from the moment its command is sent until the worker answers with the
+step it took effect at (Applied) or why it did not (Rejected). The screen shows both.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tuitrain.events import Command, SetBudget, SetMargin, SetPolicy
+
+LABELS = {
+    "policy": "policy",
+    "margin_ratio": "margin",
+    "device_budget": "budget",
+    "pause": "pause",
+    "resume": "resume",
+    "checkpoint": "checkpoint",
+}
+SETTINGS = ("policy", "margin_ratio", "device_budget")  # the ones that are values
+Value = str | float | None  # a policy, a margin ratio, a budget ("4GiB"; None = the default)
+
+
+def shown(setting: str, value: Value) -> str:
+    """A setting's value as the screen writes it: "cpu", "0.35", "4GiB", "default"."""
+    if value is None:
+        return "default"
+    if setting == "margin_ratio":
+        return f"{float(value):.2f}"
+    return str(value)
+
+
+def command_for(setting: str, value: Value) -> Command:
+    """The command that asks the worker for `setting` = `value`."""
+    if setting == "policy":
+        return SetPolicy(policy=str(value))
+    if setting == "margin_ratio":
+        return SetMargin(margin_ratio=float(value))
+    if setting == "device_budget":
+        return SetBudget(device_budget=str(value))
+    raise ValueError(f"not a setting the worker can change: {setting!r}")
+
+
+@dataclass
+class Change:
+    id: int  # the command id its answer will carry
+    setting: str  # a key of LABELS
+    value: Value = None  # the new value, for settings
+    old: str = ""  # as shown, e.g. "auto" or "0.30"
+    new: str = ""
+    status: str = "pending"  # "pending" | "applied" | "rejected"
+    step: int | None = None
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line: "policy: auto → cpu (pending)", "…, applied at step 43", "…, rejected: …"."""
+        head = LABELS[self.setting]
+        if self.setting in SETTINGS:
+            head = f"{head}: {self.old} → {self.new}"
+        if self.status == "applied":
+            return f"{head}, applied at step {self.step}"
+        if self.status == "rejected":
+            return f"{head}, rejected: {self.reason}"
+        return f"{head} (pending)"
+
+
+@dataclass
+class ChangeTracker:
+    """Pending changes by command id, and the last few that were answered."""
+
+    keep: int = 3  # answered changes still shown
+    pending: dict[int, Change] = field(default_factory=dict)
+    answered: deque[Change] = field(default_factory=deque)
+
+    def sent(self, change: Change) -> None:
+        self.pending[change.id] = change
+
+    def applied(self, id: int, step: int) -> Change | None:
+        """Mark change `id` applied at `step`; None when it is not one of ours."""
+        change = self.pending.pop(id, None)
+        if change is not None:
+            change.status, change.step = "applied", step
+            self._answer(change)
+        return change
+
+    def rejected(self, id: int, reason: str) -> Change | None:
+        change = self.pending.pop(id, None)
+        if change is not None:
+            change.status, change.reason = "rejected", reason
+            self._answer(change)
+        return change
+
+    def latest_pending(self, setting: str) -> Change | None:
+        """The most recent change of `setting` still waiting for its answer."""
+        waiting = [c for c in self.pending.values() if c.setting == setting]
+        return max(waiting, key=lambda c: c.id) if waiting else None
+
+    def clear(self) -> None:
+        """Forget pending changes (their worker is gone); answered ones stay on screen."""
+        self.pending.clear()
+
+    def lines(self) -> list[Change]:
+        """What to show: every pending change, then the latest answered ones, newest first."""
+        pending = sorted(self.pending.values(), key=lambda c: c.id, reverse=True)
+        return pending + list(reversed(self.answered))
+
+    def _answer(self, change: Change) -> None:
+        self.answered.append(change)
+        while len(self.answered) > self.keep:
+            self.answered.popleft()

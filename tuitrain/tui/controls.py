@@ -1,0 +1,197 @@
+"""Controls: the policy, margin ratio and budget the user asks for, and how each request went.
+
+The widget only validates and asks (it posts a message); the app sends the command and
+feeds back what happened, so there is one place that talks to the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.validation import Function, Number
+from textual.widgets import Input, Label, Select, Static
+
+from engine.config import check_margin, parse_size
+from engine.policy import Policy
+from tuitrain.tui.changes import Change
+
+STATUS_STYLES = {"pending": "yellow", "applied": "green", "rejected": "red"}
+
+
+def _is_size(text: str) -> bool:
+    try:
+        parse_size(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _plain(static: Static) -> str:
+    content = static.content
+    return content.plain if isinstance(content, Text) else str(content)
+
+
+class Controls(Vertical):
+    """Policy select, margin and budget inputs, and the list of recent changes."""
+
+    DEFAULT_CSS = """
+    Controls {
+        border: round $primary-muted;
+        border-title-color: $text-primary;
+        height: 1fr;
+        padding: 0 1;
+    }
+    Controls > Horizontal {
+        height: 1;
+        margin-bottom: 1;
+    }
+    Controls Label {
+        width: 8;
+        color: $text-muted;
+    }
+    Controls Select {
+        width: 14;
+    }
+    Controls #margin {
+        width: 8;
+        margin-right: 2;
+    }
+    Controls #budget {
+        width: 10;
+    }
+    Controls #control-hint {
+        height: 1;
+        color: $text-muted;
+    }
+    Controls #control-message {
+        height: auto;
+    }
+    Controls #changes {
+        height: auto;
+    }
+    """
+
+    @dataclass
+    class PolicyChosen(Message):
+        policy: str
+
+    @dataclass
+    class MarginEntered(Message):
+        margin_ratio: float
+
+    @dataclass
+    class BudgetEntered(Message):
+        device_budget: str
+
+    def __init__(
+        self, *, policy: str, margin_ratio: float, device_budget: str | None, id: str | None = None
+    ) -> None:
+        super().__init__(id=id)
+        self.border_title = "Controls"
+        self._initial = (policy, margin_ratio, device_budget)
+
+    def compose(self) -> ComposeResult:
+        policy, margin, budget = self._initial
+        options = [(p.value, p.value) for p in Policy]
+        with Horizontal():
+            yield Label("policy")
+            yield Select(options, value=policy, allow_blank=False, compact=True, id="policy")
+        with Horizontal():
+            yield Label("margin")
+            yield Input(
+                f"{margin:.2f}",
+                compact=True,
+                id="margin",
+                validators=[Number(minimum=0.0, maximum=1.0)],
+            )
+            yield Label("budget")
+            yield Input(
+                budget or "",
+                placeholder="6GiB",
+                compact=True,
+                id="budget",
+                validators=[Function(_is_size, "not a size")],
+            )
+        yield Static("Enter applies · c policy · +/- margin", id="control-hint")
+        yield Static("", id="control-message")
+        yield Static("", id="changes")
+
+    # --- what the app calls ---------------------------------------------------------------
+
+    def set_values(
+        self,
+        *,
+        policy: str | None = None,
+        margin_ratio: float | None = None,
+        device_budget: str | None = None,
+    ) -> None:
+        """Show these targets without treating them as a new request."""
+        if policy is not None:
+            select = self.query_one("#policy", Select)
+            with select.prevent(Select.Changed):
+                select.value = policy
+        if margin_ratio is not None:
+            self.query_one("#margin", Input).value = f"{margin_ratio:.2f}"
+        if device_budget is not None:
+            self.query_one("#budget", Input).value = device_budget
+
+    def allow_budget(self, allowed: bool) -> None:
+        """The budget is a simulated device's; a real GPU's capacity is what it is."""
+        budget = self.query_one("#budget", Input)
+        budget.disabled = not allowed
+        if not allowed:
+            budget.tooltip = "only a simulated device has a budget to change"
+
+    def show_changes(self, changes: list[Change]) -> None:
+        lines = [Text(c.describe(), style=STATUS_STYLES[c.status]) for c in changes]
+        self.query_one("#changes", Static).update(Text("\n").join(lines))
+
+    def show_message(self, message: str, *, error: bool = False) -> None:
+        text = Text(message, style="bold red" if error else "")
+        self.query_one("#control-message", Static).update(text)
+
+    @property
+    def message(self) -> str:
+        return _plain(self.query_one("#control-message", Static))
+
+    @property
+    def changes_text(self) -> str:
+        return _plain(self.query_one("#changes", Static))
+
+    # --- what the user does ---------------------------------------------------------------
+
+    @on(Select.Changed, "#policy")
+    def _policy_changed(self, event: Select.Changed) -> None:
+        event.stop()
+        if isinstance(event.value, str):
+            self.post_message(self.PolicyChosen(event.value))
+
+    @on(Input.Submitted, "#margin")
+    def _margin_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        try:
+            value = check_margin(float(event.value))
+        except ValueError:
+            self.show_message(
+                f"margin must be a number within 0..1, not {event.value!r}", error=True
+            )
+            return
+        self.show_message("")
+        self.post_message(self.MarginEntered(round(value, 4)))
+
+    @on(Input.Submitted, "#budget")
+    def _budget_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        text = event.value.strip()
+        try:
+            parse_size(text)
+        except ValueError as exc:
+            self.show_message(str(exc), error=True)
+            return
+        self.show_message("")
+        self.post_message(self.BudgetEntered(text))

@@ -1,0 +1,70 @@
+"""HelpScreen: every key and palette command, with what it does."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from tuitrain.tui.keys import KEYS, PALETTE_ONLY
+
+
+def help_table() -> Table:
+    table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
+    table.add_column(style="bold", justify="right", no_wrap=True)
+    table.add_column()
+    for key in KEYS:
+        table.add_row(key.shown, key.help)
+    table.add_row("ctrl+p", "command palette: every action above, and:")
+    for command in PALETTE_ONLY:
+        table.add_row("", Text.assemble((command.title, "italic"), f": {command.help}"))
+    table.add_row("enter", "in the margin or budget field: ask for that value")
+    table.add_row("escape", "leave a field, close a dialog")
+    return table
+
+
+class HelpScreen(ModalScreen[None]):
+    """A modal listing the keys; escape, ? or q closes it."""
+
+    DEFAULT_CSS = """
+    HelpScreen {
+        align: center middle;
+    }
+    HelpScreen > Vertical {
+        width: 90;
+        height: auto;
+        border: round $primary;
+        border-title-color: $text-primary;
+        background: $surface;
+        padding: 1 2;
+    }
+    HelpScreen #help-intro {
+        margin-bottom: 1;
+    }
+    HelpScreen #help-footer {
+        margin-top: 1;
+        color: $text-muted;
+    }
+    """
+
+    BINDINGS = [
+        Binding("escape,question_mark,q", "close", "Close", show=False),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Vertical() as box:
+            box.border_title = "Keys"
+            yield Static(
+                "Changes take effect between steps; each shows as pending until the worker\n"
+                "reports the step it was applied at.",
+                id="help-intro",
+            )
+            yield Static(help_table(), id="help-keys")
+            yield Static("escape, ? or q closes this screen", id="help-footer")
+
+    def action_close(self) -> None:
+        self.dismiss(None)

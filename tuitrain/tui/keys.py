@@ -1,0 +1,62 @@
+"""The app's keys: one table drives the bindings, the command palette and the help screen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyAction:
+    key: str  # Textual's key name; "" for palette-only commands
+    shown: str  # as the user types it
+    action: str  # the app's action_<name>
+    title: str  # in the command palette
+    short: str  # in the footer, where 120 columns hold them all
+    help: str  # one line in the help screen
+
+
+# A table: one key per block reads better than the formatter's one field per line.
+# fmt: off
+KEYS: tuple[KeyAction, ...] = (
+    KeyAction(
+        key="c", shown="c", action="cycle_policy", title="Cycle policy", short="Policy",
+        help="next placement policy: cuda → cpu → auto",
+    ),
+    KeyAction(
+        key="plus", shown="+", action="margin_up", title="Margin +0.05", short="Margin+",
+        help="raise the margin ratio by 0.05 (up to 1)",
+    ),
+    KeyAction(
+        key="minus", shown="-", action="margin_down", title="Margin -0.05", short="Margin-",
+        help="lower the margin ratio by 0.05 (down to 0)",
+    ),
+    KeyAction(
+        key="space", shown="space", action="toggle_pause", title="Pause / resume", short="Pause",
+        help="pause training after the current step, or resume it",
+    ),
+    KeyAction(
+        key="s", shown="s", action="save_preset", title="Save preset", short="Save",
+        help="save the current settings and measurements as a YAML preset",
+    ),
+    KeyAction(
+        key="r", shown="r", action="restart", title="Restart run", short="Restart",
+        help="run again with the current settings, once the run failed or finished",
+    ),
+    KeyAction(
+        key="question_mark", shown="?", action="help", title="Help", short="Help",
+        help="show this screen",
+    ),
+    KeyAction(
+        key="q", shown="q", action="quit", title="Quit", short="Quit",
+        help="stop the worker cleanly and quit",
+    ),
+)
+
+# Reached from the command palette only: rare enough not to take a key.
+PALETTE_ONLY: tuple[KeyAction, ...] = (
+    KeyAction(
+        key="", shown="", action="checkpoint", title="Save checkpoint", short="Checkpoint",
+        help="ask the worker to write a checkpoint now",
+    ),
+)
+# fmt: on

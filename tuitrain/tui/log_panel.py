@@ -1,0 +1,35 @@
+"""LogPanel: what the worker said and what happened to the user's changes, newest last."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rich.text import Text
+from textual.widgets import RichLog
+
+MAX_LINES = 500  # older lines scroll off; the worker's full log is in its log file
+LEVEL_STYLES = {"info": "", "warning": "yellow", "error": "bold red", "change": "green"}
+
+
+class LogPanel(RichLog):
+    """A bounded, scrolling log. Lines carry the step they refer to, not the wall clock."""
+
+    DEFAULT_CSS = """
+    LogPanel {
+        height: 6;
+        border: round $primary-muted;
+        border-title-color: $text-primary;
+        scrollbar-size-vertical: 1;
+    }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id, max_lines=MAX_LINES, wrap=True, markup=False)
+        self.border_title = "Log"
+        self.can_focus = False
+        self.messages: deque[str] = deque(maxlen=MAX_LINES)
+
+    def add(self, message: str, *, level: str = "info", step: int | None = None) -> None:
+        prefix = f"[{step:>5}] " if step is not None else "        "
+        self.messages.append(message)
+        self.write(Text.assemble((prefix, "dim"), (message, LEVEL_STYLES.get(level, ""))))

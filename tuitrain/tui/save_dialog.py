@@ -1,0 +1,203 @@
+"""Saving a preset from the screen: the path dialog, the overwrite question, the write.
+
+The dialogs only ask; PresetSaving writes the file, and replaces an existing one only after
+the user said yes in ConfirmOverwrite.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from textual import on
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Static
+
+from tuitrain.settings import Settings
+from tuitrain.tui.formatting import format_size
+from tuitrain.tui.measurements import Measured
+
+PRESETS_DIR = "presets"
+
+
+def default_preset_path(model: str, policy: str) -> str:
+    """presets/<model>-<policy>.yaml in the working folder; a model folder gives its name."""
+    name = Path(model.rstrip("/\\")).name or "model"
+    return f"{PRESETS_DIR}/{name}-{policy}.yaml"
+
+
+def reproducing_command(preset_path: str) -> str:
+    """The command line that runs again what the preset at `preset_path` holds (the model
+    and every setting are in the file)."""
+    return shlex.join(["tuitrain", "run", "--preset", preset_path])
+
+
+_DIALOG_CSS = """
+{name} {{
+    align: center middle;
+}}
+{name} > Vertical {{
+    width: 72;
+    height: auto;
+    border: round $primary;
+    border-title-color: $text-primary;
+    background: $surface;
+    padding: 1 2;
+}}
+{name} Horizontal {{
+    height: auto;
+    margin-top: 1;
+    align-horizontal: right;
+}}
+{name} Button {{
+    margin-left: 2;
+}}
+"""
+
+
+class SaveDialog(ModalScreen[str | None]):
+    """Asks where to save the preset; dismisses with the path, or None when cancelled."""
+
+    DEFAULT_CSS = _DIALOG_CSS.format(name="SaveDialog")
+    AUTO_FOCUS = "#preset-path"
+    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+
+    def __init__(self, path: str, *, summary: str = "") -> None:
+        super().__init__()
+        self.path = path
+        self.summary = summary
+
+    def compose(self) -> ComposeResult:
+        with Vertical() as box:
+            box.border_title = "Save preset"
+            if self.summary:
+                yield Static(self.summary, id="preset-summary")
+            yield Label("File (YAML):")
+            yield Input(self.path, id="preset-path", select_on_focus=False)
+            with Horizontal():
+                yield Button("Cancel", id="cancel")
+                yield Button("Save", id="save", variant="primary")
+
+    @on(Input.Submitted, "#preset-path")
+    @on(Button.Pressed, "#save")
+    def _save(self) -> None:
+        path = self.query_one("#preset-path", Input).value.strip()
+        if not path:
+            self.notify("give a file name for the preset", severity="error")
+            return
+        self.dismiss(path)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmOverwrite(ModalScreen[bool]):
+    """Asks whether an existing file may be replaced; dismisses with True only on yes."""
+
+    DEFAULT_CSS = _DIALOG_CSS.format(name="ConfirmOverwrite")
+    AUTO_FOCUS = "#keep"
+    BINDINGS = [
+        Binding("y", "overwrite", "Overwrite", show=False),
+        Binding("n,escape", "keep", "Keep", show=False),
+    ]
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def compose(self) -> ComposeResult:
+        with Vertical() as box:
+            box.border_title = "File exists"
+            yield Static(f"{self.path} already exists. Overwrite it? (y/n)")
+            with Horizontal():
+                yield Button("Keep it", id="keep", variant="primary")
+                yield Button("Overwrite", id="overwrite", variant="error")
+
+    @on(Button.Pressed, "#overwrite")
+    def action_overwrite(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#keep")
+    def action_keep(self) -> None:
+        self.dismiss(False)
+
+
+class PresetSaving:
+    """The save flow: the path dialog, the write, the overwrite question, the outcome.
+
+    What is saved is what the dialog showed: the settings and measurements of the moment
+    it opened.
+
+    Args:
+        app: where the dialogs are shown.
+        report: told each outcome, e.g. report("saved presets/x.yaml", error=False).
+    """
+
+    def __init__(self, app: App, *, report: Callable[..., None]) -> None:
+        self.app = app
+        self.report = report
+
+    def start(self, settings: Settings, measured: Measured | None, *, budget: int | None) -> None:
+        """Open the dialog with presets/<model>-<policy>.yaml filled in."""
+        settings = settings.model_copy(deep=True)
+        engine = settings.engine
+        shown_budget = engine.device_budget or (format_size(budget) if budget else "default")
+        summary = (
+            f"policy {engine.policy} · margin {engine.margin_ratio:.2f} · budget {shown_budget}"
+        )
+        if measured is not None:
+            summary += "\n" + measured.describe()
+        path = default_preset_path(settings.model, engine.policy)
+        self.app.push_screen(
+            SaveDialog(path, summary=summary), partial(self._chosen, settings, measured)
+        )
+
+    def write(
+        self, settings: Settings, measured: Measured | None, path: str, *, overwrite: bool
+    ) -> bool:
+        """Write the preset; an existing file makes it ask first. True when written."""
+        from tuitrain.presets import save_preset
+
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return self._failed(path, exc)
+        try:
+            save_preset(
+                settings,
+                path,
+                command=reproducing_command(path),
+                measured=measured.as_dict() if measured else None,
+                overwrite=overwrite,
+            )
+        except FileExistsError:
+            confirmed = partial(self._confirmed, settings, measured, path)
+            self.app.push_screen(ConfirmOverwrite(path), confirmed)
+            return False
+        except (OSError, ValueError) as exc:
+            return self._failed(path, exc)
+        self.report(f"saved preset {path}", error=False)
+        return True
+
+    def _chosen(self, settings: Settings, measured: Measured | None, path: str | None) -> None:
+        if path is not None:
+            self.write(settings, measured, path, overwrite=False)
+
+    def _confirmed(
+        self, settings: Settings, measured: Measured | None, path: str, overwrite: bool | None
+    ) -> None:
+        if overwrite:
+            self.write(settings, measured, path, overwrite=True)
+        else:
+            self.report(f"kept the existing {path}", error=False)
+
+    def _failed(self, path: str, error: Exception) -> bool:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        self.report(f"could not save {path}: {reason}", error=True)
+        return False

@@ -1,0 +1,129 @@
+"""StepPanel: where the last step's time went, the bytes it moved, and the loss so far."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.widgets import Static
+from textual_plotext import PlotextPlot
+
+from engine.telemetry import StepStats
+from tuitrain.tui.downsample import downsample, mean
+from tuitrain.tui.formatting import format_seconds, format_size, step_ticks
+
+LOSS_HISTORY = 2000  # losses kept for the curve
+BAR_WIDTH = 12
+PHASES = (
+    ("forward", "green"),
+    ("backward", "cyan"),
+    ("optimizer", "magenta"),
+    ("transfer", "yellow"),
+)
+
+
+def step_breakdown(stats: StepStats | None) -> Text:
+    """The time split as a small table with bars, then the bytes moved each way."""
+    if stats is None:
+        return Text("waiting for the first step…", style="dim")
+    total = stats.seconds if stats.seconds > 0 else 1.0
+    lines = [
+        Text.assemble(
+            ("step ", "dim"),
+            (str(stats.step), "bold"),
+            ("  took ", "dim"),
+            (format_seconds(stats.seconds), "bold"),
+            ("  tokens ", "dim"),
+            (f"{stats.tokens:,}", "bold"),
+        )
+    ]
+    for name, colour in PHASES:
+        seconds = getattr(stats, name)
+        share = seconds / total
+        filled = round(share * BAR_WIDTH)
+        lines.append(
+            Text.assemble(
+                f"{name:<10}",
+                (f"{format_seconds(seconds):>9}", "bold"),
+                f" {share:>4.0%} ",
+                ("█" * filled, colour),
+                ("·" * (BAR_WIDTH - filled), "dim"),
+            )
+        )
+    lines.append(
+        Text.assemble(
+            ("h2d ", "dim"),
+            (format_size(stats.bytes_h2d), "bold"),
+            ("  d2h ", "dim"),
+            (format_size(stats.bytes_d2h), "bold"),
+        )
+    )
+    if stats.skipped:
+        lines.append(
+            Text(f"update skipped (fp16 overflow), scale {stats.loss_scale:g}", style="yellow")
+        )
+    return Text("\n").join(lines)
+
+
+class StepPanel(Horizontal):
+    """The time split on the left, the loss curve on the right."""
+
+    DEFAULT_CSS = """
+    StepPanel {
+        border: round $primary-muted;
+        border-title-color: $text-primary;
+        height: 1fr;
+    }
+    StepPanel > #step-times {
+        width: 38;
+        padding: 0 1 0 0;
+    }
+    StepPanel > #loss-plot {
+        width: 1fr;
+    }
+    """
+
+    def __init__(self, *, history: int = LOSS_HISTORY, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.border_title = "Step"
+        self.losses: deque[tuple[int, float]] = deque(maxlen=history)
+        self.latest: StepStats | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(step_breakdown(None), id="step-times")
+        yield PlotextPlot(id="loss-plot")
+
+    def on_mount(self) -> None:
+        self.query_one(PlotextPlot).plt.title("loss")
+
+    def record(self, stats: StepStats) -> None:
+        """Keep one step's loss; cheap, so every step can be recorded."""
+        self.losses.append((stats.step, stats.loss))
+        self.latest = stats
+
+    @property
+    def times_text(self) -> str:
+        return step_breakdown(self.latest).plain
+
+    def redraw_breakdown(self) -> None:
+        """Draw the latest step's split; cheap."""
+        self.query_one("#step-times", Static).update(step_breakdown(self.latest))
+
+    def redraw_loss(self) -> None:
+        """Draw the loss curve; costs a plotext build, so the app calls it less often."""
+        if not self.losses:
+            return
+        plot = self.query_one(PlotextPlot)
+        plt = plot.plt
+        plt.clear_data()
+        plt.title(f"loss {self.losses[-1][1]:.4f}")
+        steps = [s for s, _ in self.losses]
+        # Two braille dots per column; a group's mean smooths the loss instead of hiding it.
+        xs, ys = downsample(
+            steps, [v for _, v in self.losses], max(1, 2 * plot.size.width), reduce=mean
+        )
+        plt.plot(xs, ys, color="cyan", marker="braille")
+        plt.xticks(step_ticks(steps))
+        plot.refresh()
