@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="device budget, e.g. 6GiB (default: the whole GPU; 6GiB when simulated)",
     )
-    run.add_argument("--precision", metavar="P", help="fp32, bf16 or fp16 (default bf16)")
+    run.add_argument(
+        "--precision", metavar="P", help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 simulated)"
+    )
     run.add_argument("--batch-size", metavar="N", help="sequences per step (default 2)")
     run.add_argument("--seq-len", metavar="N", help="tokens per sequence (default 128)")
     run.add_argument("--lr", metavar="F", help="learning rate (default 0.0003)")
@@ -141,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="device memory, e.g. 6GiB (default: the whole GPU; 6GiB when simulated)",
     )
     plan.add_argument("--host-mem", metavar="SIZE", help="host memory (default: this machine's)")
-    plan.add_argument("--precision", metavar="P", help="fp32, bf16 or fp16 (default bf16)")
+    plan.add_argument(
+        "--precision", metavar="P", help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 simulated)"
+    )
     plan.add_argument("--batch-size", metavar="N", help="sequences per step (default 2)")
     plan.add_argument("--seq-len", metavar="N", help="tokens per sequence (default 128)")
     plan.add_argument(
@@ -405,7 +409,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if settings.engine.device_budget is not None
         else None,
         host_mem=host_mem,
-        precision=settings.engine.precision,
+        precision=settings.precision_for(simulated=not _has_cuda()),
         batch_size=settings.training.batch_size,
         seq_len=settings.training.seq_len,
         checkpointing=settings.training.activation_checkpointing,
@@ -414,6 +418,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tuitrain.plan import plan_main
 
     return plan_main(checked)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cmd_presets(args: argparse.Namespace) -> int:

@@ -75,6 +75,7 @@ class Started(Event):
 @dataclass
 class Step(Event):
     stats: StepStats
+    time: float = 0.0  # wall clock (time.time()) when the step ended in the worker
 
 
 @dataclass

@@ -26,7 +26,9 @@ class EngineSettings(_Strict):
     margin_ratio: float = Field(0.0, ge=0.0, le=1.0)
     # None: the whole GPU on CUDA, 6 GiB (the laptop story) on the simulated device.
     device_budget: str | None = None
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # None: bf16 on a GPU that has it, fp16 on older GPUs, fp32 on the simulated device
+    # (CPUs without bf16 units run bf16 matmuls several times slower than fp32).
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
     chunk_size: int | None = Field(None, gt=0)  # elements; None = searched
 
     @field_validator("device_budget", mode="before")
@@ -73,6 +75,16 @@ class Settings(_Strict):
     data: DataSettings = Field(default_factory=DataSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+
+    def precision_for(self, simulated: bool) -> str:
+        """The compute precision: the one asked for, else the best for this device."""
+        if self.engine.precision is not None:
+            return self.engine.precision
+        if simulated:
+            return "fp32"
+        import torch
+
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
     def budget_bytes(self, simulated: bool) -> int | None:
         """The device budget in bytes; the laptop's 6 GiB when simulating with none given."""

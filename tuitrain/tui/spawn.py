@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable
 
 from tuitrain.client import WorkerClient
@@ -20,14 +18,7 @@ def default_worker_factory(settings: Settings) -> WorkerClient:
 
 
 def start_worker(factory: WorkerFactory, settings: Settings) -> WorkerClient:
-    """Build a worker and start it from inside the running app.
-
-    Textual swaps sys.stderr for a capture whose fileno() is -1, and multiprocessing hands
-    stderr's descriptor to the resource-tracker process it starts with the first spawn,
-    which fails on -1. So the start sees a real file as stderr: the null device, because the
-    tracker only ever writes leak warnings and they must not scribble over the screen.
-    """
+    """Build a worker and start it (ProcessWorker.start copes with Textual's stderr)."""
     worker = factory(settings)
-    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
-        worker.start()
+    worker.start()
     return worker

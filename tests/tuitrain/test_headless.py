@@ -1,0 +1,161 @@
+"""The headless runner: exit statuses, what it prints, the metrics file, and Ctrl-C."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tuitrain.headless import run_headless
+from tuitrain.settings import Settings
+
+START_SECONDS = 240.0  # a cold start imports torch and tokenises the corpus
+
+pytestmark = pytest.mark.slow  # real worker processes: seconds to start each
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def tiny_settings(**sections: dict) -> Settings:
+    engine = {"precision": "fp32", **sections.pop("engine", {})}
+    training = {"batch_size": 2, "seq_len": 16, **sections.pop("training", {})}
+    return Settings(model="tiny", engine=engine, training=training, **sections)
+
+
+def test_a_run_prints_settings_progress_and_summary_and_appends_metrics(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    earlier = json.dumps({"settings": {"model": "an earlier run"}})
+    metrics.write_text(earlier + "\n")
+    out, err = Terminal(), io.StringIO()
+    settings = tiny_settings(training={"steps": 5}, logging={"metrics": str(metrics)})
+
+    assert run_headless(settings, out=out, err=err, log_path=str(tmp_path / "w.log")) == 0
+
+    assert err.getvalue() == ""
+    text = out.getvalue()
+    assert "tiny: " in text and "simulated, 6.0 GiB" in text
+    assert "policy auto, margin 0.00, budget 6GiB, precision fp32" in text
+    assert "5 steps of 2 x 16 tokens" in text
+    assert re.search(r"\r\[#+\] step 5/5  loss \d+\.\d{4}", text), "a bar redrawn in place"
+    assert "done: 5 steps, 160 tokens" in text
+    assert f"metrics   {metrics}" in text
+
+    lines = metrics.read_text().splitlines()
+    assert lines[0] == earlier, "an existing metrics file is appended to, never truncated"
+    records = [json.loads(line) for line in lines[1:]]
+    assert len(records) == 5 + 1
+    assert records[0]["settings"]["training"]["steps"] == 5
+    assert [r["step"] for r in records[1:]] == [1, 2, 3, 4, 5]
+    assert all(r["tokens"] == 32 and r["policy"] == "auto" for r in records[1:])
+
+
+def test_a_budget_below_the_working_set_exits_2_with_one_line(tmp_path: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    settings = tiny_settings(engine={"device_budget": "64KiB"}, training={"steps": 3})
+
+    assert run_headless(settings, out=out, err=err, log_path=str(tmp_path / "w.log")) == 2
+
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("tuitrain: error: device budget 64.0 KiB is below the minimum")
+    assert "Traceback" not in out.getvalue() + err.getvalue()
+
+
+def test_ctrl_c_stops_the_worker_cleanly_and_exits_130(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    command = [
+        sys.executable, "-m", "tuitrain.cli", "run", "tiny", "--headless",
+        "--steps", "1000000", "--batch-size", "2", "--seq-len", "16", "--precision", "fp32",
+        "--metrics", str(metrics),
+    ]  # fmt: skip
+    # A session of its own: the Ctrl-C below goes to every process in it, as a terminal's
+    # does to its foreground group, worker included.
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, cwd=tmp_path,
+    )  # fmt: skip
+    out: list[str] = []
+    err: list[str] = []
+    readers = [
+        threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s), daemon=True)
+        for stream, lines in ((run.stdout, out), (run.stderr, err))
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + START_SECONDS
+        while not any(line.startswith("step 1/") for line in out):
+            assert run.poll() is None, f"exited early: {''.join(err)}"
+            assert time.monotonic() < deadline, "no step within the start-up time"
+            time.sleep(0.05)
+        worker_pid = int(next(re.search(r"pid (\d+)", x)[1] for x in out if "worker    pid" in x))
+        assert psutil.pid_exists(worker_pid)
+
+        os.killpg(run.pid, signal.SIGINT)
+        assert run.wait(timeout=60) == 130
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+
+    assert not psutil.pid_exists(worker_pid), "the worker outlived the command"
+    assert _session_empties(run.pid), "a process of the run is still alive"
+    stdout, stderr = "".join(out), "".join(err)
+    assert "Traceback" not in stdout + stderr
+    assert "training failed" not in stderr, "the worker ignored Ctrl-C and stopped cleanly"
+    assert "done (stopped early): " in stdout
+    assert f"metrics in {metrics}" in stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert "settings" in records[0]
+    steps = [r["step"] for r in records[1:]]
+    assert steps and steps == list(range(1, len(steps) + 1))
+
+
+def _session_empties(session: int, timeout: float = 10.0) -> bool:
+    """Whether every process of `session` is gone within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for process in psutil.process_iter():
+            try:
+                if os.getsid(process.pid) == session and process.status() != "zombie":
+                    alive.append(process)
+            except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_left_behind():
+    yield
+    spawned = [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if "spawn_main" in " ".join(_cmdline(child))
+    ]
+    assert spawned == []
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.NoSuchProcess:
+        return []

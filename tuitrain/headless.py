@@ -1,0 +1,283 @@
+"""The headless runner: the same worker as the TUI, with a progress line instead of a screen.
+
+For servers, CI and cluster jobs. On a terminal a single line redraws in place; otherwise
+(a log file, a pipe) plain lines are printed now and then, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TextIO
+
+from engine.config import format_size
+from engine.telemetry import StepStats
+from tuitrain.events import Event, Failed, Finished, Log, Rejected, Started, Step, Stop
+from tuitrain.settings import Settings
+from tuitrain.training_run import EXIT_BAD_INPUT
+from tuitrain.worker import ProcessWorker
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a job stopped by Ctrl-C
+
+WAIT_SECONDS = 0.1  # longest sleep between looks at the worker
+REDRAW_SECONDS = 0.1  # a terminal progress line is redrawn at most this often
+PLAIN_LINE_SECONDS = 2.0  # without a terminal, at least this long between progress lines
+PLAIN_EVERY_STEP = 50  # runs this short print every step
+# After Ctrl-C the worker finishes its current step; past this, it is stopped by force.
+INTERRUPT_WAIT_SECONDS = 30.0
+STOP_SECONDS = 10.0  # once the run has ended, how long the worker gets to exit by itself
+BAR_WIDTH = 24
+
+
+def run_headless(
+    settings: Settings,
+    *,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    log_path: str | None = None,
+) -> int:
+    """Train `settings` without a UI; returns the process exit status.
+
+    Args:
+        settings: the run, already validated (presets and flags merged).
+        out: progress, the settings block and the summary.
+        err: failures and warnings.
+        log_path: the worker's log file; default a new file under the temporary folder.
+
+    Returns 0 when training finished, 1 when it failed (the reason and the log are named on
+    `err`), 2 for bad input found by the worker (one line), 130 after Ctrl-C (the worker is
+    stopped cleanly first; a second Ctrl-C stops it at once).
+    """
+    worker = ProcessWorker(settings=settings, log_path=log_path)
+    report = _Report(settings=settings, out=out, err=err, log_path=str(worker.log_path))
+    interrupts = _Interrupts()
+    code: int | None = None
+    with interrupts.catching():
+        worker.start()
+        report.say(f"starting {settings.model} (worker log: {worker.log_path})")
+        try:
+            code = _follow(worker, report, interrupts)
+        finally:
+            worker.stop(timeout=0.0 if interrupts.count > 1 else STOP_SECONDS)
+        for event in worker.poll():  # what came while stopping: the summary, or why not
+            outcome = report.handle(event)
+            code = outcome if code is None else code
+        report.close_line()
+    if interrupts.count:
+        report.interrupted()
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if code is None else code
+
+
+def _follow(worker: ProcessWorker, report: _Report, interrupts: _Interrupts) -> int | None:
+    """Relay events until the run ends or the user interrupts; returns the exit status."""
+    asked_to_stop_at: float | None = None
+    while True:
+        worker.wait(WAIT_SECONDS)
+        for event in worker.poll():
+            code = report.handle(event)
+            if code is not None:
+                return code
+        if interrupts.count and asked_to_stop_at is None:
+            report.say_err("stopping after the current step (Ctrl-C again to stop now)")
+            worker.send(Stop())
+            asked_to_stop_at = time.monotonic()
+        if interrupts.count > 1:
+            return None
+        if asked_to_stop_at is not None and (
+            time.monotonic() - asked_to_stop_at > INTERRUPT_WAIT_SECONDS
+        ):
+            return None
+
+
+class _Interrupts:
+    """Counts Ctrl-C instead of raising KeyboardInterrupt mid-way through a pipe read."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextmanager
+    def catching(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.count += 1
+
+
+class _Report:
+    """Turns events into what a person reading the terminal or the job log wants to see."""
+
+    def __init__(self, *, settings: Settings, out: TextIO, err: TextIO, log_path: str) -> None:
+        self.settings = settings
+        self.log_path = log_path
+        self.out = out
+        self.err = err
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self.total = settings.training.steps
+        self.latest: StepStats | None = None
+        self.line_open = False  # a progress line is drawn and not yet ended
+        self.last_drawn = 0.0
+
+    def handle(self, event: Event) -> int | None:
+        """Show one event; returns the exit status once the run has ended."""
+        if isinstance(event, Step):
+            self.step(event.stats)
+        elif isinstance(event, Started):
+            self.started(event)
+        elif isinstance(event, Log):
+            if event.level == "info":
+                self.say(f"  {event.message}")
+            else:
+                self.say_err(f"{event.level}: {event.message}")
+        elif isinstance(event, Rejected):  # only Stop is ever sent, and it is never refused
+            self.say_err(f"rejected: {event.reason}")
+        elif isinstance(event, Finished):
+            self.finished(event.summary)
+            return EXIT_OK
+        elif isinstance(event, Failed):
+            return self.failed(event)
+        return None
+
+    # --- events ----------------------------------------------------------------------
+
+    def started(self, event: Started) -> None:
+        used = event.settings
+        e, t, d, g = used["engine"], used["training"], used["data"], used["logging"]
+        budget = e["device_budget"] or "whole device"
+        lines = [
+            f"{event.model}: {_count(event.parameters)} parameters in {len(event.chunks)} "
+            f"chunks on {event.device}",
+            f"  engine    policy {e['policy']}, margin {e['margin_ratio']:.2f}, "
+            f"budget {budget}, precision {e['precision']}",
+            f"  training  {t['steps']} steps of {t['batch_size']} x {t['seq_len']} tokens, "
+            f"lr {t['lr']:g}, seed {t['seed']}",
+            f"  data      {d['path'] or 'built-in corpus'}",
+            f"  metrics   {g['metrics'] or 'not written (--metrics FILE.jsonl)'}",
+            f"  worker    pid {event.pid}, log {event.log_path}",
+        ]
+        self.say("\n".join(lines))
+
+    def step(self, stats: StepStats) -> None:
+        self.latest = stats
+        now = time.monotonic()
+        last = stats.step >= self.total
+        if self.tty:
+            if last or now - self.last_drawn >= REDRAW_SECONDS or stats.step == 1:
+                # Cut to the terminal's width: a wrapped line cannot be redrawn in place.
+                line = self._progress(stats, bar=True)[: _width(self.out) - 1]
+                self.out.write("\r" + line + "\x1b[K")
+                self.out.flush()
+                self.line_open = True
+                self.last_drawn = now
+        elif (
+            self.total <= PLAIN_EVERY_STEP
+            or stats.step == 1
+            or last
+            or now - self.last_drawn >= PLAIN_LINE_SECONDS
+        ):
+            self.say(self._progress(stats, bar=False))
+            self.last_drawn = now
+
+    def finished(self, summary: dict) -> None:
+        stopped = " (stopped early)" if summary.get("stopped") else ""
+        lines = [
+            f"done{stopped}: {summary['steps']} steps, {summary['tokens']:,} tokens "
+            f"in {summary['seconds']:.1f} s",
+        ]
+        if summary.get("mean_step_seconds") is not None:
+            rate = summary.get("tokens_per_second") or 0.0
+            lines.append(
+                f"  mean step {summary['mean_step_seconds']:.3f} s "
+                f"(first {summary['first_step_seconds']:.3f} s), {_count(rate)} tokens/s, "
+                f"final loss {summary['final_loss']:.4f}"
+            )
+        lines.append(
+            f"  peak device {format_size(summary['peak_device_bytes'])}, "
+            f"peak host {format_size(summary['peak_host_bytes'])}"
+        )
+        if summary.get("metrics"):
+            lines.append(f"  metrics   {summary['metrics']}")
+        self.say("\n".join(lines))
+
+    def failed(self, event: Failed) -> int:
+        if event.exitcode == EXIT_BAD_INPUT:
+            self.say_err(f"tuitrain: error: {event.reason}")
+            return EXIT_BAD_INPUT
+        self.say_err(f"training failed: {event.reason}")
+        if event.log_tail:
+            self.say_err("  " + "\n  ".join(event.log_tail[-8:]))
+        self.say_err(f"full log: {self.log_path}")
+        if self.settings.logging.metrics:
+            self.say_err(f"metrics so far: {self.settings.logging.metrics}")
+        return EXIT_FAILED
+
+    def interrupted(self) -> None:
+        step = self.latest.step if self.latest is not None else 0
+        where = self.settings.logging.metrics
+        self.say_err(
+            f"interrupted after step {step}; "
+            + (f"metrics in {where}" if where else "no metrics file was asked for")
+        )
+
+    # --- output ----------------------------------------------------------------------
+
+    def _progress(self, stats: StepStats, *, bar: bool) -> str:
+        rate = stats.tokens / stats.seconds if stats.seconds > 0 else 0.0
+        text = (
+            f"step {stats.step}/{self.total}  loss {stats.loss:.4f}  "
+            f"{stats.seconds:.3f} s/step  {_count(rate)} tok/s  "
+            f"policy {stats.policy}  margin {stats.margin_ratio:.2f}  "
+            f"device peak {format_size(stats.memory.device_peak)}"
+        )
+        if not bar:
+            return text
+        done = min(BAR_WIDTH, BAR_WIDTH * stats.step // max(1, self.total))
+        return f"[{'#' * done}{'.' * (BAR_WIDTH - done)}] {text}"
+
+    def close_line(self) -> None:
+        """End a progress line drawn in place, so what follows starts on its own line."""
+        if self.line_open:
+            self.out.write("\n")
+            self.out.flush()
+            self.line_open = False
+
+    def say(self, text: str) -> None:
+        self.close_line()
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def say_err(self, text: str) -> None:
+        self.close_line()
+        self.err.write(text + "\n")
+        self.err.flush()
+
+
+def _width(stream: TextIO) -> int:
+    """Columns of the terminal behind `stream`, or the usual guess."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return shutil.get_terminal_size().columns
+
+
+def _count(value: float) -> str:
+    """Compact count: 950, 12.3k, 1.3M, 2.7G."""
+    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{suffix}"
+    return f"{value:.0f}"

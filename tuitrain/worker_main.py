@@ -1,0 +1,148 @@
+"""The worker process's entry point: the plumbing around a TrainingRun.
+
+This is the child side of `tuitrain.worker.ProcessWorker`. It runs in a `spawn`ed process
+with its stdout and stderr (native libraries' included) sent to a log file, so nothing it
+prints reaches the terminal that a UI draws on. Events leave through a sending thread, and
+a watcher thread ends the process when its parent is gone.
+
+Module-level imports stay light: torch and transformers are imported inside the run, after
+SIGINT is ignored, so that a Ctrl-C in the terminal during the seconds of start-up cannot
+interrupt the child (only the parent decides when training stops).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tuitrain.events import Event, Step
+from tuitrain.settings import Settings
+from tuitrain.training_run import TrainingRun
+
+EXIT_ORPHANED = 3  # the parent died; nobody is left to report to
+
+# The parent sentinel wakes the watcher at once; the parent pid is also checked this often.
+PARENT_CHECK_SECONDS = 0.5
+# Events wait in memory when the UI reads slower than steps are made (or not at all, as in a
+# benchmark). Past this many, further step samples are dropped rather than stalling training;
+# every other event is always kept, and the metrics file never loses a step.
+EVENT_BACKLOG = 10_000
+# At exit the last events (Finished above all) get this long to reach the parent.
+FLUSH_SECONDS = 10.0
+
+
+def worker_main(
+    *,
+    settings: dict,
+    log_path: str,
+    parent_pid: int,
+    commands: Connection,
+    events: Connection,
+) -> None:
+    """Entry point of the spawned process; never returns, the process exits here.
+
+    Args:
+        settings: `Settings.model_dump()` of the run (a plain dict pickles everywhere).
+        log_path: file that receives the process's stdout and stderr, appended to.
+        parent_pid: the process that started this one; when it is gone, training stops.
+        commands: read end of the UI -> worker channel.
+        events: write end of the worker -> UI channel.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _redirect_output(log_path)
+    _watch_parent(parent_pid)
+    outbox = Outbox(events)
+    code = TrainingRun(
+        settings=Settings.model_validate(settings),
+        log_path=log_path,
+        commands=commands,
+        outbox=outbox,
+    ).execute()
+    outbox.close(FLUSH_SECONDS)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skips interpreter teardown: a library thread that never ends cannot keep a finished
+    # worker alive.
+    os._exit(code)
+
+
+def _redirect_output(log_path: str) -> None:
+    """Point fd 1 and 2 at the log file, so output written by C/C++ code lands there too."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Line-buffered, so the log tail sent with a failure is current.
+    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the parent dies, so that no training process is ever left orphaned.
+
+    The multiprocessing parent sentinel becomes readable the moment the parent's end closes;
+    the parent-pid check covers a sentinel that is missing.
+    """
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    sentinel = parent.sentinel if parent is not None else None
+
+    def watch() -> None:
+        while True:
+            if sentinel is not None:
+                gone = bool(wait([sentinel], timeout=PARENT_CHECK_SECONDS))
+            else:
+                time.sleep(PARENT_CHECK_SECONDS)
+                gone = False
+            if gone or os.getppid() != parent_pid:
+                print("the parent process is gone; the worker exits", file=sys.stderr)
+                sys.stderr.flush()
+                os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="tuitrain-parent-watch", daemon=True).start()
+
+
+class Outbox:
+    """Sends events from a thread, so a UI that reads slowly never stalls a training step."""
+
+    _CLOSE = object()
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._peer_gone = False
+        self._thread = threading.Thread(target=self._send_all, name="tuitrain-events", daemon=True)
+        self._thread.start()
+
+    def put(self, event: Event) -> None:
+        if isinstance(event, Step) and self._queue.qsize() >= EVENT_BACKLOG:
+            return
+        self._queue.put(event)
+
+    def close(self, timeout: float) -> None:
+        """Send what is queued (waiting up to `timeout`), then stop the thread."""
+        self._queue.put(self._CLOSE)
+        self._thread.join(timeout)
+
+    def _send_all(self) -> None:
+        while True:
+            event = self._queue.get()
+            if event is self._CLOSE:
+                return
+            if self._peer_gone:
+                continue
+            try:
+                self._connection.send(event)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                self._peer_gone = True
+            except Exception:  # an event that does not pickle must not silence the rest
+                traceback.print_exc()
