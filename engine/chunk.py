@@ -113,7 +113,8 @@ class Chunk:
     device_payload: torch.Tensor | None = None  # storage resized to 0 when not on the device
     grad: torch.Tensor | None = None  # device gradient buffer while backward fills it
     host_grad: torch.Tensor | None = None  # fp32 only: where gradients land on the host
-    slot_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # resident: autograd's
+    # Resident chunks: autograd's own gradient per parameter, keyed by the slot's offset.
+    slot_grads: dict[int, tuple[Slot, torch.Tensor]] = field(default_factory=dict)
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
@@ -123,6 +124,7 @@ class Chunk:
     stale: bool = False  # device copy no longer matches the parameters (after an update)
     grads_pending: int = 0  # parameters whose gradient has not arrived this backward
     holds_grads: bool = False  # the home payload holds gradients, not parameters
+    computing: int = 0  # parameters in COMPUTE; kept by set_state so in_use() is O(1)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -146,6 +148,7 @@ class Chunk:
 
     def set_state(self, slot: Slot, new: TensorState) -> None:
         check_transition(slot.name, slot.state, new)
+        self.computing += (new == TensorState.COMPUTE) - (slot.state == TensorState.COMPUTE)
         slot.state = new
 
     def set_states(self, new: TensorState) -> None:
@@ -154,7 +157,7 @@ class Chunk:
                 self.set_state(slot, new)
 
     def in_use(self) -> bool:
-        return any(s.state == TensorState.COMPUTE for s in self.slots)
+        return self.computing > 0
 
     def most_active(self) -> TensorState:
         present = {s.state for s in self.slots}

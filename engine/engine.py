@@ -284,7 +284,7 @@ class Engine:
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         chunk, slot = self._slot_of[id(param)]
         if chunk.resident:
-            self.manager.keep_slot_grad(chunk, chunk.slots.index(slot), param.grad, self._pos)
+            self.manager.keep_slot_grad(chunk, slot, param.grad, self._pos)
         else:
             buf = self.manager.grad_buffer(chunk, self._pos)
             buf[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
@@ -386,6 +386,7 @@ class Engine:
                 if slot.state not in (S.FREE, S.HOLD):
                     slot.state = S.HOLD  # reset after a failure; not a transition
                 slot.param.grad = None
+            chunk.computing = 0
         self.manager.release_all()
         self._tracing = None
         self.counter.reset()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.chunk import Chunk
+from engine.chunk import Chunk, Slot
 from engine.config import format_size
 from engine.device import ComputeDevice, DeviceOutOfMemory
 from engine.policy import Policy
@@ -188,18 +188,18 @@ class ChunkManager:
         chunk.grad = None
         chunk.holds_grads = True
 
-    def keep_slot_grad(self, chunk: Chunk, index: int, grad: torch.Tensor, pos: int) -> None:
+    def keep_slot_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
         """A resident chunk keeps autograd's gradient tensor as is: no buffer, no copy.
 
         Its room was planned with the residency, but the auto policy may have filled it
         with idle chunks since: those go first."""
         self.make_room(grad.nbytes, pos, (chunk,))
-        chunk.slot_grads[index] = grad.reshape(-1)
+        chunk.slot_grads[slot.offset] = (slot, grad.reshape(-1))
         self.device_bytes += grad.nbytes
         self.on_change()
 
     def drop_slot_grads(self, chunk: Chunk) -> None:
-        self.device_bytes -= sum(g.nbytes for g in chunk.slot_grads.values())
+        self.device_bytes -= sum(g.nbytes for _, g in chunk.slot_grads.values())
         chunk.slot_grads.clear()
         self.on_change()
 

@@ -25,7 +25,7 @@ def _flat_grad(chunk: Chunk) -> torch.Tensor:
 
 def grad_norm_squared(chunk: Chunk) -> float:
     if chunk.resident:
-        grads = list(chunk.slot_grads.values())
+        grads = [g for _, g in chunk.slot_grads.values()]
     else:
         grads = [_flat_grad(chunk)]
     return sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
@@ -46,7 +46,7 @@ def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: fl
     torch.optim.AdamW skips parameters whose .grad is None.
     """
     if chunk.resident:
-        picked = [(chunk.slots[i], g) for i, g in sorted(chunk.slot_grads.items())]
+        picked = [chunk.slot_grads[offset] for offset in sorted(chunk.slot_grads)]
 
         def views(flat: torch.Tensor) -> list[torch.Tensor]:
             return [flat[s.offset:s.offset + s.numel] for s, _ in picked]
