@@ -29,6 +29,13 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def host_bytes_per_parameter(precision: str) -> int:
+    """Host bytes a non-resident chunk keeps per parameter: fp32 master and two moments, plus
+    the payload (fp32: the master itself) and a gradient landing place (bf16/fp16: the payload
+    itself, reused after backward)."""
+    return 16 if precision == "fp32" else 14
+
+
 def pack(sizes: list[int], chunk_size: int) -> list[list[int]]:
     """Greedy packing of parameters (in use order) into chunks of `chunk_size` elements.
 

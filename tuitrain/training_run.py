@@ -148,13 +148,17 @@ class TrainingRun:
             seq_len=s.training.seq_len,
             seed=s.training.seed,
         )
+        precision = s.precision_for(simulated)
+        if simulated and s.engine.device_budget is None:
+            budget = _simulated_budget(budget, parameters=_count(self.model), precision=precision)
+            self._say(f"simulated device budget {_exact_size(budget)}")
         self.engine = Engine(
             self.model,
             EngineConfig(
                 policy=s.engine.policy,
                 margin_ratio=s.engine.margin_ratio,
                 device_budget=budget,
-                precision=s.precision_for(simulated),
+                precision=precision,
                 lr=s.training.lr,
                 weight_decay=s.training.weight_decay,
                 max_grad_norm=s.training.max_grad_norm,
@@ -169,7 +173,7 @@ class TrainingRun:
 
         device = _describe_device(simulated, budget)
         used = s.model_dump()
-        used["engine"]["precision"] = s.precision_for(simulated)
+        used["engine"]["precision"] = precision
         if budget is not None:
             used["engine"]["device_budget"] = _exact_size(budget)
         started = Started(
@@ -427,6 +431,40 @@ class TrainingRun:
     def _say(self, message: str, level: str = "info") -> None:
         print(message, flush=True)
         self.outbox.put(Log(message, level))
+
+
+# Host memory left to the rest of the machine when sizing the default simulated device.
+HOST_RESERVE = 1024**3
+
+
+def _count(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _simulated_budget(default: int, *, parameters: int, precision: str) -> int:
+    """The default simulated budget, shrunk to what this machine's memory can hold.
+
+    A simulated device lives in host memory beside the host copies of the chunks, so the
+    laptop's 6 GiB cannot always be had on top of them. An explicit budget is honoured (and
+    fails as it would); the default adapts, and says so.
+    """
+    import psutil
+
+    from engine.chunk import host_bytes_per_parameter
+    from engine.config import format_size
+
+    # The model as built (fp32) is freed parameter by parameter while it is packed.
+    need = (host_bytes_per_parameter(precision) - 4) * parameters
+    room = psutil.virtual_memory().available - need - HOST_RESERVE
+    if room < default // 8:
+        total = host_bytes_per_parameter(precision) * parameters
+        raise ValueError(
+            f"{parameters / 1e9:.2f}B parameters in {precision} need about "
+            f"{format_size(total)} of host memory for their chunks and optimizer state; this "
+            f"machine has {format_size(psutil.virtual_memory().available + 4 * parameters)} "
+            f"available"
+        )
+    return int(min(default, room))
 
 
 def _describe_device(simulated: bool, budget: int | None) -> str:
