@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import errno
 import json
+import subprocess
+import sys
+import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -145,3 +149,50 @@ def test_checkpoints_hold_no_pickles(tmp_path):
     assert suffixes <= {".json", ".safetensors", ".txt", ".model", ""}
     manifest = json.loads((folder / "manifest.json").read_text())
     assert "optimizer.safetensors" in manifest["files"]
+
+
+def _cli(*args: str, cwd) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tuitrain.cli", "run", "tiny", "--headless", "--precision", "fp32",
+         "--batch-size", "2", "--seq-len", "16", *args],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _losses(path) -> dict[int, float]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "step" in r}
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_worker_mid_run_then_resume_continues_exactly(tmp_path):
+    straight = _cli("--steps", "8", "--metrics", "straight.jsonl", cwd=tmp_path)
+    assert straight.wait(timeout=600) == 0, straight.stdout.read()
+
+    run = _cli("--steps", "1000000", "--checkpoint-dir", "ck", "--checkpoint-every", "3",
+               "--metrics", "killed.jsonl", cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "ck" / "step-000003").exists():
+            assert run.poll() is None, run.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        workers = [p for p in psutil.Process(run.pid).children(recursive=True)
+                   if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 1
+        workers[0].kill()  # SIGKILL in the middle of whatever it is doing
+        assert run.wait(timeout=60) == 1  # reported as a training failure, not a hang
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    newest = find_checkpoint(tmp_path / "ck")
+    done = int(newest.name.split("-")[1])
+    assert done >= 3 and done % 3 == 0
+
+    resumed = _cli("--steps", "8", "--resume", "ck", "--metrics", "resumed.jsonl", cwd=tmp_path)
+    assert resumed.wait(timeout=600) == 0, resumed.stdout.read()
+    want = _losses(tmp_path / "straight.jsonl")
+    got = _losses(tmp_path / "resumed.jsonl")
+    assert sorted(got) == list(range(done + 1, 9))
+    assert all(got[step] == want[step] for step in got)

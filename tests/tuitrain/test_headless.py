@@ -79,7 +79,7 @@ def test_ctrl_c_stops_the_worker_cleanly_and_exits_130(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "tuitrain.cli", "run", "tiny", "--headless",
         "--steps", "1000000", "--batch-size", "2", "--seq-len", "16", "--precision", "fp32",
-        "--metrics", str(metrics),
+        "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ck"),
     ]  # fmt: skip
     # A session of its own: the Ctrl-C below goes to every process in it, as a terminal's
     # does to its foreground group, worker included.
@@ -124,6 +124,8 @@ def test_ctrl_c_stops_the_worker_cleanly_and_exits_130(tmp_path: Path) -> None:
     assert "settings" in records[0]
     steps = [r["step"] for r in records[1:]]
     assert steps and steps == list(range(1, len(steps) + 1))
+    # With a checkpoint folder, Ctrl-C leaves a checkpoint of the last step taken.
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"step-{steps[-1]:06d}"]
 
 
 def _session_empties(session: int, timeout: float = 10.0) -> bool:
