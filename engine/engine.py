@@ -10,7 +10,6 @@ gives the losses and weights of torch.optim.AdamW(fused=True) on the same batche
 
 from __future__ import annotations
 
-import math
 import time
 
 import psutil
@@ -22,8 +21,15 @@ from engine.config import EngineConfig, check_margin, format_size, parse_size
 from engine.device import ComputeDevice, make_device
 from engine.hooks import install, wrap_outputs
 from engine.manager import ChunkManager
-from engine.optim import adamw_update, global_grad_norm, restore_params
+from engine.optim import ChunkAdamW, restore_params
 from engine.packing import build_chunks, first_use_order  # noqa: F401 (re-exported)
+from engine.placement import (
+    BudgetTooSmall,
+    apply_residency,
+    check_budget,
+    minimum_working_set,
+    resident_set,
+)
 from engine.policy import Policy
 from engine.state import TensorState
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
@@ -31,11 +37,6 @@ from engine.tracer import NonModelCounter, Trace, TracePoint, tensor_bytes
 
 S = TensorState
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-LOSS_SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles
-
-
-class BudgetTooSmall(ValueError):
-    """The device budget cannot hold the minimum working set; says what it needs."""
 
 
 class Engine:
@@ -48,8 +49,6 @@ class Engine:
         self.device = device or make_device(config.device_budget, config.simulate)
         self.dtype = DTYPES[config.precision]
         self.step_count = 0
-        self.loss_scale = config.initial_loss_scale if config.precision == "fp16" else 1.0
-        self._good_steps = 0
         self._pending: dict[str, object] = {}
         self._pos = -1
         self._trace: Trace | None = None
@@ -68,6 +67,7 @@ class Engine:
         self.manager = ChunkManager(self.chunks, self.device, non_model_now=self._non_model_now,
                                     on_change=self._on_model_change)
         self.manager.policy = Policy(config.policy)
+        self.optimizer = ChunkAdamW(config, self.manager)
         self._account_initial()
         self._model_ptrs: set[int] = set()
         self._slot_of = {id(s.param): (c, s) for c in self.chunks for s in c.slots}
@@ -123,35 +123,12 @@ class Engine:
     def _check_budget(self, budget: int, policy: Policy) -> None:
         if not self.device.simulated:
             budget = min(budget, self.device.capacity())
-        need = self.min_working_set()
-        if budget < need:
-            raise BudgetTooSmall(
-                f"device budget {format_size(budget)} is below the minimum working set "
-                f"{format_size(need)} (largest chunks in use at once"
-                f"{', plus activations' if self._trace else ''})")
-        if policy == Policy.CUDA:
-            need = self.cuda_policy_bytes()
-            if budget < need:
-                raise BudgetTooSmall(
-                    f"policy cuda needs {format_size(need)} on the device (model data "
-                    f"{format_size(sum(self.manager.resident_cost(c) for c in self.chunks))}"
-                    f" + activations {format_size(self._non_model_forecast())}) but the "
-                    f"budget is {format_size(budget)}; use policy auto or cpu")
+        check_budget(budget, policy, chunks=self.chunks, manager=self.manager,
+                     trace=self._trace, module_chunks=self._module_chunks.values())
 
     def min_working_set(self) -> int:
         """Least device bytes a step needs under any placement."""
-        if self._trace is not None:
-            return self._trace.working_set
-        # Before the first step: the chunks of the largest module, with gradient buffers.
-        return max((2 * sum(c.nbytes for c in cs) for cs in self._module_chunks.values()),
-                   default=0)
-
-    def cuda_policy_bytes(self) -> int:
-        return sum(self.manager.resident_cost(c) for c in self.chunks) + \
-            self._non_model_forecast()
-
-    def _non_model_forecast(self) -> int:
-        return self._trace.non_model_peak if self._trace else 0
+        return minimum_working_set(self._trace, self._module_chunks.values())
 
     def _apply_pending(self) -> list[str]:
         applied = []
@@ -170,32 +147,11 @@ class Engine:
         return applied
 
     def _place(self, *, margin: bool = True) -> None:
-        """Decide which chunks are resident (payload and optimizer state on the device).
-
-        cuda: all of them. Otherwise `margin_ratio` of the margin (capacity minus the traced
-        peak of a step that keeps nothing resident), in use order; re-applied whenever the
-        policy, margin or budget changes.
-        """
-        m = self.manager
-        if m.policy == Policy.CUDA:
-            want = set(self.chunks)
-        else:
-            want = set()
-            if margin and self._trace is not None and self.config.margin_ratio > 0:
-                room = self.config.margin_ratio * max(
-                    0, self.device.capacity() - self._trace.working_set)
-                for chunk in self.chunks:
-                    cost = m.resident_cost(chunk)
-                    if cost <= room:
-                        want.add(chunk)
-                        room -= cost
-        for chunk in self.chunks:
-            if chunk.resident and chunk not in want:
-                m.set_resident(chunk, False)
-        m.release_all()
-        for chunk in self.chunks:
-            if chunk in want:
-                m.set_resident(chunk, True)
+        """Make resident what the policy and the margin ask for (see engine.placement)."""
+        ratio = self.config.margin_ratio if margin else 0.0
+        want = resident_set(self.chunks, self.manager, trace=self._trace,
+                            capacity=self.device.capacity(), margin_ratio=ratio)
+        apply_residency(self.chunks, self.manager, want)
 
     # --- accounting callbacks -------------------------------------------------------------
 
@@ -339,7 +295,8 @@ class Engine:
                 loss = self.model(**batch).loss
                 self.counter.set_output(0)
                 t1, x1 = time.perf_counter(), m.transfer_seconds
-                (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+                scale = self.optimizer.loss_scale
+                (loss * scale if scale != 1.0 else loss).backward()
             self._finish_backward()
             t2, x2 = time.perf_counter(), m.transfer_seconds
         except BaseException:
@@ -352,7 +309,8 @@ class Engine:
         if traced:
             self._end_trace()
         loss_value = float(loss.detach())
-        skipped, grad_norm = self._optimizer_step()
+        self.step_count += 1
+        skipped, grad_norm = self.optimizer.step(self.chunks, self.step_count)
         if traced:
             self._place()  # the margin needs the traced peak; grads are consumed by now
         t3 = time.perf_counter()
@@ -401,45 +359,12 @@ class Engine:
         self._trace = self.manager.trace = trace
         if overrun > 0 or trace.working_set > self.device.capacity():
             for chunk in self.chunks:
-                self._discard_grads(chunk)
+                self.optimizer.discard(chunk)
             self._place()
             raise BudgetTooSmall(
                 f"device budget {format_size(self.device.capacity())} is below the minimum "
                 f"working set {format_size(trace.working_set)} for batch shape "
                 f"{tuple(trace.shape)} (chunks in use plus activations)")
-
-    def _discard_grads(self, chunk: Chunk) -> None:
-        if chunk.holds_grads:
-            restore_params(chunk)
-        self.manager.drop_slot_grads(chunk)
-
-    def _optimizer_step(self) -> tuple[bool, float | None]:
-        cfg = self.config
-        with_grads = [c for c in self.chunks if c.holds_grads]
-        scale = 1.0 / self.loss_scale
-        grad_norm = None
-        if cfg.max_grad_norm is not None or cfg.precision == "fp16":
-            grad_norm = global_grad_norm(with_grads) * scale
-            if not math.isfinite(grad_norm):
-                for chunk in with_grads:
-                    self._discard_grads(chunk)
-                self.loss_scale /= 2.0
-                self._good_steps = 0
-                self.step_count += 1
-                return True, grad_norm
-            if cfg.max_grad_norm is not None and grad_norm > cfg.max_grad_norm:
-                scale *= cfg.max_grad_norm / (grad_norm + 1e-6)
-        self.step_count += 1
-        lr = cfg.lr_at(self.step_count)
-        for chunk in with_grads:
-            adamw_update(chunk, lr=lr, betas=cfg.betas, eps=cfg.eps,
-                         weight_decay=cfg.weight_decay, grad_scale=scale)
-            self.manager.drop_slot_grads(chunk)
-        if cfg.precision == "fp16":
-            self._good_steps += 1
-            if self._good_steps % LOSS_SCALE_GROWTH_INTERVAL == 0:
-                self.loss_scale *= 2.0
-        return False, grad_norm
 
     def _stats(self, loss: float, batch: dict, t_start: float, t: tuple, x: tuple,
                skipped: bool, grad_norm: float | None, applied: list[str]) -> StepStats:
@@ -457,7 +382,7 @@ class Engine:
             transfer=m.transfer_seconds, bytes_h2d=m.bytes_h2d, bytes_d2h=m.bytes_d2h,
             policy=m.policy.value, margin_ratio=self.config.margin_ratio,
             device_budget=self.device.budget, memory=self.snapshot(), skipped=skipped,
-            loss_scale=self.loss_scale, grad_norm=grad_norm,
+            loss_scale=self.optimizer.loss_scale, grad_norm=grad_norm,
             lr=self.config.lr_at(self.step_count), applied=applied)
 
     # --- views ------------------------------------------------------------------------------
@@ -501,8 +426,8 @@ class Engine:
     def state_dict(self) -> dict:
         """Everything to resume exactly: fp32 master, moments and step counts by parameter
         name (plain CPU tensors, safetensors-ready), the loss scale and the settings."""
-        meta = {"step": self.step_count, "loss_scale": self.loss_scale,
-                "good_steps": self._good_steps, "policy": self.manager.policy.value,
+        meta = {"step": self.step_count, "loss_scale": self.optimizer.loss_scale,
+                "good_steps": self.optimizer.good_steps, "policy": self.manager.policy.value,
                 "margin_ratio": self.config.margin_ratio, "device_budget": self.device.budget,
                 "precision": self.config.precision}
         return {"tensors": weights.optimizer_tensors(self.chunks), "meta": meta}
@@ -511,12 +436,12 @@ class Engine:
         """Inverse of state_dict(); raises ValueError naming what does not match."""
         weights.load_optimizer_tensors(self.chunks, state["tensors"])
         for c in self.chunks:
-            self._discard_grads(c)
+            self.optimizer.discard(c)
             if not c.aliased:
                 c.payload.copy_(c.master)
             c.stale = c.on_device and not c.resident
         self.manager.release_all()
         meta = state["meta"]
         self.step_count = int(meta["step"])
-        self.loss_scale = float(meta.get("loss_scale", self.loss_scale))
-        self._good_steps = int(meta.get("good_steps", 0))
+        self.optimizer.loss_scale = float(meta.get("loss_scale", self.optimizer.loss_scale))
+        self.optimizer.good_steps = int(meta.get("good_steps", 0))

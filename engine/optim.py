@@ -17,6 +17,10 @@ import math
 import torch
 
 from engine.chunk import Chunk
+from engine.config import EngineConfig
+from engine.manager import ChunkManager
+
+LOSS_SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles
 
 
 def _flat_grad(chunk: Chunk) -> torch.Tensor:
@@ -82,3 +86,51 @@ def restore_params(chunk: Chunk) -> None:
     if not chunk.resident and not chunk.aliased:
         chunk.payload.copy_(chunk.master)
     chunk.holds_grads = False
+
+
+class ChunkAdamW:
+    """The step over every chunk: fp16 dynamic loss scaling, optional global-norm clipping,
+    then one fused AdamW call per chunk that got gradients."""
+
+    def __init__(self, config: EngineConfig, manager: ChunkManager) -> None:
+        self.config = config
+        self.manager = manager
+        self.loss_scale = config.initial_loss_scale if config.precision == "fp16" else 1.0
+        self.good_steps = 0
+
+    def discard(self, chunk: Chunk) -> None:
+        """Drop the chunk's gradients and put its parameters back."""
+        if chunk.holds_grads:
+            restore_params(chunk)
+        self.manager.drop_slot_grads(chunk)
+
+    def step(self, chunks: list[Chunk], step: int) -> tuple[bool, float | None]:
+        """Update every chunk holding gradients as optimizer step `step` (counted from 1).
+
+        Returns (skipped, grad_norm): fp16 skips the update when a gradient overflowed and
+        halves the loss scale; the norm is measured when clipping or loss scaling needs it.
+        """
+        cfg = self.config
+        with_grads = [c for c in chunks if c.holds_grads]
+        scale = 1.0 / self.loss_scale
+        grad_norm = None
+        if cfg.max_grad_norm is not None or cfg.precision == "fp16":
+            grad_norm = global_grad_norm(with_grads) * scale
+            if not math.isfinite(grad_norm):
+                for chunk in with_grads:
+                    self.discard(chunk)
+                self.loss_scale /= 2.0
+                self.good_steps = 0
+                return True, grad_norm
+            if cfg.max_grad_norm is not None and grad_norm > cfg.max_grad_norm:
+                scale *= cfg.max_grad_norm / (grad_norm + 1e-6)
+        lr = cfg.lr_at(step)
+        for chunk in with_grads:
+            adamw_update(chunk, lr=lr, betas=cfg.betas, eps=cfg.eps,
+                         weight_decay=cfg.weight_decay, grad_scale=scale)
+            self.manager.drop_slot_grads(chunk)
+        if cfg.precision == "fp16":
+            self.good_steps += 1
+            if self.good_steps % LOSS_SCALE_GROWTH_INTERVAL == 0:
+                self.loss_scale *= 2.0
+        return False, grad_norm
