@@ -9,8 +9,10 @@ commands and stay "pending" on screen until the worker reports the step they too
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterable
 from functools import partial
+from typing import TextIO
 
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
@@ -37,6 +39,7 @@ from tuitrain.events import (
     Step,
 )
 from tuitrain.settings import Settings
+from tuitrain.training_run import EXIT_BAD_INPUT
 from tuitrain.tui.changes import (
     LABELS,
     SETTINGS,
@@ -65,6 +68,7 @@ PANEL_INTERVAL = 0.25  # numbers redraw at most 4 times a second, however fast s
 CHART_INTERVAL = 0.5  # charts cost the most to draw (plotext), so twice a second
 MARGIN_STEP = 0.05
 LIVE_STATES = ("starting", "running", "paused")
+TEXTUAL_COMMANDS_REPLACED = ("Quit", "Keys")  # by our Quit and Help
 
 
 class TuitrainApp(App[None]):
@@ -110,6 +114,7 @@ class TuitrainApp(App[None]):
         self.started: Started | None = None
         self.latest: StepStats | None = None
         self.failure: Failed | None = None
+        self.failure_at_quit: Failed | None = None  # how the run stood when the user quit
         self.finished: Finished | None = None
         self.changes = ChangeTracker()
         engine = self.settings.engine
@@ -186,8 +191,8 @@ class TuitrainApp(App[None]):
 
     def poll_worker(self) -> int:
         """Handle every event that arrived since the last call; returns how many."""
-        if self.worker is None:
-            return 0
+        if self.worker is None or not self.is_running:
+            return 0  # quitting: the panels that events would update are being taken down
         try:
             events = self.worker.poll()
         except Exception as exc:  # a broken channel is a failed run, not a crashed screen
@@ -215,7 +220,19 @@ class TuitrainApp(App[None]):
             model=event.model, parameters=event.parameters, device=event.device
         )
         self.query_one(ChunkMap).show(event.chunks)
-        self.query_one(Controls).allow_budget(event.device.startswith("simulated"))
+        controls = self.query_one(Controls)
+        controls.allow_budget(event.device.startswith("simulated"))
+        # The worker picks the default budget (the whole GPU, or one sized for the simulated
+        # device): show it now rather than after the first step, which can take a while.
+        used = event.settings.get("engine", {}).get("device_budget")
+        if used and self.settings.engine.device_budget is None:
+            self.query_one(RunHeader).show(device_budget=parse_size(used))
+            controls.show_default_budget(str(used))
+        if self.latest is None:
+            self.query_one(StepPanel).show_waiting(
+                "first step running: it also records the order the chunks are used in, "
+                "so it takes longer than the rest…"
+            )
         where = f", log {event.log_path}" if event.log_path else ""
         self._log(f"started {event.model} on {event.device or 'N/A'} (pid {event.pid}{where})")
         if self.run_state == "starting":
@@ -241,14 +258,17 @@ class TuitrainApp(App[None]):
             return
         if change.setting in SETTINGS:
             setattr(self.settings.engine, change.setting, change.value)
-            self.meter.settings_changed()
+            self.meter.settings_changed(event.step)
             self.query_one(RunHeader).show(**self._header_settings())
         elif change.setting == "pause":
             self._set_state("paused")
         elif change.setting == "resume":
             self._set_state("running")
-        detail = f" ({event.what})" if change.setting == "checkpoint" and event.what else ""
-        self._log(change.describe() + detail, level="change", step=event.step)
+        where = event.what.removeprefix("checkpoint").strip()
+        detail = f" ({where})" if change.setting == "checkpoint" and where else ""
+        # The log's step column is when it happened; the line itself names the step it
+        # applies at (the next one, for a setting), so the column never runs backwards.
+        self._log(change.describe() + detail, level="change")
         self._show_changes()
 
     def _on_rejected(self, event: Rejected) -> None:
@@ -272,8 +292,8 @@ class TuitrainApp(App[None]):
         self.changes.clear()
         self._show_changes()
         self._set_state("failed")
-        log_path = self.started.log_path if self.started else ""
-        self.query_one(FailurePanel).show_failure(event, log_path=log_path)
+        self.query_one(FailurePanel).show_failure(event, log_path=self.log_path)
+        self.query_one(LogPanel).shorten(True)  # the failure panel needs the rows
         self._log(f"failed: {event.reason}", level="error")
         self._panels_stale = self._charts_stale = True
 
@@ -295,7 +315,7 @@ class TuitrainApp(App[None]):
 
     def redraw_panels(self) -> None:
         """Push the latest sample into the header, tables and maps, if a step arrived."""
-        if not self._panels_stale or self.latest is None:
+        if not self._panels_stale or self.latest is None or not self.is_running:
             return
         self._panels_stale = False
         stats = self.latest
@@ -313,7 +333,7 @@ class TuitrainApp(App[None]):
 
     def redraw_charts(self) -> None:
         """Redraw the memory and loss charts from their recorded windows, if a step arrived."""
-        if not self._charts_stale:
+        if not self._charts_stale or not self.is_running:
             return
         self._charts_stale = False
         self.query_one(MemoryChart).redraw()
@@ -337,6 +357,13 @@ class TuitrainApp(App[None]):
         if step is None and self.latest is not None:
             step = self.latest.step
         self.query_one(LogPanel).add(message, level=level, step=step)
+
+    @property
+    def log_path(self) -> str:
+        """The worker's log file; a real worker knows it before it reports Started."""
+        if self.started is not None and self.started.log_path:
+            return self.started.log_path
+        return str(getattr(self.worker, "log_path", "") or "")
 
     def _show_changes(self) -> None:
         self.query_one(Controls).show_changes(self.changes.lines())
@@ -395,10 +422,15 @@ class TuitrainApp(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if self.screen.is_modal and action in {k.action for k in KEYS} | {"leave_field"}:
             return False  # a dialog is open: its keys, not the main screen's
-        if action in ("toggle_pause", "checkpoint") and not self.live:
-            return None  # shown greyed out: nothing runs to pause or save
-        if action == "restart" and self.live:
-            return None
+        return True if self.can_run(action) else None  # None: shown greyed out
+
+    def can_run(self, action: str) -> bool:
+        """Whether `action` makes sense in the run's state (the palette asks too, and it
+        runs actions without the key bindings' check)."""
+        if action in ("toggle_pause", "checkpoint"):
+            return self.live  # nothing runs to pause or save
+        if action == "restart":
+            return not self.live  # a live run is steered, not restarted
         return True
 
     def action_cycle_policy(self) -> None:
@@ -419,6 +451,8 @@ class TuitrainApp(App[None]):
         self.request("margin_ratio", value)
 
     def action_toggle_pause(self) -> None:
+        if not self.can_run("toggle_pause"):
+            return
         pause = not self.want_paused
         command = Pause() if pause else Resume()
         change = Change(self._send(command), "pause" if pause else "resume")
@@ -428,6 +462,8 @@ class TuitrainApp(App[None]):
         self._log(change.describe())
 
     def action_checkpoint(self) -> None:
+        if not self.can_run("checkpoint"):
+            return
         change = Change(self._send(Checkpoint()), "checkpoint")
         self.changes.sent(change)
         self._show_changes()
@@ -435,10 +471,13 @@ class TuitrainApp(App[None]):
 
     async def action_restart(self) -> None:
         """A new worker from the current settings; the old one is stopped if it lingers."""
+        if not self.can_run("restart"):
+            return
         await asyncio.to_thread(self._stop_worker)
         self.query_one(FailurePanel).hide()
+        self.query_one(LogPanel).shorten(False)
         self.query_one(MemoryChart).samples.clear()
-        self.query_one(StepPanel).losses.clear()
+        self.query_one(StepPanel).reset()
         self.latest = self.failure = self.finished = self.started = None
         self.meter.reset()
         self._log(f"restarting {self.settings.model} with policy {self.settings.engine.policy}")
@@ -452,17 +491,29 @@ class TuitrainApp(App[None]):
 
     async def action_quit(self) -> None:
         """Stop the worker (it finishes or is killed within its timeout), then leave."""
-        failed = self.run_state == "failed"
+        # Taken before stopping: a worker terminated now because its step ran long has not
+        # failed, as far as the user is concerned.
+        self.failure_at_quit = self.failure
         if self.live:
             self._set_state("stopping")
+            message = "stopping: the worker finishes its step first (a few seconds at most)"
+            self.query_one(Controls).show_message(message)
+            self._log(message)
         await asyncio.to_thread(self._stop_worker)
-        self.exit(return_code=1 if failed else 0)
+        self.exit(return_code=exit_status(self.failure_at_quit))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)  # includes Quit, which is ours
+        """Our actions that can run now, then Textual's theme and screenshot commands.
+
+        Textual's own Quit and Keys are left out: ours quits by stopping the worker first,
+        and Help lists every key and command already.
+        """
         for key in KEYS + PALETTE_ONLY:
-            if key.action != "quit":
+            if self.can_run(key.action):
                 yield SystemCommand(key.title, key.help, partial(self.run_action, key.action))
+        for command in super().get_system_commands(screen):
+            if command.title not in TEXTUAL_COMMANDS_REPLACED:
+                yield command
 
     # --- presets --------------------------------------------------------------------------
 
@@ -477,8 +528,28 @@ class TuitrainApp(App[None]):
             self.notify(message)
 
 
-def run_app(settings: Settings) -> int:
-    """Run the terminal app until the user quits; 0, or 1 when the run had failed."""
+def exit_status(failure: Failed | None) -> int:
+    """0; 1 for a failed run, 2 for one that failed on a mistake in the input."""
+    if failure is None:
+        return 0
+    return EXIT_BAD_INPUT if failure.exitcode == EXIT_BAD_INPUT else 1
+
+
+def run_app(settings: Settings, *, err: TextIO | None = None) -> int:
+    """Run the terminal app until the user quits.
+
+    Returns 0; 1 when the run had failed, 2 when it failed on a mistake in the input (as
+    the headless runner does). A failure is also told in one line on `err` (default
+    stderr), since the screen that showed it is gone once the app exits.
+    """
     app = TuitrainApp(settings)
     app.run()
+    failure = app.failure_at_quit
+    if failure is not None:
+        err = err or sys.stderr
+        if failure.exitcode == EXIT_BAD_INPUT:
+            print(f"tuitrain: error: {failure.reason}", file=err)
+        else:
+            where = f" (log: {app.log_path})" if app.log_path else ""
+            print(f"training failed: {failure.reason}{where}", file=err)
     return app.return_code or 0

@@ -20,6 +20,7 @@ LABELS = {
     "checkpoint": "checkpoint",
 }
 SETTINGS = ("policy", "margin_ratio", "device_budget")  # the ones that are values
+DONE = {"pause": "paused", "resume": "resumed", "checkpoint": "checkpoint saved"}  # actions
 Value = str | float | None  # a policy, a margin ratio, a budget ("4GiB"; None = the default)
 
 
@@ -55,11 +56,17 @@ class Change:
     reason: str = ""
 
     def describe(self) -> str:
-        """One line: "policy: auto → cpu (pending)", "…, applied at step 43", "…, rejected: …"."""
+        """One line: "policy: auto → cpu (pending)", "…, applied at step 43", "…, rejected: …".
+
+        A setting's step is the first step that ran with it; an action's (pause, resume,
+        checkpoint) is the step it came after, so those read "paused after step 42".
+        """
         head = LABELS[self.setting]
         if self.setting in SETTINGS:
             head = f"{head}: {self.old} → {self.new}"
         if self.status == "applied":
+            if self.setting in DONE:
+                return f"{DONE[self.setting]} after step {self.step}"
             return f"{head}, applied at step {self.step}"
         if self.status == "rejected":
             return f"{head}, rejected: {self.reason}"

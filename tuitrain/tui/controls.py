@@ -147,6 +147,10 @@ class Controls(Vertical):
         if not allowed:
             budget.tooltip = "only a simulated device has a budget to change"
 
+    def show_default_budget(self, device_budget: str) -> None:
+        """Show, greyed in the empty budget field, the budget the worker chose by default."""
+        self.query_one("#budget", Input).placeholder = device_budget
+
     def show_changes(self, changes: list[Change]) -> None:
         lines = [Text(c.describe(), style=STATUS_STYLES[c.status]) for c in changes]
         self.query_one("#changes", Static).update(Text("\n").join(lines))

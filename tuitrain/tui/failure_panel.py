@@ -6,27 +6,40 @@ from rich.text import Text
 from textual.widgets import Static
 
 from tuitrain.events import Failed
+from tuitrain.training_run import EXIT_BAD_INPUT
 
-LOG_TAIL_LINES = 12  # the worker's last words; the rest is in its log file
+LOG_TAIL_LINES = 5  # the worker's last words; the rest is in its log file
 
 
 def describe_failure(failed: Failed, *, log_path: str = "") -> Text:
-    code = "" if failed.exitcode is None else f" (exit code {failed.exitcode})"
-    lines = [Text.assemble(("Training failed", "bold red"), code, ": ", (failed.reason, "bold"))]
-    for line in failed.log_tail[-LOG_TAIL_LINES:]:
-        lines.append(Text(f"  {line}", style="dim"))
-    if log_path:
-        lines.append(Text(f"full log: {log_path}", style="dim"))
+    """The reason, what the user can do now, where the log is, then the log's last lines.
+
+    The panel's height is bounded, so whatever is cut off is the oldest log lines, never
+    the reason or the keys. A mistake in the input (the worker's EXIT_BAD_INPUT) is told by
+    its reason alone: the traceback behind it says nothing more to the user.
+    """
+    bad_input = failed.exitcode == EXIT_BAD_INPUT
+    if bad_input:
+        title, code = "Cannot train", ""
+    else:
+        title = "Training failed"
+        code = "" if failed.exitcode is None else f" (exit code {failed.exitcode})"
+    lines = [Text.assemble((title, "bold red"), code, ": ", (failed.reason, "bold"))]
     lines.append(
         Text.assemble(
             ("c + -", "bold"),
-            " change what the restart uses   ",
+            " or the fields above change what the restart uses   ",
             ("r", "bold"),
             " restart   ",
             ("q", "bold"),
             " quit",
         )
     )
+    if log_path:
+        lines.append(Text(f"full log: {log_path}", style="dim"))
+    if not bad_input:
+        for line in failed.log_tail[-LOG_TAIL_LINES:]:
+            lines.append(Text(f"  {line}", style="dim"))
     return Text("\n").join(lines)
 
 
@@ -37,7 +50,7 @@ class FailurePanel(Static):
     FailurePanel {
         display: none;
         height: auto;
-        max-height: 16;
+        max-height: 11;  /* reason, keys, log path, the tail: the charts keep some room */
         border: heavy $error;
         border-title-color: $error;
         padding: 0 1;

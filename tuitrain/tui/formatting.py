@@ -25,7 +25,9 @@ def format_count(n: int) -> str:
 
 
 def format_seconds(seconds: float) -> str:
-    """Durations from microseconds to minutes: 850 µs, 12.5 ms, 1.23 s, 2m05s."""
+    """Durations from microseconds to minutes: 0 s, 850 µs, 12.5 ms, 1.23 s, 2m05s."""
+    if seconds <= 0:
+        return "0 s"  # nothing happened (no transfer under cuda): no unit to pick
     if seconds < 1e-3:
         return f"{seconds * 1e6:.0f} µs"
     if seconds < 1.0:
@@ -51,9 +53,16 @@ def size_unit(largest: float) -> tuple[str, int]:
 
 
 def step_ticks(steps: list[int]) -> list[int]:
-    """At most STEP_TICKS whole step numbers spread over the window, both ends included."""
+    """At most STEP_TICKS whole step numbers over the window, both ends included.
+
+    The labels between the ends are evenly spaced from the first (1 3 5 7, never the
+    1 3 4 5 7 that rounding fractions of the span gives); one that would crowd the last
+    label is left out.
+    """
     first, last = steps[0], steps[-1]
-    if last - first < STEP_TICKS:
-        return list(range(first, last + 1))
     span = last - first
-    return sorted({first + round(span * i / (STEP_TICKS - 1)) for i in range(STEP_TICKS)})
+    if span < STEP_TICKS:
+        return list(range(first, last + 1))
+    spacing = -(-span // (STEP_TICKS - 1))  # ceiling: at most STEP_TICKS - 2 inner labels
+    inner = [t for t in range(first + spacing, last, spacing) if last - t > spacing / 2]
+    return [first, *inner, last]

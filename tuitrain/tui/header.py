@@ -17,6 +17,7 @@ STATE_STYLES = {
     "failed": "bold red",
     "finished": "bold blue",
 }
+WAITING_STATES = ("starting", "running", "paused")  # values not known yet may still come
 
 
 @dataclass(frozen=True)
@@ -69,19 +70,21 @@ class RunHeader(Static):
     def _render_info(self) -> Text:
         info = self.info
         sep = ("  │  ", "dim")
-        params = "…" if info.parameters is None else f"{format_count(info.parameters)} params"
+        # "…" promises a value; once the run has ended without one, it will not come.
+        unknown = "…" if info.state in WAITING_STATES else "-"
+        params = unknown if info.parameters is None else format_count(info.parameters)
         if info.device is None:
-            device = "…"
+            device = unknown
         else:
             device = info.device or "N/A"
         total = "?" if info.total_steps is None else str(info.total_steps)
-        rate = "…" if info.tokens_per_s is None else format_rate(info.tokens_per_s)
-        budget = "…" if info.device_budget is None else format_size(info.device_budget)
+        rate = unknown if info.tokens_per_s is None else format_rate(info.tokens_per_s)
+        budget = unknown if info.device_budget is None else format_size(info.device_budget)
         first = Text.assemble(
             ("tuitrain", "bold"),
             sep,
             (info.model, "bold"),
-            f" · {params}",
+            f" · {params} params",
             sep,
             "device ",
             (device, "bold"),

@@ -19,7 +19,7 @@ def help_table() -> Table:
     table.add_column()
     for key in KEYS:
         table.add_row(key.shown, key.help)
-    table.add_row("ctrl+p", "command palette: every action above, and:")
+    table.add_row("ctrl+p", "command palette: the actions above that apply now, and:")
     for command in PALETTE_ONLY:
         table.add_row("", Text.assemble((command.title, "italic"), f": {command.help}"))
     table.add_row("enter", "in the margin or budget field: ask for that value")

@@ -44,7 +44,7 @@ KEYS: tuple[KeyAction, ...] = (
     ),
     KeyAction(
         key="question_mark", shown="?", action="help", title="Help", short="Help",
-        help="show this screen",
+        help="list every key and command",
     ),
     KeyAction(
         key="q", shown="q", action="quit", title="Quit", short="Quit",

@@ -21,6 +21,9 @@ class LogPanel(RichLog):
         border-title-color: $text-primary;
         scrollbar-size-vertical: 1;
     }
+    LogPanel.-short {
+        height: 4;
+    }
     """
 
     def __init__(self, *, id: str | None = None) -> None:
@@ -28,6 +31,11 @@ class LogPanel(RichLog):
         self.border_title = "Log"
         self.can_focus = False
         self.messages: deque[str] = deque(maxlen=MAX_LINES)
+
+    def shorten(self, short: bool) -> None:
+        """Two lines instead of four, to leave rows to a panel shown above."""
+        self.set_class(short, "-short")
+        self.scroll_end(animate=False)
 
     def add(self, message: str, *, level: str = "info", step: int | None = None) -> None:
         prefix = f"[{step:>5}] " if step is not None else "        "

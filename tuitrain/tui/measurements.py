@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from engine.telemetry import StepStats
@@ -35,41 +36,65 @@ class Measured:
 
 
 class RunMeter:
-    """Tokens/s and step time over the last steps, and the device peak since the settings
-    last changed (what a preset saved now should say these settings cost)."""
+    """Tokens/s over the last steps (for the header), and what the current settings cost:
+    the device peak and the pace since they last changed (what a preset saved now records).
+
+    The run's first step is left out of the pace while later ones exist: it also traces
+    the chunk order, so it is slower than the settings deserve.
+    """
 
     def __init__(self, *, window: int = RATE_WINDOW) -> None:
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
+        self._since: deque[tuple[int, int, float]] = deque(maxlen=window)  # + the step
+        self._from_step = 0  # the first step run with the current settings
+        self._first_step: int | None = None
         self._peak = 0
         self._last: StepStats | None = None
 
     def record(self, stats: StepStats) -> None:
         self._recent.append((stats.tokens, stats.seconds))
-        self._peak = max(self._peak, stats.memory.device_peak)
+        if self._first_step is None:
+            self._first_step = stats.step
+        if stats.step >= self._from_step:
+            self._since.append((stats.step, stats.tokens, stats.seconds))
+            self._peak = max(self._peak, stats.memory.device_peak)
         self._last = stats
 
-    def settings_changed(self) -> None:
-        """Measure the peak afresh: the old settings' peak says nothing of the new ones."""
+    def settings_changed(self, from_step: int = 0) -> None:
+        """Measure afresh from `from_step` (the first step with the new settings): the old
+        settings' peak and pace say nothing of the new ones."""
+        self._from_step = from_step
+        self._since.clear()
         self._peak = 0
 
     def reset(self) -> None:
         self._recent.clear()
-        self._peak = 0
+        self.settings_changed()
+        self._first_step = None
         self._last = None
 
     @property
     def tokens_per_second(self) -> float | None:
-        seconds = sum(s for _, s in self._recent)
-        return sum(t for t, _ in self._recent) / seconds if seconds > 0 else None
+        return _rate(self._recent)
 
     def measured(self) -> Measured | None:
-        """None before the first step."""
+        """None before the first step. Right after a change, before a step ran with the new
+        settings, the latest steps stand in for them."""
         if self._last is None:
             return None
-        seconds = [s for _, s in self._recent]
+        paced = [(t, s) for step, t, s in self._since if step != self._first_step]
+        if not paced:
+            paced = [(t, s) for _, t, s in self._since] or list(self._recent)
         return Measured(
             step=self._last.step,
             device_peak=self._peak or self._last.memory.device_peak,
-            step_seconds=sum(seconds) / len(seconds),
-            tokens_per_second=self.tokens_per_second,
+            step_seconds=sum(s for _, s in paced) / len(paced),
+            tokens_per_second=_rate(paced),
         )
+
+
+def _rate(samples: Iterable[tuple[int, float]]) -> float | None:
+    """Tokens per second over (tokens, seconds) samples; None when no time passed."""
+    samples = list(samples)
+    seconds = sum(s for _, s in samples)
+    return sum(t for t, _ in samples) / seconds if seconds > 0 else None

@@ -1,8 +1,9 @@
 """MemoryChart: device and host memory over the last steps, drawn with plotext.
 
 Device: model data (chunks and the optimizer state kept there) and the step's peak, which
-adds the non-model data (activations, workspace), against the budget line. Host: model data
-kept there and the whole process's RSS, against the machine's total memory.
+adds the non-model data (activations, workspace), against the budget line; the non-model
+peak alone is in the step panel. Host: model data kept there and the whole process's RSS,
+against the machine's total memory.
 """
 
 from __future__ import annotations
@@ -106,11 +107,13 @@ class MemoryChart(Vertical):
             return Text("device: waiting for the first step…")
         last = self.samples[-1]
         unit, _ = size_unit(max(last.device_peak, last.device_capacity))
+        # The peak line is model + non-model data; its caption names the total it is drawn
+        # at, which keeps the line within the chart's width at 120 columns.
         return Text.assemble(
             ("device ", "bold"),
             (f"{unit} ", "dim"),
             _key(MODEL, f"model {format_size(last.device_model)}"),
-            _key(PEAK, f"+non-model {format_size(last.device_non_model)}"),
+            _key(PEAK, f"peak {format_size(last.device_peak)}"),
             _key(BUDGET, f"budget {format_size(last.device_capacity)}"),
         )
 
@@ -152,7 +155,7 @@ class MemoryChart(Vertical):
         self._line(device, steps, [s.device_model / scale for s in self.samples], MODEL)
         plt.hline(self.samples[-1].device_capacity / scale, BUDGET)
         plt.ylim(0, top / scale * 1.05)
-        plt.xticks(ticks)
+        plt.xticks([])  # the host chart below labels the same steps: a row more for data
         device.refresh()
 
         top = max(max(s.host_model, s.process_rss) for s in self.samples)

@@ -147,7 +147,11 @@ class PresetSaving:
         """Open the dialog with presets/<model>-<policy>.yaml filled in."""
         settings = settings.model_copy(deep=True)
         engine = settings.engine
-        shown_budget = engine.device_budget or (format_size(budget) if budget else "default")
+        # No budget in the settings is saved as none: a run of the preset takes the default
+        # for its own device, which is not always the one measured here.
+        shown_budget = engine.device_budget or "default"
+        if engine.device_budget is None and budget:
+            shown_budget += f" ({format_size(budget)} on this run)"
         summary = (
             f"policy {engine.policy} · margin {engine.margin_ratio:.2f} · budget {shown_budget}"
         )

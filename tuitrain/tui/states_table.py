@@ -10,11 +10,11 @@ from engine.telemetry import MemorySnapshot
 from tuitrain.tui.formatting import format_size
 
 LOCATIONS = ("device", "host")
-BYTES_ROW = "chunk bytes"
+BYTES_ROW = "param bytes"  # the chunks' parameter payload; the memory chart adds the rest
 
 
 class StatesTable(DataTable):
-    """One row per TensorState (parameters per location) and a row of chunk bytes."""
+    """One row per TensorState (parameters per location) and a row of parameter bytes."""
 
     DEFAULT_CSS = """
     StatesTable {
@@ -34,8 +34,8 @@ class StatesTable(DataTable):
         self.add_column("state", key="state", width=14)
         for location in LOCATIONS:
             self.add_column(Text(location, justify="right"), key=location, width=15)
-        for state in TensorState:
-            self.add_row(state.value, *self._cells([0, 0]), key=state.value)
+        for state in TensorState:  # "-" until a step reports counts: 0 would be a count
+            self.add_row(state.value, *self._cells(["-", "-"]), key=state.value)
         self.add_row(Text(BYTES_ROW, style="italic"), *self._cells(["-", "-"]), key=BYTES_ROW)
 
     def show(self, memory: MemorySnapshot) -> None:
@@ -52,7 +52,7 @@ class StatesTable(DataTable):
                 self.update_cell(row, location, cell)
 
     def cell(self, state: str, location: str) -> str:
-        """The text of one cell, e.g. cell("COMPUTE", "device") or cell("chunk bytes", "host")."""
+        """The text of one cell, e.g. cell("COMPUTE", "device") or cell("param bytes", "host")."""
         value = self.get_cell(state, location)
         return value.plain if isinstance(value, Text) else str(value)
 

@@ -1,4 +1,5 @@
-"""StepPanel: where the last step's time went, the bytes it moved, and the loss so far."""
+"""StepPanel: where the last step's time went, the bytes it moved, its activation peak, and
+the loss so far."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ PHASES = (
 
 
 def step_breakdown(stats: StepStats | None) -> Text:
-    """The time split as a small table with bars, then the bytes moved each way."""
+    """The time split as a small table with bars, the bytes moved each way, and the peak of
+    non-model data (activations, workspace) on the device."""
     if stats is None:
         return Text("waiting for the first step…", style="dim")
     total = stats.seconds if stats.seconds > 0 else 1.0
@@ -58,6 +60,12 @@ def step_breakdown(stats: StepStats | None) -> Text:
             (format_size(stats.bytes_h2d), "bold"),
             ("  d2h ", "dim"),
             (format_size(stats.bytes_d2h), "bold"),
+        )
+    )
+    lines.append(
+        Text.assemble(
+            ("non-model peak ", "dim"),
+            (format_size(stats.memory.device_non_model_peak), "bold"),
         )
     )
     if stats.skipped:
@@ -105,7 +113,20 @@ class StepPanel(Horizontal):
 
     @property
     def times_text(self) -> str:
-        return step_breakdown(self.latest).plain
+        """The time split as drawn (or what the panel says while it waits)."""
+        content = self.query_one("#step-times", Static).content
+        return content.plain if isinstance(content, Text) else str(content)
+
+    def reset(self) -> None:
+        """Forget the run shown (a restart begins a new one)."""
+        self.losses.clear()
+        self.latest = None
+        self.redraw_breakdown()
+
+    def show_waiting(self, message: str) -> None:
+        """What the panel says until the first step arrives."""
+        if self.latest is None:
+            self.query_one("#step-times", Static).update(Text(message, style="dim"))
 
     def redraw_breakdown(self) -> None:
         """Draw the latest step's split; cheap."""

@@ -18,7 +18,7 @@ from tuitrain.events import (
     Started,
     Step,
 )
-from tuitrain.fakeworker import FakeWorker, fake_run, fake_stats
+from tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_started, fake_stats
 from tuitrain.settings import Settings
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.chunk_map import ChunkMap
@@ -120,11 +120,11 @@ async def test_checkpoint_is_sent_from_the_command_palette():
     assert [type(c) for c in fake.commands] == [Checkpoint]
 
 
-async def test_the_palette_lists_every_key_action():
+async def test_the_palette_lists_every_key_action_that_can_run_now():
     app, _ = make_app(fake_run(1))
     async with app.run_test(size=SIZE) as pilot:
-        titles = {command.title for command in app.get_system_commands(app.screen)}
-        await pilot.pause()
+        await settle(app, pilot)
+        titles = [command.title for command in app.get_system_commands(app.screen)]
     assert {
         "Cycle policy",
         "Margin +0.05",
@@ -132,10 +132,31 @@ async def test_the_palette_lists_every_key_action():
         "Pause / resume",
         "Save preset",
         "Save checkpoint",
-        "Restart run",
         "Help",
         "Quit",
-    } <= titles
+    } <= set(titles)
+    assert "Restart run" not in titles  # a live run is steered, not restarted
+    assert titles.count("Quit") == 1  # ours, which stops the worker first
+    assert "Keys" not in titles  # Textual's key panel: Help lists them all already
+
+
+async def test_after_a_failure_the_palette_offers_restart_and_not_pause():
+    app, _ = make_app([*fake_run(1), Failed("boom")])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        titles = {command.title for command in app.get_system_commands(app.screen)}
+    assert "Restart run" in titles
+    assert not {"Pause / resume", "Save checkpoint"} & titles
+
+
+async def test_restart_from_the_palette_does_nothing_to_a_live_run():
+    app, fake = make_app(fake_run(2))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await app.run_action("restart")  # the palette runs actions without the key check
+        await settle(app, pilot)
+        assert app.run_state == "running"
+    assert fake.stop_calls == 1  # the one of quitting, not of a restart
 
 
 async def test_question_mark_shows_the_keys_and_escape_closes_them():
@@ -231,7 +252,7 @@ async def test_step_events_update_every_panel():
         for state, count in last.memory.states["host"].items():
             assert states.cell(state, "host") == f"{count:,}"
         assert states.cell("COMPUTE", "device") == f"{last.memory.states['device']['COMPUTE']:,}"
-        assert states.cell("chunk bytes", "device") == "8.0 MiB"  # the one chunk in use
+        assert states.cell("param bytes", "device") == "8.0 MiB"  # the one chunk in use
         assert chunk_map.cell_count == 30
         assert "device 1" in chunk_map.query_one("#chunk-legend").content.plain
         assert "step 7" in times and f"{last.forward * 1e3:.1f} ms" in times
@@ -288,6 +309,43 @@ async def test_a_rejected_change_shows_the_reason_and_the_control_goes_back():
     assert app.settings.engine.margin_ratio == 0.0
 
 
+async def test_the_log_step_column_never_runs_backwards():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("c")  # applied at step 4, logged after step 3
+        fake.emit(Step(fake_stats(4, policy="cuda")))
+        await settle(app, pilot)
+        await pilot.press("space")
+        await settle(app, pilot)
+        log = app.query_one(LogPanel)
+        steps = [int(line.text[1:6]) for line in log.lines if line.text.startswith("[")]
+        assert steps == sorted(steps)
+        assert "policy: auto → cuda, applied at step 4" in log.messages
+        assert log.messages[-1] == "paused after step 4"
+
+
+async def test_the_default_budget_shows_once_the_worker_has_chosen_it():
+    started = fake_started(budget=6 * GiB, settings={"engine": {"device_budget": "6GiB"}})
+    app, _ = make_app([started])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert "budget 6.0 GiB" in app.query_one(RunHeader).plain  # before the first step
+        assert app.query_one("#budget").placeholder == "6GiB"
+        assert "first step running" in app.query_one(StepPanel).times_text
+    assert app.settings.engine.device_budget is None  # still the default, as a preset saves it
+
+
+async def test_nothing_is_drawn_once_the_app_has_shut_down():
+    app, _ = make_app(fake_run(2))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        app.poll_worker()
+    app._panels_stale = app._charts_stale = True
+    app.redraw()  # a timer that fires while the panels are taken down must not fail
+    assert app.poll_worker() == 0
+
+
 async def test_log_events_reach_the_log_panel():
     app, _ = make_app([*fake_run(2), Log("data: 1,234 documents", level="info")])
     async with app.run_test(size=SIZE) as pilot:
@@ -330,6 +388,53 @@ async def test_r_restarts_a_failed_run_with_a_new_worker_and_the_current_setting
     assert workers[0].stop_calls >= 1
     assert workers[1].settings.engine.policy == "cuda"
     assert workers[1].commands == []
+
+
+async def test_a_mistake_in_the_input_reads_as_its_reason_without_the_traceback():
+    reason = "device budget 64.0 MiB is below the minimum working set 294.6 MiB"
+    tail = ["Traceback (most recent call last):", "engine.engine.BudgetTooSmall: …"]
+    app, _ = make_app([Failed(reason, exitcode=2, log_tail=tail)])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        text = app.query_one(FailurePanel).plain
+        assert reason in text and "r restart" in text and "q quit" in text
+        assert "Traceback" not in text
+        header = app.query_one(RunHeader).plain
+        assert "- params" in header and "…" not in header  # nothing more will come
+        await pilot.press("q")
+    assert app.return_code == 2  # as the headless runner exits on bad input
+
+
+async def test_a_budget_too_small_is_fixed_in_the_budget_field_then_restarted():
+    workers: list[FakeWorker] = []
+
+    def factory(settings: Settings) -> FakeWorker:
+        failed = Failed("device budget 64.0 MiB is below the minimum working set", exitcode=2)
+        workers.append(FakeWorker([failed] if not workers else fake_run(1)))
+        workers[-1].settings = settings
+        return workers[-1]
+
+    app = TuitrainApp(_settings(device_budget="64MiB"), worker_factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert app.run_state == "failed"
+        await type_into(pilot, "#budget", "512MiB")
+        await pilot.press("enter", "escape", "r")
+        await settle(app, pilot)
+        assert app.run_state == "running"
+    assert workers[1].settings.engine.device_budget == "512MiB"
+
+
+async def test_a_long_log_tail_never_hides_the_reason_or_the_keys():
+    tail = [f"line {i}" for i in range(40)]
+    app, _ = make_app([*fake_run(1), Failed("boom", exitcode=1, log_tail=tail)])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        lines = app.query_one(FailurePanel).plain.splitlines()
+        assert "boom" in lines[0] and "r restart" in lines[1]
+        assert lines[-1].strip() == "line 39"
+        await pilot.press("q")
+    assert app.return_code == 1
 
 
 async def test_a_worker_that_cannot_start_is_a_failure_on_screen():

@@ -18,6 +18,13 @@ def test_a_change_reads_pending_then_applied_or_rejected():
     assert Change(3, "pause").describe() == "pause (pending)"
 
 
+def test_an_action_reads_as_done_after_the_step_it_followed():
+    assert Change(1, "pause", status="applied", step=5).describe() == "paused after step 5"
+    assert Change(2, "resume", status="applied", step=5).describe() == "resumed after step 5"
+    saved = Change(3, "checkpoint", status="applied", step=9)
+    assert saved.describe() == "checkpoint saved after step 9"
+
+
 def test_the_tracker_resolves_by_id_and_ignores_strangers():
     tracker = ChangeTracker(keep=2)
     for i in range(1, 4):

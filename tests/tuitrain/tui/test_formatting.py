@@ -11,7 +11,8 @@ def test_counts_rates_and_durations():
         "1.3B",
     ]
     assert format_rate(1234.4) == "1,234" and format_rate(25_000) == "25.0k"
-    assert [format_seconds(s) for s in (0.00085, 0.0125, 1.234, 125)] == [
+    assert [format_seconds(s) for s in (0.0, 0.00085, 0.0125, 1.234, 125)] == [
+        "0 s",
         "850 µs",
         "12.5 ms",
         "1.23 s",
@@ -26,5 +27,9 @@ def test_charts_pick_gib_or_mib():
 
 def test_step_axis_labels_are_whole_steps_with_both_ends():
     assert step_ticks([3, 4, 5]) == [3, 4, 5]
-    ticks = step_ticks(list(range(1, 122)))
-    assert ticks[0] == 1 and ticks[-1] == 121 and len(ticks) == 5
+    assert step_ticks(list(range(1, 122))) == [1, 31, 61, 91, 121]
+
+
+def test_step_axis_labels_are_evenly_spaced_in_a_short_window():
+    assert step_ticks(list(range(1, 8))) == [1, 3, 5, 7]  # not 1 3 4 5 7
+    assert step_ticks(list(range(1, 12))) == [1, 4, 7, 11]  # 10 would crowd 11
