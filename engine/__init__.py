@@ -1,13 +1,19 @@
 """The offload engine: train a model larger than the device by moving parameter chunks.
 
-Stands alone: it never imports the application or any UI.
+Stands alone: it never imports the application or any UI. `Engine` (and with it torch and
+transformers) is imported on first use, so that reading the small modules (config,
+telemetry, policy, state) stays cheap for a UI process that never trains.
 """
 
+from typing import TYPE_CHECKING
+
 from engine.config import EngineConfig, format_size, parse_size
-from engine.engine import Engine
 from engine.policy import Policy
 from engine.state import TensorState
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 __all__ = [
     "ChunkInfo",
@@ -20,3 +26,11 @@ __all__ = [
     "format_size",
     "parse_size",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "Engine":
+        from engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
