@@ -1,0 +1,348 @@
+"""The planner: what `plan` forecasts before a run is what the engine then measures.
+
+Forecasts are checked against real engine steps on the simulated device (the device peak of
+a steady step, the host chunk bytes, the working set), under each policy, precision, tight
+budgets, margins and activation checkpointing; then the large-model answers, which must come
+in seconds without allocating anything.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine import Engine, EngineConfig, StepStats, format_size
+from engine import planner as planner_module
+from engine.engine import BudgetTooSmall
+from engine.planner import RUNTIME_BYTES, plan
+from engine.zoo import BadCheckpoint, UnknownModel, build_model
+
+SHAPE = {"batch_size": 2, "seq_len": 64}
+MiB = 2**20
+# The forecast replays the engine's own rules on the engine's own layout, so it is exact up
+# to a few bytes per layer norm (the meta device keeps their statistics in fp32, the CPU in
+# the compute dtype). 2% leaves room for that and nothing else.
+EXACT = 0.02
+
+
+def engine_steps(
+    model: torch.nn.Module,
+    *,
+    policy: str,
+    precision: str,
+    budget: int | str,
+    margin: float = 0.0,
+    steps: int = 2,
+) -> tuple[StepStats, Engine]:
+    """Run `steps` steps of SHAPE batches on the simulated device; the last step's stats."""
+    engine = Engine(
+        model,
+        EngineConfig(
+            policy=policy,
+            margin_ratio=margin,
+            device_budget=budget,
+            precision=precision,
+            simulate=True,
+        ),
+    )
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(
+            0, model.config.vocab_size, (SHAPE["batch_size"], SHAPE["seq_len"]), generator=g
+        )
+        stats = engine.step({"input_ids": ids, "labels": ids})
+    return stats, engine
+
+
+def tiny_steps(**kwargs) -> tuple[StepStats, Engine]:
+    return engine_steps(build_model("tiny"), **kwargs)
+
+
+# --- the forecast is what the engine measures ---------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("policy", ["cuda", "cpu", "auto"])
+def test_tiny_device_peak_and_host_bytes_are_what_the_engine_measures(policy, precision):
+    forecast = plan(
+        "tiny", device_mem="6GiB", host_mem="64GiB", precision=precision, simulated=True, **SHAPE
+    )
+    stats, engine = tiny_steps(policy=policy, precision=precision, budget="6GiB")
+    row = forecast.policies[policy]
+    assert row.fits, row.reason
+    assert row.device_peak == pytest.approx(stats.memory.device_peak, rel=EXACT)
+    assert row.host_model == stats.memory.host_model  # same layout, same tensors: exact
+    assert row.copied == stats.bytes_h2d + stats.bytes_d2h
+    assert forecast.working_set == pytest.approx(engine.trace.working_set, rel=EXACT)
+    assert forecast.non_model_peak == pytest.approx(engine.trace.non_model_peak, rel=EXACT)
+    assert forecast.chunks == len(engine.chunks)
+    assert forecast.chunk_size == engine.chunk_size
+
+
+@pytest.mark.parametrize(
+    ("policy", "margin"), [("cpu", 0.0), ("auto", 0.0), ("auto", 0.5), ("cpu", 1.0)]
+)
+def test_a_tight_budget_and_a_margin_are_forecast_like_the_engine_places_them(policy, margin):
+    budget = 12 * MiB  # above the working set (about 7.4 MiB), far below the whole model
+    forecast = plan(
+        "tiny",
+        device_mem=budget,
+        host_mem="64GiB",
+        precision="bf16",
+        simulated=True,
+        margin_ratio=margin,
+        **SHAPE,
+    )
+    stats, _ = tiny_steps(policy=policy, precision="bf16", budget=budget, margin=margin)
+    row = forecast.policies[policy]
+    assert row.fits, row.reason
+    assert row.device_peak == pytest.approx(stats.memory.device_peak, rel=EXACT)
+    assert row.device_peak <= budget
+    assert row.host_model == stats.memory.host_model
+    assert row.copied == stats.bytes_h2d + stats.bytes_d2h
+
+
+def test_activation_checkpointing_is_forecast_with_its_recomputation():
+    forecast = plan(
+        "tiny",
+        device_mem="6GiB",
+        host_mem="64GiB",
+        precision="bf16",
+        checkpointing=True,
+        simulated=True,
+        **SHAPE,
+    )
+    plain = plan(
+        "tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16", simulated=True, **SHAPE
+    )
+    model = build_model("tiny")
+    model.activation_checkpointing_enable()  # what gradient_checkpointing_enable() does
+    stats, engine = engine_steps(model, policy="auto", precision="bf16", budget="6GiB")
+    assert forecast.auto.device_peak == pytest.approx(stats.memory.device_peak, rel=EXACT)
+    assert forecast.working_set == pytest.approx(engine.trace.working_set, rel=EXACT)
+    assert forecast.non_model_peak < plain.non_model_peak
+
+
+def test_a_model_folder_of_another_architecture_is_forecast_from_its_config(tmp_path):
+    """Llama: grouped-query attention, rotary embeddings, untied head, no biases."""
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config.save_pretrained(tmp_path)  # the planner reads config.json alone
+    forecast = plan(
+        str(tmp_path),
+        device_mem="6GiB",
+        host_mem="64GiB",
+        precision="fp32",
+        simulated=True,
+        **SHAPE,
+    )
+    torch.manual_seed(0)
+    stats, engine = engine_steps(
+        LlamaForCausalLM(config), policy="cpu", precision="fp32", budget="6GiB"
+    )
+    assert forecast.cpu.device_peak == pytest.approx(stats.memory.device_peak, rel=EXACT)
+    assert forecast.working_set == pytest.approx(engine.trace.working_set, rel=EXACT)
+    assert forecast.cpu.host_model == stats.memory.host_model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_deep_model_is_planned_from_three_traced_layers_exactly(monkeypatch, checkpointing):
+    """The inner layer repeated in the recording gives what tracing every layer gives."""
+    kwargs = {
+        "device_mem": "1GiB",
+        "host_mem": "64GiB",
+        "precision": "bf16",
+        "simulated": True,
+        "checkpointing": checkpointing,
+        **SHAPE,
+    }
+    repeated = plan("opt-125m", **kwargs)
+    monkeypatch.setattr(planner_module, "TRACE_LAYERS", 12)  # opt-125m has 12: trace them all
+    traced = plan("opt-125m", **kwargs)
+    assert repeated.to_dict() == traced.to_dict()
+
+
+# --- will it fit --------------------------------------------------------------------------
+
+
+def test_a_budget_below_the_working_set_fits_no_policy_and_says_the_numbers():
+    forecast = plan(
+        "tiny", device_mem="4MiB", host_mem="64GiB", precision="bf16", simulated=True, **SHAPE
+    )
+    for row in forecast.policies.values():
+        assert not row.fits
+        assert "4.0 MiB" in row.reason
+    for row in (forecast.cpu, forecast.auto):
+        assert "working set" in row.reason
+        assert format_size(forecast.working_set) in row.reason
+        assert row.device_peak >= forecast.working_set  # what it would need
+    assert "on the device" in forecast.cuda.reason
+    assert forecast.recommended.policy is None
+    assert "nothing fits" in forecast.recommended.why
+    with pytest.raises(BudgetTooSmall):  # and the engine agrees
+        tiny_steps(policy="cpu", precision="bf16", budget=4 * MiB, steps=1)
+
+
+def test_cuda_is_refused_when_the_whole_model_does_not_fit_beside_the_activations():
+    budget = 12 * MiB
+    forecast = plan(
+        "tiny", device_mem=budget, host_mem="64GiB", precision="bf16", simulated=True, **SHAPE
+    )
+    assert not forecast.cuda.fits
+    assert "needs" in forecast.cuda.reason and "12.0 MiB" in forecast.cuda.reason
+    assert forecast.cuda.device_peak > budget
+    assert forecast.cpu.fits and forecast.auto.fits
+    with pytest.raises(BudgetTooSmall):
+        tiny_steps(policy="cuda", precision="bf16", budget=budget, steps=1)
+
+
+def test_too_little_host_memory_is_reported_with_what_it_takes():
+    forecast = plan(
+        "tiny", device_mem="6GiB", host_mem="100MiB", precision="bf16", simulated=True, **SHAPE
+    )
+    for row in forecast.policies.values():
+        assert not row.fits
+        assert "host memory" in row.reason and "100.0 MiB" in row.reason
+        assert row.host_peak > RUNTIME_BYTES
+    assert forecast.recommended.policy is None
+
+
+def test_on_the_simulated_device_its_bytes_count_as_host_memory():
+    """Longer sequences mean more activations: host memory too when the device is simulated."""
+    common = {"device_mem": "6GiB", "host_mem": "64GiB", "precision": "bf16", "batch_size": 2}
+    short_sim = plan("tiny", seq_len=64, simulated=True, **common)
+    long_sim = plan("tiny", seq_len=256, simulated=True, **common)
+    short_real = plan("tiny", seq_len=64, simulated=False, **common)
+    long_real = plan("tiny", seq_len=256, simulated=False, **common)
+    grown = long_sim.auto.device_peak - short_sim.auto.device_peak
+    assert grown > 0
+    assert long_sim.auto.host_peak - short_sim.auto.host_peak >= grown
+    assert long_real.auto.host_peak == short_real.auto.host_peak
+    # A GPU's allocator sees the gradients in flight too; the simulated count does not.
+    assert long_real.auto.device_peak > long_sim.auto.device_peak
+    assert (
+        "simulated device"
+        in plan("tiny", seq_len=64, simulated=True, **{**common, "host_mem": "1MiB"}).cpu.reason
+    )
+
+
+# --- the recommendation -------------------------------------------------------------------
+
+
+def test_a_model_that_fits_whole_is_recommended_cuda():
+    forecast = plan("tiny", device_mem="6GiB", host_mem="64GiB", simulated=True, **SHAPE)
+    assert forecast.recommended.policy == "cuda"
+    assert forecast.recommended.margin_ratio == 0.0
+
+
+def test_between_the_working_set_and_the_whole_model_auto_gets_a_margin_that_runs():
+    budget = 12 * MiB
+    forecast = plan(
+        "tiny", device_mem=budget, host_mem="64GiB", precision="bf16", simulated=True, **SHAPE
+    )
+    rec = forecast.recommended
+    assert rec.policy == "auto"
+    assert 0.0 < rec.margin_ratio <= 1.0
+    assert "chunks on the device" in rec.why
+    stats, _ = tiny_steps(policy="auto", precision="bf16", budget=budget, margin=rec.margin_ratio)
+    assert stats.memory.device_peak <= budget
+    assert stats.memory.host_model < forecast.auto.host_model  # optimizer state moved over
+    assert stats.bytes_h2d + stats.bytes_d2h < forecast.auto.copied  # and it copies less
+
+
+# --- large models: seconds, nothing allocated -----------------------------------------------
+
+
+def test_opt_30b_is_planned_in_seconds_without_allocating():
+    before = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    forecast = plan(
+        "opt-30b", device_mem="24GiB", host_mem="64GiB", precision="bf16", simulated=False
+    )
+    elapsed = time.perf_counter() - start
+    grown = psutil.Process().memory_info().rss - before
+    assert elapsed < 10, f"{elapsed:.1f} s"
+    assert grown < 512 * MiB, format_size(grown)
+    n = forecast.parameters
+    assert 29e9 < n < 31e9
+    # 14 bytes per parameter in bf16 (payload, fp32 master, two moments) live on the host.
+    assert 14 * n <= forecast.cpu.host_peak <= 16 * n
+    assert not forecast.cpu.fits and "host memory" in forecast.cpu.reason
+    assert forecast.cpu.device_peak < 24 * 2**30  # the device side alone would fit
+    assert not forecast.cuda.fits and "on the device" in forecast.cuda.reason
+    assert forecast.cuda.device_peak >= 16 * n  # resident: payload, gradients, fp32 state
+    assert forecast.recommended.policy is None
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+def test_bad_input_raises_the_errors_the_command_line_reports():
+    with pytest.raises(UnknownModel):
+        plan("opt-9b", device_mem="6GiB", host_mem="8GiB")
+    with pytest.raises(ValueError, match="not a size"):
+        plan("tiny", device_mem="six", host_mem="8GiB")
+    with pytest.raises(ValueError, match="precision"):
+        plan("tiny", device_mem="6GiB", host_mem="8GiB", precision="fp4")
+    with pytest.raises(ValueError, match="positions"):
+        plan("tiny", device_mem="6GiB", host_mem="8GiB", seq_len=4096)
+    with pytest.raises(ValueError, match="margin_ratio"):
+        plan("tiny", device_mem="6GiB", host_mem="8GiB", margin_ratio=1.5)
+
+
+def test_a_folder_whose_config_is_not_a_language_model_is_a_bad_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(BadCheckpoint):
+        plan(str(tmp_path), device_mem="6GiB", host_mem="8GiB")
+
+
+# --- host memory of a real process -----------------------------------------------------------
+
+PEAK_RSS_SCRIPT = """
+import json, sys, torch
+from engine import Engine, EngineConfig
+from engine.zoo import build_model
+model = build_model("tiny")
+engine = Engine(model, EngineConfig(policy=sys.argv[1], device_budget="6GiB",
+                                    precision="bf16", simulate=True))
+g = torch.Generator().manual_seed(0)
+for _ in range(3):
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=g)
+    engine.step({"input_ids": ids, "labels": ids})
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM"):
+        print(json.dumps({"peak_rss": int(line.split()[1]) * 1024}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_host_peak_is_the_peak_resident_memory_of_a_fresh_training_process():
+    """A fresh process, as the worker is: the runtime dominates tiny's host peak."""
+    forecast = plan(
+        "tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16", simulated=True, **SHAPE
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS_SCRIPT, "auto"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    peak = json.loads(done.stdout.splitlines()[-1])["peak_rss"]
+    assert forecast.auto.host_peak == pytest.approx(peak, rel=0.10)

@@ -1,0 +1,186 @@
+"""`tuitrain plan`: a table or JSON per policy, the machine's memory by default, one line for
+a mistake, and a warning that a run's start can print when it will not fit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from engine.planner import plan
+from tuitrain.cli import UsageError, main
+from tuitrain.plan import plan_main, warn_if_unfit
+from tuitrain.settings import Settings
+
+SCRIPT = Path(sys.executable).parent / "tuitrain"
+SMALL = ["--batch-size", "2", "--seq-len", "64", "--precision", "bf16"]
+
+
+def namespace(**overrides: object) -> argparse.Namespace:
+    fields = {
+        "model": "tiny",
+        "device_mem": "6GiB",
+        "host_mem": "64GiB",
+        "precision": "bf16",
+        "batch_size": 2,
+        "seq_len": 64,
+        "checkpointing": False,
+        "json": False,
+    }
+    return argparse.Namespace(**{**fields, **overrides})
+
+
+def test_the_table_has_a_row_per_policy_and_the_recommendation(capsys):
+    assert main(["plan", "tiny", "--device-mem", "12MiB", "--host-mem", "64GiB", *SMALL]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("POLICY"))
+    assert lines[header].split() == [
+        "POLICY",
+        "DEVICE",
+        "PEAK",
+        "HOST",
+        "PEAK",
+        "COPIED/STEP",
+        "FITS",
+    ]
+    rows = {line.split()[0]: line for line in lines[header + 1 : header + 4]}
+    assert list(rows) == ["cuda", "cpu", "auto"]
+    assert "no: needs" in rows["cuda"] and "12.0 MiB" in rows["cuda"]
+    assert rows["cpu"].endswith("yes") and rows["auto"].endswith("yes")
+    assert lines[-1].startswith("recommended: --policy auto --margin ")
+    assert "simulated" in out
+
+
+def test_json_carries_the_figures_of_the_plan(capsys):
+    argv = ["plan", "tiny", "--device-mem", "12MiB", "--host-mem", "64GiB", "--json", *SMALL]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    expected = plan(
+        "tiny", device_mem="12MiB", host_mem="64GiB", precision="bf16", batch_size=2, seq_len=64
+    )
+    for name in ("cuda", "cpu", "auto"):
+        row = expected.policies[name]
+        assert data[name]["device_peak"] == row.device_peak
+        assert data[name]["host_peak"] == row.host_peak
+        assert data[name]["fits"] is row.fits
+    assert data["cuda"]["fits"] is False and data["auto"]["fits"] is True
+    assert data["recommended"] == {
+        "policy": "auto",
+        "margin_ratio": expected.recommended.margin_ratio,
+        "why": expected.recommended.why,
+    }
+
+
+def test_memory_defaults_to_this_machine(capsys):
+    assert plan_main(namespace(device_mem=None, host_mem=None, json=True)) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["host_mem"] == psutil.virtual_memory().total
+    if data["simulated"]:
+        assert data["device_mem"] == Settings().budget_bytes(simulated=True)
+
+
+def test_unspecified_precision_is_the_one_a_run_would_use(capsys):
+    assert plan_main(namespace(precision=None, json=True)) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["precision"] == Settings().precision_for(simulated=data["simulated"])
+
+
+def test_a_mistake_the_planner_finds_is_a_usage_error():
+    with pytest.raises(UsageError, match="not a size"):
+        plan_main(namespace(host_mem="lots"))
+    with pytest.raises(UsageError, match="unknown model 'opt-9b'"):
+        plan_main(namespace(model="opt-9b"))
+
+
+def test_a_folder_that_is_not_a_language_model_is_one_line_and_status_2(tmp_path, capsys):
+    folder = tmp_path / "vit"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    (folder / "model.safetensors").write_bytes(b"")
+    assert main(["plan", str(folder), "--device-mem", "6GiB", "--host-mem", "8GiB"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "Traceback" not in captured.err
+    assert len(captured.err.splitlines()) == 1
+    assert captured.err.startswith("tuitrain: error: ")
+
+
+# Runs the command and reports its peak resident memory: a process of its own, so that no
+# other child of the test session counts towards it.
+MEASURED = """
+import json, resource, subprocess, sys
+done = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print(json.dumps({"status": done.returncode, "out": done.stdout, "err": done.stderr,
+                  "peak_rss": peak}))
+"""
+
+
+def test_opt_30b_answers_quickly_with_plausible_figures_and_little_memory(tmp_path):
+    command = [
+        str(SCRIPT),
+        "plan",
+        "opt-30b",
+        "--device-mem",
+        "24GiB",
+        "--host-mem",
+        "64GiB",
+        "--precision",
+        "bf16",
+        "--json",
+    ]
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURED, *command],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=240,
+        check=True,
+    )
+    elapsed = time.perf_counter() - start
+    result = json.loads(done.stdout)
+    assert result["status"] == 0, result["err"]
+    data = json.loads(result["out"])
+    n = data["parameters"]
+    assert 29e9 < n < 31e9
+    assert not data["cuda"]["fits"] and not data["cpu"]["fits"] and not data["auto"]["fits"]
+    assert 14 * n <= data["cpu"]["host_peak"] <= 16 * n  # ~420-480 GB against 64 GiB
+    assert data["recommended"]["policy"] is None
+    # The whole command, interpreter and imports included; the planning itself is timed
+    # apart (under 10 s) in tests/engine/test_planner.py.
+    assert elapsed < 60, f"{elapsed:.1f} s"
+    assert result["peak_rss"] < 2 * 2**30  # meta tensors only: no 60 GB of weights
+
+
+def test_warn_if_unfit_says_why_and_what_would_fit():
+    tight = Settings.model_validate(
+        {
+            "model": "tiny",
+            "engine": {"policy": "cuda", "device_budget": "12MiB", "precision": "bf16"},
+            "training": {"batch_size": 2, "seq_len": 64},
+        }
+    )
+    line = warn_if_unfit(tight)
+    assert line is not None and "\n" not in line
+    assert "policy cuda will not fit" in line and "12.0 MiB" in line
+    assert "policy auto would" in line
+
+
+def test_warn_if_unfit_is_silent_when_the_run_fits():
+    roomy = Settings.model_validate(
+        {
+            "model": "tiny",
+            "engine": {"policy": "auto", "device_budget": "1GiB", "precision": "bf16"},
+            "training": {"batch_size": 2, "seq_len": 64},
+        }
+    )
+    assert warn_if_unfit(roomy) is None
