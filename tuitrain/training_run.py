@@ -122,6 +122,7 @@ class TrainingRun:
         from engine import Engine, EngineConfig
         from engine.data import build_data
         from engine.zoo import build_model
+        from tuitrain.plan import warn_if_unfit
 
         s = self.settings
         print(f"tuitrain worker pid {os.getpid()} started {_now()}", flush=True)
@@ -135,10 +136,15 @@ class TrainingRun:
 
         simulated = not torch.cuda.is_available()
         budget = s.budget_bytes(simulated)
+        unfit = warn_if_unfit(s)  # the planner's forecast, before minutes of building
+        if unfit:
+            self._say(unfit, "warning")
         self._say(f"building {s.model}")
         self.model = build_model(s.model, seed=s.training.seed)
         if s.training.activation_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # transformers 5 renamed it; 4.x only has the old name.
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            (enable or self.model.gradient_checkpointing_enable)()
         self._say("preparing data")
         self.data = build_data(
             s.data.path,
