@@ -136,9 +136,6 @@ class TrainingRun:
 
         simulated = not torch.cuda.is_available()
         budget = s.budget_bytes(simulated)
-        unfit = warn_if_unfit(s)  # the planner's forecast, before minutes of building
-        if unfit:
-            self._say(unfit, "warning")
         self._say(f"building {s.model}")
         self.model = build_model(s.model, seed=s.training.seed)
         if s.training.activation_checkpointing:
@@ -173,6 +170,11 @@ class TrainingRun:
                 total_steps=s.training.steps,
             ),
         )
+        # The planner's forecast, once the engine has accepted the settings (so a refusal is
+        # one line, not a warning and an error saying the same).
+        unfit = warn_if_unfit(s)
+        if unfit:
+            self._say(unfit, "warning")
         if resume is not None:
             self.next_step = int(resume(self.engine, self.model, self.data, s)) + 1
             self._say(f"resumed from {s.checkpoint.resume} after step {self.next_step - 1}")
