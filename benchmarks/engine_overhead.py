@@ -38,7 +38,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (0: torch's default); 1 is steadier on a shared machine")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     base = build_model(args.model, seed=0)
     vocab = base.config.vocab_size
