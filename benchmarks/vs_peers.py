@@ -18,9 +18,13 @@ resident memory is its own; systems run one after another, never side by side. R
 the median step time after warm-up, peak RSS, the largest relative loss difference from
 (a) over all steps, and ratios to (a) and (b).
 
-    python benchmarks/vs_peers.py --quick          # a few steps, to see that all run
-    python benchmarks/vs_peers.py                  # the measurement (about 10 minutes)
+    python benchmarks/vs_peers.py --quick          # fp32, a few steps: see that all run
+    python benchmarks/vs_peers.py --precisions fp32 --repeats 2    # about 10 minutes
+    python benchmarks/vs_peers.py --precisions bf16 --threads 1    # see --bf16-steps
     python benchmarks/vs_peers.py --precisions fp32 --systems plain engine-cpu
+
+A CPU without native bf16 matrix units (AVX2 only) runs a bf16 step of this model tens of
+times slower than fp32, minutes per step, hence the separate, shorter bf16 step count.
 
 DeepSpeed is the `bench` extra (`pip install -e '.[bench]'`); without it its rows say so.
 This process imports no torch: it only launches, collects and prints.
@@ -149,16 +153,21 @@ def run_system(system: str, precision: str, args: argparse.Namespace, logs: Path
 
 
 def merge(runs: list[dict]) -> dict:
-    """Repeats of one system: timed steps pooled, the worst peak and loss kept."""
+    """Repeats of one system: the lowest per-run median, the worst peak and loss kept.
+
+    Other processes on the machine only ever slow a run down, so of several runs the one
+    with the lowest median step time is the least disturbed.
+    """
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return runs[0]
     first = ok[0]
-    timed = [s for r in ok for s in r["seconds"][r["warmup"] :]]
+    medians = [statistics.median(r["seconds"][r["warmup"] :]) for r in ok]
     return {
         **first,
-        "timed": timed,
-        "median": statistics.median(timed),
+        "timed": first["seconds"][first["warmup"] :],
+        "median": min(medians),
+        "medians": medians,
         "peak_rss": max(r["peak_rss"] for r in ok),
         "peak_rss_runs": [r["peak_rss"] for r in ok],
         "repeats": len(ok),
@@ -180,7 +189,7 @@ def table(
 ) -> list[str]:
     """The markdown table, one row per system and precision."""
     lines = [
-        "| system | precision | timed steps | median s/step | x (a) | x (b) | peak RSS MiB "
+        "| system | precision | timed steps per run | median s/step | x (a) | x (b) | peak RSS MiB "
         "| x (a) | x (b) | max rel. loss diff vs (a) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -391,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     loads = [r["load_average"] for r in results.values() if "load_average" in r]
     print(
         f"{args.model}, batch {args.batch_size} x {args.seq_len}, {args.warmup} warm-up steps "
-        f"per run, then the median of the timed steps; {args.repeats} run(s) per row; torch "
+        f"per run, then the median of the timed steps; {args.repeats} run(s) per row, the "
+        f"lowest median shown; torch "
         f"threads {', '.join(map(str, sorted(threads))) or '-'}; torch {version('torch')}, "
         f"deepspeed {version('deepspeed')}; 1-minute load average {load_before[0]:.2f} "
         f"before, {load_after[0]:.2f} after"
@@ -402,10 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     notes = verdicts(results, args.precisions) + engine_details(results)
     if args.repeats > 1:
         notes += [
-            f"- peak RSS per run, MiB: {system} {precision} "
+            f"- per run: {system} {precision}: median s/step "
+            + "/".join(f"{m:.3f}" for m in r["medians"])
+            + ", peak RSS MiB "
             + "/".join(str(b >> 20) for b in r["peak_rss_runs"])
             for (system, precision), r in results.items()
-            if "peak_rss_runs" in r
+            if "medians" in r
         ]
     if notes:
         print()
