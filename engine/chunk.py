@@ -132,6 +132,7 @@ class Chunk:
     grads_pending: int = 0  # parameters whose gradient has not arrived this backward
     holds_grads: bool = False  # the home payload holds gradients, not parameters
     computing: int = 0  # parameters in COMPUTE; kept by set_state so in_use() is O(1)
+    pending: object = None  # an unfinished prefetch into device_payload (CUDA only)
     extra: dict = field(default_factory=dict)
 
     @property

@@ -35,6 +35,10 @@ class ComputeDevice(Protocol):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> float: ...
 
+    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[object, float]: ...
+
+    def wait(self, pending: object) -> None: ...
+
     def allocator_bytes(self) -> int | None: ...
 
     def reset_peak(self) -> None: ...
@@ -70,6 +74,13 @@ class SimulatedDevice:
         dst.copy_(src)
         return time.perf_counter() - t0
 
+    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[object, float]:
+        """A prefetch: here as real and as synchronous as any copy, nothing left pending."""
+        return None, self.copy(dst, src)
+
+    def wait(self, pending: object) -> None:
+        pass
+
     def allocator_bytes(self) -> int | None:
         return None  # non-model bytes are counted by the tracer instead
 
@@ -96,6 +107,8 @@ class CudaDevice:
         self.torch_device = torch.device("cuda", self.index)
         total = torch.cuda.get_device_properties(self.index).total_memory
         self.budget = int(min(budget, total) if budget else total)
+        # Prefetches run here, so a copy for the next module overlaps this one's kernels.
+        self.side_stream = torch.cuda.Stream(self.index)
 
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.index)
@@ -118,6 +131,29 @@ class CudaDevice:
         dst.copy_(src, non_blocking=True)
         torch.cuda.current_stream(self.index).synchronize()
         return time.perf_counter() - t0
+
+    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[object, float]:
+        """Start a host-to-device copy on the side stream; returns (pending, 0.0).
+
+        Safe because: the side stream first waits for everything queued on the compute
+        stream (the block `dst` occupies may have been freed there a moment ago); `dst` was
+        allocated on the compute stream, which waits for the copy (`wait`) before it reads
+        or frees `dst`, so the allocator never hands the block out mid-copy; `src` is pinned
+        host memory that nothing writes until the step's optimizer, after every wait. The
+        host does not block, so no transfer time is counted; a wait that stalls the compute
+        stream shows in the forward or backward time instead.
+        """
+        compute = torch.cuda.current_stream(self.index)
+        self.side_stream.wait_stream(compute)
+        with torch.cuda.stream(self.side_stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.side_stream)
+        return done, 0.0
+
+    def wait(self, pending: object) -> None:
+        """Make the compute stream wait for a prefetch before it touches its tensor."""
+        torch.cuda.current_stream(self.index).wait_event(pending)
 
     def allocator_bytes(self) -> int | None:
         return int(torch.cuda.memory_allocated(self.index))

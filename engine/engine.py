@@ -39,6 +39,11 @@ S = TensorState
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class StepInterrupted(Exception):
+    """`Engine.interrupt()` cut a step short. The engine is as it was before that step:
+    weights, optimizer state and step count untouched, so the step can simply run again."""
+
+
 class Engine:
     """The offload engine. See the module docstring and DESIGN.md ("The engine")."""
 
@@ -61,6 +66,7 @@ class Engine:
         self._last_peak = 0
         self._in_step = False
         self._evicting = False
+        self._interrupted = False
 
         self.counter = NonModelCounter(self._is_model_storage, self._on_non_model_change)
         self.chunks = self._build_chunks(model)
@@ -196,8 +202,17 @@ class Engine:
 
     # --- hook callbacks --------------------------------------------------------------------
 
+    def interrupt(self) -> None:
+        """Cut the running step short at the next module boundary (StepInterrupted); with
+        no step running, the next step stops at its first module. Safe to call from a
+        signal handler or another thread: it only sets a flag."""
+        self._interrupted = True
+
     def _point(self, key: int, phase: str) -> None:
         """A module is about to run: close the trace interval and open the next."""
+        if self._interrupted:
+            self._interrupted = False
+            raise StepInterrupted(f"step {self.step_count + 1} was interrupted in the {phase}")
         self._pos += 1
         chunks = self._module_chunks[key]
         if self._tracing is not None:
@@ -216,7 +231,7 @@ class Engine:
             self._outside_step(key)
             return
         self._point(key, "forward")
-        self.manager.prepare(self._module_chunks[key], self._pos)
+        self.manager.prepare(self._module_chunks[key], self._pos, "forward")
         for chunk, slot in self._module_slots[key]:
             chunk.set_state(slot, S.COMPUTE)
 
@@ -232,7 +247,7 @@ class Engine:
 
     def _pre_backward(self, key: int) -> None:
         self._point(key, "backward")
-        self.manager.prepare(self._module_chunks[key], self._pos)
+        self.manager.prepare(self._module_chunks[key], self._pos, "backward")
         for chunk, slot in self._module_slots[key]:
             if slot.state != S.HOLD_AFTER_BWD:
                 chunk.set_state(slot, S.COMPUTE)

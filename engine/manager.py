@@ -90,21 +90,62 @@ class ChunkManager:
     def materialise(self, chunk: Chunk, pos: int, protect: tuple[Chunk, ...] = ()) -> None:
         """Make sure the chunk's parameters are on the device (HOLD or better)."""
         self._last_use[chunk.index] = pos
+        self.settle(chunk)
         if chunk.on_device and not chunk.stale:
             return
         if not chunk.on_device:
             self.make_room(chunk.nbytes, pos, protect + (chunk,))
             self._storage_resize(chunk, True)
         self._copy(chunk.device_payload, chunk.payload, "h2d")
+        self._fetched(chunk)
+
+    def _fetched(self, chunk: Chunk) -> None:
         chunk.stale = False
         for slot in chunk.slots:
             if slot.state == S.FREE:
                 chunk.set_state(slot, S.HOLD)
 
+    def settle(self, chunk: Chunk) -> None:
+        """Let the compute stream wait for the chunk's prefetch, if one is in flight."""
+        if chunk.pending is not None:
+            self.device.wait(chunk.pending)
+            chunk.pending = None
+
+    def prefetch(self, pos: int, phase: str) -> None:
+        """Start copying the next module's chunks while this one computes (on CUDA the copy
+        runs on a side stream).
+
+        Only into room that is free now and stays free until the next module by the trace's
+        forecast (its non-model peak, and in backward the gradient buffers this module may
+        open): a prefetch never evicts, so it moves no byte the step would not move anyway.
+        Not while tracing, when there is no forecast to trust.
+        """
+        trace = self.trace
+        if trace is None or not self.strict or pos + 1 >= len(trace.points):
+            return
+        forecast = max(0, trace.non_model_ahead(pos) - self.non_model_now())
+        if phase == "backward":
+            forecast += sum(c.nbytes for i in trace.points[pos].chunks
+                            if (c := self.chunks[i]).grad is None and not c.resident
+                            and c.grads_pending > 0)
+        for index in trace.points[pos + 1].chunks:
+            chunk = self.chunks[index]
+            # A stale device copy is one whose gradients went home: not used again this step.
+            if chunk.on_device or chunk.holds_grads:
+                continue
+            if self.free_bytes(forecast) < chunk.nbytes:
+                return
+            self._storage_resize(chunk, True)
+            chunk.pending, seconds = self.device.copy_ahead(chunk.device_payload, chunk.payload)
+            self.transfer_seconds += seconds
+            self.bytes_h2d += chunk.nbytes
+            self._fetched(chunk)
+
     def release(self, chunk: Chunk) -> bool:
         """Drop the device copy of an idle, non-resident chunk. Returns whether it did."""
         if chunk.resident or not chunk.on_device or chunk.in_use():
             return False
+        self.settle(chunk)
         self._storage_resize(chunk, False)
         chunk.stale = False
         for slot in chunk.slots:
@@ -153,7 +194,7 @@ class ChunkManager:
             return max(idle, key=lambda c: (self.trace.next_use(c.index, pos), c.index))
         return min(idle, key=lambda c: self._last_use.get(c.index, -1))
 
-    def prepare(self, needed: tuple[Chunk, ...], pos: int) -> None:
+    def prepare(self, needed: tuple[Chunk, ...], pos: int, phase: str = "") -> None:
         """Bring `needed` to the device for the module about to run."""
         if self.policy == Policy.CPU:
             # Copied in right before use and dropped right after: anything the next module
@@ -163,6 +204,8 @@ class ChunkManager:
                     self.release(chunk)
         for chunk in needed:
             self.materialise(chunk, pos, needed)
+        if phase:
+            self.prefetch(pos, phase)
 
     # --- gradients ------------------------------------------------------------------------
 
@@ -170,7 +213,9 @@ class ChunkManager:
         if chunk.grad is None:
             self.make_room(chunk.nbytes, pos, (chunk,))
             self.grad_bytes += chunk.nbytes
-            chunk.grad = self._alloc("device", chunk.numel, chunk.dtype, zero=True)
+            # Not zeroed: every gradient that arrives overwrites its slot, and finish_grads
+            # zeroes what none wrote (a chunk-sized memset per chunk per step, saved).
+            chunk.grad = self._alloc("device", chunk.numel, chunk.dtype)
         return chunk.grad
 
     def grad_home(self, chunk: Chunk) -> torch.Tensor:
@@ -181,6 +226,8 @@ class ChunkManager:
         """Every gradient of a non-resident chunk is in: move them to the host."""
         if chunk.grad is None:
             return
+        self.settle(chunk)  # the home may be the payload a prefetch reads
+        _zero_unwritten(chunk)
         self._copy(self.grad_home(chunk), chunk.grad, "d2h")
         chunk.stale = chunk.on_device  # the device copy will be outdated by the update
         self.grad_bytes -= chunk.nbytes
@@ -209,6 +256,7 @@ class ChunkManager:
         """Move a chunk's payload and optimizer state to the device, or back to the host."""
         if chunk.resident == resident:
             return
+        self.settle(chunk)
         if resident:
             fresh = chunk.on_device and not chunk.stale
             if not chunk.on_device:
@@ -251,3 +299,15 @@ class ChunkManager:
         master_alias = chunk.numel * 4 if chunk.aliased else 0
         return 2 * chunk.nbytes + chunk.optim_nbytes - master_alias
 
+
+def _zero_unwritten(chunk: Chunk) -> None:
+    """Zero the parts of the gradient buffer no gradient wrote: padding, and parameters that
+    got none this step (their update is undone, but the global norm reads every element)."""
+    end = 0
+    for slot in sorted(chunk.slots, key=lambda s: s.offset):
+        if slot.offset > end:
+            chunk.grad[end:slot.offset].zero_()
+        if not slot.got_grad:
+            chunk.grad[slot.offset:slot.offset + slot.numel].zero_()
+        end = max(end, slot.offset + slot.numel)
+    chunk.grad[end:].zero_()

@@ -105,10 +105,7 @@ def _write(folder: Path, engine: Any, model: torch.nn.Module, data: Any, setting
         save_tokenizer(tokenizer, model_dir)
     state = engine.state_dict()
     save_file(state["tensors"], folder / "optimizer.safetensors")
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_file(rng, folder / "rng.safetensors")
+    save_file(rng_states(), folder / "rng.safetensors")
     record = {"format": FORMAT, "step": step, "engine": state["meta"],
               "settings": settings.model_dump(),
               "data": data.state_dict() if hasattr(data, "state_dict") else None}
@@ -176,7 +173,19 @@ def load_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
     engine.load_state_dict({"tensors": tensors, "meta": state["engine"]})
     if state.get("data") is not None and hasattr(data, "load_state_dict"):
         data.load_state_dict(state["data"])
+    set_rng_states(rng)
+    return int(state["step"])
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    """The random number generators' states: the CPU one and each GPU's."""
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return rng
+
+
+def set_rng_states(rng: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available():
         torch.cuda.set_rng_state_all([rng[k] for k in sorted(rng) if k.startswith("cuda")])
-    return int(state["step"])

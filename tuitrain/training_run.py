@@ -93,6 +93,7 @@ class TrainingRun:
         self.started_at = time.monotonic()
         self.metrics: Any = None  # the open metrics file
         self.save_checkpoint: Callable[..., Any] | None = None
+        self.engine: Any = None
         self.checkpointed = 0  # the step of the latest checkpoint this run saved
 
     # --- the run -----------------------------------------------------------------------
@@ -117,12 +118,8 @@ class TrainingRun:
             self._close_metrics()
 
     def _setup(self) -> None:
-        import torch
-
-        from engine import Engine, EngineConfig
-        from engine.data import build_data
-        from engine.zoo import build_model
         from tuitrain.plan import warn_if_unfit
+        from tuitrain.run_build import build_run
 
         s = self.settings
         print(f"tuitrain worker pid {os.getpid()} started {_now()}", flush=True)
@@ -134,42 +131,8 @@ class TrainingRun:
         resume = self._checkpoint_hooks()
         self._open_metrics()
 
-        simulated = not torch.cuda.is_available()
-        budget = s.budget_bytes(simulated)
-        self._say(f"building {s.model}")
-        self.model = build_model(s.model, seed=s.training.seed)
-        if s.training.activation_checkpointing:
-            # transformers 5 renamed it; 4.x only has the old name.
-            enable = getattr(self.model, "activation_checkpointing_enable", None)
-            (enable or self.model.gradient_checkpointing_enable)()
-        self._say("preparing data")
-        self.data = build_data(
-            s.data.path,
-            model_name_or_path=s.model,
-            vocab_limit=self.model.config.vocab_size,
-            batch_size=s.training.batch_size,
-            seq_len=s.training.seq_len,
-            seed=s.training.seed,
-        )
-        precision = s.precision_for(simulated)
-        if simulated and s.engine.device_budget is None:
-            budget = _simulated_budget(budget, parameters=_count(self.model), precision=precision)
-            self._say(f"simulated device budget {_exact_size(budget)}")
-        self.engine = Engine(
-            self.model,
-            EngineConfig(
-                policy=s.engine.policy,
-                margin_ratio=s.engine.margin_ratio,
-                device_budget=budget,
-                precision=precision,
-                lr=s.training.lr,
-                weight_decay=s.training.weight_decay,
-                max_grad_norm=s.training.max_grad_norm,
-                seed=s.training.seed,
-                chunk_size=s.engine.chunk_size,
-                total_steps=s.training.steps,
-            ),
-        )
+        built = build_run(s, self._say)
+        self.model, self.data, self.engine = built.model, built.data, built.engine
         # The planner's forecast, once the engine has accepted the settings (so a refusal is
         # one line, not a warning and an error saying the same).
         unfit = warn_if_unfit(s)
@@ -179,11 +142,7 @@ class TrainingRun:
             self.next_step = int(resume(self.engine, self.model, self.data, s)) + 1
             self._say(f"resumed from {s.checkpoint.resume} after step {self.next_step - 1}")
 
-        device = _describe_device(simulated, budget)
-        used = s.model_dump()
-        used["engine"]["precision"] = precision
-        if budget is not None:
-            used["engine"]["device_budget"] = _exact_size(budget)
+        device, used = built.device, built.settings_used
         started = Started(
             model=s.model,
             parameters=self.engine.num_parameters,
@@ -204,7 +163,15 @@ class TrainingRun:
             }
             self._write_metrics(header)
 
+    def interrupt(self) -> None:
+        """Cut the running step short (a Stop is on its way); called from a signal handler."""
+        if self.engine is not None:
+            self.engine.interrupt()
+
     def _train(self) -> None:
+        from engine.engine import StepInterrupted
+        from tuitrain.checkpoint import rng_states, set_rng_states
+
         batches = self._batches()
         while self.next_step <= self.settings.training.steps:
             self._drain_commands()
@@ -212,7 +179,18 @@ class TrainingRun:
                 self._wait_for_command(PAUSE_WAIT_SECONDS)
             if self.stopping:
                 break
-            stats = self.engine.step(next(batches))
+            # What an interrupted step must give back, so a checkpoint written after it (or
+            # the step run again) is exactly as if it had never started.
+            position = self.data.state_dict() if hasattr(self.data, "state_dict") else None
+            rng = rng_states()
+            try:
+                stats = self.engine.step(next(batches))
+            except StepInterrupted as err:
+                if position is not None:
+                    self.data.load_state_dict(position)
+                set_rng_states(rng)
+                self._say(f"{err}; nothing of it was kept", level="warning")
+                continue  # the Stop behind the interrupt ends the loop at the top
             ended = time.time()
             self._record(stats, ended)
         self._final_checkpoint()
@@ -441,63 +419,5 @@ class TrainingRun:
         self.outbox.put(Log(message, level))
 
 
-# Host memory left to the rest of the machine when sizing the default simulated device.
-HOST_RESERVE = 1024**3
-
-
-def _count(model: Any) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def _simulated_budget(default: int, *, parameters: int, precision: str) -> int:
-    """The default simulated budget, shrunk to what this machine's memory can hold.
-
-    A simulated device lives in host memory beside the host copies of the chunks, so the
-    laptop's 6 GiB cannot always be had on top of them. An explicit budget is honoured (and
-    fails as it would); the default adapts, and says so.
-    """
-    import psutil
-
-    from engine.chunk import host_bytes_per_parameter
-    from engine.config import format_size
-
-    # The model as built (fp32) is freed parameter by parameter while it is packed.
-    need = (host_bytes_per_parameter(precision) - 4) * parameters
-    room = psutil.virtual_memory().available - need - HOST_RESERVE
-    if room < default // 8:
-        total = host_bytes_per_parameter(precision) * parameters
-        raise ValueError(
-            f"{parameters / 1e9:.2f}B parameters in {precision} need about "
-            f"{format_size(total)} of host memory for their chunks and optimizer state; this "
-            f"machine has {format_size(psutil.virtual_memory().available + 4 * parameters)} "
-            f"available"
-        )
-    return int(min(default, room))
-
-
-def _describe_device(simulated: bool, budget: int | None) -> str:
-    """The device as shown to the user: "simulated, 6.0 GiB", or the GPU name and memory."""
-    import torch
-
-    from engine import format_size
-
-    if simulated:
-        return f"simulated, {format_size(budget or 0)}"
-    index = torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    device = f"{torch.cuda.get_device_name(index)}, {format_size(total)}"
-    if budget is not None:
-        device += f", budget {format_size(budget)}"
-    return device
-
-
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _exact_size(nbytes: int) -> str:
-    """A byte count written so that parse_size reads back exactly the same number."""
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)

@@ -35,7 +35,7 @@ from tuitrain.events import (
 )
 from tuitrain.settings import Settings
 from tuitrain.training_run import read_log_tail
-from tuitrain.worker_main import worker_main
+from tuitrain.worker_main import INTERRUPT_SIGNAL, worker_main
 
 HISTORY_LENGTH = 2000  # step samples kept for plots: minutes of a fast run, hours of a slow one
 # One poll reads at most this many events, so a UI tick stays short after a long stall; the
@@ -143,6 +143,13 @@ class ProcessWorker:
             self._commands.send(command)
         except (BrokenPipeError, ConnectionResetError, OSError):
             self._pending.append(Rejected(command.id, "the worker is not running"))
+            return command.id
+        if isinstance(command, Stop) and self.started is not None:
+            # Commands are read between steps; the signal ends a long step at its next
+            # module (nothing of that step is kept). Only after Started: by then the worker
+            # handles the signal instead of dying of it.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._process.pid, INTERRUPT_SIGNAL)
         return command.id
 
     def poll(self) -> list[Event]:

@@ -27,6 +27,7 @@ from tuitrain.settings import Settings
 from tuitrain.training_run import TrainingRun
 
 EXIT_ORPHANED = 3  # the parent died; nobody is left to report to
+INTERRUPT_SIGNAL = signal.SIGUSR1  # cuts the running step short; a Stop comes with it
 
 # The parent sentinel wakes the watcher at once; the parent pid is also checked this often.
 PARENT_CHECK_SECONDS = 0.5
@@ -59,12 +60,16 @@ def worker_main(
     _redirect_output(log_path)
     _watch_parent(parent_pid)
     outbox = Outbox(events)
-    code = TrainingRun(
+    run = TrainingRun(
         settings=Settings.model_validate(settings),
         log_path=log_path,
         commands=commands,
         outbox=outbox,
-    ).execute()
+    )
+    # The parent follows a Stop with this signal, so a long step ends at the next module
+    # instead of running to its end (see ProcessWorker.send). Installed before Started.
+    signal.signal(INTERRUPT_SIGNAL, lambda _signum, _frame: run.interrupt())
+    code = run.execute()
     outbox.close(FLUSH_SECONDS)
     sys.stdout.flush()
     sys.stderr.flush()

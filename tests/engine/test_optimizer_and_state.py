@@ -93,3 +93,28 @@ def test_model_state_dict_loads_into_a_fresh_model():
     got = dict(fresh.named_parameters())
     want = eng.model_state_dict()
     assert all(torch.equal(got[k].detach(), want[k]) for k in got)
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_gradient_buffers_hold_no_stale_bytes_where_no_gradient_was_written(policy):
+    """Gradient buffers start unset: padding, and a parameter that gets no gradient (here a
+    layer the forward never calls), must read as zero, or clipping's norm would see them."""
+    from conftest import reference_run, whole_model_relative_difference
+
+    model = copy.deepcopy(MODEL)
+    model.unused = torch.nn.Linear(64, 64)
+    batches = make_batches(3)
+    ref_losses, ref_weights = reference_run(model, batches, max_grad_norm=0.5)
+    eng = Engine(copy.deepcopy(model), EngineConfig(policy=policy, device_budget="64MiB",
+                                                    max_grad_norm=0.5))
+    empty = eng.device.empty
+
+    def poisoned(numel, dtype):
+        return empty(numel, dtype).fill_(float("nan"))
+
+    eng.device.empty = poisoned  # what a reused allocation may hold
+    losses = [eng.step(b).loss for b in batches]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    weights = eng.model_state_dict()
+    assert whole_model_relative_difference(weights, ref_weights) < 1e-5
+    assert torch.equal(weights["unused.weight"], ref_weights["unused.weight"])

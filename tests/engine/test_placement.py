@@ -209,3 +209,55 @@ def test_auto_moves_fewer_bytes_than_cpu_and_is_near_the_offline_optimum():
     # it is a lower bound that the online policy must come within 10% of.
     optimum = belady_h2d(eng.trace, sizes, lambda p: budget - p.non_model_peak)
     assert optimum <= h2d["auto"] <= 1.10 * optimum
+
+
+def fetches_on_demand(eng: Engine, batch) -> tuple[list[int], int]:
+    """Run a step, recording the trace points at which a chunk had to be copied in on demand
+    (not ahead of time); returns (those points, the step's bytes copied in)."""
+    on_demand: list[int] = []
+    manager = eng.manager
+    copy_now = manager._copy
+
+    def spy(dst, src, direction):
+        if direction == "h2d":
+            on_demand.append(eng._pos)
+        copy_now(dst, src, direction)
+
+    manager._copy = spy
+    try:
+        stats = eng.step(batch)
+    finally:
+        manager._copy = copy_now
+    assert stats.memory.device_peak <= eng.config.device_budget
+    return on_demand, stats.bytes_h2d
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_with_room_every_module_after_the_first_finds_its_chunks_fetched_ahead(policy):
+    eng = engine(policy, "64MiB")
+    batches = make_batches(2)
+    eng.step(batches[0])  # warm-up: traced, nothing is fetched ahead of a trace
+    on_demand, moved = fetches_on_demand(eng, batches[1])
+    first = eng.trace.points[0].chunks
+    assert on_demand == [0] * len(first), on_demand
+    assert moved > 0
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_prefetching_moves_no_byte_more_and_keeps_the_tight_budget(policy, monkeypatch):
+    payload = sum(p.numel() * 4 for p in MODEL.parameters())
+    budget = int(traced_working_set(16) + payload / 4)
+    batches = make_batches(3)
+    moved = {}
+    for prefetch in (True, False):
+        eng = engine(policy, budget)
+        if not prefetch:
+            monkeypatch.setattr(eng.manager, "prefetch", lambda pos, phase: None)
+        eng.step(batches[0])
+        moved[prefetch] = [fetches_on_demand(eng, batch) for batch in batches[1:]]
+    ahead = sum(len(eng.trace.points[0].chunks) for _ in batches[1:])
+    assert [m for _, m in moved[True]] == [m for _, m in moved[False]]
+    # Copies that find no room wait for their use (auto fills the room with idle chunks);
+    # still, fewer wait than without prefetching.
+    on_demand = sum(len(points) for points, _ in moved[True])
+    assert ahead <= on_demand < sum(len(points) for points, _ in moved[False])

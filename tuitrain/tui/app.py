@@ -11,56 +11,33 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Iterable
-from functools import partial
 from typing import TextIO
 
 from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
 from engine.config import parse_size
-from engine.policy import Policy
 from engine.telemetry import StepStats
 from tuitrain.client import WorkerClient
-from tuitrain.events import (
-    Applied,
-    Checkpoint,
-    Command,
-    Event,
-    Failed,
-    Finished,
-    Log,
-    Pause,
-    Rejected,
-    Resume,
-    Started,
-    Step,
-)
+from tuitrain.events import Applied, Event, Failed, Finished, Log, Rejected, Started, Step
 from tuitrain.settings import Settings
 from tuitrain.training_run import EXIT_BAD_INPUT
-from tuitrain.tui.changes import (
-    LABELS,
-    SETTINGS,
-    Change,
-    ChangeTracker,
-    Value,
-    command_for,
-    shown,
-)
+from tuitrain.tui.changes import Value
 from tuitrain.tui.chunk_map import ChunkMap
 from tuitrain.tui.controls import Controls
 from tuitrain.tui.failure_panel import FailurePanel
-from tuitrain.tui.header import HeaderInfo, RunHeader
+from tuitrain.tui.header import HeaderInfo, RunHeader, settings_fields
 from tuitrain.tui.help_screen import HelpScreen
-from tuitrain.tui.keys import KEYS, PALETTE_ONLY
+from tuitrain.tui.keys import KEYS, bindings, palette_commands
 from tuitrain.tui.log_panel import LogPanel
 from tuitrain.tui.measurements import RunMeter
 from tuitrain.tui.memory_chart import MemoryChart
 from tuitrain.tui.save_dialog import PresetSaving
 from tuitrain.tui.spawn import WorkerFactory, default_worker_factory, start_worker
 from tuitrain.tui.states_table import StatesTable
+from tuitrain.tui.steering import Steering
 from tuitrain.tui.step_panel import StepPanel
 
 POLL_INTERVAL = 0.1  # seconds between drains of the worker's events
@@ -68,7 +45,6 @@ PANEL_INTERVAL = 0.25  # numbers redraw at most 4 times a second, however fast s
 CHART_INTERVAL = 0.5  # charts cost the most to draw (plotext), so twice a second
 MARGIN_STEP = 0.05
 LIVE_STATES = ("starting", "running", "paused")
-TEXTUAL_COMMANDS_REPLACED = ("Quit", "Keys")  # by our Quit and Help
 
 
 class TuitrainApp(App[None]):
@@ -98,12 +74,7 @@ class TuitrainApp(App[None]):
         width: 52;
     }
     """
-    BINDINGS = [
-        # space is a priority so that a focused select or button cannot swallow it; fields
-        # that type spaces still get it (Textual skips keys a focused input consumes).
-        Binding(k.key, k.action, k.short, key_display=k.shown, priority=k.key == "space")
-        for k in KEYS
-    ] + [Binding("escape", "leave_field", "Leave field", show=False)]
+    BINDINGS = bindings()
 
     def __init__(self, settings: Settings, *, worker_factory: WorkerFactory | None = None):
         super().__init__()
@@ -116,15 +87,7 @@ class TuitrainApp(App[None]):
         self.failure: Failed | None = None
         self.failure_at_quit: Failed | None = None  # how the run stood when the user quit
         self.finished: Finished | None = None
-        self.changes = ChangeTracker()
-        engine = self.settings.engine
-        # What the user asked for, pending included; self.settings holds what was applied.
-        self.target: dict[str, Value] = {
-            "policy": engine.policy,
-            "margin_ratio": engine.margin_ratio,
-            "device_budget": engine.device_budget,
-        }
-        self.want_paused = False
+        self.steering = Steering(self)
         self.meter = RunMeter()
         self.saving = PresetSaving(self, report=self._report_save)
         self._panels_stale = False  # a step arrived since the panels were drawn
@@ -179,7 +142,7 @@ class TuitrainApp(App[None]):
         return self.worker is not None and self.run_state in LIVE_STATES
 
     def _start_worker(self) -> None:
-        self._set_state("starting")
+        self.set_state("starting")
         try:
             self.worker = start_worker(self.worker_factory, self.settings)
         except Exception as exc:  # whatever it was, the screen shows it and stays open
@@ -206,8 +169,8 @@ class TuitrainApp(App[None]):
             Started: self._on_started,
             Step: self._on_step,
             Log: self._on_log,
-            Applied: self._on_applied,
-            Rejected: self._on_rejected,
+            Applied: self.steering.applied,
+            Rejected: self.steering.rejected,
             Failed: self._on_failed,
             Finished: self._on_finished,
         }.get(type(event))
@@ -234,9 +197,9 @@ class TuitrainApp(App[None]):
                 "so it takes longer than the rest…"
             )
         where = f", log {event.log_path}" if event.log_path else ""
-        self._log(f"started {event.model} on {event.device or 'N/A'} (pid {event.pid}{where})")
+        self.add_log(f"started {event.model} on {event.device or 'N/A'} (pid {event.pid}{where})")
         if self.run_state == "starting":
-            self._set_state("running")
+            self.set_state("running")
 
     def _on_step(self, event: Step) -> None:
         stats = event.stats
@@ -245,65 +208,27 @@ class TuitrainApp(App[None]):
         self.query_one(StepPanel).record(stats)
         self.meter.record(stats)
         if self.run_state == "starting":
-            self._set_state("running")
+            self.set_state("running")
         self._panels_stale = self._charts_stale = True
 
     def _on_log(self, event: Log) -> None:
-        self._log(event.message, level=event.level)
-
-    def _on_applied(self, event: Applied) -> None:
-        change = self.changes.applied(event.id, event.step)
-        if change is None:
-            self._log(f"applied at step {event.step}: {event.what}", level="change")
-            return
-        if change.setting in SETTINGS:
-            setattr(self.settings.engine, change.setting, change.value)
-            self.meter.settings_changed(event.step)
-            self.query_one(RunHeader).show(**self._header_settings())
-        elif change.setting == "pause":
-            self._set_state("paused")
-        elif change.setting == "resume":
-            self._set_state("running")
-        where = event.what.removeprefix("checkpoint").strip()
-        detail = f" ({where})" if change.setting == "checkpoint" and where else ""
-        # The log's step column is when it happened; the line itself names the step it
-        # applies at (the next one, for a setting), so the column never runs backwards.
-        self._log(change.describe() + detail, level="change")
-        self._show_changes()
-
-    def _on_rejected(self, event: Rejected) -> None:
-        change = self.changes.rejected(event.id, event.reason)
-        if change is None:
-            self._log(f"rejected: {event.reason}", level="warning")
-            return
-        if change.setting in SETTINGS:
-            still = self.changes.latest_pending(change.setting)
-            applied = getattr(self.settings.engine, change.setting)
-            self.target[change.setting] = still.value if still else applied
-            self._show_targets()
-        elif change.setting in ("pause", "resume"):
-            self.want_paused = self.run_state == "paused"
-        self._log(change.describe(), level="warning")
-        self.query_one(Controls).show_message(change.describe(), error=True)
-        self._show_changes()
+        self.add_log(event.message, level=event.level)
 
     def _on_failed(self, event: Failed) -> None:
         self.failure = event
-        self.changes.clear()
-        self._show_changes()
-        self._set_state("failed")
+        self.steering.forget_pending()
+        self.set_state("failed")
         self.query_one(FailurePanel).show_failure(event, log_path=self.log_path)
         self.query_one(LogPanel).shorten(True)  # the failure panel needs the rows
-        self._log(f"failed: {event.reason}", level="error")
+        self.add_log(f"failed: {event.reason}", level="error")
         self._panels_stale = self._charts_stale = True
 
     def _on_finished(self, event: Finished) -> None:
         self.finished = event
-        self.changes.clear()
-        self._show_changes()
-        self._set_state("finished")
+        self.steering.forget_pending()
+        self.set_state("finished")
         summary = ", ".join(f"{k} {v}" for k, v in event.summary.items())
-        self._log(f"finished: {summary}" if summary else "finished")
+        self.add_log(f"finished: {summary}" if summary else "finished")
         self._panels_stale = self._charts_stale = True
 
     # --- drawing --------------------------------------------------------------------------
@@ -326,7 +251,7 @@ class TuitrainApp(App[None]):
             "tokens_per_s": self.meter.tokens_per_second,
             "device_budget": stats.device_budget,
         }
-        self.query_one(RunHeader).show(**{**shown, **self._header_settings()})
+        self.query_one(RunHeader).show(**{**shown, **settings_fields(self.settings.engine)})
         self.query_one(StatesTable).show(stats.memory)
         self.query_one(ChunkMap).show(stats.memory.chunks)
         self.query_one(StepPanel).redraw_breakdown()
@@ -339,21 +264,16 @@ class TuitrainApp(App[None]):
         self.query_one(MemoryChart).redraw()
         self.query_one(StepPanel).redraw_loss()
 
-    def _header_settings(self) -> dict[str, object]:
-        engine = self.settings.engine
-        fields: dict[str, object] = {"policy": engine.policy, "margin_ratio": engine.margin_ratio}
-        if engine.device_budget is not None:
-            fields["device_budget"] = parse_size(engine.device_budget)
-        return fields
-
-    def _set_state(self, state: str) -> None:
+    def set_state(self, state: str) -> None:
+        """Show the run's new state, and offer the keys that make sense in it."""
         self.run_state = state
         if state in ("running", "paused"):
-            self.want_paused = state == "paused"
+            self.steering.want_paused = state == "paused"
         self.query_one(RunHeader).show(state=state)
         self.refresh_bindings()
 
-    def _log(self, message: str, *, level: str = "info", step: int | None = None) -> None:
+    def add_log(self, message: str, *, level: str = "info", step: int | None = None) -> None:
+        """A line in the log panel, at the latest step unless `step` is given."""
         if step is None and self.latest is not None:
             step = self.latest.step
         self.query_one(LogPanel).add(message, level=level, step=step)
@@ -365,56 +285,22 @@ class TuitrainApp(App[None]):
             return self.started.log_path
         return str(getattr(self.worker, "log_path", "") or "")
 
-    def _show_changes(self) -> None:
-        self.query_one(Controls).show_changes(self.changes.lines())
-
-    def _show_targets(self) -> None:
-        budget = self.target["device_budget"]
-        self.query_one(Controls).set_values(
-            policy=str(self.target["policy"]),
-            margin_ratio=float(self.target["margin_ratio"]),
-            device_budget=str(budget) if budget is not None else None,
-        )
-
     # --- requests -------------------------------------------------------------------------
 
     def request(self, setting: str, value: Value) -> None:
-        """Ask for a new policy, margin_ratio or device_budget.
-
-        With a live worker this sends the command and shows the change as pending; with
-        none (failed or finished) it changes the settings the next restart will use.
-        """
-        old, new = shown(setting, self.target[setting]), shown(setting, value)
-        controls = self.query_one(Controls)
-        controls.show_message("")
-        if not self.live:
-            setattr(self.settings.engine, setting, value)
-            self.target[setting] = value
-            self._show_targets()
-            self.query_one(RunHeader).show(**self._header_settings())
-            self._log(f"{LABELS[setting]}: {old} → {new}, used when the run restarts (r)")
-            return
-        change = Change(self._send(command_for(setting, value)), setting, value, old, new)
-        self.changes.sent(change)
-        self.target[setting] = value
-        self._show_targets()
-        self._show_changes()
-        self._log(change.describe())
-
-    def _send(self, command: Command) -> int:
-        assert self.worker is not None
-        return self.worker.send(command)
+        """Ask for a new policy, margin_ratio or device_budget (see Steering.request)."""
+        self.steering.request(setting, value)
 
     def on_controls_policy_chosen(self, message: Controls.PolicyChosen) -> None:
-        if message.policy != self.target["policy"]:
+        if message.policy != self.steering.target["policy"]:
             self.request("policy", message.policy)
 
     def on_controls_margin_entered(self, message: Controls.MarginEntered) -> None:
-        if message.margin_ratio != self.target["margin_ratio"]:
+        if message.margin_ratio != self.steering.target["margin_ratio"]:
             self.request("margin_ratio", message.margin_ratio)
 
     def on_controls_budget_entered(self, message: Controls.BudgetEntered) -> None:
-        if message.device_budget != self.target["device_budget"]:
+        if message.device_budget != self.steering.target["device_budget"]:
             self.request("device_budget", message.device_budget)
 
     # --- actions (keys, palette) ----------------------------------------------------------
@@ -434,40 +320,21 @@ class TuitrainApp(App[None]):
         return True
 
     def action_cycle_policy(self) -> None:
-        self.request("policy", Policy.parse(str(self.target["policy"])).next().value)
+        self.steering.cycle_policy()
 
     def action_margin_up(self) -> None:
-        self._move_margin(+MARGIN_STEP)
+        self.steering.move_margin(+MARGIN_STEP)
 
     def action_margin_down(self) -> None:
-        self._move_margin(-MARGIN_STEP)
-
-    def _move_margin(self, delta: float) -> None:
-        current = float(self.target["margin_ratio"])
-        value = round(min(1.0, max(0.0, current + delta)), 2)
-        if value == current:
-            self.query_one(Controls).show_message(f"margin is already {current:.2f}")
-            return
-        self.request("margin_ratio", value)
+        self.steering.move_margin(-MARGIN_STEP)
 
     def action_toggle_pause(self) -> None:
-        if not self.can_run("toggle_pause"):
-            return
-        pause = not self.want_paused
-        command = Pause() if pause else Resume()
-        change = Change(self._send(command), "pause" if pause else "resume")
-        self.changes.sent(change)
-        self.want_paused = pause
-        self._show_changes()
-        self._log(change.describe())
+        if self.can_run("toggle_pause"):
+            self.steering.toggle_pause()
 
     def action_checkpoint(self) -> None:
-        if not self.can_run("checkpoint"):
-            return
-        change = Change(self._send(Checkpoint()), "checkpoint")
-        self.changes.sent(change)
-        self._show_changes()
-        self._log(change.describe())
+        if self.can_run("checkpoint"):
+            self.steering.checkpoint()
 
     async def action_restart(self) -> None:
         """A new worker from the current settings; the old one is stopped if it lingers."""
@@ -480,7 +347,7 @@ class TuitrainApp(App[None]):
         self.query_one(StepPanel).reset()
         self.latest = self.failure = self.finished = self.started = None
         self.meter.reset()
-        self._log(f"restarting {self.settings.model} with policy {self.settings.engine.policy}")
+        self.add_log(f"restarting {self.settings.model} with policy {self.settings.engine.policy}")
         self._start_worker()
 
     def action_help(self) -> None:
@@ -495,25 +362,19 @@ class TuitrainApp(App[None]):
         # failed, as far as the user is concerned.
         self.failure_at_quit = self.failure
         if self.live:
-            self._set_state("stopping")
-            message = "stopping: the worker finishes its step first (a few seconds at most)"
+            self.set_state("stopping")
+            message = (
+                "stopping: the step under way ends at its next layer, and nothing of it is kept"
+            )
             self.query_one(Controls).show_message(message)
-            self._log(message)
+            self.add_log(message)
         await asyncio.to_thread(self._stop_worker)
         self.exit(return_code=exit_status(self.failure_at_quit))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        """Our actions that can run now, then Textual's theme and screenshot commands.
-
-        Textual's own Quit and Keys are left out: ours quits by stopping the worker first,
-        and Help lists every key and command already.
-        """
-        for key in KEYS + PALETTE_ONLY:
-            if self.can_run(key.action):
-                yield SystemCommand(key.title, key.help, partial(self.run_action, key.action))
-        for command in super().get_system_commands(screen):
-            if command.title not in TEXTUAL_COMMANDS_REPLACED:
-                yield command
+        """Our actions that can run now, then Textual's theme and screenshot commands."""
+        textual = super().get_system_commands(screen)
+        return palette_commands(self.can_run, self.run_action, textual)
 
     # --- presets --------------------------------------------------------------------------
 
@@ -523,7 +384,7 @@ class TuitrainApp(App[None]):
 
     def _report_save(self, message: str, *, error: bool) -> None:
         self.query_one(Controls).show_message(message, error=error)
-        self._log(message, level="error" if error else "change")
+        self.add_log(message, level="error" if error else "change")
         if not error:
             self.notify(message)
 

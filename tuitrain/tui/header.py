@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 from rich.text import Text
 from textual.widgets import Static
 
+from engine.config import parse_size
+from tuitrain.settings import EngineSettings
 from tuitrain.tui.formatting import format_count, format_rate, format_size
 
 STATE_STYLES = {
@@ -34,6 +36,14 @@ class HeaderInfo:
     policy: str = "auto"
     margin_ratio: float = 0.0
     device_budget: int | None = None
+
+
+def settings_fields(engine: EngineSettings) -> dict[str, object]:
+    """The settings in force, as RunHeader.show takes them."""
+    fields: dict[str, object] = {"policy": engine.policy, "margin_ratio": engine.margin_ratio}
+    if engine.device_budget is not None:
+        fields["device_budget"] = parse_size(engine.device_budget)
+    return fields
 
 
 class RunHeader(Static):

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
+
+from textual.app import SystemCommand
+from textual.binding import Binding
+
+TEXTUAL_COMMANDS_REPLACED = ("Quit", "Keys")  # by our Quit and Help
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,3 +67,31 @@ PALETTE_ONLY: tuple[KeyAction, ...] = (
     ),
 )
 # fmt: on
+
+
+def bindings() -> list[Binding]:
+    """The app's bindings: one per key, and escape to leave a field."""
+    return [
+        # space is a priority so that a focused select or button cannot swallow it; fields
+        # that type spaces still get it (Textual skips keys a focused input consumes).
+        Binding(k.key, k.action, k.short, key_display=k.shown, priority=k.key == "space")
+        for k in KEYS
+    ] + [Binding("escape", "leave_field", "Leave field", show=False)]
+
+
+def palette_commands(
+    can_run: Callable[[str], bool],
+    run_action: Callable[[str], object],
+    textual: Iterable[SystemCommand],
+) -> Iterator[SystemCommand]:
+    """Our actions that `can_run` now, then Textual's `textual` commands but the replaced ones.
+
+    Textual's own Quit and Keys are left out: ours quits by stopping the worker first, and
+    Help lists every key and command already.
+    """
+    for key in KEYS + PALETTE_ONLY:
+        if can_run(key.action):
+            yield SystemCommand(key.title, key.help, partial(run_action, key.action))
+    for command in textual:
+        if command.title not in TEXTUAL_COMMANDS_REPLACED:
+            yield command

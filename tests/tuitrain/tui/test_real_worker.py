@@ -1,4 +1,5 @@
-"""The app on a real worker process training `tiny`: real steps reach the panels, q cleans up."""
+"""The app on a real worker process training `tiny`: real steps reach the panels, space
+pauses at a step boundary, q cleans up."""
 
 from __future__ import annotations
 
@@ -54,13 +55,24 @@ async def test_real_steps_reach_the_panels_and_q_leaves_no_worker_behind(tmp_pat
         assert app.failure is None, app.failure
         assert app.latest is not None and app.latest.step >= STEPS
         assert worker_children(), "the worker should be running while the app is open"
+        assert "running" in app.query_one(RunHeader).plain
+        # Pause, so that no step lands between drawing the panels and reading them: the
+        # worker answers Pause at a step boundary, after the last step it reports.
+        await pilot.press("space")
+        deadline = time.monotonic() + 30
+        while app.run_state != "paused" and time.monotonic() < deadline:
+            await pilot.pause(0.1)
+        assert app.run_state == "paused"
+        paused_at = app.latest.step
+        await pilot.pause(0.5)
+        assert app.latest.step == paused_at, "a step arrived after the worker paused"
         app.redraw()
         await pilot.pause()
 
         latest = app.latest
         header = app.query_one(RunHeader).plain
         assert f"step {latest.step}/1000000" in header and "tiny" in header
-        assert "simulated" in header and "running" in header
+        assert "simulated" in header and "paused" in header
         states = app.query_one(StatesTable)
         counted = sum(
             int(states.cell(state, location).replace(",", ""))

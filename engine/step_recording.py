@@ -1,0 +1,286 @@
+"""Recording one training step on the meta device, as the engine's hooks would see it.
+
+`record_step` runs forward and backward of one batch on a meta-device model (shapes and
+dtypes, no data) through engine.hooks and returns what the engine would see, in order: the
+modules as they run, the bytes autograd saves for backward, when each gradient arrives. A deep
+decoder is traced with a few layers and its inner layer repeated in the recording. The
+planner replays the recording in bytes (engine.step_replay).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from engine.hooks import install, wrap_outputs
+from engine.tracer import SavedBytes, tensor_bytes
+from engine.zoo import BadCheckpoint
+
+__all__ = ["Event", "record_step"]
+
+# --- recording one step on the meta device ---------------------------------------------
+#
+# A recording is a flat list of events, in the order the engine would see them:
+#   ("point", module name, phase)  a module's chunks are fetched (engine._point)
+#   ("post", module name)          a module's forward is done (its parameters leave COMPUTE)
+#   ("nm", delta)                  non-model bytes change by delta (saved activations, output)
+#   ("grad", parameter name)       a parameter's gradient arrives
+#   ("backward",)                  forward is over; the loss's backward starts
+
+Event = tuple
+
+
+class _Recorder(SavedBytes):
+    """engine.tracer.NonModelCounter for meta tensors, writing events instead of peaks.
+
+    Storages are told apart by their StorageImpl (meta tensors have no data pointer), and
+    parameter storages are model data, exactly as the engine skips its chunk payloads.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(self._storage_key, lambda delta: self.events.append(("nm", delta)))
+        self.model_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.events: list[Event] = []
+        self.output = 0
+
+    def _storage_key(self, tensor: torch.Tensor) -> int | None:
+        storage = tensor.untyped_storage()
+        if storage._cdata in self.model_storages or storage.nbytes() == 0:
+            return None
+        return storage._cdata
+
+    def set_output(self, nbytes: int) -> None:
+        if nbytes != self.output:
+            self.events.append(("nm", nbytes - self.output))
+            self.output = nbytes
+
+
+class _CpuAttention(TorchFunctionMode):
+    """Scaled dot-product attention as the CPU runs it, on the meta device.
+
+    On meta tensors SDPA takes its math path, which saves the whole attention matrix for
+    backward; the CPU (and a GPU) runs a flash kernel that saves queries, keys, values, the
+    output and one log-sum-exp per row. Recording the math path would overstate activations.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__bool__ and args[0].is_meta:
+            # A meta tensor has no values to branch on. Models branch on data only for fast
+            # paths that a plain training batch takes (e.g. "no packed sequences"), so take
+            # them.
+            return True
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = (
+            "query",
+            "key",
+            "value",
+            "attn_mask",
+            "dropout_p",
+            "is_causal",
+            "scale",
+            "enable_gqa",
+        )
+        a = {**dict(zip(names, args, strict=False)), **kwargs}
+        # The flash kernel reads grouped keys and values as they are (enable_gqa).
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            a["query"],
+            a["key"],
+            a["value"],
+            a.get("dropout_p", 0.0),
+            a.get("is_causal", False),
+            attn_mask=a.get("attn_mask"),
+            scale=a.get("scale"),
+        )
+        return out
+
+
+def _meta_model(
+    config: PretrainedConfig, dtype: torch.dtype, checkpointing: bool
+) -> torch.nn.Module:
+    """The model on the meta device in the compute dtype, in training mode."""
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError as error:
+            raise BadCheckpoint(f"not a causal language model: {error}") from error
+    model.to(dtype)  # parameters only change dtype in place: tied ones stay tied
+    model.config.use_cache = False
+    if checkpointing:
+        # As the engine's users enable it (non-reentrant), with the recomputation in
+        # backward running under the same attention as the forward.
+        options = {"use_reentrant": False, "context_fn": lambda: (_CpuAttention(), _CpuAttention())}
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=options)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    model.train()
+    return model
+
+
+def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event]:
+    """Run forward and backward of one batch with the engine's hooks, on the meta device."""
+    rec = _Recorder(model)
+    names = {m: n for n, m in model.named_modules()}
+    modules = list(model.modules())
+    events = rec.events
+
+    def pre_forward(key: int) -> None:
+        events.append(("point", names[modules[key]], "forward"))
+
+    def post_forward(key: int, output: object) -> object:
+        events.append(("post", names[modules[key]]))
+        rec.set_output(tensor_bytes(output))
+        if torch.is_grad_enabled():
+            return wrap_outputs(
+                output, lambda: events.append(("point", names[modules[key]], "backward"))
+            )
+        return output
+
+    def on_grad(param: torch.nn.Parameter) -> None:
+        events.append(("grad", rec.names[id(param)]))
+        param.grad = None
+
+    handles, _ = install(model, pre_forward=pre_forward, post_forward=post_forward, on_grad=on_grad)
+    try:
+        with rec.hooks():
+            ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+            with _CpuAttention():
+                loss = model(input_ids=ids, labels=ids).loss
+            rec.set_output(0)
+            events.append(("backward",))
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+    return events
+
+
+# --- repeating the inner layer ------------------------------------------------------------
+
+
+def _layer_stack(model: torch.nn.Module, layers: int) -> str | None:
+    """Name of the ModuleList that holds the decoder layers, if there is exactly one."""
+    found = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) == layers
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _expand(events: list[Event], stack: str, traced: int, layers: int) -> list[Event] | None:
+    """The recording of a `layers`-deep model from one of a `traced`-deep one.
+
+    Splits the recording into segments (before the stack, each layer, after it; forward and
+    backward) and repeats the inner layer's segments, renaming modules and parameters. Byte
+    changes are deltas, so a repeated segment carries its activations forward by itself.
+    Returns None if the recording is not laid out as such a stack (then trace it all).
+    """
+    pattern = re.compile(re.escape(stack) + r"\.(\d+)\.")
+
+    def layer_of(name: str) -> int | None:
+        m = pattern.match(name)
+        return int(m.group(1)) if m else None
+
+    segments: list[tuple[object, list[Event]]] = []
+    backward = False
+    seen_layer = False
+    for event in events:
+        if event[0] == "backward":
+            backward, seen_layer = True, False
+            segments.append(("backward", [event]))
+            continue
+        if event[0] == "point":
+            layer = layer_of(event[1])
+            if layer is not None:
+                seen_layer = True
+                key: object = (backward, layer)
+            else:
+                key = (backward, "after" if seen_layer != backward else "before")
+            if not segments or segments[-1][0] != key:
+                segments.append((key, []))
+        elif not segments:
+            segments.append(((False, "before"), []))
+        segments[-1][1].append(event)
+
+    order = [
+        (False, "before"),
+        *[(False, i) for i in range(traced)],
+        (False, "after"),
+        "backward",
+        (True, "after"),
+        *[(True, i) for i in reversed(range(traced))],
+        (True, "before"),
+    ]
+    keys = [k for k, _ in segments]
+    if keys != [k for k in order if k in keys] or any(
+        (False, i) not in keys or (True, i) not in keys for i in range(traced)
+    ):
+        return None
+    seg = dict(segments)
+    for (_, layer), events_of in ((k, v) for k, v in segments if isinstance(k, tuple)):
+        if isinstance(layer, int) and any(
+            e[0] in ("point", "post", "grad") and layer_of(e[1]) not in (None, layer)
+            for e in events_of
+        ):
+            return None  # a layer's segment touches another layer: not a plain stack
+
+    def copy(backward: bool, target: int) -> list[Event]:
+        source = sources[target]
+        old, new = f"{stack}.{source}.", f"{stack}.{target}."
+        return [
+            (e[0], new + e[1][len(old) :], *e[2:])
+            if e[0] in ("point", "post", "grad") and e[1].startswith(old)
+            else e
+            for e in seg[(backward, source)]
+        ]
+
+    inner = traced // 2
+    sources = [*range(inner), *[inner] * (layers - traced + 1), *range(inner + 1, traced)]
+    out: list[Event] = list(seg.get((False, "before"), []))
+    for target in range(layers):
+        out += copy(False, target)
+    for key in ((False, "after"), "backward", (True, "after")):
+        out += seg.get(key, [])
+    for target in reversed(range(layers)):
+        out += copy(True, target)
+    return out + seg.get((True, "before"), [])
+
+
+def record_step(
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    batch_size: int,
+    seq_len: int,
+    checkpointing: bool,
+    *,
+    trace_layers: int,
+) -> list[Event]:
+    """The recording of one step of `config`'s model at this batch shape.
+
+    A model deeper than `trace_layers`, with one stack of like layers, is traced
+    `trace_layers` deep and its inner layer repeated; any other is traced whole.
+    """
+    layers = getattr(config, "num_hidden_layers", None)
+    uniform = len(set(getattr(config, "layer_types", None) or [None])) == 1
+    if isinstance(layers, int) and layers > trace_layers and uniform:
+        small = config.__class__.from_dict(config.to_dict())
+        small.num_hidden_layers = trace_layers
+        if getattr(small, "layer_types", None):
+            small.layer_types = small.layer_types[:trace_layers]
+        model = _meta_model(small, dtype, checkpointing)
+        stack = _layer_stack(model, trace_layers)
+        if stack is not None:
+            events = _record(model, batch_size, seq_len)
+            expanded = _expand(events, stack, trace_layers, layers)
+            if expanded is not None:
+                return expanded
+    return _record(_meta_model(config, dtype, checkpointing), batch_size, seq_len)

@@ -1,0 +1,382 @@
+"""The engine's chunk layout and its step, replayed in bytes.
+
+`model_layout` lays a model's parameters out in chunks as engine.chunk does, and
+`StepReplay` runs a recording (engine.step_recording) against that layout under one
+placement policy with the manager's rules (fetch before use, evict the chunk used farthest
+ahead, gradient buffers until a chunk's last gradient is in, resident chunks), counting
+device bytes and copies. Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from engine.chunk import chunk_numel, layout
+from engine.config import format_size
+from engine.policy import Policy
+from engine.step_recording import Event
+
+__all__ = [
+    "ChunkBytes",
+    "Layout",
+    "OutOfMemory",
+    "StepReplay",
+    "StepTrace",
+    "model_layout",
+    "resident_chunks",
+]
+
+# Host bytes per element beside the payload: fp32 master weights and the two AdamW moments.
+OPTIMIZER_BYTES = 12
+
+# --- the engine's layout and its step, in bytes -------------------------------------------
+
+
+@dataclass
+class Layout:
+    """engine.chunk.layout over the full model, with who owns which parameter."""
+
+    chunk_size: int
+    numel: list[int]  # elements per chunk
+    params: list[list[str]]  # parameter names per chunk
+    chunk_of: dict[str, int]
+    module_params: dict[str, list[str]]  # module name -> parameters it owns directly
+    module_chunks: dict[str, tuple[int, ...]]
+    sizes: dict[str, int]  # parameter -> elements
+
+
+def model_layout(model: torch.nn.Module, events: list[Event], chunk_size: int | None) -> Layout:
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    module_params = {}
+    for name, module in model.named_modules():
+        own = list(dict.fromkeys(canonical[id(p)] for p in module.parameters(recurse=False)))
+        if own:
+            module_params[name] = own
+    # First-use order, as engine.engine.first_use_order finds it with a forward pass.
+    order: dict[str, None] = {}
+    for event in events:
+        if event[0] == "backward":
+            break
+        if event[0] == "point":
+            order.update(dict.fromkeys(module_params[event[1]]))
+    order.update(dict.fromkeys(sizes))
+    names = list(order)
+    size_list = [sizes[n] for n in names]
+    size, groups = layout(size_list, chunk_size)
+    params = [[names[i] for i in members] for members in groups]
+    chunk_of = {p: c for c, members in enumerate(params) for p in members}
+    return Layout(
+        chunk_size=size,
+        numel=[chunk_numel(size_list, members) for members in groups],
+        params=params,
+        chunk_of=chunk_of,
+        module_params=module_params,
+        module_chunks={
+            m: tuple(dict.fromkeys(chunk_of[p] for p in ps)) for m, ps in module_params.items()
+        },
+        sizes=sizes,
+    )
+
+
+@dataclass
+class StepTrace:
+    """What the engine's warm-up step records (engine.tracer.Trace), in bytes."""
+
+    chunks: list[tuple[int, ...]]
+    non_model: list[int]  # peak non-model bytes per point
+    working_set: int
+    uses: dict[int, list[int]]
+
+    def next_use(self, chunk: int, pos: int) -> float:
+        uses = self.uses.get(chunk, [])
+        i = bisect.bisect_right(uses, pos)
+        return uses[i] if i < len(uses) else float("inf")
+
+    def non_model_ahead(self, pos: int) -> int:
+        return self.non_model[pos] if 0 <= pos < len(self.non_model) else 0
+
+    @property
+    def non_model_peak(self) -> int:
+        return max(self.non_model, default=0)
+
+
+class OutOfMemory(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """Bytes per chunk element and where they live (engine.packing.fill, ChunkManager)."""
+
+    itemsize: int  # compute dtype
+
+    @property
+    def aliased(self) -> bool:
+        """fp32: the payload is the master itself; gradients land in a host buffer."""
+        return self.itemsize == 4
+
+    def host(self, numel: int) -> int:
+        """A chunk at home on the host: payload, master, landed gradients, two moments."""
+        payload = 0 if self.aliased else self.itemsize
+        landed = 4 if self.aliased else 0
+        return (payload + 4 + landed + 8) * numel
+
+    def resident(self, numel: int) -> int:
+        """A resident chunk's device bytes between steps: payload, master, two moments."""
+        return (self.itemsize + (0 if self.aliased else 4) + 8) * numel
+
+    def resident_cost(self, numel: int) -> int:
+        """ChunkManager.resident_cost: resident bytes plus room for its gradients."""
+        return (
+            2 * self.itemsize * numel + OPTIMIZER_BYTES * numel - (4 * numel if self.aliased else 0)
+        )
+
+
+class StepReplay:
+    """One engine step replayed in bytes: Engine's sampling and ChunkManager's rules.
+
+    Without a trace it is the warm-up step (no forecast, least recently used eviction, an
+    overrun is noted rather than raised); with one it is every later step.
+    """
+
+    def __init__(
+        self,
+        lay: Layout,
+        *,
+        cost: ChunkBytes,
+        policy: Policy,
+        capacity: float,
+        resident: set[int],
+        trace: StepTrace | None = None,
+    ) -> None:
+        self.lay, self.policy, self.capacity, self.trace = lay, policy, capacity, trace
+        self.itemsize = cost.itemsize
+        self.nbytes = [n * cost.itemsize for n in lay.numel]
+        self.resident = resident
+        self.on_device = set(resident)
+        self.device_bytes = sum(cost.resident(lay.numel[c]) for c in resident)
+        self.peak = self.device_bytes
+        self.grads: set[int] = set()
+        self.grad_bytes = 0
+        self.pending = [len(ps) for ps in lay.params]
+        self.state: dict[str, str] = {}  # parameter -> "compute" | "fwd" | "bwd"; absent: idle
+        self.computing = [0] * len(lay.numel)  # parameters in COMPUTE per chunk
+        self.busy: set[int] = set()  # chunks with a parameter in COMPUTE (Chunk.in_use)
+        self.last_use: dict[int, int] = {}
+        self.nm = 0
+        self.pos = -1
+        self.pinned = 0
+        self.evicting = False
+        self.overrun = 0
+        self.copied = 0  # payload bytes copied between host and device (fetches, gradients)
+        self.stale: set[int] = set()  # on the device, but its gradients have gone home
+        self.points: list[tuple[int, ...]] = []
+        self.point_nm: list[int] = []
+        self.point_ws: list[int] = []
+
+    # bookkeeping
+
+    def _set(self, param: str, state: str | None) -> None:
+        before = self.state.get(param)
+        if (before == "compute") != (state == "compute"):
+            chunk = self.lay.chunk_of[param]
+            self.computing[chunk] += 1 if state == "compute" else -1
+            if self.computing[chunk]:
+                self.busy.add(chunk)
+            else:
+                self.busy.discard(chunk)
+        if state is None:
+            self.state.pop(param, None)
+        else:
+            self.state[param] = state
+
+    def _in_use(self, chunk: int) -> bool:
+        return chunk in self.busy
+
+    def _sample(self) -> None:
+        if self.evicting:
+            return
+        if self.point_nm:
+            self.point_nm[-1] = max(self.point_nm[-1], self.nm)
+            self.point_ws[-1] = max(self.point_ws[-1], self.pinned + self.grad_bytes + self.nm)
+        self.peak = max(self.peak, self.device_bytes + self.nm)
+
+    # ChunkManager
+
+    def _release(self, chunk: int) -> None:
+        if chunk in self.resident or chunk not in self.on_device or self._in_use(chunk):
+            return
+        self.on_device.discard(chunk)
+        self.stale.discard(chunk)
+        self.device_bytes -= self.nbytes[chunk]
+        for param in self.lay.params[chunk]:
+            self._set(param, None)
+        self._sample()
+
+    def _make_room(self, nbytes: int, protect: tuple[int, ...]) -> None:
+        forecast = 0
+        if self.trace is not None and self.policy != Policy.CUDA:
+            forecast = max(0, self.trace.non_model_ahead(self.pos) - self.nm)
+        while self.capacity - self.device_bytes - self.nm - forecast < nbytes:
+            idle = [
+                c
+                for c in self.on_device
+                if c not in self.resident and not self._in_use(c) and c not in protect
+            ]
+            if not idle:
+                short = nbytes - (self.capacity - self.device_bytes - self.nm - forecast)
+                if self.trace is not None:
+                    raise OutOfMemory(
+                        f"{format_size(self.device_bytes)} of model data and "
+                        f"{format_size(self.nm)} of activations leave no room for "
+                        f"{format_size(nbytes + forecast)} more"
+                    )
+                self.overrun = max(self.overrun, int(short))
+                return
+            if self.trace is not None:
+                victim = max(idle, key=lambda c: (self.trace.next_use(c, self.pos), c))
+            else:
+                victim = min(idle, key=lambda c: self.last_use.get(c, -1))
+            self._release(victim)
+
+    def _materialise(self, chunk: int, protect: tuple[int, ...]) -> None:
+        self.last_use[chunk] = self.pos
+        if chunk in self.on_device:
+            if chunk in self.stale:
+                self.stale.discard(chunk)
+                self.copied += self.nbytes[chunk]
+            return
+        self._make_room(self.nbytes[chunk], protect + (chunk,))
+        self.on_device.add(chunk)
+        self.device_bytes += self.nbytes[chunk]
+        self.copied += self.nbytes[chunk]
+        self._sample()
+
+    def _finish_grads(self, chunk: int) -> None:
+        self.copied += self.nbytes[chunk]
+        if chunk in self.on_device:
+            self.stale.add(chunk)
+        self.grads.discard(chunk)
+        self.grad_bytes -= self.nbytes[chunk]
+        self.device_bytes -= self.nbytes[chunk]
+        self._sample()
+
+    # Engine hooks
+
+    def point(self, module: str, phase: str) -> None:
+        self.pos += 1
+        chunks = self.lay.module_chunks[module]
+        self.points.append(chunks)
+        self.point_nm.append(0)
+        self.point_ws.append(0)
+        self.pinned = sum(self.nbytes[c] for c in self.busy.union(chunks))
+        self._sample()
+        if self.policy == Policy.CPU:
+            for chunk in list(self.on_device):
+                if chunk not in chunks:
+                    self._release(chunk)
+        for chunk in chunks:
+            self._materialise(chunk, chunks)
+        self._prefetch(phase)
+        for param in self.lay.module_params[module]:
+            if phase == "forward" or self.state.get(param) != "bwd":
+                self._set(param, "compute")
+
+    def _prefetch(self, phase: str) -> None:
+        """ChunkManager.prefetch: the next point's chunks, into room that stays free."""
+        trace, pos = self.trace, self.pos
+        if trace is None or pos + 1 >= len(trace.chunks):
+            return
+        forecast = max(0, trace.non_model_ahead(pos) - self.nm)
+        if phase == "backward":
+            forecast += sum(self.nbytes[c] for c in trace.chunks[pos]
+                            if c not in self.grads and c not in self.resident and self.pending[c])
+        for chunk in trace.chunks[pos + 1]:
+            if chunk in self.on_device:
+                continue
+            if self.capacity - self.device_bytes - self.nm - forecast < self.nbytes[chunk]:
+                return
+            self.on_device.add(chunk)
+            self.device_bytes += self.nbytes[chunk]
+            self.copied += self.nbytes[chunk]
+            self._sample()
+
+    def post(self, module: str) -> None:
+        for param in self.lay.module_params[module]:
+            self._set(param, "fwd")
+
+    def non_model(self, delta: int) -> None:
+        self.nm += delta
+        if delta > 0 and self.device_bytes + self.nm > self.capacity:
+            in_use = tuple(self.busy | self.grads)
+            self.evicting = True
+            try:
+                self._make_room(0, in_use)
+            finally:
+                self.evicting = False
+        self._sample()
+
+    def grad(self, param: str) -> None:
+        chunk = self.lay.chunk_of[param]
+        if chunk in self.resident:
+            # Autograd's own gradient tensor is kept until the update (keep_slot_grad).
+            nbytes = self.lay.sizes[param] * self.itemsize
+            self._make_room(nbytes, (chunk,))
+            self.device_bytes += nbytes
+            self._sample()
+        elif chunk not in self.grads:
+            self._make_room(self.nbytes[chunk], (chunk,))
+            self.grads.add(chunk)
+            self.grad_bytes += self.nbytes[chunk]
+            self.device_bytes += self.nbytes[chunk]
+            self._sample()
+        self._set(param, "bwd")
+        self.pending[chunk] -= 1
+        if self.pending[chunk] == 0 and chunk in self.grads:
+            self._finish_grads(chunk)
+
+    def run(self, events: list[Event]) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == "point":
+                self.point(event[1], event[2])
+            elif kind == "post":
+                self.post(event[1])
+            elif kind == "nm":
+                self.non_model(event[1])
+            elif kind == "grad":
+                self.grad(event[1])
+        for chunk in list(self.grads):
+            self._finish_grads(chunk)
+
+    def trace_of(self) -> StepTrace:
+        uses: dict[int, list[int]] = {}
+        for pos, chunks in enumerate(self.points):
+            for c in chunks:
+                uses.setdefault(c, []).append(pos)
+        return StepTrace(self.points, self.point_nm, max(self.point_ws, default=0), uses)
+
+
+def resident_chunks(
+    lay: Layout,
+    cost: ChunkBytes,
+    policy: Policy,
+    margin_ratio: float,
+    capacity: int,
+    trace: StepTrace,
+) -> set[int]:
+    """Chunks whose payload and optimizer state live on the device (Engine._place)."""
+    if policy == Policy.CUDA:
+        return set(range(len(lay.numel)))
+    chosen: set[int] = set()
+    room = margin_ratio * max(0, capacity - trace.working_set)
+    for chunk, numel in enumerate(lay.numel):
+        need = cost.resident_cost(numel)
+        if need <= room:
+            chosen.add(chunk)
+            room -= need
+    return chosen

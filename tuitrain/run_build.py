@@ -1,0 +1,130 @@
+"""What a training run trains, built from its Settings: the model, the data and the engine,
+on the device this machine has (a GPU, or a simulated one sized to fit beside the host's
+copies), and the settings as they were actually used."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tuitrain.settings import Settings
+
+# Host memory left to the rest of the machine when sizing the default simulated device.
+HOST_RESERVE = 1024**3
+
+
+@dataclass
+class BuiltRun:
+    model: Any
+    data: Any
+    engine: Any
+    device: str  # as the user sees it: "simulated, 6.0 GiB", or the GPU's name and memory
+    settings_used: dict  # the settings with precision and device budget as resolved
+
+
+def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
+    """Build model, data and engine; `say` hears each stage and any setting adapted."""
+    import torch
+
+    from engine import Engine, EngineConfig, format_size
+    from engine.data import build_data
+    from engine.zoo import build_model
+
+    simulated = not torch.cuda.is_available()
+    budget = s.budget_bytes(simulated)
+    say(f"building {s.model}")
+    model = build_model(s.model, seed=s.training.seed)
+    if s.training.activation_checkpointing:
+        # transformers 5 renamed it; 4.x only has the old name.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    say("preparing data")
+    data = build_data(
+        s.data.path,
+        model_name_or_path=s.model,
+        vocab_limit=model.config.vocab_size,
+        batch_size=s.training.batch_size,
+        seq_len=s.training.seq_len,
+        seed=s.training.seed,
+    )
+    precision = s.precision_for(simulated)
+    if simulated and s.engine.device_budget is None:
+        default = budget
+        parameters = sum(p.numel() for p in model.parameters())
+        budget = simulated_budget(default, parameters=parameters, precision=precision)
+        if budget < default:
+            say(f"simulated device budget {format_size(budget)} (the default "
+                f"{format_size(default)} does not fit beside the host's copies)")
+    engine = Engine(
+        model,
+        EngineConfig(
+            policy=s.engine.policy,
+            margin_ratio=s.engine.margin_ratio,
+            device_budget=budget,
+            precision=precision,
+            lr=s.training.lr,
+            weight_decay=s.training.weight_decay,
+            max_grad_norm=s.training.max_grad_norm,
+            seed=s.training.seed,
+            chunk_size=s.engine.chunk_size,
+            total_steps=s.training.steps,
+        ),
+    )
+    used = s.model_dump()
+    used["engine"]["precision"] = precision
+    if budget is not None:
+        used["engine"]["device_budget"] = exact_size(budget)
+    return BuiltRun(model, data, engine, describe_device(simulated, budget), used)
+
+
+def simulated_budget(default: int, *, parameters: int, precision: str) -> int:
+    """The default simulated budget, shrunk to what this machine's memory can hold.
+
+    A simulated device lives in host memory beside the host copies of the chunks, so the
+    laptop's 6 GiB cannot always be had on top of them. An explicit budget is honoured (and
+    fails as it would); the default adapts, and says so.
+    """
+    import psutil
+
+    from engine.chunk import host_bytes_per_parameter
+    from engine.config import format_size
+
+    # The model as built (fp32) is freed parameter by parameter while it is packed.
+    need = (host_bytes_per_parameter(precision) - 4) * parameters
+    room = psutil.virtual_memory().available - need - HOST_RESERVE
+    # Too small a device for the model is the engine's to refuse, with its minimum.
+    if room < 2**20:
+        total = host_bytes_per_parameter(precision) * parameters
+        raise ValueError(
+            f"{parameters / 1e9:.2f}B parameters in {precision} need about "
+            f"{format_size(total)} of host memory for their chunks and optimizer state; this "
+            f"machine has {format_size(psutil.virtual_memory().available + 4 * parameters)} "
+            f"available"
+        )
+    # Whole MiB, so the budget recorded with the run reads as a size, not a byte count.
+    return int(min(default, room)) // 2**20 * 2**20
+
+
+def describe_device(simulated: bool, budget: int | None) -> str:
+    """The device as shown to the user: "simulated, 6.0 GiB", or the GPU name and memory."""
+    import torch
+
+    from engine import format_size
+
+    if simulated:
+        return f"simulated, {format_size(budget or 0)}"
+    index = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    device = f"{torch.cuda.get_device_name(index)}, {format_size(total)}"
+    if budget is not None:
+        device += f", budget {format_size(budget)}"
+    return device
+
+
+def exact_size(nbytes: int) -> str:
+    """A byte count written so that parse_size reads back exactly the same number."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
