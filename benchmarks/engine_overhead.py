@@ -6,7 +6,9 @@ one step of every system in turn, so machine noise hits them alike; medians afte
     python benchmarks/engine_overhead.py [--rounds 6] [--model opt-125m]
 
 Systems: plain PyTorch with AdamW(fused=True); the engine with policy cuda (ample budget),
-auto (a budget that holds the working set plus half the parameters), and cpu.
+auto (a budget that holds the working set plus half the parameters), and cpu. On a machine
+with CUDA everything runs on the GPU (the engine on a CudaDevice capped at those budgets);
+elsewhere on the simulated device.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def plain_step(model, opt, batch) -> float:
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -58,10 +62,12 @@ def main() -> None:
     working_set = probe.trace.working_set
     del probe
 
-    plain = copy.deepcopy(base)
+    # On a GPU the baseline trains there too, the whole model resident.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    plain = copy.deepcopy(base).to(device)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     systems = {
-        "plain": lambda b: plain_step(plain, opt, b),
+        "plain": lambda b: plain_step(plain, opt, {k: v.to(device) for k, v in b.items()}),
     }
     budgets = {"cuda": 64 * 2**30, "auto": working_set + payload // 2, "cpu": working_set * 2}
     engines = {}

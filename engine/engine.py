@@ -65,6 +65,7 @@ class Engine:
         self._last_non_model_peak = 0
         self._last_peak = 0
         self._in_step = False
+        self._in_backward = False
         self._evicting = False
         self._interrupted = False
 
@@ -231,7 +232,10 @@ class Engine:
             self._outside_step(key)
             return
         self._point(key, "forward")
-        self.manager.prepare(self._module_chunks[key], self._pos, "forward")
+        # A forward inside backward is activation checkpointing's recompute: gradients may
+        # arrive before the next module, and prefetching must leave them room.
+        phase = "backward" if self._in_backward else "forward"
+        self.manager.prepare(self._module_chunks[key], self._pos, phase)
         for chunk, slot in self._module_slots[key]:
             chunk.set_state(slot, S.COMPUTE)
 
@@ -253,16 +257,26 @@ class Engine:
                 chunk.set_state(slot, S.COMPUTE)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """A parameter's gradient is complete, usually once a backward. A parameter that
+        autograd accumulates more than once (a module shared by two reentrant-checkpointed
+        segments) adds up where its gradient already is, even once it has gone home."""
         chunk, slot = self._slot_of[id(param)]
+        first = not slot.got_grad
+        grad = param.grad.reshape(-1)
         if chunk.resident:
-            self.manager.keep_slot_grad(chunk, slot, param.grad, self._pos)
+            self.manager.keep_slot_grad(chunk, slot, grad, self._pos)
+        elif chunk.holds_grads:
+            home = self.manager.grad_home(chunk)[slot.offset:slot.offset + slot.numel]
+            home.add_(grad.to(home.device))
         else:
-            buf = self.manager.grad_buffer(chunk, self._pos)
-            buf[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+            buf = self.manager.grad_buffer(chunk, self._pos)[slot.offset:slot.offset + slot.numel]
+            buf.copy_(grad) if first else buf.add_(grad)
         param.grad = None
         slot.got_grad = True
         if slot.state != S.HOLD_AFTER_BWD:
             chunk.set_state(slot, S.HOLD_AFTER_BWD)
+        if not first:
+            return
         chunk.grads_pending -= 1
         if chunk.grads_pending == 0:
             if chunk.resident:
@@ -311,6 +325,7 @@ class Engine:
                 self.counter.set_output(0)
                 t1, x1 = time.perf_counter(), m.transfer_seconds
                 scale = self.optimizer.loss_scale
+                self._in_backward = True
                 (loss * scale if scale != 1.0 else loss).backward()
             self._finish_backward()
             t2, x2 = time.perf_counter(), m.transfer_seconds
@@ -318,7 +333,7 @@ class Engine:
             self._abort_step()
             raise
         finally:
-            self._in_step = False
+            self._in_step = self._in_backward = False
             m.strict = True
         traced = self._tracing is not None
         if traced:

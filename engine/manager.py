@@ -96,7 +96,10 @@ class ChunkManager:
         if not chunk.on_device:
             self.make_room(chunk.nbytes, pos, protect + (chunk,))
             self._storage_resize(chunk, True)
-        self._copy(chunk.device_payload, chunk.payload, "h2d")
+        # A payload that holds gradients (every trainable parameter's is in, and a frozen
+        # one is still to be used) has the weights in the master only.
+        source = chunk.master if chunk.holds_grads and not chunk.aliased else chunk.payload
+        self._copy(chunk.device_payload, source, "h2d")
         self._fetched(chunk)
 
     def _fetched(self, chunk: Chunk) -> None:
@@ -239,7 +242,10 @@ class ChunkManager:
         """A resident chunk keeps autograd's gradient tensor as is: no buffer, no copy.
 
         Its room was planned with the residency, but the auto policy may have filled it
-        with idle chunks since: those go first."""
+        with idle chunks since: those go first. A second gradient for the slot adds up."""
+        if slot.offset in chunk.slot_grads:
+            chunk.slot_grads[slot.offset][1].add_(grad.reshape(-1))
+            return
         self.make_room(grad.nbytes, pos, (chunk,))
         chunk.slot_grads[slot.offset] = (slot, grad.reshape(-1))
         self.device_bytes += grad.nbytes

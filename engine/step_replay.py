@@ -174,6 +174,9 @@ class StepReplay:
         self.overrun = 0
         self.copied = 0  # payload bytes copied between host and device (fetches, gradients)
         self.stale: set[int] = set()  # on the device, but its gradients have gone home
+        self.home: set[int] = set()  # gradients gone home (Chunk.holds_grads)
+        self.got: set[str] = set()  # parameters whose gradient arrived
+        self.in_backward = False
         self.points: list[tuple[int, ...]] = []
         self.point_nm: list[int] = []
         self.point_ws: list[int] = []
@@ -258,6 +261,7 @@ class StepReplay:
 
     def _finish_grads(self, chunk: int) -> None:
         self.copied += self.nbytes[chunk]
+        self.home.add(chunk)
         if chunk in self.on_device:
             self.stale.add(chunk)
         self.grads.discard(chunk)
@@ -281,7 +285,7 @@ class StepReplay:
                     self._release(chunk)
         for chunk in chunks:
             self._materialise(chunk, chunks)
-        self._prefetch(phase)
+        self._prefetch("backward" if self.in_backward else phase)
         for param in self.lay.module_params[module]:
             if phase == "forward" or self.state.get(param) != "bwd":
                 self._set(param, "compute")
@@ -296,7 +300,7 @@ class StepReplay:
             forecast += sum(self.nbytes[c] for c in trace.chunks[pos]
                             if c not in self.grads and c not in self.resident and self.pending[c])
         for chunk in trace.chunks[pos + 1]:
-            if chunk in self.on_device:
+            if chunk in self.on_device or chunk in self.home:
                 continue
             if self.capacity - self.device_bytes - self.nm - forecast < self.nbytes[chunk]:
                 return
@@ -322,6 +326,9 @@ class StepReplay:
 
     def grad(self, param: str) -> None:
         chunk = self.lay.chunk_of[param]
+        if param in self.got:
+            return  # a second gradient adds up where the first is: no bytes, no count
+        self.got.add(param)
         if chunk in self.resident:
             # Autograd's own gradient tensor is kept until the update (keep_slot_grad).
             nbytes = self.lay.sizes[param] * self.itemsize
@@ -350,6 +357,8 @@ class StepReplay:
                 self.non_model(event[1])
             elif kind == "grad":
                 self.grad(event[1])
+            elif kind == "backward":
+                self.in_backward = True
         for chunk in list(self.grads):
             self._finish_grads(chunk)
 

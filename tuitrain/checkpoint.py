@@ -188,4 +188,5 @@ def rng_states() -> dict[str, torch.Tensor]:
 def set_rng_states(rng: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([rng[k] for k in sorted(rng) if k.startswith("cuda")])
+        devices = sorted((k for k in rng if k.startswith("cuda")), key=lambda k: int(k[4:]))
+        torch.cuda.set_rng_state_all([rng[k] for k in devices])

@@ -188,6 +188,7 @@ class TrainingRun:
             except StepInterrupted as err:
                 if position is not None:
                     self.data.load_state_dict(position)
+                    batches = self._batches()  # a fresh iterator, from the position restored
                 set_rng_states(rng)
                 self._say(f"{err}; nothing of it was kept", level="warning")
                 continue  # the Stop behind the interrupt ends the loop at the top

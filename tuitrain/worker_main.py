@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -57,6 +58,14 @@ def worker_main(
         events: write end of the worker -> UI channel.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run: TrainingRun | None = None
+
+    def interrupt() -> None:
+        if run is not None:
+            run.interrupt()
+
+    # First, before any thread starts (see _route_interrupts), and before Started.
+    _route_interrupts(interrupt)
     _redirect_output(log_path)
     _watch_parent(parent_pid)
     outbox = Outbox(events)
@@ -66,9 +75,6 @@ def worker_main(
         commands=commands,
         outbox=outbox,
     )
-    # The parent follows a Stop with this signal, so a long step ends at the next module
-    # instead of running to its end (see ProcessWorker.send). Installed before Started.
-    signal.signal(INTERRUPT_SIGNAL, lambda _signum, _frame: run.interrupt())
     code = run.execute()
     outbox.close(FLUSH_SECONDS)
     sys.stdout.flush()
@@ -76,6 +82,28 @@ def worker_main(
     # Skips interpreter teardown: a library thread that never ends cannot keep a finished
     # worker alive.
     os._exit(code)
+
+
+def _route_interrupts(callback: Callable[[], None]) -> None:
+    """Hand the parent's interrupt signal (it follows a Stop, see ProcessWorker.send) to
+    `callback` on a listening thread, so a long step ends at its next module.
+
+    A Python signal handler runs only on the main thread between bytecodes: not while the
+    main thread waits in a CUDA backward, whose hooks run on autograd's own thread. So the
+    signal is blocked here, before any other thread exists (threads inherit the block), and
+    a thread of its own takes it with sigwait. The handler is the fallback should a thread
+    started earlier by a library take delivery: never the default action, which would end
+    the process.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})
+    signal.signal(INTERRUPT_SIGNAL, lambda _signum, _frame: callback())
+
+    def listen() -> None:
+        while True:
+            signal.sigwait({INTERRUPT_SIGNAL})
+            callback()
+
+    threading.Thread(target=listen, name="tuitrain-interrupt", daemon=True).start()
 
 
 def _redirect_output(log_path: str) -> None:

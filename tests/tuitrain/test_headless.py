@@ -40,7 +40,9 @@ def test_a_run_prints_settings_progress_and_summary_and_appends_metrics(tmp_path
     earlier = json.dumps({"settings": {"model": "an earlier run"}})
     metrics.write_text(earlier + "\n")
     out, err = Terminal(), io.StringIO()
-    settings = tiny_settings(training={"steps": 5}, logging={"metrics": str(metrics)})
+    # The budget given, not the default, which shrinks on a machine short of memory.
+    settings = tiny_settings(training={"steps": 5}, logging={"metrics": str(metrics)},
+                             engine={"device_budget": "6GiB"})
 
     assert run_headless(settings, out=out, err=err, log_path=str(tmp_path / "w.log")) == 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import subprocess
+import sys
 
 import torch
 from safetensors.torch import load_file
@@ -92,3 +94,23 @@ def test_stop_mid_step_keeps_nothing_of_it_and_resume_continues_exactly(
 
     _, resumed = train(tmp_path, settings(tmp_path, resume=str(tmp_path / "ck")))
     assert losses(resumed) == {k: v for k, v in expected.items() if k >= STOP_DURING}
+
+
+def test_the_interrupt_signal_reaches_a_listening_thread_while_the_main_thread_is_busy():
+    """On a GPU, backward's hooks run on autograd's thread while the main thread waits in
+    native code, where a Python signal handler would never run until the step is over."""
+    script = """
+import os, threading, time
+from tuitrain.worker_main import INTERRUPT_SIGNAL, _route_interrupts
+heard = []
+_route_interrupts(lambda: heard.append(threading.current_thread().name))
+threading.Timer(0.2, os.kill, (os.getpid(), INTERRUPT_SIGNAL)).start()
+lock = threading.Lock()
+lock.acquire()
+lock.acquire(timeout=2)  # the main thread blocked in native code, as in a CUDA backward
+print(heard)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['tuitrain-interrupt']"

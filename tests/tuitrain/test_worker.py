@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from engine import format_size, parse_size
 from tuitrain.events import (
     Applied,
     Checkpoint,
@@ -128,12 +129,14 @@ def test_started_names_the_model_the_device_and_the_settings_used(live: Watch) -
     started = next(e for e in live.events if isinstance(e, Started))
     assert started.model == "tiny"
     assert started.parameters > 0
-    assert started.device == "simulated, 6.0 GiB"
+    # The default budget (6 GiB, less where this machine's memory has no room for it).
+    budget = parse_size(started.settings["engine"]["device_budget"])
+    assert 0 < budget <= 6 * GiB
+    assert started.device == f"simulated, {format_size(budget)}"
     assert started.chunks, "the chunk map is known before the first step"
     assert started.pid == live.worker.pid != os.getpid()
     assert started.log_path == str(live.worker.log_path)
     # the budget the engine runs with is written out, so the settings reproduce the run
-    assert started.settings["engine"]["device_budget"] == "6GiB"
     assert started.settings["training"]["seq_len"] == 16
 
 
@@ -146,11 +149,14 @@ def test_step_events_fill_latest_and_history(live: Watch) -> None:
 
 
 def test_setting_changes_apply_from_the_next_step(live: Watch) -> None:
+    started = next(e for e in live.events if isinstance(e, Started))
+    default = parse_size(started.settings["engine"]["device_budget"])
     changes = {
         # command: (what StepStats shows, old value, new value, the engine's note)
         SetMargin(margin_ratio=0.25): ("margin_ratio", 0.0, 0.25, "margin"),
         SetPolicy(policy="cpu"): ("policy", "auto", "cpu", "policy"),
-        SetBudget(device_budget="4GiB"): ("device_budget", 6 * GiB, 4 * GiB, "device_budget"),
+        SetBudget(device_budget="400MiB"): ("device_budget", default, 400 * 2**20,
+                                            "device_budget"),
     }
     ids = {command: live.worker.send(command) for command in changes}
     assert sorted(ids.values()) == list(range(min(ids.values()), min(ids.values()) + 3))
