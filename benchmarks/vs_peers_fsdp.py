@@ -36,14 +36,7 @@ def main() -> None:
         for layer in model.model.decoder.layers:
             fully_shard(layer, **options)
         fully_shard(model, **options)
-        opt = torch.optim.AdamW(
-            model.parameters(),
-            lr=harness.LR,
-            betas=harness.BETAS,
-            eps=harness.EPS,
-            weight_decay=harness.WEIGHT_DECAY,
-            fused=True,
-        )
+        opt = harness.fused_adamw(model.parameters())
 
         def step(batch: harness.Batch) -> float:
             loss = model(**batch).loss

@@ -80,6 +80,12 @@ def parse_args(system: str, argv: list[str] | None = None) -> argparse.Namespace
     return args
 
 
+def fused_adamw(params) -> torch.optim.AdamW:
+    """The reference optimizer, with the hyperparameters every system shares."""
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                             fused=True)
+
+
 def build(args: argparse.Namespace) -> torch.nn.Module:
     """The benchmark model in fp32; each system casts or wraps it as it would in practice."""
     return build_model(args.model, seed=args.seed)

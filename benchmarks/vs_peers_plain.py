@@ -17,14 +17,7 @@ import vs_peers_harness as harness
 def main() -> None:
     args = harness.parse_args("plain")
     model = harness.build(args)
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=harness.LR,
-        betas=harness.BETAS,
-        eps=harness.EPS,
-        weight_decay=harness.WEIGHT_DECAY,
-        fused=True,
-    )
+    opt = harness.fused_adamw(model.parameters())
     bf16 = args.precision == "bf16"
 
     def step(batch: harness.Batch) -> float:
