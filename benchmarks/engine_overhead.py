@@ -21,7 +21,7 @@ import time
 import torch
 
 from engine import Engine, EngineConfig, format_size
-from engine.zoo import build_model
+from engine.models.zoo import build_model
 
 
 def plain_step(model, opt, batch) -> float:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.zoo import build_model
+from engine.models.zoo import build_model
 
 # Same optimizer for every system: torch.optim.AdamW's defaults, a constant learning rate
 # and no clipping (DeepSpeed clips at 1.0 unless told otherwise).

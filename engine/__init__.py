@@ -7,13 +7,13 @@ telemetry, policy, state) stays cheap for a UI process that never trains.
 
 from typing import TYPE_CHECKING
 
+from engine.chunks.state import TensorState
 from engine.config import EngineConfig, format_size, parse_size
-from engine.policy import Policy
-from engine.state import TensorState
+from engine.placement.policy import Policy
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.step.engine import Engine
 
 __all__ = [
     "ChunkInfo",
@@ -30,7 +30,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     if name == "Engine":
-        from engine.engine import Engine
+        from engine.step.engine import Engine
 
         return Engine
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from engine.policy import Policy
+from engine.placement.policy import Policy
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -52,7 +52,7 @@ class EngineConfig:
     agree out of the box.
     """
 
-    policy: str = "auto"  # "cuda" | "cpu" | "auto"; see engine.policy
+    policy: str = "auto"  # "cuda" | "cpu" | "auto"; see engine.placement.policy
     margin_ratio: float = 0.0  # share of the spare device memory that holds optimizer state
     device_budget: int | str | None = None  # bytes or "6GiB"; None = the whole real GPU
     precision: str = "fp32"  # compute dtype of the chunks; master weights are always fp32

@@ -49,7 +49,7 @@ def test_importing_every_engine_module_loads_no_application_or_ui_module(tmp_pat
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
-    assert "engine.engine" in report["imported"]
-    assert "engine.zoo" in report["imported"]
+    assert "engine.step.engine" in report["imported"]
+    assert "engine.models.zoo" in report["imported"]
     leaked = [m for m in report["loaded"] if m.split(".")[0] in FORBIDDEN]
     assert leaked == []

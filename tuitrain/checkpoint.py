@@ -100,7 +100,7 @@ def _write(folder: Path, engine: Any, model: torch.nn.Module, data: Any, setting
                           safe_serialization=True)
     tokenizer = getattr(data, "tokenizer", None)
     if tokenizer is not None:
-        from engine.tokenizer import save_tokenizer
+        from engine.data.tokenizer import save_tokenizer
 
         save_tokenizer(tokenizer, model_dir)
     state = engine.state_dict()

@@ -255,7 +255,13 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 
 def _check_model(name: str, seq_len: int) -> None:
     """The model exists (zoo name or model folder) and takes sequences of `seq_len` tokens."""
-    from engine.zoo import KNOWN_MODELS, BadCheckpoint, UnknownModel, is_model_folder, model_config
+    from engine.models.zoo import (
+        KNOWN_MODELS,
+        BadCheckpoint,
+        UnknownModel,
+        is_model_folder,
+        model_config,
+    )
 
     try:
         config = model_config(name)
@@ -455,7 +461,7 @@ def short_count(n: int) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from engine.zoo import list_models
+    from engine.models.zoo import list_models
 
     rows = [
         (m.name, short_count(m.parameters), f"{m.parameters:,}", str(m.layers), str(m.hidden))

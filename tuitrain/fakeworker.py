@@ -16,9 +16,9 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
+from engine.chunks.state import TensorState
 from engine.config import check_margin, format_size, parse_size
-from engine.policy import Policy
-from engine.state import TensorState
+from engine.placement.policy import Policy
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
 from tuitrain.events import (
     Applied,

@@ -1,6 +1,6 @@
 """`tuitrain plan`: will a run fit? Device and host memory per policy, before training.
 
-The forecast itself is engine.planner.plan (no UI there); this module picks the machine's
+The forecast itself is engine.planning.planner.plan (no UI there); this module picks the machine's
 memory when the user gives none, and prints the plan as a table or as JSON.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TextIO
 from engine.config import format_size
 
 if TYPE_CHECKING:
-    from engine.planner import Plan
+    from engine.planning.planner import Plan
     from tuitrain.settings import Settings
 
 
@@ -69,7 +69,7 @@ def plan_main(args: argparse.Namespace) -> int:
     import torch
 
     from engine.config import parse_size
-    from engine.planner import plan
+    from engine.planning.planner import plan
     from tuitrain.cli import UsageError
     from tuitrain.settings import Settings
 
@@ -147,7 +147,7 @@ def warn_if_unfit(settings: Settings) -> str | None:
     """
     import torch
 
-    from engine.planner import plan
+    from engine.planning.planner import plan
 
     simulated = not torch.cuda.is_available()
     try:

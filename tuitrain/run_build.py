@@ -28,8 +28,8 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     import torch
 
     from engine import Engine, EngineConfig, format_size
-    from engine.data import build_data
-    from engine.zoo import build_model
+    from engine.data.corpus import build_data
+    from engine.models.zoo import build_model
 
     simulated = not torch.cuda.is_available()
     budget = s.budget_bytes(simulated)
@@ -87,7 +87,7 @@ def simulated_budget(default: int, *, parameters: int, precision: str) -> int:
     """
     import psutil
 
-    from engine.chunk import host_bytes_per_parameter
+    from engine.chunks.chunk import host_bytes_per_parameter
     from engine.config import format_size
 
     # The model as built (fp32) is freed parameter by parameter while it is packed.

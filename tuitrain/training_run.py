@@ -169,7 +169,7 @@ class TrainingRun:
             self.engine.interrupt()
 
     def _train(self) -> None:
-        from engine.engine import StepInterrupted
+        from engine.step.engine import StepInterrupted
         from tuitrain.checkpoint import rng_states, set_rng_states
 
         batches = self._batches()

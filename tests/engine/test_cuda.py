@@ -11,7 +11,7 @@ import torch
 from conftest import build, make_batches, whole_model_relative_difference
 
 from engine import Engine, EngineConfig
-from engine.engine import StepInterrupted
+from engine.step.engine import StepInterrupted
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine import data, tokenizer
-from engine.data import (
+from engine.data import corpus as data
+from engine.data import tokenizer
+from engine.data.corpus import (
     DataError,
     TokenBatches,
     build_data,
@@ -22,8 +23,8 @@ from engine.data import (
     open_corpus,
     tokenize_corpus,
 )
-from engine.tokenizer import cache_dir, save_tokenizer
-from engine.zoo import build_model
+from engine.data.tokenizer import cache_dir, save_tokenizer
+from engine.models.zoo import build_model
 
 SMALL_VOCAB = 300  # the 260 byte-level tokens plus a few merges: trains in milliseconds
 

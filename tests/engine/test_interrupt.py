@@ -10,7 +10,7 @@ import torch
 from conftest import build, make_batches
 
 from engine import Engine, EngineConfig, TensorState
-from engine.engine import StepInterrupted
+from engine.step.engine import StepInterrupted
 
 MODEL = build("opt", layers=4, hidden=64)
 BATCHES = make_batches(4)

@@ -9,7 +9,7 @@ import torch
 from conftest import build, make_batches, max_relative_difference
 
 from engine import Engine, EngineConfig
-from engine.chunk import pack, packing_waste, search_chunk_size
+from engine.chunks.chunk import pack, packing_waste, search_chunk_size
 
 MODEL = build("opt", layers=4, hidden=64)
 

@@ -9,8 +9,8 @@ import pytest
 from conftest import build, make_batches
 
 from engine import Engine, EngineConfig, TensorState
-from engine.engine import BudgetTooSmall
-from engine.state import IllegalTransition, check_transition
+from engine.chunks.state import IllegalTransition, check_transition
+from engine.step.engine import BudgetTooSmall
 
 MODEL = build("opt", layers=8, hidden=128)
 

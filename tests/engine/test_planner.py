@@ -19,10 +19,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import Engine, EngineConfig, StepStats, format_size
-from engine import planner as planner_module
-from engine.engine import BudgetTooSmall
-from engine.planner import RUNTIME_BYTES, plan
-from engine.zoo import BadCheckpoint, UnknownModel, build_model
+from engine.models.zoo import BadCheckpoint, UnknownModel, build_model
+from engine.planning import planner as planner_module
+from engine.planning.planner import RUNTIME_BYTES, plan
+from engine.step.engine import BudgetTooSmall
 
 SHAPE = {"batch_size": 2, "seq_len": 64}
 MiB = 2**20
@@ -317,7 +317,7 @@ def test_a_folder_whose_config_is_not_a_language_model_is_a_bad_checkpoint(tmp_p
 PEAK_RSS_SCRIPT = """
 import json, sys, torch
 from engine import Engine, EngineConfig
-from engine.zoo import build_model
+from engine.models.zoo import build_model
 model = build_model("tiny")
 engine = Engine(model, EngineConfig(policy=sys.argv[1], device_budget="6GiB",
                                     precision="bf16", simulate=True))

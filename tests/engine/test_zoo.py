@@ -12,8 +12,8 @@ import psutil
 import pytest
 import torch
 
-from engine import zoo
-from engine.zoo import (
+from engine.models import zoo
+from engine.models.zoo import (
     KNOWN_MODELS,
     BadCheckpoint,
     UnknownModel,
@@ -146,7 +146,7 @@ def test_building_opt_125m_peaks_at_one_copy_of_the_weights():
     # the peak measures the build alone, even if cold import pages were reclaimed meanwhile.
     script = textwrap.dedent(
         """
-        from engine.zoo import build_model, meta_model
+        from engine.models.zoo import build_model, meta_model
         meta_model("opt-125m")  # imports settle before the baseline
 
         def status(key):

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import Engine, EngineConfig
-from engine.data import TokenBatches
-from engine.zoo import build_model
+from engine.data.corpus import TokenBatches
+from engine.models.zoo import build_model
 from tuitrain import checkpoint
 from tuitrain.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
 from tuitrain.settings import Settings

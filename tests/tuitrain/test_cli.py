@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from engine.models.zoo import KNOWN_MODELS
 from engine.telemetry import MemorySnapshot, StepStats
-from engine.zoo import KNOWN_MODELS
 from tuitrain import __version__
 from tuitrain.cli import RUN_FLAGS, build_parser, main, measure_metrics, resolve_settings
 from tuitrain.presets import SHIPPED_DIR, load_preset

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.planner import plan
+from engine.planning.planner import plan
 from tuitrain.cli import UsageError, main
 from tuitrain.plan import plan_main, warn_if_unfit
 from tuitrain.settings import Settings

@@ -11,7 +11,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from engine.engine import Engine
+from engine.step.engine import Engine
 from tuitrain.events import Finished, Log, Step, Stop
 from tuitrain.settings import Settings
 from tuitrain.training_run import TrainingRun

@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from engine.state import TensorState
+from engine.chunks.state import TensorState
 from engine.telemetry import ChunkInfo
 
 # Glyphs differ as well as colours, so the map reads without colour too.

@@ -17,7 +17,7 @@ from textual.validation import Function, Number
 from textual.widgets import Input, Label, Select, Static
 
 from engine.config import check_margin, parse_size
-from engine.policy import Policy
+from engine.placement.policy import Policy
 from tuitrain.tui.changes import Change
 
 STATUS_STYLES = {"pending": "yellow", "applied": "green", "rejected": "red"}

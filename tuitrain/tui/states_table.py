@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import DataTable
 
-from engine.state import TensorState
+from engine.chunks.state import TensorState
 from engine.telemetry import MemorySnapshot
 from tuitrain.tui.formatting import format_size
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.policy import Policy
+from engine.placement.policy import Policy
 from tuitrain.events import Applied, Checkpoint, Command, Pause, Rejected, Resume
 from tuitrain.tui.changes import (
     LABELS,

@@ -392,7 +392,7 @@ async def test_r_restarts_a_failed_run_with_a_new_worker_and_the_current_setting
 
 async def test_a_mistake_in_the_input_reads_as_its_reason_without_the_traceback():
     reason = "device budget 64.0 MiB is below the minimum working set 294.6 MiB"
-    tail = ["Traceback (most recent call last):", "engine.engine.BudgetTooSmall: …"]
+    tail = ["Traceback (most recent call last):", "engine.step.engine.BudgetTooSmall: …"]
     app, _ = make_app([Failed(reason, exitcode=2, log_tail=tail)])
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)

@@ -15,25 +15,25 @@ import time
 import psutil
 import torch
 
-from engine import weights
-from engine.chunk import Chunk
+from engine.chunks import weights
+from engine.chunks.chunk import Chunk
+from engine.chunks.manager import ChunkManager
+from engine.chunks.packing import build_chunks, first_use_order  # noqa: F401 (re-exported)
+from engine.chunks.state import TensorState
 from engine.config import EngineConfig, check_margin, format_size, parse_size
-from engine.device import ComputeDevice, make_device
-from engine.hooks import install, wrap_outputs
-from engine.manager import ChunkManager
-from engine.optim import ChunkAdamW, restore_params
-from engine.packing import build_chunks, first_use_order  # noqa: F401 (re-exported)
-from engine.placement import (
+from engine.devices.device import ComputeDevice, make_device
+from engine.placement.policy import Policy
+from engine.placement.residency import (
     BudgetTooSmall,
     apply_residency,
     check_budget,
     minimum_working_set,
     resident_set,
 )
-from engine.policy import Policy
-from engine.state import TensorState
+from engine.placement.trace import NonModelCounter, Trace, TracePoint, tensor_bytes
+from engine.step.hooks import install, wrap_outputs
+from engine.step.optimizer import ChunkAdamW, restore_params
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
-from engine.tracer import NonModelCounter, Trace, TracePoint, tensor_bytes
 
 S = TensorState
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -154,7 +154,7 @@ class Engine:
         return applied
 
     def _place(self, *, margin: bool = True) -> None:
-        """Make resident what the policy and the margin ask for (see engine.placement)."""
+        """Make resident what the policy and the margin ask for (see engine.placement.residency)."""
         ratio = self.config.margin_ratio if margin else 0.0
         want = resident_set(self.chunks, self.manager, trace=self._trace,
                             capacity=self.device.capacity(), margin_ratio=ratio)

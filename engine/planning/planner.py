@@ -14,7 +14,7 @@ last gradient is in, optimizer state resident for cuda and the margin), in bytes
 Decoder stacks repeat one layer, so a large model is traced with TRACE_LAYERS layers and its
 inner layer is repeated in the recording: opt-30b plans in about as long as opt-125m.
 
-The recording is engine.step_recording's, the replay engine.step_replay's; this module turns
+The recording is engine.planning.recording's, the replay engine.planning.replay's; this module turns
 the bytes into a Plan.
 """
 
@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.config import PRECISIONS, format_size, parse_size
-from engine.policy import Policy
-from engine.step_recording import Event, record_step
-from engine.step_replay import (
+from engine.models.zoo import meta_model, model_config
+from engine.placement.policy import Policy
+from engine.planning.recording import Event, record_step
+from engine.planning.replay import (
     ChunkBytes,
     Layout,
     OutOfMemory,
@@ -36,7 +37,6 @@ from engine.step_replay import (
     model_layout,
     resident_chunks,
 )
-from engine.zoo import meta_model, model_config
 
 __all__ = ["Plan", "PolicyPlan", "Recommendation", "plan"]
 
@@ -438,11 +438,12 @@ def plan(
     Nothing is allocated: the model only ever exists on the meta device.
 
     Raises:
-        engine.zoo.UnknownModel, engine.zoo.BadCheckpoint: the model cannot be found or read.
+        engine.models.zoo.UnknownModel, engine.models.zoo.BadCheckpoint: the model cannot
+            be found or read.
         ValueError: a size, precision or batch shape that makes no sense.
     """
     from engine.config import check_margin
-    from engine.engine import DTYPES
+    from engine.step.engine import DTYPES
 
     margin_ratio = check_margin(margin_ratio)
     if precision not in PRECISIONS:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.chunk import Chunk, Slot, chunk_numel, layout
-from engine.device import ComputeDevice
+from engine.chunks.chunk import Chunk, Slot, chunk_numel, layout
+from engine.devices.device import ComputeDevice
 
 
 def first_use_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:

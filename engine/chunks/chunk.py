@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.state import ACTIVITY, TensorState, check_transition
+from engine.chunks.state import ACTIVITY, TensorState, check_transition
 
 ALIGN = 32  # elements; keeps every parameter view 64-byte aligned for vectorised kernels
 

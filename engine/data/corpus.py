@@ -21,14 +21,14 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.tokenizer import (
+from engine.data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     MIN_VOCAB_SIZE,
     cached_tokenizer,
     cached_tokens,
     folder_tokenizer,
 )
-from engine.zoo import KNOWN_MODELS, model_config
+from engine.models.zoo import KNOWN_MODELS, model_config
 
 __all__ = [
     "TEXT_SUFFIXES",
@@ -369,7 +369,7 @@ def get_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """The tokenizer a run uses: the model folder's own, else the BPE of the corpus.
 
-    The result has `save_pretrained(dir)` (see `engine.tokenizer.save_tokenizer`), so a
+    The result has `save_pretrained(dir)` (see `engine.data.tokenizer.save_tokenizer`), so a
     checkpoint can carry it and `AutoTokenizer.from_pretrained(dir)` reads it offline.
 
     Args:

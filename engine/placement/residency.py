@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.chunk import Chunk
+from engine.chunks.chunk import Chunk
+from engine.chunks.manager import ChunkManager
 from engine.config import format_size
-from engine.manager import ChunkManager
-from engine.policy import Policy
-from engine.tracer import Trace
+from engine.placement.policy import Policy
+from engine.placement.trace import Trace
 
 
 class BudgetTooSmall(ValueError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.chunk import Chunk, Slot
+from engine.chunks.chunk import Chunk, Slot
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 

@@ -1,10 +1,10 @@
 """Recording one training step on the meta device, as the engine's hooks would see it.
 
 `record_step` runs forward and backward of one batch on a meta-device model (shapes and
-dtypes, no data) through engine.hooks and returns what the engine would see, in order: the
+dtypes, no data) through engine.step.hooks and returns what the engine would see, in order: the
 modules as they run, the bytes autograd saves for backward, when each gradient arrives. A deep
 decoder is traced with a few layers and its inner layer repeated in the recording. The
-planner replays the recording in bytes (engine.step_replay).
+planner replays the recording in bytes (engine.planning.replay).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from engine.hooks import install, wrap_outputs
-from engine.tracer import SavedBytes, tensor_bytes
-from engine.zoo import BadCheckpoint
+from engine.models.zoo import BadCheckpoint
+from engine.placement.trace import SavedBytes, tensor_bytes
+from engine.step.hooks import install, wrap_outputs
 
 __all__ = ["Event", "record_step"]
 
@@ -34,7 +34,7 @@ Event = tuple
 
 
 class _Recorder(SavedBytes):
-    """engine.tracer.NonModelCounter for meta tensors, writing events instead of peaks.
+    """engine.placement.trace.NonModelCounter for meta tensors, writing events instead of peaks.
 
     Storages are told apart by their StorageImpl (meta tensors have no data pointer), and
     parameter storages are model data, exactly as the engine skips its chunk payloads.

@@ -1,7 +1,7 @@
 """The engine's chunk layout and its step, replayed in bytes.
 
-`model_layout` lays a model's parameters out in chunks as engine.chunk does, and
-`StepReplay` runs a recording (engine.step_recording) against that layout under one
+`model_layout` lays a model's parameters out in chunks as engine.chunks.chunk does, and
+`StepReplay` runs a recording (engine.planning.recording) against that layout under one
 placement policy with the manager's rules (fetch before use, evict the chunk used farthest
 ahead, gradient buffers until a chunk's last gradient is in, resident chunks), counting
 device bytes and copies. Nothing is allocated.
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.chunk import chunk_numel, layout
+from engine.chunks.chunk import chunk_numel, layout
 from engine.config import format_size
-from engine.policy import Policy
-from engine.step_recording import Event
+from engine.placement.policy import Policy
+from engine.planning.recording import Event
 
 __all__ = [
     "ChunkBytes",
@@ -37,7 +37,7 @@ OPTIMIZER_BYTES = 12
 
 @dataclass
 class Layout:
-    """engine.chunk.layout over the full model, with who owns which parameter."""
+    """engine.chunks.chunk.layout over the full model, with who owns which parameter."""
 
     chunk_size: int
     numel: list[int]  # elements per chunk
@@ -56,7 +56,7 @@ def model_layout(model: torch.nn.Module, events: list[Event], chunk_size: int | 
         own = list(dict.fromkeys(canonical[id(p)] for p in module.parameters(recurse=False)))
         if own:
             module_params[name] = own
-    # First-use order, as engine.engine.first_use_order finds it with a forward pass.
+    # First-use order, as engine.step.engine.first_use_order finds it with a forward pass.
     order: dict[str, None] = {}
     for event in events:
         if event[0] == "backward":
@@ -84,7 +84,7 @@ def model_layout(model: torch.nn.Module, events: list[Event], chunk_size: int | 
 
 @dataclass
 class StepTrace:
-    """What the engine's warm-up step records (engine.tracer.Trace), in bytes."""
+    """What the engine's warm-up step records (engine.placement.trace.Trace), in bytes."""
 
     chunks: list[tuple[int, ...]]
     non_model: list[int]  # peak non-model bytes per point
@@ -110,7 +110,7 @@ class OutOfMemory(Exception):
 
 @dataclass(frozen=True)
 class ChunkBytes:
-    """Bytes per chunk element and where they live (engine.packing.fill, ChunkManager)."""
+    """Bytes per chunk element and where they live (engine.chunks.packing.fill, ChunkManager)."""
 
     itemsize: int  # compute dtype
 

@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from engine.chunk import Chunk
+from engine.chunks.chunk import Chunk
+from engine.chunks.manager import ChunkManager
 from engine.config import EngineConfig
-from engine.manager import ChunkManager
 
 LOSS_SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles
 

@@ -10,12 +10,12 @@ from collections.abc import Callable
 
 import torch
 
-from engine.chunk import Chunk, Slot
+from engine.chunks.chunk import Chunk, Slot
+from engine.chunks.state import TensorState
 from engine.config import format_size
-from engine.device import ComputeDevice, DeviceOutOfMemory
-from engine.policy import Policy
-from engine.state import TensorState
-from engine.tracer import Trace
+from engine.devices.device import ComputeDevice, DeviceOutOfMemory
+from engine.placement.policy import Policy
+from engine.placement.trace import Trace
 
 S = TensorState
 

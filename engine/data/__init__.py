@@ -1,0 +1,1 @@
+"""Training data: corpora read from disk, the byte-level BPE tokenizer, fixed-length batches."""
