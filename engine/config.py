@@ -108,3 +108,53 @@ def check_margin(value: float) -> float:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"margin_ratio must be within 0..1, not {value}")
     return value
+
+
+def check_budget_bytes(value: int | str) -> int:
+    """A device budget in bytes from bytes or text ("6GiB"); it must be positive."""
+    nbytes = parse_size(value)
+    if nbytes <= 0:
+        raise ValueError("device_budget must be positive")
+    return nbytes
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """What a running engine lets its caller change between steps.
+
+    One immutable value: a pending change is a new LiveSettings that replaces the live one at
+    the next step boundary, so the engine never runs on a half-applied mix.
+    """
+
+    policy: Policy
+    margin_ratio: float
+    device_budget: int
+
+    def replace(self, *, policy: str | Policy | None = None, margin_ratio: float | None = None,
+                device_budget: int | str | None = None) -> LiveSettings:
+        """A copy with the given fields changed, each checked here (ValueError if bad)."""
+        return LiveSettings(
+            policy=self.policy if policy is None else Policy.parse(policy),
+            margin_ratio=self.margin_ratio if margin_ratio is None else check_margin(margin_ratio),
+            device_budget=(self.device_budget if device_budget is None
+                           else check_budget_bytes(device_budget)))
+
+    def changes_from(self, before: LiveSettings) -> list[str]:
+        """How each field that differs from `before` is worded (see describe_setting)."""
+        return [describe_setting(name, getattr(self, name)) for name in LIVE_FIELDS
+                if getattr(self, name) != getattr(before, name)]
+
+
+LIVE_FIELDS = ("device_budget", "policy", "margin_ratio")
+
+
+def describe_setting(field: str, value: object) -> str:
+    """A live setting as every part of the tool words it: "policy cpu", "margin_ratio 0.3",
+    "device_budget 4.0 GiB"."""
+    if field == "device_budget":
+        return f"device_budget {format_size(int(value))}"
+    if field == "margin_ratio":
+        return f"margin_ratio {float(value):g}"
+    if field == "policy":
+        return f"policy {Policy.parse(value).value}"
+    raise ValueError(f"not a live setting: {field!r}")

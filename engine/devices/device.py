@@ -27,6 +27,8 @@ class ComputeDevice(Protocol):
 
     def describe(self) -> str: ...
 
+    def set_budget(self, budget: int) -> None: ...
+
     def capacity(self) -> int: ...
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
@@ -59,6 +61,9 @@ class SimulatedDevice:
 
     def describe(self) -> str:
         return f"simulated, {format_size(self.budget)}"
+
+    def set_budget(self, budget: int) -> None:
+        self.budget = int(budget)
 
     def capacity(self) -> int:
         return self.budget
@@ -106,6 +111,7 @@ class CudaDevice:
         self.index = torch.cuda.current_device() if index is None else index
         self.torch_device = torch.device("cuda", self.index)
         total = torch.cuda.get_device_properties(self.index).total_memory
+        self.total = total
         self.budget = int(min(budget, total) if budget else total)
         # Prefetches run here, so a copy for the next module overlaps this one's kernels.
         self.side_stream = torch.cuda.Stream(self.index)
@@ -113,6 +119,9 @@ class CudaDevice:
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.index)
         return f"{name}, {format_size(self.budget)}"
+
+    def set_budget(self, budget: int) -> None:
+        self.budget = int(min(budget, self.total))
 
     def capacity(self) -> int:
         free, _ = torch.cuda.mem_get_info(self.index)

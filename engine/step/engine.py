@@ -20,7 +20,7 @@ from engine.chunks.chunk import Chunk
 from engine.chunks.manager import ChunkManager
 from engine.chunks.packing import build_chunks, first_use_order  # noqa: F401 (re-exported)
 from engine.chunks.state import TensorState
-from engine.config import EngineConfig, check_margin, format_size, parse_size
+from engine.config import EngineConfig, LiveSettings, describe_setting, format_size
 from engine.devices.device import ComputeDevice, make_device
 from engine.placement.policy import Policy
 from engine.placement.residency import (
@@ -54,7 +54,7 @@ class Engine:
         self.device = device or make_device(config.device_budget, config.simulate)
         self.dtype = DTYPES[config.precision]
         self.step_count = 0
-        self._pending: dict[str, object] = {}
+        self._pending: LiveSettings | None = None  # replaces settings at the next step
         self._pos = -1
         self._trace: Trace | None = None
         self._tracing: Trace | None = None
@@ -73,7 +73,9 @@ class Engine:
         self.chunks = self._build_chunks(model)
         self.manager = ChunkManager(self.chunks, self.device, non_model_now=self._non_model_now,
                                     on_change=self._on_model_change)
-        self.manager.policy = Policy(config.policy)
+        self.settings = LiveSettings(Policy(config.policy), config.margin_ratio,
+                                     self.device.budget)
+        self.manager.policy = self.settings.policy
         self.optimizer = ChunkAdamW(config, self.manager)
         self._account_initial()
         self._model_ptrs: set[int] = set()
@@ -84,7 +86,7 @@ class Engine:
         self._module_chunks = {
             k: tuple(dict.fromkeys(c for c, _ in pairs)) for k, pairs in self._module_slots.items()}
         self._move_buffers()
-        self._check_budget(self.device.budget, Policy(config.policy))
+        self._check_budget(self.settings.device_budget, self.settings.policy)
         self._place()
 
     # --- construction --------------------------------------------------------------------
@@ -109,23 +111,26 @@ class Engine:
 
     # --- settings (applied at the next step boundary) -----------------------------------------
 
-    def set_policy(self, policy: str | Policy) -> None:
-        """Switch placement at the next step. Raises ValueError if it cannot fit."""
-        p = Policy.parse(policy)
-        self._check_budget(self._pending.get("budget", self.device.budget), p)
-        self._pending["policy"] = p
+    def set_policy(self, policy: str | Policy) -> str:
+        """Switch placement at the next step. Raises ValueError if it cannot fit.
 
-    def set_margin(self, ratio: float) -> None:
+        Returns the change as the engine words it when it applies it ("policy cpu")."""
+        return self._stage("policy", policy)
+
+    def set_margin(self, ratio: float) -> str:
         """Share (0..1) of the spare device memory that keeps optimizer state there."""
-        self._pending["margin"] = check_margin(ratio)
+        return self._stage("margin_ratio", ratio)
 
-    def set_budget(self, budget: int | str) -> None:
+    def set_budget(self, budget: int | str) -> str:
         """Change the device budget at the next step. Raises ValueError if it is too small."""
-        nbytes = parse_size(budget)
-        if nbytes <= 0:
-            raise ValueError("the device budget must be positive")
-        self._check_budget(nbytes, self._pending.get("policy", self.manager.policy))
-        self._pending["budget"] = nbytes
+        return self._stage("device_budget", budget)
+
+    def _stage(self, field: str, value: object) -> str:
+        base = self._pending or self.settings
+        wanted = base.replace(**{field: value})
+        self._check_budget(wanted.device_budget, wanted.policy)
+        self._pending = wanted
+        return describe_setting(field, getattr(wanted, field))
 
     def _check_budget(self, budget: int, policy: Policy) -> None:
         if not self.device.simulated:
@@ -138,24 +143,20 @@ class Engine:
         return minimum_working_set(self._trace, self._module_chunks.values())
 
     def _apply_pending(self) -> list[str]:
-        applied = []
-        if "budget" in self._pending:
-            self.device.budget = self._pending.pop("budget")
-            applied.append(f"device_budget {format_size(self.device.budget)}")
-        if "policy" in self._pending:
-            self.manager.policy = self._pending.pop("policy")
-            self.config.policy = self.manager.policy.value
-            applied.append(f"policy {self.config.policy}")
-        if "margin" in self._pending:
-            self.config.margin_ratio = self._pending.pop("margin")
-            applied.append(f"margin_ratio {self.config.margin_ratio:g}")
+        if self._pending is None:
+            return []
+        wanted, self._pending = self._pending, None
+        applied = wanted.changes_from(self.settings)
+        self.settings = wanted
+        self.device.set_budget(wanted.device_budget)
+        self.manager.policy = wanted.policy
         if applied:
             self._place()
         return applied
 
     def _place(self, *, margin: bool = True) -> None:
         """Make resident what the policy and the margin ask for (see engine.placement.residency)."""
-        ratio = self.config.margin_ratio if margin else 0.0
+        ratio = self.settings.margin_ratio if margin else 0.0
         want = resident_set(self.chunks, self.manager, trace=self._trace,
                             capacity=self.device.capacity(), margin_ratio=ratio)
         apply_residency(self.chunks, self.manager, want)
@@ -301,7 +302,7 @@ class Engine:
             self._tracing = Trace(shape)
             m.strict = False
             m.overrun = 0
-            if self.config.margin_ratio > 0 and m.policy != Policy.CUDA:
+            if self.settings.margin_ratio > 0 and m.policy != Policy.CUDA:
                 self._place(margin=False)  # a new shape may need that room for activations
         m.bytes_h2d = m.bytes_d2h = 0
         m.transfer_seconds = 0.0
@@ -410,8 +411,8 @@ class Engine:
             seconds=t3 - t_start, forward=(t1 - t0) - fwd_transfer,
             backward=(t2 - t1) - bwd_transfer, optimizer=t3 - t2,
             transfer=m.transfer_seconds, bytes_h2d=m.bytes_h2d, bytes_d2h=m.bytes_d2h,
-            policy=m.policy.value, margin_ratio=self.config.margin_ratio,
-            device_budget=self.device.budget, memory=self.snapshot(), skipped=skipped,
+            policy=m.policy.value, margin_ratio=self.settings.margin_ratio,
+            device_budget=self.settings.device_budget, memory=self.snapshot(), skipped=skipped,
             loss_scale=self.optimizer.loss_scale, grad_norm=grad_norm,
             lr=self.config.lr_at(self.step_count), applied=applied)
 
@@ -457,8 +458,9 @@ class Engine:
         """Everything to resume exactly: fp32 master, moments and step counts by parameter
         name (plain CPU tensors, safetensors-ready), the loss scale and the settings."""
         meta = {"step": self.step_count, "loss_scale": self.optimizer.loss_scale,
-                "good_steps": self.optimizer.good_steps, "policy": self.manager.policy.value,
-                "margin_ratio": self.config.margin_ratio, "device_budget": self.device.budget,
+                "good_steps": self.optimizer.good_steps, "policy": self.settings.policy.value,
+                "margin_ratio": self.settings.margin_ratio,
+                "device_budget": self.settings.device_budget,
                 "precision": self.config.precision}
         return {"tensors": weights.optimizer_tensors(self.chunks), "meta": meta}
 
