@@ -17,10 +17,11 @@ planner can compute it on the meta device without allocating anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
-from engine.chunks.state import ACTIVITY, TensorState, check_transition
+from engine.chunks.state import ACTIVITY, IllegalTransition, TensorState, check_transition
 
 ALIGN = 32  # elements; keeps every parameter view 64-byte aligned for vectorised kernels
 
@@ -110,6 +111,23 @@ class Slot:
     got_grad: bool = False
 
 
+class DeviceCopy(str, Enum):
+    """The chunk's copy on the compute device."""
+
+    ABSENT = "ABSENT"  # storage released; the parameters hold empty storage
+    FRESH = "FRESH"  # materialised and equal to the parameters
+    STALE = "STALE"  # materialised, but its gradients went home and the update will change it
+
+
+_C = DeviceCopy
+# FRESH -> FRESH and STALE -> STALE: re-marking a copy (a refetch, a second mark) is harmless.
+COPY_TRANSITIONS: dict[DeviceCopy, frozenset[DeviceCopy]] = {
+    _C.ABSENT: frozenset({_C.FRESH}),
+    _C.FRESH: frozenset({_C.FRESH, _C.STALE, _C.ABSENT}),
+    _C.STALE: frozenset({_C.STALE, _C.FRESH, _C.ABSENT}),
+}
+
+
 @dataclass(eq=False)
 class Chunk:
     index: int
@@ -127,13 +145,32 @@ class Chunk:
     exp_avg_sq: torch.Tensor | None = None
     step: torch.Tensor | None = None  # AdamW step count, fp32 scalar next to the state
     resident: bool = False  # payload and optimizer state live on the device
-    on_device: bool = False  # device_payload is materialised
-    stale: bool = False  # device copy no longer matches the parameters (after an update)
+    copy: DeviceCopy = DeviceCopy.ABSENT  # the device copy; changed through set_copy only
     grads_pending: int = 0  # parameters whose gradient has not arrived this backward
     holds_grads: bool = False  # the home payload holds gradients, not parameters
     computing: int = 0  # parameters in COMPUTE; kept by set_state so in_use() is O(1)
     pending: object = None  # an unfinished prefetch into device_payload (CUDA only)
-    extra: dict = field(default_factory=dict)
+
+    @property
+    def on_device(self) -> bool:
+        """The device payload is materialised (fresh or stale)."""
+        return self.copy != DeviceCopy.ABSENT
+
+    @property
+    def stale(self) -> bool:
+        """The device copy no longer matches the parameters (its gradients went home)."""
+        return self.copy == DeviceCopy.STALE
+
+    def set_copy(self, new: DeviceCopy) -> None:
+        if new not in COPY_TRANSITIONS[self.copy]:
+            raise IllegalTransition(
+                f"chunk {self.index}: device copy {self.copy.value} -> {new.value} is not allowed")
+        self.copy = new
+
+    def mark_stale(self) -> None:
+        """The update will change the parameters: a device copy, if any, is outdated."""
+        if self.on_device:
+            self.set_copy(DeviceCopy.STALE)
 
     @property
     def aliased(self) -> bool:

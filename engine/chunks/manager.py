@@ -2,6 +2,10 @@
 
 Byte accounting is exact: every tensor a chunk allocates or frees goes through `_alloc` /
 `_free`, so `device_bytes` and `host_bytes` are counted, never estimated.
+
+The decisions (what to evict, what to release, what to prefetch, what stays resident) are
+engine.placement.rules'; this module only carries them out on tensors. The planner's replay
+carries out the same rules on counters.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.chunks.chunk import Chunk, Slot
+from engine.chunks.chunk import Chunk, DeviceCopy, Slot
 from engine.chunks.state import TensorState
 from engine.config import format_size
 from engine.devices.device import ComputeDevice, DeviceOutOfMemory
+from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace
 
@@ -26,7 +31,8 @@ class ChunkManager:
         self.chunks = chunks
         self.device = device
         self.policy = Policy.AUTO
-        self.trace: Trace | None = None
+        self.rules = rules.rules_for(self.policy)
+        self.trace: Trace | None = None  # the warm-up trace the rules forecast from
         self.non_model_now = non_model_now
         self.on_change = on_change
         self.device_bytes = 0
@@ -39,7 +45,37 @@ class ChunkManager:
         self.overrun = 0  # most bytes over capacity seen while not strict
         self._last_use: dict[int, int] = {}  # chunk -> position of its latest use (LRU)
 
+    # --- the step's frame -------------------------------------------------------------
+
+    def set_policy(self, policy: Policy) -> None:
+        self.policy = policy
+        self.rules = rules.rules_for(policy)
+
+    def begin_step(self, *, tracing: bool) -> None:
+        """Zero the step's copy counters. A traced step has no forecast to trust yet: room
+        that cannot be made is noted as an overrun rather than raised."""
+        self.bytes_h2d = self.bytes_d2h = 0
+        self.transfer_seconds = 0.0
+        if tracing:
+            self.strict = False
+            self.overrun = 0
+
+    def end_step(self) -> None:
+        self.strict = True
+
+    def use_trace(self, trace: Trace | None) -> None:
+        self.trace = trace
+
     # --- accounting -------------------------------------------------------------------
+
+    def count_host(self, chunks: list[Chunk]) -> None:
+        """Take the host bytes of freshly packed chunks into the count (each tensor once:
+        in fp32 the payload is the master)."""
+        tensors = {id(t): t for c in chunks
+                   for t in (c.payload, c.master, c.exp_avg, c.exp_avg_sq, c.host_grad)
+                   if t is not None}
+        self.host_bytes += sum(t.nbytes for t in tensors.values())
+        self.on_change()
 
     def _alloc(self, where: str, numel: int, dtype: torch.dtype, zero: bool = False
                ) -> torch.Tensor:
@@ -63,6 +99,13 @@ class ChunkManager:
             self.host_bytes -= t.nbytes
         self.on_change()
 
+    def drop_grad(self, chunk: Chunk) -> None:
+        """Free a chunk's device gradient buffer without using it (an aborted step)."""
+        if chunk.grad is not None:
+            self.grad_bytes -= chunk.nbytes
+            self._free("device", chunk.grad)
+            chunk.grad = None
+
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
         self.transfer_seconds += self.device.copy(dst, src)
         if direction == "h2d":
@@ -83,7 +126,7 @@ class ChunkManager:
     def _storage_resize(self, chunk: Chunk, on: bool) -> None:
         storage = chunk.device_payload.untyped_storage()
         storage.resize_(chunk.nbytes if on else 0)
-        chunk.on_device = on
+        chunk.set_copy(DeviceCopy.FRESH if on else DeviceCopy.ABSENT)
         self.device_bytes += chunk.nbytes if on else -chunk.nbytes
         self.on_change()
 
@@ -103,7 +146,7 @@ class ChunkManager:
         self._fetched(chunk)
 
     def _fetched(self, chunk: Chunk) -> None:
-        chunk.stale = False
+        chunk.set_copy(DeviceCopy.FRESH)
         for slot in chunk.slots:
             if slot.state == S.FREE:
                 chunk.set_state(slot, S.HOLD)
@@ -126,18 +169,19 @@ class ChunkManager:
         trace = self.trace
         if trace is None or not self.strict or pos + 1 >= len(trace.points):
             return
-        forecast = max(0, trace.non_model_ahead(pos) - self.non_model_now())
+        opening = 0
         if phase == "backward":
-            forecast += sum(c.nbytes for i in trace.points[pos].chunks
-                            if (c := self.chunks[i]).grad is None and not c.resident
-                            and c.grads_pending > 0)
-        for index in trace.points[pos + 1].chunks:
+            opening = sum(c.nbytes for i in trace.points[pos].chunks
+                          if (c := self.chunks[i]).grad is None and not c.resident
+                          and c.grads_pending > 0)
+        forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening)
+        # A stale device copy is one whose gradients went home: not used again this step.
+        chosen = rules.prefetches(
+            trace.points[pos + 1].chunks, free=self.free_bytes(forecast),
+            skip=lambda i: self.chunks[i].on_device or self.chunks[i].holds_grads,
+            nbytes=lambda i: self.chunks[i].nbytes)
+        for index in chosen:
             chunk = self.chunks[index]
-            # A stale device copy is one whose gradients went home: not used again this step.
-            if chunk.on_device or chunk.holds_grads:
-                continue
-            if self.free_bytes(forecast) < chunk.nbytes:
-                return
             self._storage_resize(chunk, True)
             chunk.pending, seconds = self.device.copy_ahead(chunk.device_payload, chunk.payload)
             self.transfer_seconds += seconds
@@ -150,7 +194,6 @@ class ChunkManager:
             return False
         self.settle(chunk)
         self._storage_resize(chunk, False)
-        chunk.stale = False
         for slot in chunk.slots:
             if slot.state != S.FREE:
                 if slot.state != S.HOLD:
@@ -166,45 +209,29 @@ class ChunkManager:
         return self.device.capacity() - self.device_bytes - self.non_model_now() - extra_non_model
 
     def make_room(self, nbytes: int, pos: int, protect: tuple[Chunk, ...] = ()) -> None:
-        """Evict idle chunks until `nbytes` (plus the forecast non-model growth) fit.
-
-        The victim is the chunk whose next use is farthest away (Belady's choice, from the
-        warm-up trace); before there is a trace, the least recently used one.
-        """
-        forecast = 0
-        if self.trace is not None and self.policy != Policy.CUDA:
-            forecast = max(0, self.trace.non_model_ahead(pos) - self.non_model_now())
-        while self.free_bytes(forecast) < nbytes:
-            victim = self._victim(pos, protect)
-            if victim is None:
-                short = nbytes - self.free_bytes(forecast)
-                if self.strict:
-                    raise DeviceOutOfMemory(
-                        f"the device ({format_size(self.device.capacity())}) cannot hold "
-                        f"{format_size(nbytes)} more: {format_size(self.device_bytes)} of "
-                        f"model data and {format_size(self.non_model_now())} of activations "
-                        f"are in use, {format_size(short)} short")
-                self.overrun = max(self.overrun, short)
-                return
-            self.release(victim)
-
-    def _victim(self, pos: int, protect: tuple[Chunk, ...]) -> Chunk | None:
-        idle = [c for c in self.chunks if c.on_device and not c.resident and not c.in_use()
-                and c not in protect]
-        if not idle:
-            return None
-        if self.trace is not None:
-            return max(idle, key=lambda c: (self.trace.next_use(c.index, pos), c.index))
-        return min(idle, key=lambda c: self._last_use.get(c.index, -1))
+        """Evict idle chunks (rules.evictions) until `nbytes` and the forecast fit."""
+        forecast = self.rules.forecast(self.trace, pos, self.non_model_now())
+        free = self.free_bytes(forecast)
+        idle = [c.index for c in self.chunks if c.on_device and not c.resident
+                and not c.in_use() and c not in protect]
+        victims, short = rules.evictions(nbytes, free, idle, lambda i: self.chunks[i].nbytes,
+                                         pos=pos, trace=self.trace, last_use=self._last_use)
+        for index in victims:
+            self.release(self.chunks[index])
+        if short:
+            if self.strict:
+                raise DeviceOutOfMemory(
+                    f"the device ({format_size(self.device.capacity())}) cannot hold "
+                    f"{format_size(nbytes)} more: {format_size(self.device_bytes)} of "
+                    f"model data and {format_size(self.non_model_now())} of activations "
+                    f"are in use, {format_size(short)} short")
+            self.overrun = max(self.overrun, short)
 
     def prepare(self, needed: tuple[Chunk, ...], pos: int, phase: str = "") -> None:
         """Bring `needed` to the device for the module about to run."""
-        if self.policy == Policy.CPU:
-            # Copied in right before use and dropped right after: anything the next module
-            # does not need goes now.
-            for chunk in self.chunks:
-                if chunk.on_device and chunk not in needed:
-                    self.release(chunk)
+        on_device = [c.index for c in self.chunks if c.on_device]
+        for index in self.rules.release_before_use(on_device, [c.index for c in needed]):
+            self.release(self.chunks[index])
         for chunk in needed:
             self.materialise(chunk, pos, needed)
         if phase:
@@ -232,7 +259,7 @@ class ChunkManager:
         self.settle(chunk)  # the home may be the payload a prefetch reads
         _zero_unwritten(chunk)
         self._copy(self.grad_home(chunk), chunk.grad, "d2h")
-        chunk.stale = chunk.on_device  # the device copy will be outdated by the update
+        chunk.mark_stale()  # the device copy will be outdated by the update
         self.grad_bytes -= chunk.nbytes
         self._free("device", chunk.grad)
         chunk.grad = None
@@ -264,7 +291,7 @@ class ChunkManager:
             return
         self.settle(chunk)
         if resident:
-            fresh = chunk.on_device and not chunk.stale
+            fresh = chunk.copy == DeviceCopy.FRESH
             if not chunk.on_device:
                 self._storage_resize(chunk, True)
             if not fresh:
@@ -280,7 +307,7 @@ class ChunkManager:
             chunk.exp_avg = self._move(chunk.exp_avg, "device")
             chunk.exp_avg_sq = self._move(chunk.exp_avg_sq, "device")
             chunk.step = chunk.step.to(self.device.torch_device)
-            chunk.stale = False
+            chunk.set_copy(DeviceCopy.FRESH)
             chunk.resident = True
             for slot in chunk.slots:
                 if slot.state == S.FREE:
@@ -301,9 +328,18 @@ class ChunkManager:
             self.release(chunk)
 
     def resident_cost(self, chunk: Chunk) -> int:
-        """Device bytes a chunk needs to be resident: payload, gradients, fp32 state."""
-        master_alias = chunk.numel * 4 if chunk.aliased else 0
-        return 2 * chunk.nbytes + chunk.optim_nbytes - master_alias
+        """Device bytes a chunk needs to be resident (rules.resident_cost)."""
+        return rules.resident_cost(chunk.numel, chunk.itemsize)
+
+    def apply_residency(self, want: set[int]) -> None:
+        """Move chunks to match `want`: leavers first, so their bytes make room for joiners."""
+        for chunk in self.chunks:
+            if chunk.resident and chunk.index not in want:
+                self.set_resident(chunk, False)
+        self.release_all()
+        for chunk in self.chunks:
+            if chunk.index in want:
+                self.set_resident(chunk, True)
 
 
 def _zero_unwritten(chunk: Chunk) -> None:

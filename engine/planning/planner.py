@@ -26,14 +26,15 @@ import torch
 
 from engine.config import PRECISIONS, format_size, parse_size
 from engine.models.zoo import meta_model, model_config
+from engine.placement import rules
 from engine.placement.policy import Policy
+from engine.placement.trace import Trace
 from engine.planning.recording import Event, record_step
 from engine.planning.replay import (
     ChunkBytes,
     Layout,
     OutOfMemory,
     StepReplay,
-    StepTrace,
     model_layout,
     resident_chunks,
 )
@@ -154,7 +155,7 @@ class Plan:
 class _Outcome:
     policy: Policy
     step: StepReplay
-    trace: StepTrace
+    trace: Trace
     failure: str  # why the device cannot run it; "" when it can
     resident: set[int]
 
@@ -174,7 +175,6 @@ class _Planner:
     ) -> None:
         self.lay, self.events, self.cost = lay, events, cost
         self.device_mem, self.host_mem, self.simulated = device_mem, host_mem, simulated
-        self.every = set(range(len(lay.numel)))
         self.runtime = RUNTIME_BYTES + (0 if simulated else CUDA_CONTEXT)
         self.capacity = device_mem
         self.transient = self._transient()
@@ -184,20 +184,16 @@ class _Planner:
             self.capacity = max(0, device_mem - self.transient)
         # Before its first step the engine asks for the chunks of its largest module, twice
         # (Engine.min_working_set without a trace).
-        self.first_need = max(
-            (
-                2 * sum(lay.numel[c] * cost.itemsize for c in cs)
-                for cs in lay.module_chunks.values()
-            ),
-            default=0,
-        )
+        self.first_need = rules.minimum_working_set(
+            None, [sum(lay.numel[c] * cost.itemsize for c in cs)
+                   for cs in lay.module_chunks.values()])
 
     def run(
         self,
         policy: Policy,
         capacity: float,
         margin_ratio: float = 0.0,
-        trace: StepTrace | None = None,
+        trace: Trace | None = None,
     ) -> _Outcome:
         """The warm-up step (unless its trace is given), then a steady step."""
         if trace is None:
@@ -206,7 +202,7 @@ class _Planner:
                 cost=self.cost,
                 policy=policy,
                 capacity=capacity,
-                resident=self.every if policy == Policy.CUDA else set(),
+                resident=resident_chunks(self.lay, self.cost, policy, 0.0, 0, None),
             )
             warm.run(self.events)
             trace = warm.trace_of()
@@ -252,14 +248,14 @@ class _Planner:
         activations = self.run(Policy.CPU, float("inf")).trace.non_model_peak
         return grads + int(ACTIVATION_SLACK * activations)
 
-    def _too_small(self, trace: StepTrace) -> str:
+    def _too_small(self, trace: Trace) -> str:
         return (
             f"device memory {format_size(self.device_mem)} is below the minimum working "
             f"set {format_size(self.working_set(trace))} (chunks in use, gradients and "
             f"activations)"
         )
 
-    def working_set(self, trace: StepTrace) -> int:
+    def working_set(self, trace: Trace) -> int:
         """The least device memory a step needs, as the engine will measure it."""
         return trace.working_set + (0 if self.simulated else self.transient)
 
@@ -339,7 +335,7 @@ class _Planner:
             f"{format_size(activations)}), have {format_size(self.device_mem)}"
         )
 
-    def _cuda_need(self, trace: StepTrace) -> tuple[int, int]:
+    def _cuda_need(self, trace: Trace) -> tuple[int, int]:
         """(model data, activations) the cuda policy keeps on the device (cuda_policy_bytes)."""
         model_data = sum(self.cost.resident_cost(n) for n in self.lay.numel)
         return model_data, trace.non_model_peak + (0 if self.simulated else self.transient)

@@ -16,8 +16,8 @@ from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from engine.models.zoo import BadCheckpoint
-from engine.placement.trace import SavedBytes, tensor_bytes
 from engine.step.hooks import install, wrap_outputs
+from engine.step.non_model import SavedBytes, tensor_bytes
 
 __all__ = ["Event", "record_step"]
 

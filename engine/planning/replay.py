@@ -2,21 +2,26 @@
 
 `model_layout` lays a model's parameters out in chunks as engine.chunks.chunk does, and
 `StepReplay` runs a recording (engine.planning.recording) against that layout under one
-placement policy with the manager's rules (fetch before use, evict the chunk used farthest
-ahead, gradient buffers until a chunk's last gradient is in, resident chunks), counting
-device bytes and copies. Nothing is allocated.
+placement policy, counting device bytes and copies. Nothing is allocated.
+
+Every decision (what to release, which chunk to evict, what to prefetch, what stays
+resident, how much room the forecast keeps) is asked of engine.placement.rules, the same
+functions the ChunkManager carries out on tensors; what remains here is the counting, and
+the engine's own bookkeeping of which parameter is in which TensorState.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
 
 from engine.chunks.chunk import chunk_numel, layout
+from engine.chunks.state import TensorState
 from engine.config import format_size
+from engine.placement import rules
 from engine.placement.policy import Policy
+from engine.placement.trace import Trace, TracePoint
 from engine.planning.recording import Event
 
 __all__ = [
@@ -24,13 +29,12 @@ __all__ = [
     "Layout",
     "OutOfMemory",
     "StepReplay",
-    "StepTrace",
     "model_layout",
     "resident_chunks",
 ]
 
-# Host bytes per element beside the payload: fp32 master weights and the two AdamW moments.
-OPTIMIZER_BYTES = 12
+S = TensorState
+
 
 # --- the engine's layout and its step, in bytes -------------------------------------------
 
@@ -82,28 +86,6 @@ def model_layout(model: torch.nn.Module, events: list[Event], chunk_size: int | 
     )
 
 
-@dataclass
-class StepTrace:
-    """What the engine's warm-up step records (engine.placement.trace.Trace), in bytes."""
-
-    chunks: list[tuple[int, ...]]
-    non_model: list[int]  # peak non-model bytes per point
-    working_set: int
-    uses: dict[int, list[int]]
-
-    def next_use(self, chunk: int, pos: int) -> float:
-        uses = self.uses.get(chunk, [])
-        i = bisect.bisect_right(uses, pos)
-        return uses[i] if i < len(uses) else float("inf")
-
-    def non_model_ahead(self, pos: int) -> int:
-        return self.non_model[pos] if 0 <= pos < len(self.non_model) else 0
-
-    @property
-    def non_model_peak(self) -> int:
-        return max(self.non_model, default=0)
-
-
 class OutOfMemory(Exception):
     pass
 
@@ -130,14 +112,12 @@ class ChunkBytes:
         return (self.itemsize + (0 if self.aliased else 4) + 8) * numel
 
     def resident_cost(self, numel: int) -> int:
-        """ChunkManager.resident_cost: resident bytes plus room for its gradients."""
-        return (
-            2 * self.itemsize * numel + OPTIMIZER_BYTES * numel - (4 * numel if self.aliased else 0)
-        )
+        """Resident bytes plus room for its gradients (rules.resident_cost)."""
+        return rules.resident_cost(numel, self.itemsize)
 
 
 class StepReplay:
-    """One engine step replayed in bytes: Engine's sampling and ChunkManager's rules.
+    """One engine step replayed in bytes: the StepRunner's sampling and the placement rules.
 
     Without a trace it is the warm-up step (no forecast, least recently used eviction, an
     overrun is noted rather than raised); with one it is every later step.
@@ -151,9 +131,10 @@ class StepReplay:
         policy: Policy,
         capacity: float,
         resident: set[int],
-        trace: StepTrace | None = None,
+        trace: Trace | None = None,
     ) -> None:
         self.lay, self.policy, self.capacity, self.trace = lay, policy, capacity, trace
+        self.rules = rules.rules_for(policy)
         self.itemsize = cost.itemsize
         self.nbytes = [n * cost.itemsize for n in lay.numel]
         self.resident = resident
@@ -163,7 +144,7 @@ class StepReplay:
         self.grads: set[int] = set()
         self.grad_bytes = 0
         self.pending = [len(ps) for ps in lay.params]
-        self.state: dict[str, str] = {}  # parameter -> "compute" | "fwd" | "bwd"; absent: idle
+        self.state: dict[str, TensorState] = {}  # parameter -> state past HOLD; absent: idle
         self.computing = [0] * len(lay.numel)  # parameters in COMPUTE per chunk
         self.busy: set[int] = set()  # chunks with a parameter in COMPUTE (Chunk.in_use)
         self.last_use: dict[int, int] = {}
@@ -177,17 +158,15 @@ class StepReplay:
         self.home: set[int] = set()  # gradients gone home (Chunk.holds_grads)
         self.got: set[str] = set()  # parameters whose gradient arrived
         self.in_backward = False
-        self.points: list[tuple[int, ...]] = []
-        self.point_nm: list[int] = []
-        self.point_ws: list[int] = []
+        self.recorded = Trace()  # what the engine's warm-up would record from this step
 
     # bookkeeping
 
-    def _set(self, param: str, state: str | None) -> None:
+    def _set(self, param: str, state: TensorState | None) -> None:
         before = self.state.get(param)
-        if (before == "compute") != (state == "compute"):
+        if (before == S.COMPUTE) != (state == S.COMPUTE):
             chunk = self.lay.chunk_of[param]
-            self.computing[chunk] += 1 if state == "compute" else -1
+            self.computing[chunk] += 1 if state == S.COMPUTE else -1
             if self.computing[chunk]:
                 self.busy.add(chunk)
             else:
@@ -203,9 +182,10 @@ class StepReplay:
     def _sample(self) -> None:
         if self.evicting:
             return
-        if self.point_nm:
-            self.point_nm[-1] = max(self.point_nm[-1], self.nm)
-            self.point_ws[-1] = max(self.point_ws[-1], self.pinned + self.grad_bytes + self.nm)
+        if self.recorded.points:
+            point = self.recorded.points[-1]
+            point.non_model_peak = max(point.non_model_peak, self.nm)
+            point.working_set = max(point.working_set, self.pinned + self.grad_bytes + self.nm)
         self.peak = max(self.peak, self.device_bytes + self.nm)
 
     # ChunkManager
@@ -221,30 +201,23 @@ class StepReplay:
         self._sample()
 
     def _make_room(self, nbytes: int, protect: tuple[int, ...]) -> None:
-        forecast = 0
-        if self.trace is not None and self.policy != Policy.CUDA:
-            forecast = max(0, self.trace.non_model_ahead(self.pos) - self.nm)
-        while self.capacity - self.device_bytes - self.nm - forecast < nbytes:
-            idle = [
-                c
-                for c in self.on_device
-                if c not in self.resident and not self._in_use(c) and c not in protect
-            ]
-            if not idle:
-                short = nbytes - (self.capacity - self.device_bytes - self.nm - forecast)
-                if self.trace is not None:
-                    raise OutOfMemory(
-                        f"{format_size(self.device_bytes)} of model data and "
-                        f"{format_size(self.nm)} of activations leave no room for "
-                        f"{format_size(nbytes + forecast)} more"
-                    )
-                self.overrun = max(self.overrun, int(short))
-                return
-            if self.trace is not None:
-                victim = max(idle, key=lambda c: (self.trace.next_use(c, self.pos), c))
-            else:
-                victim = min(idle, key=lambda c: self.last_use.get(c, -1))
+        forecast = self.rules.forecast(self.trace, self.pos, self.nm)
+        free = self.capacity - self.device_bytes - self.nm - forecast
+        idle = [c for c in sorted(self.on_device)
+                if c not in self.resident and not self._in_use(c) and c not in protect]
+        victims, short = rules.evictions(nbytes, free, idle, self.nbytes.__getitem__,
+                                         pos=self.pos, trace=self.trace,
+                                         last_use=self.last_use)
+        for victim in victims:
             self._release(victim)
+        if short:
+            if self.trace is not None:
+                raise OutOfMemory(
+                    f"{format_size(self.device_bytes)} of model data and "
+                    f"{format_size(self.nm)} of activations leave no room for "
+                    f"{format_size(nbytes + forecast)} more"
+                )
+            self.overrun = max(self.overrun, int(short))
 
     def _materialise(self, chunk: int, protect: tuple[int, ...]) -> None:
         self.last_use[chunk] = self.pos
@@ -274,36 +247,33 @@ class StepReplay:
     def point(self, module: str, phase: str) -> None:
         self.pos += 1
         chunks = self.lay.module_chunks[module]
-        self.points.append(chunks)
-        self.point_nm.append(0)
-        self.point_ws.append(0)
+        self.recorded.points.append(TracePoint(chunks, phase))
         self.pinned = sum(self.nbytes[c] for c in self.busy.union(chunks))
         self._sample()
-        if self.policy == Policy.CPU:
-            for chunk in list(self.on_device):
-                if chunk not in chunks:
-                    self._release(chunk)
+        for chunk in self.rules.release_before_use(sorted(self.on_device), chunks):
+            self._release(chunk)
         for chunk in chunks:
             self._materialise(chunk, chunks)
         self._prefetch("backward" if self.in_backward else phase)
         for param in self.lay.module_params[module]:
-            if phase == "forward" or self.state.get(param) != "bwd":
-                self._set(param, "compute")
+            if phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD:
+                self._set(param, S.COMPUTE)
 
     def _prefetch(self, phase: str) -> None:
         """ChunkManager.prefetch: the next point's chunks, into room that stays free."""
         trace, pos = self.trace, self.pos
-        if trace is None or pos + 1 >= len(trace.chunks):
+        if trace is None or pos + 1 >= len(trace.points):
             return
-        forecast = max(0, trace.non_model_ahead(pos) - self.nm)
+        opening = 0
         if phase == "backward":
-            forecast += sum(self.nbytes[c] for c in trace.chunks[pos]
-                            if c not in self.grads and c not in self.resident and self.pending[c])
-        for chunk in trace.chunks[pos + 1]:
-            if chunk in self.on_device or chunk in self.home:
-                continue
-            if self.capacity - self.device_bytes - self.nm - forecast < self.nbytes[chunk]:
-                return
+            opening = sum(self.nbytes[c] for c in trace.points[pos].chunks
+                          if c not in self.grads and c not in self.resident and self.pending[c])
+        forecast = rules.prefetch_forecast(trace, pos, self.nm, opening)
+        chosen = rules.prefetches(
+            trace.points[pos + 1].chunks, nbytes=self.nbytes.__getitem__,
+            free=self.capacity - self.device_bytes - self.nm - forecast,
+            skip=lambda c: c in self.on_device or c in self.home)
+        for chunk in chosen:
             self.on_device.add(chunk)
             self.device_bytes += self.nbytes[chunk]
             self.copied += self.nbytes[chunk]
@@ -311,7 +281,7 @@ class StepReplay:
 
     def post(self, module: str) -> None:
         for param in self.lay.module_params[module]:
-            self._set(param, "fwd")
+            self._set(param, S.HOLD_AFTER_FWD)
 
     def non_model(self, delta: int) -> None:
         self.nm += delta
@@ -341,7 +311,7 @@ class StepReplay:
             self.grad_bytes += self.nbytes[chunk]
             self.device_bytes += self.nbytes[chunk]
             self._sample()
-        self._set(param, "bwd")
+        self._set(param, S.HOLD_AFTER_BWD)
         self.pending[chunk] -= 1
         if self.pending[chunk] == 0 and chunk in self.grads:
             self._finish_grads(chunk)
@@ -362,12 +332,9 @@ class StepReplay:
         for chunk in list(self.grads):
             self._finish_grads(chunk)
 
-    def trace_of(self) -> StepTrace:
-        uses: dict[int, list[int]] = {}
-        for pos, chunks in enumerate(self.points):
-            for c in chunks:
-                uses.setdefault(c, []).append(pos)
-        return StepTrace(self.points, self.point_nm, max(self.point_ws, default=0), uses)
+    def trace_of(self) -> Trace:
+        self.recorded.finish()
+        return self.recorded
 
 
 def resident_chunks(
@@ -376,16 +343,8 @@ def resident_chunks(
     policy: Policy,
     margin_ratio: float,
     capacity: int,
-    trace: StepTrace,
+    trace: Trace | None,
 ) -> set[int]:
-    """Chunks whose payload and optimizer state live on the device (Engine._place)."""
-    if policy == Policy.CUDA:
-        return set(range(len(lay.numel)))
-    chosen: set[int] = set()
-    room = margin_ratio * max(0, capacity - trace.working_set)
-    for chunk, numel in enumerate(lay.numel):
-        need = cost.resident_cost(numel)
-        if need <= room:
-            chosen.add(chunk)
-            room -= need
-    return chosen
+    """Chunks whose payload and optimizer state live on the device (rules.resident_chunks)."""
+    return rules.resident_chunks(policy, [cost.resident_cost(n) for n in lay.numel],
+                                 trace=trace, capacity=capacity, margin_ratio=margin_ratio)

@@ -19,7 +19,7 @@ INTERRUPTED_STEP = 2  # the third step, so the engine has a trace and optimizer 
 
 def interrupt_at(eng: Engine, boundary: int) -> None:
     """Ask for an interrupt just as the step reaches its `boundary`-th module boundary."""
-    point = eng._point
+    point = eng.runner._point
     seen = 0
 
     def counting(key: int, phase: str) -> None:
@@ -29,7 +29,7 @@ def interrupt_at(eng: Engine, boundary: int) -> None:
         seen += 1
         point(key, phase)
 
-    eng._point = counting
+    eng.runner._point = counting
 
 
 def run(config: EngineConfig, boundary: int | None) -> tuple[list[float], dict]:
@@ -41,7 +41,7 @@ def run(config: EngineConfig, boundary: int | None) -> tuple[list[float], dict]:
             interrupt_at(eng, boundary)
             with pytest.raises(StepInterrupted):
                 eng.step(batch)
-            del eng._point  # the class's own again
+            del eng.runner._point  # the class's own again
             assert eng.step_count == i
             assert eng.manager.grad_bytes == 0 and eng.manager.device_bytes == before
             assert all(c.computing == 0 and not c.holds_grads for c in eng.chunks)

@@ -220,7 +220,7 @@ def fetches_on_demand(eng: Engine, batch) -> tuple[list[int], int]:
 
     def spy(dst, src, direction):
         if direction == "h2d":
-            on_demand.append(eng._pos)
+            on_demand.append(eng.runner.pos)
         copy_now(dst, src, direction)
 
     manager._copy = spy

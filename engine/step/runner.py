@@ -1,0 +1,286 @@
+"""StepRunner: the hook state machine that drives chunk movement while one step runs.
+
+Forward pre-hooks fetch a module's chunks, forward hooks wrap its outputs so that backward
+fetches them again, gradient hooks move each finished gradient into its chunk. Between two
+such module boundaries (a trace *point*) it samples the device's bytes: on the warm-up step
+that becomes the trace the placement rules forecast from.
+
+The public facade (engine.step.engine.Engine) owns the settings and the optimizer; this
+class owns only what happens between the first forward pre-hook and the end of backward.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.chunks.chunk import Chunk, Slot
+from engine.chunks.manager import ChunkManager
+from engine.chunks.state import TensorState
+from engine.devices.device import ComputeDevice
+from engine.placement.trace import Trace, TracePoint
+from engine.step.hooks import install, wrap_outputs
+from engine.step.non_model import NonModelCounter, tensor_bytes
+from engine.step.optimizer import restore_params
+
+S = TensorState
+
+
+class StepInterrupted(Exception):
+    """`Engine.interrupt()` cut a step short. The engine is as it was before that step:
+    weights, optimizer state and step count untouched, so the step can simply run again."""
+
+
+class StepRunner:
+    """Runs forward and backward of one step over chunked parameters; see the module doc."""
+
+    def __init__(self, model: torch.nn.Module, chunks: list[Chunk], device: ComputeDevice
+                 ) -> None:
+        self.model = model
+        self.chunks = chunks
+        self.device = device
+        self.counter = NonModelCounter(self._is_model_storage, self._on_non_model_change)
+        self.manager = ChunkManager(chunks, device, non_model_now=self.non_model_now,
+                                    on_change=self._on_model_change)
+        self.trace: Trace | None = None  # the latest finished warm-up trace
+        self._tracing: Trace | None = None  # the trace being recorded this step
+        self.pos = -1  # index of the latest trace point this step
+        self.step_number = 0  # the optimizer step this forward and backward are for
+        self.forward_seconds = 0.0  # wall time of the latest forward, transfers included
+        self.peak = 0  # peak device bytes this step
+        self._interval_peak = 0
+        self._interval_ws = 0
+        self._pinned = 0
+        self._in_step = False
+        self._in_backward = False
+        self._evicting = False
+        self._interrupted = False
+        self._model_ptrs: set[int] = set()
+        self.slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
+        self._handles, owned = install(model, pre_forward=self._pre_forward,
+                                       post_forward=self._post_forward, on_grad=self._on_grad)
+        self.module_slots: dict[int, list[tuple[Chunk, Slot]]] = {
+            k: [self.slot_of[id(p)] for p in ps] for k, ps in owned.items()}
+        self.module_chunks: dict[int, tuple[Chunk, ...]] = {
+            k: tuple(dict.fromkeys(c for c, _ in pairs)) for k, pairs in self.module_slots.items()}
+
+    # --- measuring ----------------------------------------------------------------------------
+
+    def _is_model_storage(self, ptr: int) -> bool:
+        return ptr in self._model_ptrs
+
+    def non_model_now(self) -> int:
+        allocated = self.device.allocator_bytes()
+        if allocated is None:
+            return self.counter.current
+        return max(0, allocated - self.manager.device_bytes)
+
+    def _on_model_change(self) -> None:
+        self._model_ptrs = {c.device_payload.untyped_storage().data_ptr()
+                            for c in self.chunks if c.on_device}
+        self._sample()
+
+    def _on_non_model_change(self) -> None:
+        if self._in_step and self.device.simulated:
+            over = self.manager.device_bytes + self.counter.current - self.device.capacity()
+            if over > 0:
+                # A real device would fail the allocation; evict idle chunks first, and
+                # sample only once they are gone.
+                self._evicting = True
+                try:
+                    self.manager.make_room(0, self.pos, self._chunks_in_use())
+                finally:
+                    self._evicting = False
+        self._sample()
+
+    def _sample(self) -> None:
+        if self._evicting or not hasattr(self, "manager"):
+            return
+        non_model = self.non_model_now()
+        self._interval_peak = max(self._interval_peak, non_model)
+        self._interval_ws = max(self._interval_ws,
+                                self._pinned + self.manager.grad_bytes + non_model)
+        self.peak = max(self.peak, self.manager.device_bytes + non_model)
+
+    def _chunks_in_use(self) -> tuple[Chunk, ...]:
+        return tuple(c for c in self.chunks if c.in_use() or c.grad is not None)
+
+    # --- hook callbacks -----------------------------------------------------------------------
+
+    def interrupt(self) -> None:
+        self._interrupted = True
+
+    def _point(self, key: int, phase: str) -> None:
+        """A module is about to run: close the trace interval and open the next."""
+        if self._interrupted:
+            self._interrupted = False
+            raise StepInterrupted(f"step {self.step_number} was interrupted in the {phase}")
+        self.pos += 1
+        chunks = self.module_chunks[key]
+        if self._tracing is not None:
+            points = self._tracing.points
+            if points:
+                points[-1].non_model_peak = self._interval_peak
+                points[-1].working_set = self._interval_ws
+            points.append(TracePoint(tuple(c.index for c in chunks), phase))
+        # Bytes no placement could evict until the next point: chunks in use or about to be.
+        self._pinned = sum(c.nbytes for c in self.chunks if c.in_use() or c in chunks)
+        self._interval_peak = self._interval_ws = 0
+        self._sample()
+
+    def _pre_forward(self, key: int) -> None:
+        if not self._in_step:
+            # A forward outside step() (evaluation, generation): fetch like the cpu policy.
+            self.manager.prepare(self.module_chunks[key], self.pos)
+            return
+        self._point(key, "forward")
+        # A forward inside backward is activation checkpointing's recompute: gradients may
+        # arrive before the next module, and prefetching must leave them room.
+        phase = "backward" if self._in_backward else "forward"
+        self.manager.prepare(self.module_chunks[key], self.pos, phase)
+        for chunk, slot in self.module_slots[key]:
+            chunk.set_state(slot, S.COMPUTE)
+
+    def _post_forward(self, key: int, output: object) -> object:
+        if not self._in_step:
+            return output
+        for chunk, slot in self.module_slots[key]:
+            chunk.set_state(slot, S.HOLD_AFTER_FWD)
+        self.counter.set_output(tensor_bytes(output))
+        if torch.is_grad_enabled():
+            return wrap_outputs(output, lambda: self._pre_backward(key))
+        return output
+
+    def _pre_backward(self, key: int) -> None:
+        self._point(key, "backward")
+        self.manager.prepare(self.module_chunks[key], self.pos, "backward")
+        for chunk, slot in self.module_slots[key]:
+            if slot.state != S.HOLD_AFTER_BWD:
+                chunk.set_state(slot, S.COMPUTE)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """A parameter's gradient is complete, usually once a backward. A parameter that
+        autograd accumulates more than once (a module shared by two reentrant-checkpointed
+        segments) adds up where its gradient already is, even once it has gone home."""
+        chunk, slot = self.slot_of[id(param)]
+        first = not slot.got_grad
+        grad = param.grad.reshape(-1)
+        if chunk.resident:
+            self.manager.keep_slot_grad(chunk, slot, grad, self.pos)
+        elif chunk.holds_grads:
+            home = self.manager.grad_home(chunk)[slot.offset:slot.offset + slot.numel]
+            home.add_(grad.to(home.device))
+        else:
+            buf = self.manager.grad_buffer(chunk, self.pos)[slot.offset:slot.offset + slot.numel]
+            buf.copy_(grad) if first else buf.add_(grad)
+        param.grad = None
+        slot.got_grad = True
+        if slot.state != S.HOLD_AFTER_BWD:
+            chunk.set_state(slot, S.HOLD_AFTER_BWD)
+        if not first:
+            return
+        chunk.grads_pending -= 1
+        if chunk.grads_pending == 0:
+            if chunk.resident:
+                chunk.holds_grads = True
+            else:
+                self.manager.finish_grads(chunk)
+
+    # --- one forward and backward ---------------------------------------------------------
+
+    @property
+    def tracing(self) -> bool:
+        return self._tracing is not None
+
+    def begin(self, shape: tuple, *, step: int) -> bool:
+        """Open optimizer step `step` on a batch of `shape`; returns whether it will be
+        traced (a new shape)."""
+        self.step_number = step
+        tracing = self.trace is None or self.trace.shape != shape
+        self._tracing = Trace(shape) if tracing else None
+        self.manager.begin_step(tracing=tracing)
+        self.pos = -1
+        self.peak = self.manager.device_bytes
+        self.device.reset_peak()
+        self.counter.reset()
+        for chunk in self.chunks:
+            chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)
+            for slot in chunk.slots:
+                slot.got_grad = False
+        return tracing
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float
+                         ) -> tuple[torch.Tensor, float, float]:
+        """Forward and backward of `batch`; returns (loss, forward transfer seconds, backward
+        transfer seconds). On any failure the chunks are left as before the step."""
+        m = self.manager
+        self.model.train()
+        self._in_step = True
+        try:
+            with self.counter.hooks():
+                t0, x0 = time.perf_counter(), m.transfer_seconds
+                loss = self.model(**batch).loss
+                self.counter.set_output(0)
+                self.forward_seconds = time.perf_counter() - t0
+                x1 = m.transfer_seconds
+                self._in_backward = True
+                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            self._finish_backward()
+            x2 = m.transfer_seconds
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self._in_step = self._in_backward = False
+            m.end_step()
+        return loss, x1 - x0, x2 - x1
+
+    def _finish_backward(self) -> None:
+        m = self.manager
+        for chunk in self.chunks:
+            # Parameters that got no gradient leave no chunk waiting.
+            if chunk.slot_grads:
+                chunk.holds_grads = True
+            m.finish_grads(chunk)
+            for slot in chunk.slots:
+                if slot.state in (S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
+                    chunk.set_state(slot, S.HOLD)
+        m.release_all()  # device copies are outdated by the update that follows
+
+    def _abort(self) -> None:
+        """Leave the chunks consistent after a failed forward/backward: no grads, no copies."""
+        for chunk in self.chunks:
+            self.manager.drop_grad(chunk)
+            self.manager.drop_slot_grads(chunk)
+            if chunk.holds_grads:
+                restore_params(chunk)
+                if not chunk.resident:
+                    chunk.mark_stale()
+            for slot in chunk.slots:
+                if slot.state not in (S.FREE, S.HOLD):
+                    slot.state = S.HOLD  # reset after a failure; not a transition
+                slot.param.grad = None
+            chunk.computing = 0
+        self.manager.release_all()
+        self._tracing = None
+        self.counter.reset()
+
+    def end_trace(self) -> Trace | None:
+        """Close the trace this step recorded, if any, and hand it to the placement rules.
+        Returns it with the manager's overrun (bytes it could not make room for)."""
+        trace, self._tracing = self._tracing, None
+        if trace is None:
+            return None
+        if trace.points:
+            trace.points[-1].non_model_peak = self._interval_peak
+            trace.points[-1].working_set = self._interval_ws
+        trace.finish()
+        self.trace = trace
+        self.manager.use_trace(trace)
+        return trace
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
