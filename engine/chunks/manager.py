@@ -51,11 +51,15 @@ class ChunkManager:
         self.policy = policy
         self.rules = rules.rules_for(policy)
 
-    def begin_step(self, *, tracing: bool) -> None:
-        """Zero the step's copy counters. A traced step has no forecast to trust yet: room
-        that cannot be made is noted as an overrun rather than raised."""
+    def reset_counters(self) -> None:
+        """Zero the step's copy counters: at the step's start, before any pending change
+        moves a byte, so that the step reports every copy made for it."""
         self.bytes_h2d = self.bytes_d2h = 0
         self.transfer_seconds = 0.0
+
+    def begin_step(self, *, tracing: bool) -> None:
+        """A traced step has no forecast to trust yet: room that cannot be made is noted as
+        an overrun rather than raised."""
         if tracing:
             self.strict = False
             self.overrun = 0

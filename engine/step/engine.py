@@ -141,6 +141,7 @@ class Engine:
     def step(self, batch: dict[str, torch.Tensor]) -> StepStats:
         """One optimizer step on `batch` (input_ids, labels, optional attention_mask)."""
         t_start = time.perf_counter()
+        self.manager.reset_counters()
         applied = self._apply_pending()
         m = self.manager
         if self.runner.begin(tuple(batch["input_ids"].shape), step=self.step_count + 1):
