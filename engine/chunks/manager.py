@@ -346,6 +346,23 @@ class ChunkManager:
                 self.set_resident(chunk, True)
 
 
+    # --- the end ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give every parameter its latest weights as a plain CPU tensor of its own (in the
+        compute dtype), then drop every chunk tensor: nothing of the engine stays alive."""
+        for chunk in self.chunks:
+            self.settle(chunk)
+            for slot in chunk.slots:
+                weights = chunk.master[slot.offset:slot.offset + slot.numel]
+                slot.param.data = weights.to("cpu", chunk.dtype, copy=True).view(slot.shape)
+                slot.param.grad = None
+            chunk.payload = chunk.device_payload = chunk.grad = chunk.host_grad = None
+            chunk.master = chunk.exp_avg = chunk.exp_avg_sq = chunk.step = None
+            chunk.slot_grads.clear()
+        self.device_bytes = self.host_bytes = self.grad_bytes = 0
+
+
 def _zero_unwritten(chunk: Chunk) -> None:
     """Zero the parts of the gradient buffer no gradient wrote: padding, and parameters that
     got none this step (their update is undone, but the global norm reads every element)."""

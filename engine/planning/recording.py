@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from engine.models.zoo import BadCheckpoint
-from engine.step.hooks import install, wrap_outputs
+from engine.step.hooks import hook_gradients, install, wrap_outputs
 from engine.step.non_model import SavedBytes, tensor_bytes
 
 __all__ = ["Event", "record_step"]
@@ -147,7 +147,10 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
         events.append(("grad", rec.names[id(param)]))
         param.grad = None
 
-    handles, _ = install(model, pre_forward=pre_forward, post_forward=post_forward, on_grad=on_grad)
+    handles, _ = install(model, pre_forward=pre_forward, post_forward=post_forward)
+    grad_hooks: dict[int, object] = {}
+    hook_gradients(model.parameters(), on_grad, grad_hooks)
+    handles += grad_hooks.values()
     try:
         with rec.hooks():
             ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")

@@ -10,6 +10,7 @@ gives the losses and weights of torch.optim.AdamW(fused=True) on the same batche
 
 from __future__ import annotations
 
+import gc
 import time
 
 import psutil
@@ -20,6 +21,7 @@ from engine.chunks.packing import build_chunks, first_use_order  # noqa: F401 (r
 from engine.chunks.state import TensorState
 from engine.config import EngineConfig, LiveSettings, describe_setting, format_size
 from engine.devices.device import ComputeDevice, make_device
+from engine.devices.host_memory import release_free_host_memory
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
@@ -54,6 +56,7 @@ class Engine:
         self._pending: LiveSettings | None = None  # replaces settings at the next step
         self._last_non_model_peak = 0
         self._last_peak = 0
+        self.closed = False
 
         self.chunk_size, self.chunks = build_chunks(model, dtype=self.dtype, device=self.device,
                                                     chunk_size=config.chunk_size)
@@ -140,6 +143,8 @@ class Engine:
 
     def step(self, batch: dict[str, torch.Tensor]) -> StepStats:
         """One optimizer step on `batch` (input_ids, labels, optional attention_mask)."""
+        if self.closed:
+            raise RuntimeError("this engine is closed")
         t_start = time.perf_counter()
         self.manager.reset_counters()
         applied = self._apply_pending()
@@ -189,6 +194,29 @@ class Engine:
                 f"working set {format_size(trace.working_set)} for batch shape "
                 f"{tuple(trace.shape)} (chunks in use plus activations)")
         return True
+
+    # --- the end ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove every hook and free every chunk, on the device and the host.
+
+        The model stays usable without the engine: each parameter gets its latest weights
+        as a plain CPU tensor in the compute dtype (model_state_dict() before close gives
+        the fp32 master). Closing twice is harmless; stepping after close is an error.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self.runner.remove_hooks()
+        self.manager.close()
+        gc.collect()  # the runner and manager reference each other through callbacks
+        release_free_host_memory()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- views ------------------------------------------------------------------------------
 

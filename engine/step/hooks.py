@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import weakref
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -66,10 +68,28 @@ def wrap_outputs(output: object, callback: Callable[[], None]) -> object:
     return rebuild(output)
 
 
+def weak(method: Callable) -> Callable:
+    """`method` (a bound method) held weakly: a hook must not keep its engine alive, so an
+    engine dropped without close() is still freed. Once the engine is gone the hook does
+    nothing (and a forward hook leaves the output as it is)."""
+    if not inspect.ismethod(method):
+        return method  # a plain function holds no engine
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object) -> object:
+        target = ref()
+        return None if target is None else target(*args)
+
+    return call
+
+
 def install(model: torch.nn.Module, *, pre_forward: Callable[[int], None],
-            post_forward: Callable[[int, object], object],
-            on_grad: Callable[[torch.nn.Parameter], None]) -> tuple[list, dict[int, list]]:
-    """Hook every module that owns parameters directly; returns (handles, key -> params)."""
+            post_forward: Callable[[int, object], object]
+            ) -> tuple[list, dict[int, list[torch.nn.Parameter]]]:
+    """Hook every module that owns parameters directly; returns (handles, key -> params).
+
+    The callbacks are held weakly (see `weak`)."""
+    pre_forward, post_forward = weak(pre_forward), weak(post_forward)
     handles = []
     owned: dict[int, list[torch.nn.Parameter]] = {}
     for key, module in enumerate(model.modules()):
@@ -81,9 +101,18 @@ def install(model: torch.nn.Module, *, pre_forward: Callable[[int], None],
             lambda _m, _args, key=key: pre_forward(key), prepend=True))
         handles.append(module.register_forward_hook(
             lambda _m, _args, out, key=key: post_forward(key, out), prepend=True))
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) not in seen and p.requires_grad:
-            seen.add(id(p))
-            handles.append(p.register_post_accumulate_grad_hook(on_grad))
     return handles, owned
+
+
+def hook_gradients(params: Iterable[torch.nn.Parameter], on_grad: Callable,
+                   hooked: dict[int, object]) -> None:
+    """Give every parameter that needs a gradient and has no hook yet a post-accumulate-grad
+    hook (held weakly); `hooked` maps id(param) -> handle and grows.
+
+    Called at every step, not once: a parameter unfrozen after the engine was built
+    (gradual unfreezing) trains from the next step on. A frozen parameter cannot carry such
+    a hook, and would never fire one."""
+    callback = weak(on_grad)
+    for p in params:
+        if p.requires_grad and id(p) not in hooked:
+            hooked[id(p)] = p.register_post_accumulate_grad_hook(callback)

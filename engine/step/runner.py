@@ -20,7 +20,7 @@ from engine.chunks.manager import ChunkManager
 from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
 from engine.placement.trace import Trace, TracePoint
-from engine.step.hooks import install, wrap_outputs
+from engine.step.hooks import hook_gradients, install, wrap_outputs
 from engine.step.non_model import NonModelCounter, tensor_bytes
 from engine.step.optimizer import restore_params
 
@@ -59,7 +59,8 @@ class StepRunner:
         self._model_ptrs: set[int] = set()
         self.slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
         self._handles, owned = install(model, pre_forward=self._pre_forward,
-                                       post_forward=self._post_forward, on_grad=self._on_grad)
+                                       post_forward=self._post_forward)
+        self._grad_hooks: dict[int, object] = {}  # id(param) -> its gradient hook
         self.module_slots: dict[int, list[tuple[Chunk, Slot]]] = {
             k: [self.slot_of[id(p)] for p in ps] for k, ps in owned.items()}
         self.module_chunks: dict[int, tuple[Chunk, ...]] = {
@@ -197,6 +198,8 @@ class StepRunner:
         """Open optimizer step `step` on a batch of `shape`; returns whether it will be
         traced (a new shape)."""
         self.step_number = step
+        hook_gradients((s.param for c in self.chunks for s in c.slots), self._on_grad,
+                       self._grad_hooks)
         tracing = self.trace is None or self.trace.shape != shape
         self._tracing = Trace(shape) if tracing else None
         self.manager.begin_step(tracing=tracing)
@@ -281,6 +284,6 @@ class StepRunner:
         return trace
 
     def remove_hooks(self) -> None:
-        for handle in self._handles:
+        for handle in [*self._handles, *self._grad_hooks.values()]:
             handle.remove()
-        self._handles = []
+        self._handles, self._grad_hooks = [], {}
