@@ -109,6 +109,7 @@ class Slot:
     shape: torch.Size
     state: TensorState = TensorState.FREE
     got_grad: bool = False
+    steps: int = 0  # AdamW updates this parameter has had (torch counts per parameter)
 
 
 class DeviceCopy(str, Enum):
@@ -143,7 +144,6 @@ class Chunk:
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
-    step: torch.Tensor | None = None  # AdamW step count, fp32 scalar next to the state
     resident: bool = False  # payload and optimizer state live on the device
     copy: DeviceCopy = DeviceCopy.ABSENT  # the device copy; changed through set_copy only
     grads_pending: int = 0  # parameters whose gradient has not arrived this backward

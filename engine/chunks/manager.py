@@ -310,7 +310,6 @@ class ChunkManager:
             chunk.payload = chunk.device_payload
             chunk.exp_avg = self._move(chunk.exp_avg, "device")
             chunk.exp_avg_sq = self._move(chunk.exp_avg_sq, "device")
-            chunk.step = chunk.step.to(self.device.torch_device)
             chunk.set_copy(DeviceCopy.FRESH)
             chunk.resident = True
             for slot in chunk.slots:
@@ -327,7 +326,6 @@ class ChunkManager:
                 chunk.master = self._move(chunk.master, "host")
             chunk.exp_avg = self._move(chunk.exp_avg, "host")
             chunk.exp_avg_sq = self._move(chunk.exp_avg_sq, "host")
-            chunk.step = chunk.step.cpu()
             chunk.resident = False
             self.release(chunk)
 
@@ -358,7 +356,7 @@ class ChunkManager:
                 slot.param.data = weights.to("cpu", chunk.dtype, copy=True).view(slot.shape)
                 slot.param.grad = None
             chunk.payload = chunk.device_payload = chunk.grad = chunk.host_grad = None
-            chunk.master = chunk.exp_avg = chunk.exp_avg_sq = chunk.step = None
+            chunk.master = chunk.exp_avg = chunk.exp_avg_sq = None
             chunk.slot_grads.clear()
         self.device_bytes = self.host_bytes = self.grad_bytes = 0
 

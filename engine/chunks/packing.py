@@ -7,52 +7,104 @@ one model plus the chunks, never two models.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine.chunks.chunk import Chunk, Slot, chunk_numel, layout
 from engine.devices.device import ComputeDevice
 
 
-def first_use_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Unique parameters in the order a forward pass first touches them.
+@dataclass
+class FirstUse:
+    """What a dry forward pass shows about where parameters are used."""
 
-    Found with a two-token forward under no_grad; registration order if the model cannot
-    run that way (it is the same for the usual decoder stacks).
-    """
-    order: list[torch.nn.Parameter] = []
+    order: list[torch.nn.Parameter]  # unique parameters in the order they are first used
+    # id(module) -> parameters its own forward reads but does not own (torch's
+    # TransformerEncoderLayer hands `self_attn.out_proj.weight` to a function, so out_proj's
+    # forward never runs): the module's hooks must fetch them too.
+    borrowed: dict[int, list[torch.nn.Parameter]] = field(default_factory=dict)
+
+
+class _Reads(TorchFunctionMode):
+    """Notes the parameters each torch function is handed, for the innermost module running."""
+
+    def __init__(self, running: list[torch.nn.Module], note: Callable) -> None:
+        super().__init__()
+        self.running, self.note = running, note
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.running:
+            for arg in (*args, *kwargs.values()):
+                for value in arg if isinstance(arg, list | tuple) else (arg,):
+                    if isinstance(value, torch.nn.Parameter):
+                        self.note(self.running[-1], value)
+        return func(*args, **kwargs)
+
+
+def first_uses(model: torch.nn.Module) -> FirstUse:
+    """Parameters in first-use order, and who borrows whose, from a two-token forward under
+    no_grad; registration order and no borrowing if the model cannot run that way (the
+    order is the same for the usual decoder stacks)."""
+    found = FirstUse([])
     seen: set[int] = set()
+    running: list[torch.nn.Module] = []
+    own = {id(m): {id(p) for p in m.parameters(recurse=False)} for m in model.modules()}
 
-    def note(module: torch.nn.Module, _args: object) -> None:
+    def first(p: torch.nn.Parameter) -> None:
+        if id(p) not in seen:
+            seen.add(id(p))
+            found.order.append(p)
+
+    def enter(module: torch.nn.Module, _args: object) -> None:
+        running.append(module)
         for p in module.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                order.append(p)
+            first(p)
 
-    handles = [m.register_forward_pre_hook(note) for m in model.modules()]
+    def leave(module: torch.nn.Module, _args: object, _out: object) -> None:
+        running.pop()
+
+    def read(module: torch.nn.Module, p: torch.nn.Parameter) -> None:
+        if id(p) not in own[id(module)]:
+            borrowed = found.borrowed.setdefault(id(module), [])
+            if all(q is not p for q in borrowed):
+                borrowed.append(p)
+        first(p)
+
+    handles = [h for m in model.modules()
+               for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _Reads(running, read):
             device = next(model.parameters()).device
             model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
     except Exception:
-        order.clear()
+        found = FirstUse([])
         seen.clear()
     finally:
         for h in handles:
             h.remove()
     for p in model.parameters():  # parameters the dry run did not reach
-        if id(p) not in seen:
-            seen.add(id(p))
-            order.append(p)
-    return order
+        first(p)
+    return found
+
+
+def first_use_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Unique parameters in the order a forward pass first touches them (see first_uses)."""
+    return first_uses(model).order
 
 
 def build_chunks(model: torch.nn.Module, *, dtype: torch.dtype, device: ComputeDevice,
-                 chunk_size: int | None = None) -> tuple[int, list[Chunk]]:
-    """(chunk size, chunks) holding every unique parameter of `model`, in first-use order."""
+                 chunk_size: int | None = None, order: list[torch.nn.Parameter] | None = None
+                 ) -> tuple[int, list[Chunk]]:
+    """(chunk size, chunks) holding every unique parameter of `model`, in first-use order
+    (`order`, found with a dry forward pass when not given)."""
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    params = first_use_order(model)
+    params = order if order is not None else first_use_order(model)
     sizes = [p.numel() for p in params]
     size, groups = layout(sizes, chunk_size)
     chunks = []
@@ -83,7 +135,6 @@ def fill(chunk: Chunk, dev: ComputeDevice) -> None:
         chunk.payload.copy_(chunk.master)
     chunk.exp_avg = dev.host_empty(chunk.numel, torch.float32).zero_()
     chunk.exp_avg_sq = dev.host_empty(chunk.numel, torch.float32).zero_()
-    chunk.step = torch.zeros((), dtype=torch.float32)
     chunk.device_payload = dev.empty(chunk.numel, chunk.dtype)
     chunk.bind_params()  # views first: a view cannot be made of empty storage
     chunk.device_payload.untyped_storage().resize_(0)

@@ -36,7 +36,7 @@ def optimizer_tensors(chunks: list[Chunk]) -> dict[str, torch.Tensor]:
             sl = slice(s.offset, s.offset + s.numel)
             for kind in KINDS:
                 tensors[f"{kind}/{s.name}"] = getattr(c, kind)[sl].cpu().clone()
-            tensors[f"step/{s.name}"] = c.step.detach().cpu().clone().reshape(1)
+            tensors[f"step/{s.name}"] = torch.tensor([float(s.steps)])
     return tensors
 
 
@@ -56,4 +56,4 @@ def load_optimizer_tensors(chunks: list[Chunk], tensors: dict[str, torch.Tensor]
             sl = slice(s.offset, s.offset + s.numel)
             for kind in KINDS:
                 getattr(c, kind)[sl].copy_(tensors[f"{kind}/{s.name}"].reshape(-1))
-            c.step.fill_(float(tensors[f"step/{s.name}"].reshape(-1)[0]))
+            s.steps = int(tensors[f"step/{s.name}"].reshape(-1)[0])

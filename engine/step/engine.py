@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from engine.chunks import weights
-from engine.chunks.packing import build_chunks, first_use_order  # noqa: F401 (re-exported)
+from engine.chunks.packing import build_chunks, first_use_order, first_uses
 from engine.chunks.state import TensorState
 from engine.config import EngineConfig, LiveSettings, describe_setting, format_size
 from engine.devices.device import ComputeDevice, make_device
@@ -58,9 +58,11 @@ class Engine:
         self._last_peak = 0
         self.closed = False
 
+        uses = first_uses(model)
         self.chunk_size, self.chunks = build_chunks(model, dtype=self.dtype, device=self.device,
-                                                    chunk_size=config.chunk_size)
-        self.runner = StepRunner(model, self.chunks, self.device)
+                                                    chunk_size=config.chunk_size,
+                                                    order=uses.order)
+        self.runner = StepRunner(model, self.chunks, self.device, borrowed=uses.borrowed)
         self.manager = self.runner.manager
         self.manager.set_policy(self.settings.policy)
         self.manager.count_host(self.chunks)

@@ -84,16 +84,19 @@ def weak(method: Callable) -> Callable:
 
 
 def install(model: torch.nn.Module, *, pre_forward: Callable[[int], None],
-            post_forward: Callable[[int, object], object]
+            post_forward: Callable[[int, object], object],
+            borrowed: dict[int, list[torch.nn.Parameter]] | None = None,
             ) -> tuple[list, dict[int, list[torch.nn.Parameter]]]:
-    """Hook every module that owns parameters directly; returns (handles, key -> params).
-
-    The callbacks are held weakly (see `weak`)."""
+    """Hook every module that uses parameters directly: its own, and those its forward
+    reads from other modules (`borrowed`, by id(module); see packing.first_uses). Returns
+    (handles, key -> parameters). The callbacks are held weakly (see `weak`)."""
+    borrowed = borrowed or {}
     pre_forward, post_forward = weak(pre_forward), weak(post_forward)
     handles = []
     owned: dict[int, list[torch.nn.Parameter]] = {}
     for key, module in enumerate(model.modules()):
         params = list(module.parameters(recurse=False))
+        params += [p for p in borrowed.get(id(module), []) if all(p is not q for q in params)]
         if not params:
             continue
         owned[key] = params

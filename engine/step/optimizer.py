@@ -49,19 +49,33 @@ def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: fl
     Parameters that got no gradient this step keep their weights and moments, as
     torch.optim.AdamW skips parameters whose .grad is None.
     """
-    if chunk.resident:
-        picked = [chunk.slot_grads[offset] for offset in sorted(chunk.slot_grads)]
+    updated = [s for s in chunk.slots if s.got_grad]
+    for slot in updated:
+        slot.steps += 1
+    device = chunk.master.device
+    if chunk.resident or len({s.steps for s in updated}) > 1:
+        # One view per parameter, each with its own step count (a parameter that missed a
+        # step is one update behind its neighbours).
+        if chunk.resident:
+            picked = [chunk.slot_grads[offset] for offset in sorted(chunk.slot_grads)]
+        else:
+            flat = _flat_grad(chunk)
+            picked = [(s, flat[s.offset:s.offset + s.numel]) for s in updated]
 
         def views(flat: torch.Tensor) -> list[torch.Tensor]:
             return [flat[s.offset:s.offset + s.numel] for s, _ in picked]
 
         params, m, v = views(chunk.master), views(chunk.exp_avg), views(chunk.exp_avg_sq)
         grads = [g if g.dtype == torch.float32 else g.float() for _, g in picked]
+        steps = [_step_tensor(s.steps, device) for s, _ in picked]
         restore = []
     else:
+        # Every updated parameter at the same count: one call over the whole chunk, and the
+        # parameters without a gradient put back afterwards.
         flat = _flat_grad(chunk)
         params, m, v = [chunk.master], [chunk.exp_avg], [chunk.exp_avg_sq]
         grads = [flat if flat.dtype == torch.float32 else flat.float()]
+        steps = [_step_tensor(updated[0].steps if updated else 1, device)]
         restore = [(s.offset, s.offset + s.numel) for s in chunk.slots if not s.got_grad]
     if not params:
         return
@@ -69,9 +83,8 @@ def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: fl
         torch._foreach_mul_(grads, grad_scale)
     kept = [(a, b, chunk.master[a:b].clone(), chunk.exp_avg[a:b].clone(),
              chunk.exp_avg_sq[a:b].clone()) for a, b in restore]
-    chunk.step += 1
     torch._fused_adamw_(
-        params, grads, m, v, [], [chunk.step] * len(params),
+        params, grads, m, v, [], steps,
         lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps,
         amsgrad=False, maximize=False)
     for a, b, master, exp_avg, exp_avg_sq in kept:
@@ -79,6 +92,11 @@ def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: fl
     if not chunk.aliased:
         chunk.payload.copy_(chunk.master)  # parameters in the compute dtype, from the master
     chunk.holds_grads = False
+
+
+def _step_tensor(count: int, device: torch.device) -> torch.Tensor:
+    """The step count as the fused kernel reads it: an fp32 scalar beside the state."""
+    return torch.full((), float(count), dtype=torch.float32, device=device)
 
 
 def restore_params(chunk: Chunk) -> None:

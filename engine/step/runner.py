@@ -35,8 +35,8 @@ class StepInterrupted(Exception):
 class StepRunner:
     """Runs forward and backward of one step over chunked parameters; see the module doc."""
 
-    def __init__(self, model: torch.nn.Module, chunks: list[Chunk], device: ComputeDevice
-                 ) -> None:
+    def __init__(self, model: torch.nn.Module, chunks: list[Chunk], device: ComputeDevice, *,
+                 borrowed: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
         self.model = model
         self.chunks = chunks
         self.device = device
@@ -59,7 +59,7 @@ class StepRunner:
         self._model_ptrs: set[int] = set()
         self.slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
         self._handles, owned = install(model, pre_forward=self._pre_forward,
-                                       post_forward=self._post_forward)
+                                       post_forward=self._post_forward, borrowed=borrowed)
         self._grad_hooks: dict[int, object] = {}  # id(param) -> its gradient hook
         self.module_slots: dict[int, list[tuple[Chunk, Slot]]] = {
             k: [self.slot_of[id(p)] for p in ps] for k, ps in owned.items()}
@@ -147,7 +147,10 @@ class StepRunner:
         if not self._in_step:
             return output
         for chunk, slot in self.module_slots[key]:
-            chunk.set_state(slot, S.HOLD_AFTER_FWD)
+            # A borrowed parameter may have been released already by the module it was
+            # borrowed from, if that one ran inside this one.
+            if slot.state != S.HOLD_AFTER_FWD:
+                chunk.set_state(slot, S.HOLD_AFTER_FWD)
         self.counter.set_output(tensor_bytes(output))
         if torch.is_grad_enabled():
             return wrap_outputs(output, lambda: self._pre_backward(key))

@@ -16,20 +16,24 @@ BATCHES = make_batches(8)
 
 def spy_on_copies(eng: Engine) -> list[int]:
     """Wrap the device's copies; returns a list whose last item counts the bytes copied
-    since it was last appended to."""
+    since it was last appended to. A copy made inside another (a prefetch that is a plain
+    copy on this device) counts once."""
     copied = [0]
+    depth = [0]
     device = eng.device
-    copy_now, ahead_now = device.copy, device.copy_ahead
 
-    def counting_copy(dst, src, *args, **kwargs):
-        copied[-1] += src.nbytes
-        return copy_now(dst, src, *args, **kwargs)
+    def counting(copy_fn):
+        def wrapped(dst, src, *args, **kwargs):
+            if depth[0] == 0:
+                copied[-1] += src.nbytes
+            depth[0] += 1
+            try:
+                return copy_fn(dst, src, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return wrapped
 
-    def counting_ahead(dst, src, *args, **kwargs):
-        copied[-1] += src.nbytes
-        return ahead_now(dst, src, *args, **kwargs)
-
-    device.copy, device.copy_ahead = counting_copy, counting_ahead
+    device.copy, device.copy_ahead = counting(device.copy), counting(device.copy_ahead)
     return copied
 
 
