@@ -1,0 +1,182 @@
+"""CudaDevice: a real GPU, capped at a budget.
+
+- Copies never wait for the whole device: they are queued in stream order through pinned
+  staging buffers (engine.devices.transfers); only a device-to-host copy whose bytes the
+  host reads next makes the host wait, and then on that copy's own events.
+- Host tensors are pageable; what is pinned is the staging ring, once (`pinned_bytes`).
+- The budget is a hard cap: the caching allocator of this process may reserve no more
+  (`torch.cuda.set_per_process_memory_fraction`), so a 6 GiB budget on a larger card
+  behaves like a 6 GiB card. The cap is per process, so with several CudaDevices alive on
+  one GPU (tests, benchmarks) the process gets the sum of their budgets, and the whole card
+  again once none is left; each engine still keeps to its own budget by accounting.
+- Capacity is re-read from the driver on every call (other processes and the allocator's
+  cache change it), and NVML says what other processes hold.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from engine.config import format_size
+from engine.devices.nvml import NvmlProbe
+from engine.devices.streams import CudaStreams
+from engine.devices.transfers import Staging, Transfers
+
+DEFAULT_STAGING = Staging()
+# The allocator reserves in segments (2 MiB for small blocks, 20 MiB for 1-10 MiB ones) and
+# keeps cuBLAS's workspace (up to 32 MiB a stream on Hopper) among its blocks: below this a
+# cap as small as the budget fails allocations the engine's byte count admits (the test
+# suite's budgets of a few MiB). Larger budgets are capped exactly.
+MIN_HARD_CAP = 256 * 2**20
+
+# Every live CudaDevice, so that the process-wide cap can be the sum of their budgets.
+_LIVE: weakref.WeakSet[CudaDevice] = weakref.WeakSet()
+_TOTAL: dict[int, int] = {}  # bytes the driver reports per device, the cap's denominator
+
+
+def _apply_process_cap(index: int) -> None:
+    """Cap this process on GPU `index` at the sum of its live devices' budgets."""
+    budgets = sum(max(d.budget, MIN_HARD_CAP) for d in list(_LIVE) if d.index == index)
+    fraction = min(1.0, budgets / _TOTAL[index]) if budgets else 1.0
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+
+
+class CudaDevice:
+    """The current (or `index`) CUDA device, capped at `budget` bytes.
+
+    Args:
+        budget: bytes this engine may use on the GPU; None = the whole GPU.
+        index: CUDA device index; None = the current device.
+        staging: the pinned ring copies stream through; None copies from pageable memory
+            directly (each such copy makes the host wait for the compute stream).
+    """
+
+    simulated = False
+
+    def __init__(self, budget: int | None = None, index: int | None = None, *,
+                 staging: Staging | None = DEFAULT_STAGING) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaDevice needs CUDA; use SimulatedDevice on this machine")
+        self.index = torch.cuda.current_device() if index is None else index
+        self.torch_device = torch.device("cuda", self.index)
+        props = torch.cuda.get_device_properties(self.index)
+        self.total = int(props.total_memory)
+        self.budget = int(min(budget, self.total) if budget else self.total)
+        self.transfers = Transfers(CudaStreams(self.index), staging)
+        uuid = getattr(props, "uuid", None)  # NVML names a GPU by it, whatever the index
+        self._nvml = NvmlProbe(f"GPU-{uuid}" if uuid is not None else None)
+        self._foreign = 0  # bytes allocated at the step's start that are not this engine's
+        _TOTAL.setdefault(self.index, int(torch.cuda.mem_get_info(self.index)[1]))
+        _LIVE.add(self)
+        _apply_process_cap(self.index)
+        # A device dropped without close() gives its share of the cap back when collected
+        # (not at exit, when CUDA may be gone already).
+        weakref.finalize(self, _apply_process_cap, self.index).atexit = False
+
+    def describe(self) -> str:
+        name = torch.cuda.get_device_name(self.index)
+        return f"{name}, {format_size(self.budget)}"
+
+    def set_budget(self, budget: int) -> None:
+        smaller = budget < self.budget
+        self.budget = int(min(budget, self.total))
+        _apply_process_cap(self.index)
+        if smaller:
+            # Blocks cached above the new cap would still be reused: hand them back.
+            torch.cuda.empty_cache()
+
+    def capacity(self) -> int:
+        """What this process can hold now: free memory plus what its allocator reserved
+        (its cache included, which it reuses), never more than the budget."""
+        free, _ = torch.cuda.mem_get_info(self.index)
+        return int(min(self.budget, free + torch.cuda.memory_reserved(self.index)))
+
+    def other_processes_bytes(self) -> int | None:
+        """Bytes other processes hold on this GPU (NVML), or None where NVML cannot tell."""
+        return self._nvml.other_processes_bytes()
+
+    # --- tensors and copies ---------------------------------------------------------------
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        # Pageable: copies stream through the pinned staging ring instead.
+        return torch.empty(numel, dtype=dtype)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, host_reads: bool = True) -> float:
+        """Copy `src` into `dst` in stream order; returns the seconds the host spent.
+
+        Host -> device: queued on the compute stream; `src` may be written again as soon
+        as this returns, and kernels queued later see `dst`. Device -> host: with
+        `host_reads` (the default) `dst` holds the bytes when this returns (a wait on
+        this copy's events only); without, they land later, and the host must not read
+        `dst` before `settle_host()` (a copy that reads `dst` settles it by itself).
+        """
+        t0 = time.perf_counter()
+        if dst.is_cuda and not src.is_cuda:
+            self.transfers.to_device(dst, src)
+        elif src.is_cuda and not dst.is_cuda:
+            self.transfers.to_host(dst, src, host_reads=host_reads)
+        else:
+            dst.copy_(src)  # same side: an ordinary kernel or memcpy
+        return time.perf_counter() - t0
+
+    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[object, float]:
+        """Start a host-to-device copy on the side stream; returns (pending, seconds).
+
+        Safe because: the side stream first waits for everything queued on the compute
+        stream (the block `dst` occupies may have been freed there a moment ago); `dst` was
+        allocated on the compute stream, which waits for the copy (`wait`) before it reads
+        or frees `dst`, so the allocator never hands the block out mid-copy; `src` has been
+        copied into staging by the time this returns. The seconds are the host's memcpy
+        into staging; a wait that stalls the compute stream shows in forward or backward.
+        """
+        t0 = time.perf_counter()
+        pending = self.transfers.to_device_ahead(dst, src)
+        return pending, time.perf_counter() - t0
+
+    def wait(self, pending: object) -> None:
+        """Make the compute stream wait for a prefetch before it touches its tensor."""
+        self.transfers.wait(pending)
+
+    def settle_host(self) -> float:
+        """Land every device-to-host copy made without `host_reads`; returns seconds."""
+        t0 = time.perf_counter()
+        self.transfers.settle_host()
+        return time.perf_counter() - t0
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes this device holds (the staging ring), constant."""
+        return self.transfers.pinned_bytes()
+
+    # --- measuring the step --------------------------------------------------------------
+
+    def begin_step(self, model_bytes: int = 0) -> None:
+        """Start measuring a step: peaks reset, and whatever is allocated now beyond the
+        engine's `model_bytes` (another model, a plain-PyTorch baseline) is someone else's,
+        so `allocator_bytes` and `allocator_peak` leave it out."""
+        self.transfers.settle_host()
+        torch.cuda.reset_peak_memory_stats(self.index)
+        self._foreign = max(0, torch.cuda.memory_allocated(self.index) - int(model_bytes))
+
+    def allocator_bytes(self) -> int | None:
+        """Bytes allocated now, less what was someone else's at `begin_step`."""
+        return max(0, int(torch.cuda.memory_allocated(self.index)) - self._foreign)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def allocator_peak(self) -> int | None:
+        """Peak bytes allocated since `begin_step` (or `reset_peak`), less the same."""
+        return max(0, int(torch.cuda.max_memory_allocated(self.index)) - self._foreign)
+
+    def close(self) -> None:
+        """Land pending copies, give the staging ring back and drop this budget from the
+        process cap."""
+        self.transfers.close()
+        _LIVE.discard(self)
+        _apply_process_cap(self.index)

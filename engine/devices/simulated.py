@@ -1,0 +1,101 @@
+"""SimulatedDevice: a device of `budget` bytes that lives in CPU memory.
+
+Stands in for a GPU on machines without one: tensors "on the device" are separate CPU
+tensors, a move is a real copy, and the budget is enforced by the engine's accounting.
+Copies run the same code as on CUDA (engine.devices.transfers) with events that are
+no-ops; given `staging`, they also go through staging buffers (plain memory here), so
+that path is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from engine.config import format_size
+from engine.devices.streams import HostStreams
+from engine.devices.transfers import Staging, Transfers
+
+
+class SimulatedDevice:
+    """A device of `budget` bytes that lives in CPU memory.
+
+    Args:
+        budget: bytes the device holds; the engine keeps model and non-model bytes under it.
+        staging: copy through a ring of staging buffers as CUDA does (default: copy
+            directly, which is what a CPU does best). Their bytes are `pinned_bytes()`.
+    """
+
+    simulated = True
+
+    def __init__(self, budget: int, *, staging: Staging | None = None) -> None:
+        if budget <= 0:
+            raise ValueError(f"the simulated device needs a positive budget, not {budget}")
+        self.budget = int(budget)
+        self.torch_device = torch.device("cpu")
+        self.transfers = Transfers(HostStreams(), staging)
+        # Device and host tensors are both CPU tensors; this tells a copy's direction.
+        self._device_tensors = WeakIdKeyDictionary()
+
+    def describe(self) -> str:
+        return f"simulated, {format_size(self.budget)}"
+
+    def set_budget(self, budget: int) -> None:
+        self.budget = int(budget)
+
+    def capacity(self) -> int:
+        return self.budget
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
+        self._device_tensors[t] = True
+        return t
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, host_reads: bool = True) -> float:
+        """Copy `src` into `dst`; see CudaDevice.copy for what `host_reads` promises."""
+        t0 = time.perf_counter()
+        if src in self._device_tensors and dst not in self._device_tensors:
+            self.transfers.to_host(dst, src, host_reads=host_reads)
+        else:
+            self.transfers.to_device(dst, src)
+        return time.perf_counter() - t0
+
+    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[object, float]:
+        """A prefetch: the same code as on CUDA, done by the time it returns."""
+        t0 = time.perf_counter()
+        pending = self.transfers.to_device_ahead(dst, src)
+        return pending, time.perf_counter() - t0
+
+    def wait(self, pending: object) -> None:
+        self.transfers.wait(pending)
+
+    def settle_host(self) -> float:
+        t0 = time.perf_counter()
+        self.transfers.settle_host()
+        return time.perf_counter() - t0
+
+    def pinned_bytes(self) -> int:
+        return self.transfers.pinned_bytes()
+
+    def begin_step(self, model_bytes: int = 0) -> None:
+        self.transfers.settle_host()
+
+    def allocator_bytes(self) -> int | None:
+        return None  # non-model bytes are counted by the tracer instead
+
+    def reset_peak(self) -> None:
+        pass
+
+    def allocator_peak(self) -> int | None:
+        return None
+
+    def other_processes_bytes(self) -> int | None:
+        return None  # no GPU to share
+
+    def close(self) -> None:
+        self.transfers.close()
