@@ -1,7 +1,13 @@
 """Warm-up trace: the order in which chunks are used, and non-model memory between uses.
 
-Recorded on the first step, and again whenever the batch shape changes (a new sequence
-length changes activation sizes; memoising layouts across shapes is a known way to OOM).
+Recorded on the first step, and again whenever the step changes: the batch shape (a new
+sequence length changes activation sizes; memoising layouts across shapes is a known way to
+OOM), activation checkpointing turned on or off, or the set of parameters that need a
+gradient (a layer unfrozen mid-run). `key` holds what the trace was recorded for.
+
+The working set counts, for every chunk whose gradients are coming in, room for a gradient
+buffer, even where the chunk is resident and needs none: a trace recorded under the cuda
+policy then still tells what cpu or auto would need after a switch.
 The engine records it from a real step (engine.step), the planner from a replayed one
 (engine.planning.replay): one type, read by the same placement rules.
 """
@@ -23,6 +29,7 @@ class TracePoint:
 @dataclass
 class Trace:
     shape: tuple = ()
+    key: tuple = ()  # what the step looked like when traced; another key means re-trace
     points: list[TracePoint] = field(default_factory=list)
     _uses: dict[int, list[int]] = field(default_factory=dict)
 

@@ -143,6 +143,10 @@ class StepReplay:
         self.peak = self.device_bytes
         self.grads: set[int] = set()
         self.grad_bytes = 0
+        # Chunks whose gradients are coming in, resident or not, and their bytes: the
+        # working set counts a gradient buffer for each (engine.placement.trace).
+        self.opened: set[int] = set()
+        self.opening_bytes = 0
         self.pending = [len(ps) for ps in lay.params]
         self.state: dict[str, TensorState] = {}  # parameter -> state past HOLD; absent: idle
         self.computing = [0] * len(lay.numel)  # parameters in COMPUTE per chunk
@@ -185,7 +189,8 @@ class StepReplay:
         if self.recorded.points:
             point = self.recorded.points[-1]
             point.non_model_peak = max(point.non_model_peak, self.nm)
-            point.working_set = max(point.working_set, self.pinned + self.grad_bytes + self.nm)
+            point.working_set = max(point.working_set,
+                                    self.pinned + self.opening_bytes + self.nm)
         self.peak = max(self.peak, self.device_bytes + self.nm)
 
     # ChunkManager
@@ -299,6 +304,9 @@ class StepReplay:
         if param in self.got:
             return  # a second gradient adds up where the first is: no bytes, no count
         self.got.add(param)
+        if chunk not in self.opened:
+            self.opened.add(chunk)
+            self.opening_bytes += self.nbytes[chunk]
         if chunk in self.resident:
             # Autograd's own gradient tensor is kept until the update (keep_slot_grad).
             nbytes = self.lay.sizes[param] * self.itemsize
@@ -313,7 +321,14 @@ class StepReplay:
             self._sample()
         self._set(param, S.HOLD_AFTER_BWD)
         self.pending[chunk] -= 1
-        if self.pending[chunk] == 0 and chunk in self.grads:
+        if self.pending[chunk] == 0:
+            self._close(chunk)
+
+    def _close(self, chunk: int) -> None:
+        """Every gradient of `chunk` is in, or backward is over."""
+        self.opened.discard(chunk)
+        self.opening_bytes -= self.nbytes[chunk]
+        if chunk in self.grads:
             self._finish_grads(chunk)
 
     def run(self, events: list[Event]) -> None:
@@ -329,8 +344,8 @@ class StepReplay:
                 self.grad(event[1])
             elif kind == "backward":
                 self.in_backward = True
-        for chunk in list(self.grads):
-            self._finish_grads(chunk)
+        for chunk in sorted(self.opened):
+            self._close(chunk)
 
     def trace_of(self) -> Trace:
         self.recorded.finish()

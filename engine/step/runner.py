@@ -57,6 +57,10 @@ class StepRunner:
         self._evicting = False
         self._interrupted = False
         self._model_ptrs: set[int] = set()
+        # Chunks whose gradients have started but not finished arriving this backward, and
+        # their bytes: the gradient buffers a non-resident placement holds (see trace.py).
+        self._opening: set[int] = set()
+        self._opening_bytes = 0
         self.slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
         self._handles, owned = install(model, pre_forward=self._pre_forward,
                                        post_forward=self._post_forward, borrowed=borrowed)
@@ -101,7 +105,7 @@ class StepRunner:
         non_model = self.non_model_now()
         self._interval_peak = max(self._interval_peak, non_model)
         self._interval_ws = max(self._interval_ws,
-                                self._pinned + self.manager.grad_bytes + non_model)
+                                self._pinned + self._opening_bytes + non_model)
         self.peak = max(self.peak, self.manager.device_bytes + non_model)
 
     def _chunks_in_use(self) -> tuple[Chunk, ...]:
@@ -169,6 +173,9 @@ class StepRunner:
         segments) adds up where its gradient already is, even once it has gone home."""
         chunk, slot = self.slot_of[id(param)]
         first = not slot.got_grad
+        if first and chunk.index not in self._opening and chunk.grads_pending > 0:
+            self._opening.add(chunk.index)
+            self._opening_bytes += chunk.nbytes
         grad = param.grad.reshape(-1)
         if chunk.resident:
             self.manager.keep_slot_grad(chunk, slot, grad, self.pos)
@@ -186,6 +193,8 @@ class StepRunner:
             return
         chunk.grads_pending -= 1
         if chunk.grads_pending == 0:
+            self._opening.discard(chunk.index)
+            self._opening_bytes -= chunk.nbytes
             if chunk.resident:
                 chunk.holds_grads = True
             else:
@@ -197,14 +206,25 @@ class StepRunner:
     def tracing(self) -> bool:
         return self._tracing is not None
 
+    def step_key(self, shape: tuple) -> tuple:
+        """What a trace depends on: the batch shape, activation checkpointing, and which
+        parameters need a gradient."""
+        checkpointing = bool(getattr(self.model, "is_activation_checkpointing", None)
+                             or getattr(self.model, "is_gradient_checkpointing", False))
+        trainable = tuple(s.param.requires_grad for c in self.chunks for s in c.slots)
+        return (shape, checkpointing, trainable)
+
     def begin(self, shape: tuple, *, step: int) -> bool:
         """Open optimizer step `step` on a batch of `shape`; returns whether it will be
-        traced (a new shape)."""
+        traced (the step changed, see step_key)."""
         self.step_number = step
         hook_gradients((s.param for c in self.chunks for s in c.slots), self._on_grad,
                        self._grad_hooks)
-        tracing = self.trace is None or self.trace.shape != shape
-        self._tracing = Trace(shape) if tracing else None
+        key = self.step_key(shape)
+        tracing = self.trace is None or self.trace.key != key
+        self._tracing = Trace(shape, key=key) if tracing else None
+        self._opening.clear()
+        self._opening_bytes = 0
         self.manager.begin_step(tracing=tracing)
         self.pos = -1
         self.peak = self.manager.device_bytes
@@ -248,6 +268,9 @@ class StepRunner:
             # Parameters that got no gradient leave no chunk waiting.
             if chunk.slot_grads:
                 chunk.holds_grads = True
+            if chunk.index in self._opening:
+                self._opening.discard(chunk.index)
+                self._opening_bytes -= chunk.nbytes
             m.finish_grads(chunk)
             for slot in chunk.slots:
                 if slot.state in (S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
