@@ -110,8 +110,11 @@ class ChunkManager:
             self._free("device", chunk.grad)
             chunk.grad = None
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
-        self.transfer_seconds += self.device.copy(dst, src)
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str, *,
+              host_reads: bool = True) -> None:
+        """Copy between the tiers. `host_reads=False`: nothing on the host reads `dst` until
+        the device settles it (ComputeDevice.settle_host), so the host need not wait."""
+        self.transfer_seconds += self.device.copy(dst, src, host_reads=host_reads)
         if direction == "h2d":
             self.bytes_h2d += src.nbytes
         elif direction == "d2h":
@@ -262,7 +265,8 @@ class ChunkManager:
             return
         self.settle(chunk)  # the home may be the payload a prefetch reads
         _zero_unwritten(chunk)
-        self._copy(self.grad_home(chunk), chunk.grad, "d2h")
+        # The optimizer reads it after the device settles at the end of backward.
+        self._copy(self.grad_home(chunk), chunk.grad, "d2h", host_reads=False)
         chunk.mark_stale()  # the device copy will be outdated by the update
         self.grad_bytes -= chunk.nbytes
         self._free("device", chunk.grad)
@@ -342,6 +346,7 @@ class ChunkManager:
         for chunk in self.chunks:
             if chunk.index in want:
                 self.set_resident(chunk, True)
+        self.transfer_seconds += self.device.settle_host()
 
 
     # --- the end ------------------------------------------------------------------------------
@@ -349,6 +354,7 @@ class ChunkManager:
     def close(self) -> None:
         """Give every parameter its latest weights as a plain CPU tensor of its own (in the
         compute dtype), then drop every chunk tensor: nothing of the engine stays alive."""
+        self.device.settle_host()
         for chunk in self.chunks:
             self.settle(chunk)
             for slot in chunk.slots:

@@ -48,6 +48,7 @@ class Engine:
                  device: ComputeDevice | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.model = model
+        self._owns_device = device is None  # a device made here is closed here
         self.device = device or make_device(config.device_budget, config.simulate)
         self.dtype = DTYPES[config.precision]
         self.step_count = 0
@@ -211,6 +212,8 @@ class Engine:
         self.closed = True
         self.runner.remove_hooks()
         self.manager.close()
+        if self._owns_device:
+            self.device.close()  # its share of the CUDA cap and its pinned staging ring
         gc.collect()  # the runner and manager reference each other through callbacks
         release_free_host_memory()
 

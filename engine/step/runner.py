@@ -180,6 +180,7 @@ class StepRunner:
         if chunk.resident:
             self.manager.keep_slot_grad(chunk, slot, grad, self.pos)
         elif chunk.holds_grads:
+            self.device.settle_host()  # the gradients sent home may still be in flight
             home = self.manager.grad_home(chunk)[slot.offset:slot.offset + slot.numel]
             home.add_(grad.to(home.device))
         else:
@@ -228,7 +229,7 @@ class StepRunner:
         self.manager.begin_step(tracing=tracing)
         self.pos = -1
         self.peak = self.manager.device_bytes
-        self.device.reset_peak()
+        self.device.begin_step(self.manager.device_bytes)
         self.counter.reset()
         for chunk in self.chunks:
             chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)
@@ -276,9 +277,12 @@ class StepRunner:
                 if slot.state in (S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
                     chunk.set_state(slot, S.HOLD)
         m.release_all()  # device copies are outdated by the update that follows
+        # Gradients sent home land before the optimizer reads them.
+        m.transfer_seconds += self.device.settle_host()
 
     def _abort(self) -> None:
         """Leave the chunks consistent after a failed forward/backward: no grads, no copies."""
+        self.device.settle_host()
         for chunk in self.chunks:
             self.manager.drop_grad(chunk)
             self.manager.drop_slot_grads(chunk)

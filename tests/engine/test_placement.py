@@ -218,10 +218,10 @@ def fetches_on_demand(eng: Engine, batch) -> tuple[list[int], int]:
     manager = eng.manager
     copy_now = manager._copy
 
-    def spy(dst, src, direction):
+    def spy(dst, src, direction, **kwargs):
         if direction == "h2d":
             on_demand.append(eng.runner.pos)
-        copy_now(dst, src, direction)
+        copy_now(dst, src, direction, **kwargs)
 
     manager._copy = spy
     try:
