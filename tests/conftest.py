@@ -7,6 +7,25 @@ from pathlib import Path
 
 import pytest
 
+from engine.devices.device import SIMULATE_ENV
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "cuda: runs on the real GPU (make_device's own choice) against GPU references")
+
+
+@pytest.fixture(autouse=True)
+def device_choice(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test not marked `cuda` asks for the simulated device, so that on a GPU machine
+    the CPU tests (the engine's and the app's) still compare with CPU references and run at
+    their few-MiB budgets. An environment variable, not a patch, because worker processes
+    inherit it."""
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setenv(SIMULATE_ENV, "1")
+    else:
+        monkeypatch.delenv(SIMULATE_ENV, raising=False)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def tuitrain_cache(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Path]:

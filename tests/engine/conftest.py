@@ -17,28 +17,10 @@ from transformers import (
     OPTForCausalLM,
 )
 
-from engine.devices.device import SIMULATE_ENV
-
 VOCAB = 256
 
 # These models are tiny: one thread is faster than two fighting over a shared machine.
 torch.set_num_threads(1)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "cuda: runs on the real GPU (make_device's own choice) against GPU references")
-
-
-@pytest.fixture(autouse=True)
-def device_choice(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test not marked `cuda` asks for the simulated device, so that on a GPU machine
-    the CPU tests still compare the engine with CPU references. An environment variable,
-    not a patch, because worker processes inherit it."""
-    if request.node.get_closest_marker("cuda") is None:
-        monkeypatch.setenv(SIMULATE_ENV, "1")
-    else:
-        monkeypatch.delenv(SIMULATE_ENV, raising=False)
 
 
 def build(arch: str = "opt", *, seed: int = 0, layers: int = 4, hidden: int = 64
