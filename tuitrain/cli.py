@@ -9,56 +9,84 @@ them, so `tuitrain --help` answers at once.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tuitrain import __version__
+from tuitrain.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
 
 if TYPE_CHECKING:
     from tuitrain.settings import Settings
 
 PROG = "tuitrain"
-USAGE_ERROR = 2  # the status argparse uses for a bad command line; ours match it
-INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
-
-# `run` flags and the settings key each one sets. Values travel as text and are validated
-# by Settings, so a bad one is reported the same way whether it came from a flag or a preset.
-RUN_FLAGS: dict[str, str] = {
-    "--policy": "engine.policy",
-    "--margin": "engine.margin_ratio",
-    "--device-mem": "engine.device_budget",
-    "--precision": "engine.precision",
-    "--steps": "training.steps",
-    "--batch-size": "training.batch_size",
-    "--seq-len": "training.seq_len",
-    "--lr": "training.lr",
-    "--seed": "training.seed",
-    "--checkpointing": "training.activation_checkpointing",
-    "--data": "data.path",
-    "--metrics": "logging.metrics",
-    "--checkpoint-dir": "checkpoint.dir",
-    "--checkpoint-every": "checkpoint.every",
-    "--resume": "checkpoint.resume",
-}
-PLAN_FLAGS: dict[str, str] = {
-    "--device-mem": "engine.device_budget",
-    "--precision": "engine.precision",
-    "--batch-size": "training.batch_size",
-    "--seq-len": "training.seq_len",
-    "--checkpointing": "training.activation_checkpointing",
-}
 
 
-class UsageError(Exception):
-    """A mistake in what the user asked for: reported as one line, exit status 2."""
+@dataclass(frozen=True)
+class Flag:
+    """A flag that sets one settings key. Its value is checked by Settings alone, so a bad
+    one is reported the same way whether it came from a flag or a preset."""
+
+    name: str
+    key: str  # the dotted settings key it sets
+    metavar: str | None  # None: a switch, --name / --no-name
+    help: str  # a "(default X)" in it must be the built-in default (a test checks)
+    number: bool = False  # read as a number, so a mistake reads `(got 1.5)` as typed
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        if self.metavar is None:
+            parser.add_argument(
+                self.name, action=argparse.BooleanOptionalAction, default=None, help=self.help
+            )
+        else:
+            parser.add_argument(self.name, metavar=self.metavar, help=self.help)
+
+    def value(self, args: argparse.Namespace) -> object:
+        """What the user gave, or None."""
+        text = getattr(args, self.name.lstrip("-").replace("-", "_"))
+        return _as_number(text) if self.number and text is not None else text
 
 
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
+# The flags of `tuitrain run` that set settings. A table: one flag per row reads better than
+# the formatter's one field per line.
+# fmt: off
+RUN: tuple[Flag, ...] = (
+    Flag("--steps", "training.steps", "N", "optimizer steps (default 200)", number=True),
+    Flag("--policy", "engine.policy", "P", "cuda, cpu or auto (default auto)"),
+    Flag("--margin", "engine.margin_ratio", "R",
+         "share of the spare device memory that holds optimizer state, 0..1 (default 0)",
+         number=True),
+    Flag("--device-mem", "engine.device_budget", "SIZE",
+         "device budget, e.g. 6GiB (default: the whole GPU; 6GiB when simulated)"),
+    Flag("--precision", "engine.precision", "P",
+         "fp32, bf16 or fp16 (default: bf16 on GPU, fp32 simulated)"),
+    Flag("--batch-size", "training.batch_size", "N", "sequences per step (default 2)",
+         number=True),
+    Flag("--seq-len", "training.seq_len", "N", "tokens per sequence (default 128)", number=True),
+    Flag("--lr", "training.lr", "F", "learning rate (default 0.0003)", number=True),
+    Flag("--seed", "training.seed", "N", "seed of the model init and data (default 0)",
+         number=True),
+    Flag("--checkpointing", "training.activation_checkpointing", None,
+         "recompute activations in the backward pass to save memory (default off)"),
+    Flag("--data", "data.path", "PATH",
+         "text file, folder, JSONL or `datasets` folder (default: a built-in corpus)"),
+    Flag("--metrics", "logging.metrics", "FILE", "write one JSON line per step here"),
+    Flag("--checkpoint-dir", "checkpoint.dir", "DIR", "save checkpoints in this folder"),
+    Flag("--checkpoint-every", "checkpoint.every", "N", "save a checkpoint every N steps",
+         number=True),
+    Flag("--resume", "checkpoint.resume", "DIR", "continue from this checkpoint folder"),
+)
+# fmt: on
+# Those `tuitrain plan` takes too.
+PLAN = tuple(
+    f
+    for f in RUN
+    if f.name in ("--device-mem", "--precision", "--batch-size", "--seq-len", "--checkpointing")
+)
+RUN_FLAGS: dict[str, str] = {f.name: f.key for f in RUN}  # flag -> the settings key it sets
 
 
 # --- the command line --------------------------------------------------------------------
@@ -87,37 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--preset", metavar="FILE", help="a preset file or a shipped preset name")
     run.add_argument("--headless", action="store_true", help="train without the app")
-    run.add_argument("--steps", metavar="N", help="optimizer steps (default 200)")
-    run.add_argument("--policy", metavar="P", help="cuda, cpu or auto (default auto)")
-    run.add_argument(
-        "--margin",
-        metavar="R",
-        help="share of the spare device memory that holds optimizer state, 0..1 (default 0)",
-    )
-    run.add_argument(
-        "--device-mem",
-        metavar="SIZE",
-        help="device budget, e.g. 6GiB (default: the whole GPU; 6GiB when simulated)",
-    )
-    run.add_argument(
-        "--precision", metavar="P", help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 simulated)"
-    )
-    run.add_argument("--batch-size", metavar="N", help="sequences per step (default 2)")
-    run.add_argument("--seq-len", metavar="N", help="tokens per sequence (default 128)")
-    run.add_argument("--lr", metavar="F", help="learning rate (default 0.0003)")
-    run.add_argument("--seed", metavar="N", help="seed of the model init and data (default 0)")
-    run.add_argument(
-        "--checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="recompute activations in the backward pass to save memory (default off)",
-    )
-    run.add_argument(
-        "--data",
-        metavar="PATH",
-        help="text file, folder, JSONL or `datasets` folder (default: a built-in corpus)",
-    )
-    run.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here")
+    for flag in RUN:
+        flag.add_to(run)
     run.add_argument(
         "--save-preset",
         metavar="FILE",
@@ -126,9 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--force", action="store_true", help="let --save-preset replace an existing file"
     )
-    run.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints in this folder")
-    run.add_argument("--checkpoint-every", metavar="N", help="save a checkpoint every N steps")
-    run.add_argument("--resume", metavar="DIR", help="continue from this checkpoint folder")
     run.set_defaults(handler=cmd_run)
 
     plan = commands.add_parser(
@@ -137,23 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Forecast device and host memory for each policy, without training.",
     )
     plan.add_argument("model", metavar="MODEL", help="a zoo name or a local model folder")
-    plan.add_argument(
-        "--device-mem",
-        metavar="SIZE",
-        help="device memory, e.g. 6GiB (default: the whole GPU; 6GiB when simulated)",
-    )
+    for flag in PLAN:
+        flag.add_to(plan)
     plan.add_argument("--host-mem", metavar="SIZE", help="host memory (default: this machine's)")
-    plan.add_argument(
-        "--precision", metavar="P", help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 simulated)"
-    )
-    plan.add_argument("--batch-size", metavar="N", help="sequences per step (default 2)")
-    plan.add_argument("--seq-len", metavar="N", help="tokens per sequence (default 128)")
-    plan.add_argument(
-        "--checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="plan with activation checkpointing (default off)",
-    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=cmd_plan)
 
@@ -179,10 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except UsageError as error:
         print(f"{PROG}: error: {_one_line(str(error))}", file=sys.stderr)
-        return USAGE_ERROR
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        return EXIT_INTERRUPTED
 
 
 def _one_line(text: str) -> str:
@@ -190,13 +172,6 @@ def _one_line(text: str) -> str:
 
 
 # --- settings from flags -----------------------------------------------------------------
-
-
-# Flags whose value is a number: read as one here, so that a mistake reads `(got 1.5)` as
-# typed rather than `(got '1.5')`; Settings still decides what is valid.
-NUMBER_FLAGS = frozenset(
-    {"--margin", "--steps", "--batch-size", "--seq-len", "--lr", "--seed", "--checkpoint-every"}
-)
 
 
 def _as_number(text: str) -> object:
@@ -208,24 +183,19 @@ def _as_number(text: str) -> object:
     return text
 
 
-def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, object]:
-    overrides: dict[str, object] = {}
-    for flag, key in flags.items():
-        value = getattr(args, _dest(flag))
-        if value is not None:
-            overrides[key] = _as_number(value) if flag in NUMBER_FLAGS else value
-    return overrides
-
-
-def _merge(base: Settings, overrides: dict[str, object], flags: dict[str, str]) -> Settings:
-    """merge() with its error named after the flag that set the bad value."""
+def _merge(
+    base: Settings, args: argparse.Namespace, flags: tuple[Flag, ...], **more: object
+) -> Settings:
+    """`base` with what the user gave for `flags` (and `more`, settings keys), or a
+    UsageError that names the flag that set a bad value."""
     from tuitrain.presets import merge
     from tuitrain.settings import InvalidSettings
 
+    given = {f.key: value for f in flags if (value := f.value(args)) is not None}
     try:
-        return merge(base, overrides)
+        return merge(base, given | more)
     except InvalidSettings as error:
-        names = {key: flag for flag, key in flags.items()} | {"model": "MODEL"}
+        names = {f.key: f.name for f in flags} | {"model": "MODEL"}
         raise UsageError(f"{names.get(error.key, error.key)}: {error.problem}") from None
 
 
@@ -247,10 +217,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
             "no model given: name one (e.g. `tuitrain run opt-125m`, see `tuitrain models`) "
             "or use a preset that sets `model:`"
         )
-    overrides = _overrides(args, RUN_FLAGS)
-    if args.model is not None:
-        overrides["model"] = args.model
-    return _merge(base, overrides, RUN_FLAGS)
+    model = {"model": args.model} if args.model is not None else {}
+    return _merge(base, args, RUN, **model)
 
 
 def _check_model(name: str, seq_len: int) -> None:
@@ -340,11 +308,12 @@ def _save_after_run(settings: Settings, path: Path, *, status: int, overwrite: b
     Bad input found by the worker (status 2) was already said in one line, and a run that
     never started has nothing to save, so that case adds no second line.
     """
+    from tuitrain.metrics import measure_metrics
     from tuitrain.presets import save_preset
 
-    if status == USAGE_ERROR:
+    if status == EXIT_BAD_INPUT:
         return
-    if status not in (0, INTERRUPTED):
+    if status not in (EXIT_OK, EXIT_INTERRUPTED):
         print(f"{PROG}: the run failed; preset not saved to {path}", file=sys.stderr)
         return
     measured = None
@@ -361,68 +330,28 @@ def _save_after_run(settings: Settings, path: Path, *, status: int, overwrite: b
         print(f"preset saved to {path}", file=sys.stdout)
 
 
-def measure_metrics(path: Path) -> dict[str, float] | None:
-    """What a metrics file says about the latest run in it, for a preset's header.
-
-    The first step is left out of the timings when there are others: it holds the warm-up
-    trace and is not what the preset will run at. Returns None when there is no step.
-    """
-    steps: list[dict] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "settings" in record:  # a new run starts here; appended files hold several
-            steps = []
-        elif "step" in record:
-            steps.append(record)
-    if not steps:
-        return None
-    timed = steps[1:] or steps
-    seconds = sum(s["seconds"] for s in timed)
-    return {
-        "device_peak": max(s["memory"]["device_peak"] for s in steps),
-        "step_seconds": seconds / len(timed),
-        "tokens_per_second": sum(s["tokens"] for s in timed) / seconds if seconds else 0.0,
-        "step": steps[-1]["step"],
-    }
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Validate, then hand a checked Namespace to tuitrain.plan.plan_main.
+    """Check what the user gave, then hand it typed to tuitrain.plan.plan_main."""
+    from tuitrain.plan import plan_main
+    from tuitrain.settings import Settings, Size
 
-    plan_main receives: model (str), device_mem and host_mem (bytes, or None for the real
-    device / this machine), precision (str), batch_size and seq_len (int), checkpointing
-    (bool), json (bool).
-    """
-    from engine.config import parse_size
-    from tuitrain.settings import Settings
-
-    settings = _merge(Settings(), {"model": args.model, **_overrides(args, PLAN_FLAGS)}, PLAN_FLAGS)
+    settings = _merge(Settings(), args, PLAN, model=args.model)
     try:
-        host_mem = parse_size(args.host_mem) if args.host_mem is not None else None
+        host_budget = Size(args.host_mem).nbytes if args.host_mem is not None else None
     except ValueError as error:
         raise UsageError(f"--host-mem: {error}") from None
     _check_model(settings.model, settings.training.seq_len)
+    simulated = not _has_cuda()
     checked = argparse.Namespace(
         model=settings.model,
-        device_mem=parse_size(settings.engine.device_budget)
-        if settings.engine.device_budget is not None
-        else None,
-        host_mem=host_mem,
-        precision=settings.precision_for(simulated=not _has_cuda()),
+        device_budget=settings.device_budget_for(simulated),
+        host_budget=host_budget,
+        precision=settings.precision_for(simulated),
         batch_size=settings.training.batch_size,
         seq_len=settings.training.seq_len,
         checkpointing=settings.training.activation_checkpointing,
         json=args.json,
     )
-    from tuitrain.plan import plan_main
-
     return plan_main(checked)
 
 
@@ -451,20 +380,18 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def short_count(n: int) -> str:
-    """A parameter count as people say it: 674K, 125M, 1.3B."""
-    if n >= 10**9:
-        return f"{n / 10**9:.1f}B"
-    if n >= 10**6:
-        return f"{n / 10**6:.0f}M"
-    return f"{n / 10**3:.0f}K"
-
-
 def cmd_models(args: argparse.Namespace) -> int:
     from engine.models.zoo import list_models
+    from tuitrain.formatting import format_count
 
     rows = [
-        (m.name, short_count(m.parameters), f"{m.parameters:,}", str(m.layers), str(m.hidden))
+        (
+            m.name,
+            format_count(m.parameters, nominal=True),
+            f"{m.parameters:,}",
+            str(m.layers),
+            str(m.hidden),
+        )
         for m in list_models()
     ]
     header = ("MODEL", "SIZE", "PARAMETERS", "LAYERS", "HIDDEN")

@@ -30,7 +30,7 @@ class SetMargin(Command):
 
 @dataclass(frozen=True)
 class SetBudget(Command):
-    device_budget: str = "6GiB"  # bytes as text, or "6GiB"-style
+    device_budget: int | str = "6GiB"  # bytes, or a size as the user wrote it (Size)
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,10 @@ class Started(Event):
     parameters: int  # unique parameter elements
     device: str  # e.g. "simulated, 6.0 GiB" or "NVIDIA GeForce RTX 3060, 6.0 GiB"
     chunks: list[ChunkInfo]
-    settings: dict  # the settings actually used (Settings.model_dump())
+    settings: dict  # the settings actually used (Settings.as_used, dumped)
     pid: int = 0
     log_path: str = ""
+    device_budget: int | None = None  # bytes the engine got; None: the whole GPU
 
 
 @dataclass
@@ -88,7 +89,9 @@ class Log(Event):
 class Applied(Event):
     id: int
     step: int  # the first step that ran with the change (or the step after which it acted)
-    what: str = ""  # human-readable, e.g. "policy cpu"
+    # What was done: "paused", "checkpoint <path>", or a setting as the engine words it
+    # (engine.config.describe_setting), e.g. "policy cpu".
+    what: str = ""
 
 
 @dataclass

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from engine.chunks.state import TensorState
-from engine.config import check_margin, format_size, parse_size
+from engine.config import LiveSettings, describe_setting, format_size
 from engine.placement.policy import Policy
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
 from tuitrain.events import (
@@ -48,6 +48,8 @@ Script = Iterable[Event | None] | Callable[[], Iterable[Event | None]]
 TENSORS_PER_CHUNK = 8
 # Bytes per parameter element of optimizer-side data: fp32 master + two AdamW moments + a bf16 grad.
 _OPTIMIZER_BYTES_PER_PARAM = 4 + 4 + 4 + 2
+# The engine's own checks of a live setting, asked of a value that stands for no run.
+_LIVE = LiveSettings(policy=Policy.AUTO, margin_ratio=0.0, device_budget=1)
 # Throughputs that make the time split look like a laptop GPU on PCIe 3.
 _DEVICE_FLOPS = 5e12
 _HOST_ADAM_BYTES_PER_S = 20e9
@@ -82,8 +84,8 @@ class FakeWorker:
         self._script: Iterator[Event | None] = iter(())
         self._emitted: deque[Event] = deque()
         self._answers: deque[Event] = deque()
-        self._waiting: list[tuple[Command, str, str | float]] = []  # (command, field, value)
-        self._overrides: dict[str, str | float] = {}
+        self._waiting: list[tuple[Command, str, object]] = []  # (command, field, value)
+        self._overrides: dict[str, object] = {}
         self._paused = False
         self._alive = False
         self._last_step = 0
@@ -157,14 +159,11 @@ class FakeWorker:
     def _answer(self, command: Command) -> None:
         try:
             if isinstance(command, SetPolicy):
-                value = Policy.parse(command.policy).value
-                self._waiting.append((command, "policy", value))
+                self._stage(command, "policy", command.policy)
             elif isinstance(command, SetMargin):
-                value = check_margin(command.margin_ratio)
-                self._waiting.append((command, "margin_ratio", value))
+                self._stage(command, "margin_ratio", command.margin_ratio)
             elif isinstance(command, SetBudget):
-                value = parse_size(command.device_budget)
-                self._waiting.append((command, "device_budget", value))
+                self._stage(command, "device_budget", command.device_budget)
             elif isinstance(command, Pause):
                 self._paused = True
                 self._answers.append(Applied(command.id, self._last_step, "paused"))
@@ -183,12 +182,17 @@ class FakeWorker:
         except ValueError as exc:
             self._answers.append(Rejected(command.id, str(exc)))
 
+    def _stage(self, command: Command, field: str, value: object) -> None:
+        """Check a setting as the engine does (ValueError), to apply at the next step."""
+        checked = getattr(_LIVE.replace(**{field: value}), field)
+        self._waiting.append((command, field, getattr(checked, "value", checked)))
+
     def _apply_waiting(self, event: Step, out: list[Event]) -> Step:
         stats = event.stats
         applied: list[str] = []
         for command, field, value in self._waiting:
             self._overrides[field] = value
-            what = _describe(field, value)
+            what = describe_setting(field, value)
             applied.append(what)
             out.append(Applied(command.id, stats.step, what))
         self._waiting.clear()
@@ -204,14 +208,6 @@ class FakeWorker:
         return Step(stats)
 
 
-def _describe(field: str, value: str | float) -> str:
-    if field == "device_budget":
-        return f"device_budget {format_size(int(value))}"
-    if field == "margin_ratio":
-        return f"margin_ratio {value:.2f}"
-    return f"{field} {value}"
-
-
 # --- plausible telemetry -----------------------------------------------------------------
 
 
@@ -219,7 +215,7 @@ def fake_chunks(
     step: int,
     *,
     policy: str = "auto",
-    budget: int = 6 * GiB,
+    device_budget: int = 6 * GiB,
     n_chunks: int = 24,
     parameters: int = 125_239_296,
     non_model: int | None = None,
@@ -233,7 +229,7 @@ def fake_chunks(
     param_bytes = parameters * 2
     chunk_bytes = param_bytes // n_chunks
     non_model = _non_model(param_bytes) if non_model is None else non_model
-    on_device = _chunks_on_device(policy, budget, n_chunks, chunk_bytes, non_model)
+    on_device = _chunks_on_device(policy, device_budget, n_chunks, chunk_bytes, non_model)
     in_use = (step * 7) % n_chunks
     chunks: list[ChunkInfo] = []
     states = {loc: dict.fromkeys((s.value for s in TensorState), 0) for loc in ("device", "host")}
@@ -258,7 +254,7 @@ def fake_stats(
     *,
     policy: str = "auto",
     margin_ratio: float = 0.0,
-    budget: int = 6 * GiB,
+    device_budget: int = 6 * GiB,
     n_chunks: int = 24,
     parameters: int = 125_239_296,
     tokens: int = 256,
@@ -273,7 +269,7 @@ def fake_stats(
     chunks, states = fake_chunks(
         step,
         policy=policy,
-        budget=budget,
+        device_budget=device_budget,
         n_chunks=n_chunks,
         parameters=parameters,
         non_model=non_model,
@@ -287,7 +283,7 @@ def fake_stats(
     if policy == "cuda":
         device_optimizer = optimizer_bytes
     else:
-        spare = max(0, budget - device_chunk_bytes - int(non_model * 1.05))
+        spare = max(0, device_budget - device_chunk_bytes - int(non_model * 1.05))
         device_optimizer = min(optimizer_bytes, int(margin_ratio * spare))
     device_model = device_chunk_bytes + device_optimizer
     host_model = host_chunk_bytes + optimizer_bytes - device_optimizer
@@ -302,7 +298,7 @@ def fake_stats(
     forward, backward = compute / 3 * wobble, compute * 2 / 3 * wobble
     seconds = forward + backward + optimizer + transfer
     memory = MemorySnapshot(
-        device_capacity=budget,
+        device_capacity=device_budget,
         device_model=device_model,
         device_non_model_peak=non_model,
         device_peak=device_model + non_model,
@@ -324,7 +320,7 @@ def fake_stats(
         bytes_d2h=moved_d2h,
         policy=policy,
         margin_ratio=margin_ratio,
-        device_budget=budget,
+        device_budget=device_budget,
         memory=memory,
         lr=3e-4,
     )
@@ -334,23 +330,24 @@ def fake_started(
     *,
     model: str = "opt-125m",
     parameters: int = 125_239_296,
-    budget: int = 6 * GiB,
+    device_budget: int = 6 * GiB,
     n_chunks: int = 24,
     policy: str = "auto",
     settings: dict | None = None,
 ) -> Started:
     """The Started event of a run on the simulated device."""
     chunks, _ = fake_chunks(
-        0, policy=policy, budget=budget, n_chunks=n_chunks, parameters=parameters
+        0, policy=policy, device_budget=device_budget, n_chunks=n_chunks, parameters=parameters
     )
     return Started(
         model=model,
         parameters=parameters,
-        device=f"simulated, {format_size(budget)}",
+        device=f"simulated, {format_size(device_budget)}",
         chunks=chunks,
         settings=settings or {},
         pid=4242,
         log_path="runs/fake.log",
+        device_budget=device_budget,
     )
 
 
@@ -360,7 +357,7 @@ def fake_run(
     model: str = "opt-125m",
     policy: str = "auto",
     margin_ratio: float = 0.0,
-    budget: int = 6 * GiB,
+    device_budget: int = 6 * GiB,
     n_chunks: int = 24,
     parameters: int = 125_239_296,
     tokens: int = 256,
@@ -369,7 +366,11 @@ def fake_run(
     """A Started event followed by `steps` Step events: a whole scripted run."""
     events: list[Event] = [
         fake_started(
-            model=model, parameters=parameters, budget=budget, n_chunks=n_chunks, policy=policy
+            model=model,
+            parameters=parameters,
+            device_budget=device_budget,
+            n_chunks=n_chunks,
+            policy=policy,
         )
     ]
     for step in range(first_step, first_step + steps):
@@ -377,7 +378,7 @@ def fake_run(
             step,
             policy=policy,
             margin_ratio=margin_ratio,
-            budget=budget,
+            device_budget=device_budget,
             n_chunks=n_chunks,
             parameters=parameters,
             tokens=tokens,
@@ -391,12 +392,12 @@ def _non_model(param_bytes: int) -> int:
 
 
 def _chunks_on_device(
-    policy: str, budget: int, n_chunks: int, chunk_bytes: int, non_model: int
+    policy: str, device_budget: int, n_chunks: int, chunk_bytes: int, non_model: int
 ) -> set[int]:
     if policy == "cuda":
         return set(range(n_chunks))
     if policy == "cpu":
         return set()
     # Leave room for the non-model peak at its highest (fake_stats lets it wobble by 5%).
-    room = max(0, budget - int(non_model * 1.05)) // max(1, chunk_bytes)
+    room = max(0, device_budget - int(non_model * 1.05)) // max(1, chunk_bytes)
     return set(range(min(n_chunks, room)))

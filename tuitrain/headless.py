@@ -16,16 +16,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from engine.config import format_size
 from engine.telemetry import StepStats
+from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from tuitrain.events import Event, Failed, Finished, Log, Rejected, Started, Step, Stop
+from tuitrain.formatting import format_count, format_rate, format_size
 from tuitrain.settings import Settings
-from tuitrain.training_run import EXIT_BAD_INPUT
 from tuitrain.worker import ProcessWorker
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a job stopped by Ctrl-C
 
 WAIT_SECONDS = 0.1  # longest sleep between looks at the worker
 REDRAW_SECONDS = 0.1  # a terminal progress line is redrawn at most this often
@@ -158,12 +154,12 @@ class _Report:
     def started(self, event: Started) -> None:
         used = event.settings
         e, t, d, g = used["engine"], used["training"], used["data"], used["logging"]
-        budget = e["device_budget"] or "whole device"
+        device_budget = e["device_budget"] or "whole device"
         lines = [
-            f"{event.model}: {_count(event.parameters)} parameters in {len(event.chunks)} "
+            f"{event.model}: {format_count(event.parameters)} parameters in {len(event.chunks)} "
             f"chunks on {event.device}",
             f"  engine    policy {e['policy']}, margin {e['margin_ratio']:.2f}, "
-            f"budget {budget}, precision {e['precision']}",
+            f"budget {device_budget}, precision {e['precision']}",
             f"  training  {t['steps']} steps of {t['batch_size']} x {t['seq_len']} tokens, "
             f"lr {t['lr']:g}, seed {t['seed']}",
             f"  data      {d['path'] or 'built-in corpus'}",
@@ -203,7 +199,7 @@ class _Report:
             rate = summary.get("tokens_per_second") or 0.0
             lines.append(
                 f"  mean step {summary['mean_step_seconds']:.3f} s "
-                f"(first {summary['first_step_seconds']:.3f} s), {_count(rate)} tokens/s, "
+                f"(first {summary['first_step_seconds']:.3f} s), {format_rate(rate)} tokens/s, "
                 f"final loss {summary['final_loss']:.4f}"
             )
         lines.append(
@@ -240,7 +236,7 @@ class _Report:
         rate = stats.tokens / stats.seconds if stats.seconds > 0 else 0.0
         text = (
             f"step {stats.step}/{self.total}  loss {stats.loss:.4f}  "
-            f"{stats.seconds:.3f} s/step  {_count(rate)} tok/s  "
+            f"{stats.seconds:.3f} s/step  {format_rate(rate)} tok/s  "
             f"policy {stats.policy}  margin {stats.margin_ratio:.2f}  "
             f"device peak {format_size(stats.memory.device_peak)}"
         )
@@ -274,10 +270,3 @@ def _width(stream: TextIO) -> int:
     except (AttributeError, OSError, ValueError):
         return shutil.get_terminal_size().columns
 
-
-def _count(value: float) -> str:
-    """Compact count: 950, 12.3k, 1.3M, 2.7G."""
-    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.1f}{suffix}"
-    return f"{value:.0f}"

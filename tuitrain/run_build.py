@@ -20,7 +20,8 @@ class BuiltRun:
     data: Any
     engine: Any
     device: str  # as the user sees it: "simulated, 6.0 GiB", or the GPU's name and memory
-    settings_used: dict  # the settings with precision and device budget as resolved
+    device_budget: int | None  # bytes the engine got; None: the whole GPU
+    settings: Settings  # as used: precision and device budget resolved (Settings.as_used)
 
 
 def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
@@ -32,7 +33,7 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     from engine.models.zoo import build_model
 
     simulated = not torch.cuda.is_available()
-    budget = s.budget_bytes(simulated)
+    device_budget = s.device_budget_for(simulated)
     say(f"building {s.model}")
     model = build_model(s.model, seed=s.training.seed)
     if s.training.activation_checkpointing:
@@ -50,18 +51,18 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     )
     precision = s.precision_for(simulated)
     if simulated and s.engine.device_budget is None:
-        default = budget
+        default = device_budget
         parameters = sum(p.numel() for p in model.parameters())
-        budget = simulated_budget(default, parameters=parameters, precision=precision)
-        if budget < default:
-            say(f"simulated device budget {format_size(budget)} (the default "
+        device_budget = simulated_budget(default, parameters=parameters, precision=precision)
+        if device_budget < default:
+            say(f"simulated device budget {format_size(device_budget)} (the default "
                 f"{format_size(default)} does not fit beside the host's copies)")
     engine = Engine(
         model,
         EngineConfig(
             policy=s.engine.policy,
             margin_ratio=s.engine.margin_ratio,
-            device_budget=budget,
+            device_budget=device_budget,
             precision=precision,
             lr=s.training.lr,
             weight_decay=s.training.weight_decay,
@@ -71,11 +72,14 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
             total_steps=s.training.steps,
         ),
     )
-    used = s.model_dump()
-    used["engine"]["precision"] = precision
-    if budget is not None:
-        used["engine"]["device_budget"] = exact_size(budget)
-    return BuiltRun(model, data, engine, describe_device(simulated, budget), used)
+    return BuiltRun(
+        model,
+        data,
+        engine,
+        describe_device(simulated, device_budget),
+        device_budget,
+        s.as_used(precision=precision, device_budget=device_budget),
+    )
 
 
 def simulated_budget(default: int, *, parameters: int, precision: str) -> int:
@@ -106,25 +110,17 @@ def simulated_budget(default: int, *, parameters: int, precision: str) -> int:
     return int(min(default, room)) // 2**20 * 2**20
 
 
-def describe_device(simulated: bool, budget: int | None) -> str:
+def describe_device(simulated: bool, device_budget: int | None) -> str:
     """The device as shown to the user: "simulated, 6.0 GiB", or the GPU name and memory."""
     import torch
 
     from engine import format_size
 
     if simulated:
-        return f"simulated, {format_size(budget or 0)}"
+        return f"simulated, {format_size(device_budget or 0)}"
     index = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
     device = f"{torch.cuda.get_device_name(index)}, {format_size(total)}"
-    if budget is not None:
-        device += f", budget {format_size(budget)}"
+    if device_budget is not None:
+        device += f", budget {format_size(device_budget)}"
     return device
-
-
-def exact_size(nbytes: int) -> str:
-    """A byte count written so that parse_size reads back exactly the same number."""
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)

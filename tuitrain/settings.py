@@ -9,12 +9,65 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import annotated_types
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, ValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import core_schema
 
 from engine.config import parse_size
 
 SETTINGS_VERSION = 1  # the `version:` a preset must carry; bumped when a key changes meaning
+# The laptop story's GPU: the simulated device's budget when none is given.
+SIMULATED_DEVICE_BUDGET = 6 * 1024**3
+# The margin ratio is a share of the spare device memory.
+MARGIN_RATIO_MIN, MARGIN_RATIO_MAX = 0.0, 1.0
+
+
+class Size(str):
+    """A memory budget as the user wrote it ("5.5GiB"), read once: `nbytes` is its bytes.
+
+    Text, so that a preset keeps what the user wrote; it carries its byte count, so nothing
+    after the settings reads the text again. The rule is the engine's parse_size: bytes, or
+    a size such as 6GiB or 512MiB. Whether it is enough is the engine's to say.
+    """
+
+    nbytes: int
+
+    def __new__(cls, value: object) -> Size:
+        if isinstance(value, Size):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError(f"not a size: {value!r}")
+        return cls._read(str(value), parse_size(value))
+
+    @classmethod
+    def of_bytes(cls, nbytes: int) -> Size:
+        """`nbytes` written in the largest binary unit that holds it exactly: "6GiB"."""
+        for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+            if nbytes % scale == 0:
+                return cls._read(f"{nbytes // scale}{unit}", nbytes)
+        return cls._read(str(nbytes), nbytes)
+
+    @classmethod
+    def _read(cls, text: str, nbytes: int) -> Size:
+        size = super().__new__(cls, text)
+        size.nbytes = nbytes
+        return size
+
+    def __reduce__(self) -> tuple:
+        # Pickled (to the worker process, in a deep copy) with its bytes, not read again.
+        return (Size._read, (str(self), self.nbytes))
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: object, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        # Plain text in JSON and YAML; a Python dump (merge's) keeps the Size, read once.
+        return core_schema.no_info_plain_validator_function(
+            cls,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                str, return_schema=core_schema.str_schema(), when_used="json"
+            ),
+        )
 
 
 class _Strict(BaseModel):
@@ -23,21 +76,13 @@ class _Strict(BaseModel):
 
 class EngineSettings(_Strict):
     policy: Literal["cuda", "cpu", "auto"] = "auto"
-    margin_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    # None: the whole GPU on CUDA, 6 GiB (the laptop story) on the simulated device.
-    device_budget: str | None = None
+    margin_ratio: float = Field(0.0, ge=MARGIN_RATIO_MIN, le=MARGIN_RATIO_MAX)
+    # None: the whole GPU on CUDA, SIMULATED_DEVICE_BUDGET on the simulated device.
+    device_budget: Size | None = None
     # None: bf16 on a GPU that has it, fp16 on older GPUs, fp32 on the simulated device
     # (CPUs without bf16 units run bf16 matmuls several times slower than fp32).
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     chunk_size: int | None = Field(None, gt=0)  # elements; None = searched
-
-    @field_validator("device_budget", mode="before")
-    @classmethod
-    def _budget(cls, value: object) -> str | None:
-        if value is None:
-            return None
-        parse_size(value)  # raises ValueError naming the text
-        return str(value)
 
 
 class TrainingSettings(_Strict):
@@ -86,11 +131,20 @@ class Settings(_Strict):
 
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
-    def budget_bytes(self, simulated: bool) -> int | None:
-        """The device budget in bytes; the laptop's 6 GiB when simulating with none given."""
+    def device_budget_for(self, simulated: bool) -> int | None:
+        """The device budget in bytes: the one asked for, else SIMULATED_DEVICE_BUDGET on
+        the simulated device, else None (the whole GPU)."""
         if self.engine.device_budget is not None:
-            return parse_size(self.engine.device_budget)
-        return 6 * 1024**3 if simulated else None
+            return self.engine.device_budget.nbytes
+        return SIMULATED_DEVICE_BUDGET if simulated else None
+
+    def as_used(self, *, precision: str, device_budget: int | None) -> Settings:
+        """A copy with the precision and the device budget a run resolved, so that it runs
+        the same again on another machine; a budget the user gave keeps their spelling."""
+        update: dict[str, object] = {"precision": precision}
+        if self.engine.device_budget is None and device_budget is not None:
+            update["device_budget"] = Size.of_bytes(device_budget)
+        return self.model_copy(update={"engine": self.engine.model_copy(update=update)})
 
 
 class InvalidSettings(ValueError):
@@ -106,6 +160,16 @@ class InvalidSettings(ValueError):
         self.more = more  # further errors left out of the message
         tail = f" (and {more} more)" if more else ""
         super().__init__(f"{key}: {problem}{tail}")
+
+
+def check_engine_setting(field: str, value: object) -> Any:
+    """`value` for the engine setting `field` (a key of EngineSettings), checked by the rules a
+    preset or a flag is: for a value typed on the screen. Raises InvalidSettings."""
+    try:
+        return getattr(EngineSettings.model_validate({field: value}), field)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise InvalidSettings(field, describe_error({**first, "loc": ("engine", field)})) from None
 
 
 def validate_settings(data: Mapping[str, Any]) -> Settings:

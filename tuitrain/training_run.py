@@ -9,7 +9,6 @@ JSONL metrics file. How it ends is its exit status: finished, failed, or bad inp
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -17,9 +16,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Protocol
 
+from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from tuitrain.events import (
     Applied,
     Checkpoint,
@@ -38,15 +37,10 @@ from tuitrain.events import (
     Step,
     Stop,
 )
+from tuitrain.metrics import MetricsWriter, pace
 from tuitrain.settings import Settings
+from tuitrain.worker_log import read_log_tail
 
-# Exit statuses of the worker process. 2 matches the CLI's "bad input" status, so a UI can
-# tell a user mistake (unknown model, budget below the working set) from a crash.
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-
-LOG_TAIL_LINES = 20
 # How long a paused run sleeps between looks at the command channel.
 PAUSE_WAIT_SECONDS = 0.2
 
@@ -54,18 +48,6 @@ PAUSE_WAIT_SECONDS = 0.2
 class EventSink(Protocol):
     def put(self, event: Event) -> None:
         """Send `event` to the UI without waiting for it to be read."""
-
-
-def read_log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> list[str]:
-    """The last `lines` lines of a log file; empty when it cannot be read."""
-    try:
-        with open(path, "rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - 64 * 1024))
-            text = log.read().decode("utf-8", errors="replace")
-    except OSError:
-        return []
-    return text.splitlines()[-lines:]
 
 
 class TrainingRun:
@@ -87,11 +69,11 @@ class TrainingRun:
         self.next_step = 1  # number of the step that runs next; resumed runs keep counting
         self.steps_run = 0
         self.tokens = 0
-        self.step_seconds: list[float] = []
+        self.paced: list[tuple[int, float]] = []  # (tokens, seconds) of each step
         self.peak_device = 0
         self.last_loss: float | None = None
         self.started_at = time.monotonic()
-        self.metrics: Any = None  # the open metrics file
+        self.metrics: MetricsWriter | None = None
         self.save_checkpoint: Callable[..., Any] | None = None
         self.engine: Any = None
         self.checkpointed = 0  # the step of the latest checkpoint this run saved
@@ -99,6 +81,8 @@ class TrainingRun:
     # --- the run -----------------------------------------------------------------------
 
     def execute(self) -> int:
+        """Build, train, report; returns the process exit status (see tuitrain.errors): a
+        ValueError before the first step is a mistake in the input, not a crash."""
         try:
             self._setup()
             self._train()
@@ -115,10 +99,11 @@ class TrainingRun:
             traceback.print_exc()
             return self._fail(f"{type(err).__name__}: {err}", EXIT_FAILED)
         finally:
-            self._close_metrics()
+            if self.metrics is not None:
+                self.metrics.close()
 
     def _setup(self) -> None:
-        from tuitrain.plan import warn_if_unfit
+        from tuitrain.fit import warn_if_unfit
         from tuitrain.run_build import build_run
 
         s = self.settings
@@ -129,7 +114,8 @@ class TrainingRun:
                 "batch; raise batch_size instead"
             )
         resume = self._checkpoint_hooks()
-        self._open_metrics()
+        if s.logging.metrics:
+            self.metrics = MetricsWriter(s.logging.metrics)
 
         built = build_run(s, self._say)
         self.model, self.data, self.engine = built.model, built.data, built.engine
@@ -142,7 +128,7 @@ class TrainingRun:
             self.next_step = int(resume(self.engine, self.model, self.data, s)) + 1
             self._say(f"resumed from {s.checkpoint.resume} after step {self.next_step - 1}")
 
-        device, used = built.device, built.settings_used
+        device, used = built.device, built.settings.model_dump(mode="json")
         started = Started(
             model=s.model,
             parameters=self.engine.num_parameters,
@@ -151,6 +137,7 @@ class TrainingRun:
             settings=used,
             pid=os.getpid(),
             log_path=self.log_path,
+            device_budget=built.device_budget,
         )
         self.outbox.put(started)
         print(f"started: {s.model}, {started.parameters} parameters, {device}", flush=True)
@@ -161,7 +148,7 @@ class TrainingRun:
                 "device": device,
                 "started": _now(),
             }
-            self._write_metrics(header)
+            self.metrics.write(header)
 
     def interrupt(self) -> None:
         """Cut the running step short (a Stop is on its way); called from a signal handler."""
@@ -223,14 +210,14 @@ class TrainingRun:
     def _record(self, stats: Any, ended: float) -> None:
         self.steps_run += 1
         self.tokens += stats.tokens
-        self.step_seconds.append(stats.seconds)
+        self.paced.append((stats.tokens, stats.seconds))
         self.peak_device = max(self.peak_device, stats.memory.device_peak)
         self.last_loss = stats.loss
         self.next_step = stats.step + 1
         # When the step ended, so a consumer can measure how late samples reach it.
         self.outbox.put(Step(stats, time=ended))
         if self.metrics is not None and stats.step % self.settings.logging.every == 0:
-            self._write_metrics(dataclasses.asdict(stats))
+            self.metrics.write(dataclasses.asdict(stats))
         every = self.settings.checkpoint.every
         if every and stats.step % every == 0:
             self._periodic_checkpoint(stats.step)
@@ -261,9 +248,8 @@ class TrainingRun:
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if sys.platform != "darwin":  # Linux reports KiB, macOS bytes
             peak_rss *= 1024
-        seconds = self.step_seconds
-        # The first step traces the model (warm-up); the mean describes the steady state.
-        steady = seconds[1:] or seconds
+        seconds = sum(s for _, s in self.paced)
+        steady = pace(self.paced)
         return {
             "steps": self.steps_run,
             "last_step": self.next_step - 1,
@@ -271,9 +257,9 @@ class TrainingRun:
             "stopped": self.next_step <= self.settings.training.steps,
             "tokens": self.tokens,
             "seconds": time.monotonic() - self.started_at,
-            "first_step_seconds": seconds[0] if seconds else None,
-            "mean_step_seconds": sum(steady) / len(steady) if steady else None,
-            "tokens_per_second": self.tokens / sum(seconds) if sum(seconds) > 0 else None,
+            "first_step_seconds": self.paced[0][1] if self.paced else None,
+            "mean_step_seconds": steady.step_seconds if steady else None,
+            "tokens_per_second": self.tokens / seconds if seconds > 0 else None,
             "final_loss": self.last_loss,
             "peak_device_bytes": self.peak_device,
             "peak_host_bytes": peak_rss,
@@ -321,21 +307,11 @@ class TrainingRun:
     def _handle(self, command: Command) -> None:
         done = self.next_step - 1  # the step after which an action (pause, checkpoint) acts
         if isinstance(command, SetPolicy):
-            self._change(
-                command, lambda: self.engine.set_policy(command.policy), f"policy {command.policy}"
-            )
+            self._change(command, lambda: self.engine.set_policy(command.policy))
         elif isinstance(command, SetMargin):
-            self._change(
-                command,
-                lambda: self.engine.set_margin(command.margin_ratio),
-                f"margin {command.margin_ratio:g}",
-            )
+            self._change(command, lambda: self.engine.set_margin(command.margin_ratio))
         elif isinstance(command, SetBudget):
-            self._change(
-                command,
-                lambda: self.engine.set_budget(command.device_budget),
-                f"device budget {command.device_budget}",
-            )
+            self._change(command, lambda: self.engine.set_budget(command.device_budget))
         elif isinstance(command, Pause):
             if self.paused:
                 self.outbox.put(Rejected(command.id, "already paused"))
@@ -356,10 +332,11 @@ class TrainingRun:
         else:
             self.outbox.put(Rejected(command.id, f"unknown command {type(command).__name__}"))
 
-    def _change(self, command: Command, apply: Callable[[], None], what: str) -> None:
-        """Apply an engine setting; a bad value is refused and training goes on."""
+    def _change(self, command: Command, apply: Callable[[], str]) -> None:
+        """Apply an engine setting, worded as the engine words it; a bad value is refused
+        and training goes on."""
         try:
-            apply()
+            what = apply()
         except ValueError as err:
             self.outbox.put(Rejected(command.id, str(err)))
             return
@@ -390,30 +367,6 @@ class TrainingRun:
         return checkpoint.load_checkpoint if c.resume else None
 
     # --- output ------------------------------------------------------------------------
-
-    def _open_metrics(self) -> None:
-        path = self.settings.logging.metrics
-        if not path:
-            return
-        try:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            # Appended, never truncated: a metrics file the user already had is kept whole.
-            self.metrics = open(path, "a", encoding="utf-8")
-        except OSError as err:
-            raise ValueError(f"cannot write metrics to {path}: {err.strerror or err}") from err
-
-    def _close_metrics(self) -> None:
-        if self.metrics is None:
-            return
-        try:
-            self.metrics.close()
-        except OSError:  # the write that failed is already reported; closing retries it
-            pass
-        self.metrics = None
-
-    def _write_metrics(self, record: dict) -> None:
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
 
     def _say(self, message: str, level: str = "info") -> None:
         print(message, flush=True)

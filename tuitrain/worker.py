@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -34,7 +33,7 @@ from tuitrain.events import (
     Stop,
 )
 from tuitrain.settings import Settings
-from tuitrain.training_run import read_log_tail
+from tuitrain.worker_log import default_log_path, read_log_tail
 from tuitrain.worker_main import INTERRUPT_SIGNAL, worker_main
 
 HISTORY_LENGTH = 2000  # step samples kept for plots: minutes of a fast run, hours of a slow one
@@ -43,16 +42,6 @@ HISTORY_LENGTH = 2000  # step samples kept for plots: minutes of a fast run, hou
 MAX_EVENTS_PER_POLL = 5000
 # After stop() gives up waiting: SIGTERM, then this long before SIGKILL.
 TERMINATE_GRACE_SECONDS = 2.0
-
-
-def default_log_path() -> Path:
-    """A fresh log file name under the system's temporary folder."""
-    folder = Path(tempfile.gettempdir()) / "tuitrain"
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return folder / f"worker-{stamp}-{os.getpid()}-{next(_LOG_NUMBERS)}.log"
-
-
-_LOG_NUMBERS = iter(range(1, 1 << 62))
 
 
 class ProcessWorker:
@@ -107,7 +96,7 @@ class ProcessWorker:
             target=worker_main,
             name="tuitrain-worker",
             kwargs={
-                "settings": self.settings.model_dump(),
+                "settings": self.settings,
                 "log_path": str(self.log_path),
                 "parent_pid": os.getpid(),
                 "commands": command_reader,

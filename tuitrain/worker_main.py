@@ -23,11 +23,11 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tuitrain.errors import EXIT_ORPHANED
 from tuitrain.events import Event, Step
 from tuitrain.settings import Settings
 from tuitrain.training_run import TrainingRun
 
-EXIT_ORPHANED = 3  # the parent died; nobody is left to report to
 INTERRUPT_SIGNAL = signal.SIGUSR1  # cuts the running step short; a Stop comes with it
 
 # The parent sentinel wakes the watcher at once; the parent pid is also checked this often.
@@ -42,7 +42,7 @@ FLUSH_SECONDS = 10.0
 
 def worker_main(
     *,
-    settings: dict,
+    settings: Settings,
     log_path: str,
     parent_pid: int,
     commands: Connection,
@@ -51,7 +51,7 @@ def worker_main(
     """Entry point of the spawned process; never returns, the process exits here.
 
     Args:
-        settings: `Settings.model_dump()` of the run (a plain dict pickles everywhere).
+        settings: the run, validated where it entered (pickled as it is, not read again).
         log_path: file that receives the process's stdout and stderr, appended to.
         parent_pid: the process that started this one; when it is gone, training stops.
         commands: read end of the UI -> worker channel.
@@ -70,7 +70,7 @@ def worker_main(
     _watch_parent(parent_pid)
     outbox = Outbox(events)
     run = TrainingRun(
-        settings=Settings.model_validate(settings),
+        settings=settings,
         log_path=log_path,
         commands=commands,
         outbox=outbox,

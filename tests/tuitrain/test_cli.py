@@ -21,7 +21,8 @@ import yaml
 from engine.models.zoo import KNOWN_MODELS
 from engine.telemetry import MemorySnapshot, StepStats
 from tuitrain import __version__
-from tuitrain.cli import RUN_FLAGS, build_parser, main, measure_metrics, resolve_settings
+from tuitrain.cli import RUN_FLAGS, build_parser, main, resolve_settings
+from tuitrain.metrics import measure_metrics
 from tuitrain.presets import SHIPPED_DIR, load_preset
 from tuitrain.settings import Settings
 

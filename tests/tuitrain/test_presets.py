@@ -65,7 +65,7 @@ def test_shipped_presets_fit_their_hardware_stories():
     laptop = load_preset(find_preset("laptop-6gb"))
     assert laptop.engine.precision == "bf16"
     assert laptop.engine.policy == "auto"
-    assert laptop.budget_bytes(simulated=False) < 6 * 1024**3  # room for the desktop
+    assert laptop.device_budget_for(simulated=False) < 6 * 1024**3  # room for the desktop
     v100 = load_preset(find_preset("v100-32gb"))
     assert v100.engine.precision == "fp16"  # Volta has no bf16
     assert load_preset(find_preset("cpu-only")).engine.precision == "fp32"

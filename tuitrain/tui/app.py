@@ -18,19 +18,17 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from engine.config import parse_size
 from engine.telemetry import StepStats
 from tuitrain.client import WorkerClient
-from tuitrain.events import Applied, Event, Failed, Finished, Log, Rejected, Started, Step
-from tuitrain.settings import Settings
-from tuitrain.training_run import EXIT_BAD_INPUT
+from tuitrain.events import Applied, Command, Event, Failed, Finished, Log, Rejected, Started, Step
+from tuitrain.settings import Settings, Size
 from tuitrain.tui.changes import Value
 from tuitrain.tui.chunk_map import ChunkMap
 from tuitrain.tui.controls import Controls
-from tuitrain.tui.failure_panel import FailurePanel
+from tuitrain.tui.failure_panel import FailurePanel, exit_status, failure_line
 from tuitrain.tui.header import HeaderInfo, RunHeader, settings_fields
 from tuitrain.tui.help_screen import HelpScreen
-from tuitrain.tui.keys import KEYS, bindings, palette_commands
+from tuitrain.tui.keys import KEYS, MARGIN_STEP, bindings, palette_commands
 from tuitrain.tui.log_panel import LogPanel
 from tuitrain.tui.measurements import RunMeter
 from tuitrain.tui.memory_chart import MemoryChart
@@ -43,7 +41,6 @@ from tuitrain.tui.step_panel import StepPanel
 POLL_INTERVAL = 0.1  # seconds between drains of the worker's events
 PANEL_INTERVAL = 0.25  # numbers redraw at most 4 times a second, however fast steps come
 CHART_INTERVAL = 0.5  # charts cost the most to draw (plotext), so twice a second
-MARGIN_STEP = 0.05
 LIVE_STATES = ("starting", "running", "paused")
 
 
@@ -60,19 +57,10 @@ class TuitrainApp(App[None]):
     TITLE = "tuitrain"
     AUTO_FOCUS = None  # keys go to the app until the user tabs into a control
     CSS = """
-    #top {
-        height: 3fr;
-    }
-    #side {
-        width: 52;
-    }
-    #middle {
-        height: 2fr;
-        min-height: 9;
-    }
-    #middle > Controls {
-        width: 52;
-    }
+    #top { height: 3fr; }
+    #side { width: 52; }
+    #middle { height: 2fr; min-height: 9; }
+    #middle > Controls { width: 52; }
     """
     BINDINGS = bindings()
 
@@ -87,7 +75,7 @@ class TuitrainApp(App[None]):
         self.failure: Failed | None = None
         self.failure_at_quit: Failed | None = None  # how the run stood when the user quit
         self.finished: Finished | None = None
-        self.steering = Steering(self)
+        self.steering = Steering(self.settings.engine, screen=self)
         self.meter = RunMeter()
         self.saving = PresetSaving(self, report=self._report_save)
         self._panels_stale = False  # a step arrived since the panels were drawn
@@ -97,14 +85,13 @@ class TuitrainApp(App[None]):
 
     def compose(self) -> ComposeResult:
         engine = self.settings.engine
-        budget = parse_size(engine.device_budget) if engine.device_budget else None
         yield RunHeader(
             HeaderInfo(
                 model=self.settings.model,
                 total_steps=self.settings.training.steps,
                 policy=engine.policy,
                 margin_ratio=engine.margin_ratio,
-                device_budget=budget,
+                device_budget=engine.device_budget.nbytes if engine.device_budget else None,
             ),
             id="header",
         )
@@ -187,10 +174,9 @@ class TuitrainApp(App[None]):
         controls.allow_budget(event.device.startswith("simulated"))
         # The worker picks the default budget (the whole GPU, or one sized for the simulated
         # device): show it now rather than after the first step, which can take a while.
-        used = event.settings.get("engine", {}).get("device_budget")
-        if used and self.settings.engine.device_budget is None:
-            self.query_one(RunHeader).show(device_budget=parse_size(used))
-            controls.show_default_budget(str(used))
+        if event.device_budget is not None and self.settings.engine.device_budget is None:
+            self.query_one(RunHeader).show(device_budget=event.device_budget)
+            controls.show_default_budget(Size.of_bytes(event.device_budget))
         if self.latest is None:
             self.query_one(StepPanel).show_waiting(
                 "first step running: it also records the order the chunks are used in, "
@@ -267,8 +253,7 @@ class TuitrainApp(App[None]):
     def set_state(self, state: str) -> None:
         """Show the run's new state, and offer the keys that make sense in it."""
         self.run_state = state
-        if state in ("running", "paused"):
-            self.steering.want_paused = state == "paused"
+        self.steering.state_changed(state)
         self.query_one(RunHeader).show(state=state)
         self.refresh_bindings()
 
@@ -284,6 +269,25 @@ class TuitrainApp(App[None]):
         if self.started is not None and self.started.log_path:
             return self.started.log_path
         return str(getattr(self.worker, "log_path", "") or "")
+
+    # --- what steering asks of the app ----------------------------------------------------
+
+    @property
+    def controls(self) -> Controls:
+        return self.query_one(Controls)
+
+    def send(self, command: Command) -> int:
+        assert self.worker is not None, "commands go to a live worker"
+        return self.worker.send(command)
+
+    def use_setting(self, setting: str, value: Value, *, from_step: int | None) -> None:
+        """`setting` is `value` from step `from_step` on (None: for the next run); the
+        value was checked where it entered, on the screen or by the worker."""
+        engine = self.settings.engine.model_copy(update={setting: value})
+        self.settings = self.settings.model_copy(update={"engine": engine})
+        if from_step is not None:
+            self.meter.settings_changed(from_step)
+        self.query_one(RunHeader).show(**settings_fields(engine))
 
     # --- requests -------------------------------------------------------------------------
 
@@ -379,21 +383,14 @@ class TuitrainApp(App[None]):
     # --- presets --------------------------------------------------------------------------
 
     def action_save_preset(self) -> None:
-        budget = self.latest.device_budget if self.latest else None
-        self.saving.start(self.settings, self.meter.measured(), budget=budget)
+        device_budget = self.latest.device_budget if self.latest else None
+        self.saving.start(self.settings, self.meter.measured(), device_budget=device_budget)
 
     def _report_save(self, message: str, *, error: bool) -> None:
         self.query_one(Controls).show_message(message, error=error)
         self.add_log(message, level="error" if error else "change")
         if not error:
             self.notify(message)
-
-
-def exit_status(failure: Failed | None) -> int:
-    """0; 1 for a failed run, 2 for one that failed on a mistake in the input."""
-    if failure is None:
-        return 0
-    return EXIT_BAD_INPUT if failure.exitcode == EXIT_BAD_INPUT else 1
 
 
 def run_app(settings: Settings, *, err: TextIO | None = None) -> int:
@@ -405,12 +402,6 @@ def run_app(settings: Settings, *, err: TextIO | None = None) -> int:
     """
     app = TuitrainApp(settings)
     app.run()
-    failure = app.failure_at_quit
-    if failure is not None:
-        err = err or sys.stderr
-        if failure.exitcode == EXIT_BAD_INPUT:
-            print(f"tuitrain: error: {failure.reason}", file=err)
-        else:
-            where = f" (log: {app.log_path})" if app.log_path else ""
-            print(f"training failed: {failure.reason}{where}", file=err)
+    if app.failure_at_quit is not None:
+        print(failure_line(app.failure_at_quit, log_path=app.log_path), file=err or sys.stderr)
     return app.return_code or 0

@@ -21,7 +21,8 @@ LABELS = {
 }
 SETTINGS = ("policy", "margin_ratio", "device_budget")  # the ones that are values
 DONE = {"pause": "paused", "resume": "resumed", "checkpoint": "checkpoint saved"}  # actions
-Value = str | float | None  # a policy, a margin ratio, a budget ("4GiB"; None = the default)
+# A policy, a margin ratio, or a device budget (a Size, "4GiB"; None = the default).
+Value = str | float | None
 
 
 def shown(setting: str, value: Value) -> str:
@@ -40,7 +41,7 @@ def command_for(setting: str, value: Value) -> Command:
     if setting == "margin_ratio":
         return SetMargin(margin_ratio=float(value))
     if setting == "device_budget":
-        return SetBudget(device_budget=str(value))
+        return SetBudget(device_budget=value)
     raise ValueError(f"not a setting the worker can change: {setting!r}")
 
 

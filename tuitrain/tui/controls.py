@@ -13,22 +13,27 @@ from textual import on
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
-from textual.validation import Function, Number
+from textual.validation import Function
 from textual.widgets import Input, Label, Select, Static
 
-from engine.config import check_margin, parse_size
 from engine.placement.policy import Policy
+from tuitrain.settings import InvalidSettings, Size, check_engine_setting
 from tuitrain.tui.changes import Change
 
 STATUS_STYLES = {"pending": "yellow", "applied": "green", "rejected": "red"}
 
 
-def _is_size(text: str) -> bool:
-    try:
-        parse_size(text)
-    except ValueError:
-        return False
-    return True
+def _valid(setting: str) -> Function:
+    """A field's validator (its look while typing): the settings' own rule for `setting`."""
+
+    def valid(text: str) -> bool:
+        try:
+            check_engine_setting(setting, text)
+        except InvalidSettings:
+            return False
+        return True
+
+    return Function(valid, f"not a valid {setting}")
 
 
 def _plain(static: Static) -> str:
@@ -86,7 +91,7 @@ class Controls(Vertical):
 
     @dataclass
     class BudgetEntered(Message):
-        device_budget: str
+        device_budget: Size
 
     def __init__(
         self, *, policy: str, margin_ratio: float, device_budget: str | None, id: str | None = None
@@ -96,7 +101,7 @@ class Controls(Vertical):
         self._initial = (policy, margin_ratio, device_budget)
 
     def compose(self) -> ComposeResult:
-        policy, margin, budget = self._initial
+        policy, margin_ratio, device_budget = self._initial
         options = [(p.value, p.value) for p in Policy]
         with Horizontal():
             yield Label("policy")
@@ -104,18 +109,18 @@ class Controls(Vertical):
         with Horizontal():
             yield Label("margin")
             yield Input(
-                f"{margin:.2f}",
+                f"{margin_ratio:.2f}",
                 compact=True,
                 id="margin",
-                validators=[Number(minimum=0.0, maximum=1.0)],
+                validators=[_valid("margin_ratio")],
             )
             yield Label("budget")
             yield Input(
-                budget or "",
+                device_budget or "",
                 placeholder="6GiB",
                 compact=True,
                 id="budget",
-                validators=[Function(_is_size, "not a size")],
+                validators=[_valid("device_budget")],
             )
         yield Static("Enter applies · c policy · +/- margin", id="control-hint")
         yield Static("", id="control-message")
@@ -142,10 +147,10 @@ class Controls(Vertical):
 
     def allow_budget(self, allowed: bool) -> None:
         """The budget is a simulated device's; a real GPU's capacity is what it is."""
-        budget = self.query_one("#budget", Input)
-        budget.disabled = not allowed
+        field = self.query_one("#budget", Input)
+        field.disabled = not allowed
         if not allowed:
-            budget.tooltip = "only a simulated device has a budget to change"
+            field.tooltip = "only a simulated device has a budget to change"
 
     def show_default_budget(self, device_budget: str) -> None:
         """Show, greyed in the empty budget field, the budget the worker chose by default."""
@@ -179,11 +184,9 @@ class Controls(Vertical):
     def _margin_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         try:
-            value = check_margin(float(event.value))
-        except ValueError:
-            self.show_message(
-                f"margin must be a number within 0..1, not {event.value!r}", error=True
-            )
+            value = check_engine_setting("margin_ratio", event.value.strip())
+        except InvalidSettings as error:
+            self.show_message(str(error), error=True)
             return
         self.show_message("")
         self.post_message(self.MarginEntered(round(value, 4)))
@@ -191,11 +194,10 @@ class Controls(Vertical):
     @on(Input.Submitted, "#budget")
     def _budget_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        text = event.value.strip()
         try:
-            parse_size(text)
-        except ValueError as exc:
-            self.show_message(str(exc), error=True)
+            value = check_engine_setting("device_budget", event.value.strip())
+        except InvalidSettings as error:
+            self.show_message(str(error), error=True)
             return
         self.show_message("")
-        self.post_message(self.BudgetEntered(text))
+        self.post_message(self.BudgetEntered(value))

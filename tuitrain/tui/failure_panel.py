@@ -1,12 +1,13 @@
-"""FailurePanel: why the run stopped, the end of its log, and what the user can do now."""
+"""FailurePanel: why the run stopped, the end of its log, and what the user can do now; and
+how the app, once closed, tells the failure it showed."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import Static
 
+from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from tuitrain.events import Failed
-from tuitrain.training_run import EXIT_BAD_INPUT
 
 LOG_TAIL_LINES = 5  # the worker's last words; the rest is in its log file
 
@@ -41,6 +42,22 @@ def describe_failure(failed: Failed, *, log_path: str = "") -> Text:
         for line in failed.log_tail[-LOG_TAIL_LINES:]:
             lines.append(Text(f"  {line}", style="dim"))
     return Text("\n").join(lines)
+
+
+def exit_status(failure: Failed | None) -> int:
+    """The app's exit status, as the headless runner's: 0; 1 for a failed run, 2 for one
+    that failed on a mistake in the input."""
+    if failure is None:
+        return EXIT_OK
+    return EXIT_BAD_INPUT if failure.exitcode == EXIT_BAD_INPUT else EXIT_FAILED
+
+
+def failure_line(failed: Failed, *, log_path: str = "") -> str:
+    """The failure in one line, for the terminal once the screen that showed it is gone."""
+    if failed.exitcode == EXIT_BAD_INPUT:
+        return f"tuitrain: error: {failed.reason}"
+    where = f" (log: {log_path})" if log_path else ""
+    return f"training failed: {failed.reason}{where}"
 
 
 class FailurePanel(Static):

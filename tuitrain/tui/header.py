@@ -7,9 +7,8 @@ from dataclasses import dataclass, replace
 from rich.text import Text
 from textual.widgets import Static
 
-from engine.config import parse_size
+from tuitrain.formatting import format_count, format_rate, format_size
 from tuitrain.settings import EngineSettings
-from tuitrain.tui.formatting import format_count, format_rate, format_size
 
 STATE_STYLES = {
     "starting": "bold yellow",
@@ -42,7 +41,7 @@ def settings_fields(engine: EngineSettings) -> dict[str, object]:
     """The settings in force, as RunHeader.show takes them."""
     fields: dict[str, object] = {"policy": engine.policy, "margin_ratio": engine.margin_ratio}
     if engine.device_budget is not None:
-        fields["device_budget"] = parse_size(engine.device_budget)
+        fields["device_budget"] = engine.device_budget.nbytes
     return fields
 
 
@@ -89,7 +88,7 @@ class RunHeader(Static):
             device = info.device or "N/A"
         total = "?" if info.total_steps is None else str(info.total_steps)
         rate = unknown if info.tokens_per_s is None else format_rate(info.tokens_per_s)
-        budget = unknown if info.device_budget is None else format_size(info.device_budget)
+        device_budget = unknown if info.device_budget is None else format_size(info.device_budget)
         first = Text.assemble(
             ("tuitrain", "bold"),
             sep,
@@ -113,6 +112,6 @@ class RunHeader(Static):
             (f"{info.margin_ratio:.2f}", "bold"),
             sep,
             "budget ",
-            (budget, "bold"),
+            (device_budget, "bold"),
         )
         return Text("\n").join([first, second])

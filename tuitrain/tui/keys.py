@@ -9,7 +9,10 @@ from functools import partial
 from textual.app import SystemCommand
 from textual.binding import Binding
 
+from tuitrain.settings import MARGIN_RATIO_MAX, MARGIN_RATIO_MIN
+
 TEXTUAL_COMMANDS_REPLACED = ("Quit", "Keys")  # by our Quit and Help
+MARGIN_STEP = 0.05  # how far + and - move the margin ratio
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,12 +33,14 @@ KEYS: tuple[KeyAction, ...] = (
         help="next placement policy: cuda → cpu → auto",
     ),
     KeyAction(
-        key="plus", shown="+", action="margin_up", title="Margin +0.05", short="Margin+",
-        help="raise the margin ratio by 0.05 (up to 1)",
+        key="plus", shown="+", action="margin_up", title=f"Margin +{MARGIN_STEP:g}",
+        short="Margin+",
+        help=f"raise the margin ratio by {MARGIN_STEP:g} (up to {MARGIN_RATIO_MAX:g})",
     ),
     KeyAction(
-        key="minus", shown="-", action="margin_down", title="Margin -0.05", short="Margin-",
-        help="lower the margin ratio by 0.05 (down to 0)",
+        key="minus", shown="-", action="margin_down", title=f"Margin -{MARGIN_STEP:g}",
+        short="Margin-",
+        help=f"lower the margin ratio by {MARGIN_STEP:g} (down to {MARGIN_RATIO_MIN:g})",
     ),
     KeyAction(
         key="space", shown="space", action="toggle_pause", title="Pause / resume", short="Pause",

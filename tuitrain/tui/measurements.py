@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from engine.telemetry import StepStats
-from tuitrain.tui.formatting import format_rate, format_seconds, format_size
+from tuitrain.formatting import format_rate, format_seconds, format_size
+from tuitrain.metrics import pace, tokens_per_second
 
 RATE_WINDOW = 20  # steps averaged for tokens/s and the step time
 
@@ -75,26 +75,20 @@ class RunMeter:
 
     @property
     def tokens_per_second(self) -> float | None:
-        return _rate(self._recent)
+        return tokens_per_second(self._recent)
 
     def measured(self) -> Measured | None:
         """None before the first step. Right after a change, before a step ran with the new
         settings, the latest steps stand in for them."""
         if self._last is None:
             return None
-        paced = [(t, s) for step, t, s in self._since if step != self._first_step]
-        if not paced:
-            paced = [(t, s) for _, t, s in self._since] or list(self._recent)
+        since = [(t, s) for _, t, s in self._since]
+        warm_up = bool(self._since) and self._since[0][0] == self._first_step
+        steady = pace(since, warm_up=warm_up) or pace(list(self._recent), warm_up=False)
+        assert steady is not None  # a step was recorded
         return Measured(
             step=self._last.step,
             device_peak=self._peak or self._last.memory.device_peak,
-            step_seconds=sum(s for _, s in paced) / len(paced),
-            tokens_per_second=_rate(paced),
+            step_seconds=steady.step_seconds,
+            tokens_per_second=steady.tokens_per_second,
         )
-
-
-def _rate(samples: Iterable[tuple[int, float]]) -> float | None:
-    """Tokens per second over (tokens, seconds) samples; None when no time passed."""
-    samples = list(samples)
-    seconds = sum(s for _, s in samples)
-    return sum(t for t, _ in samples) / seconds if seconds > 0 else None

@@ -19,8 +19,9 @@ from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
 from engine.telemetry import StepStats
+from tuitrain.formatting import format_size
+from tuitrain.tui.axes import size_unit, step_ticks
 from tuitrain.tui.downsample import downsample
-from tuitrain.tui.formatting import format_size, size_unit, step_ticks
 
 HISTORY = 600  # steps kept for the charts; older samples scroll off
 

@@ -18,8 +18,8 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
+from tuitrain.formatting import format_size
 from tuitrain.settings import Settings
-from tuitrain.tui.formatting import format_size
 from tuitrain.tui.measurements import Measured
 
 PRESETS_DIR = "presets"
@@ -143,15 +143,18 @@ class PresetSaving:
         self.app = app
         self.report = report
 
-    def start(self, settings: Settings, measured: Measured | None, *, budget: int | None) -> None:
-        """Open the dialog with presets/<model>-<policy>.yaml filled in."""
+    def start(
+        self, settings: Settings, measured: Measured | None, *, device_budget: int | None
+    ) -> None:
+        """Open the dialog with presets/<model>-<policy>.yaml filled in; `device_budget` is
+        the one this run has (bytes)."""
         settings = settings.model_copy(deep=True)
         engine = settings.engine
         # No budget in the settings is saved as none: a run of the preset takes the default
         # for its own device, which is not always the one measured here.
         shown_budget = engine.device_budget or "default"
-        if engine.device_budget is None and budget:
-            shown_budget += f" ({format_size(budget)} on this run)"
+        if engine.device_budget is None and device_budget:
+            shown_budget += f" ({format_size(device_budget)} on this run)"
         summary = (
             f"policy {engine.policy} · margin {engine.margin_ratio:.2f} · budget {shown_budget}"
         )

@@ -7,7 +7,7 @@ from textual.widgets import DataTable
 
 from engine.chunks.state import TensorState
 from engine.telemetry import MemorySnapshot
-from tuitrain.tui.formatting import format_size
+from tuitrain.formatting import format_size
 
 LOCATIONS = ("device", "host")
 BYTES_ROW = "param bytes"  # the chunks' parameter payload; the memory chart adds the rest

@@ -7,10 +7,11 @@ live worker (failed or finished) a setting changes what the next restart runs wi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.placement.policy import Policy
 from tuitrain.events import Applied, Checkpoint, Command, Pause, Rejected, Resume
+from tuitrain.settings import MARGIN_RATIO_MAX, MARGIN_RATIO_MIN, EngineSettings
 from tuitrain.tui.changes import (
     LABELS,
     SETTINGS,
@@ -21,30 +22,51 @@ from tuitrain.tui.changes import (
     shown,
 )
 from tuitrain.tui.controls import Controls
-from tuitrain.tui.header import RunHeader, settings_fields
 
-if TYPE_CHECKING:
-    from tuitrain.tui.app import TuitrainApp
+
+class SteeredScreen(Protocol):
+    """What Steering needs from the screen it works for, and nothing more."""
+
+    @property
+    def live(self) -> bool:
+        """Whether a worker runs (or starts) that can take commands."""
+
+    @property
+    def run_state(self) -> str:
+        """ "starting", "running", "paused", ... (see TuitrainApp.set_state)."""
+
+    @property
+    def controls(self) -> Controls:
+        """Where targets, messages and the list of changes are shown."""
+
+    def send(self, command: Command) -> int:
+        """Send `command` to the worker; returns the id its answer will carry."""
+
+    def use_setting(self, setting: str, value: Value, *, from_step: int | None) -> None:
+        """`setting` is `value` from step `from_step` on (None: for the next run)."""
+
+    def set_state(self, state: str) -> None:
+        """Show the run's new state."""
+
+    def add_log(self, message: str, *, level: str = "info") -> None:
+        """A line in the log panel."""
 
 
 class Steering:
     """What the user asked the worker for, and how each request went.
 
     Args:
-        app: the app whose worker takes the commands, whose settings hold what was applied,
-            and whose controls and log show each request.
+        engine: the engine settings the run starts with.
+        screen: the app, seen through what steering needs of it.
     """
 
-    def __init__(self, app: TuitrainApp) -> None:
-        self.app = app
+    def __init__(self, engine: EngineSettings, *, screen: SteeredScreen) -> None:
+        self.screen = screen
         self.changes = ChangeTracker()
-        engine = app.settings.engine
-        # What the user asked for, pending included; app.settings holds what was applied.
-        self.target: dict[str, Value] = {
-            "policy": engine.policy,
-            "margin_ratio": engine.margin_ratio,
-            "device_budget": engine.device_budget,
-        }
+        # What is in force (the worker applied it), and what the user asked for last,
+        # pending included.
+        self.in_force: dict[str, Value] = {name: getattr(engine, name) for name in SETTINGS}
+        self.target: dict[str, Value] = dict(self.in_force)
         self.want_paused = False
 
     # --- requests -------------------------------------------------------------------------
@@ -56,88 +78,85 @@ class Steering:
         none (failed or finished) it changes the settings the next restart will use.
         """
         old, new = shown(setting, self.target[setting]), shown(setting, value)
-        controls = self.app.query_one(Controls)
-        controls.show_message("")
-        if not self.app.live:
-            setattr(self.app.settings.engine, setting, value)
-            self.target[setting] = value
+        self.screen.controls.show_message("")
+        if not self.screen.live:
+            self.in_force[setting] = self.target[setting] = value
             self.show_targets()
-            self.app.query_one(RunHeader).show(**settings_fields(self.app.settings.engine))
-            self.app.add_log(f"{LABELS[setting]}: {old} → {new}, used when the run restarts (r)")
+            self.screen.use_setting(setting, value, from_step=None)
+            self.screen.add_log(f"{LABELS[setting]}: {old} → {new}, used when the run restarts (r)")
             return
-        change = Change(self._send(command_for(setting, value)), setting, value, old, new)
+        change = Change(self.screen.send(command_for(setting, value)), setting, value, old, new)
         self.changes.sent(change)
         self.target[setting] = value
         self.show_targets()
         self.show_changes()
-        self.app.add_log(change.describe())
+        self.screen.add_log(change.describe())
 
     def cycle_policy(self) -> None:
         self.request("policy", Policy.parse(str(self.target["policy"])).next().value)
 
     def move_margin(self, delta: float) -> None:
         current = float(self.target["margin_ratio"])
-        value = round(min(1.0, max(0.0, current + delta)), 2)
+        value = round(min(MARGIN_RATIO_MAX, max(MARGIN_RATIO_MIN, current + delta)), 2)
         if value == current:
-            self.app.query_one(Controls).show_message(f"margin is already {current:.2f}")
+            self.screen.controls.show_message(f"margin is already {current:.2f}")
             return
         self.request("margin_ratio", value)
 
     def toggle_pause(self) -> None:
         pause = not self.want_paused
         command = Pause() if pause else Resume()
-        change = Change(self._send(command), "pause" if pause else "resume")
+        change = Change(self.screen.send(command), "pause" if pause else "resume")
         self.changes.sent(change)
         self.want_paused = pause
         self.show_changes()
-        self.app.add_log(change.describe())
+        self.screen.add_log(change.describe())
 
     def checkpoint(self) -> None:
-        change = Change(self._send(Checkpoint()), "checkpoint")
+        change = Change(self.screen.send(Checkpoint()), "checkpoint")
         self.changes.sent(change)
         self.show_changes()
-        self.app.add_log(change.describe())
+        self.screen.add_log(change.describe())
 
-    def _send(self, command: Command) -> int:
-        assert self.app.worker is not None
-        return self.app.worker.send(command)
+    def state_changed(self, state: str) -> None:
+        """The run is now `state`: a pause or resume asked for has happened, or never will."""
+        if state in ("running", "paused"):
+            self.want_paused = state == "paused"
 
     # --- answers --------------------------------------------------------------------------
 
     def applied(self, event: Applied) -> None:
         change = self.changes.applied(event.id, event.step)
         if change is None:
-            self.app.add_log(f"applied at step {event.step}: {event.what}", level="change")
+            self.screen.add_log(f"applied at step {event.step}: {event.what}", level="change")
             return
         if change.setting in SETTINGS:
-            setattr(self.app.settings.engine, change.setting, change.value)
-            self.app.meter.settings_changed(event.step)
-            self.app.query_one(RunHeader).show(**settings_fields(self.app.settings.engine))
+            self.in_force[change.setting] = change.value
+            self.screen.use_setting(change.setting, change.value, from_step=event.step)
         elif change.setting == "pause":
-            self.app.set_state("paused")
+            self.screen.set_state("paused")
         elif change.setting == "resume":
-            self.app.set_state("running")
+            self.screen.set_state("running")
         where = event.what.removeprefix("checkpoint").strip()
         detail = f" ({where})" if change.setting == "checkpoint" and where else ""
         # The log's step column is when it happened; the line itself names the step it
         # applies at (the next one, for a setting), so the column never runs backwards.
-        self.app.add_log(change.describe() + detail, level="change")
+        self.screen.add_log(change.describe() + detail, level="change")
         self.show_changes()
 
     def rejected(self, event: Rejected) -> None:
         change = self.changes.rejected(event.id, event.reason)
         if change is None:
-            self.app.add_log(f"rejected: {event.reason}", level="warning")
+            self.screen.add_log(f"rejected: {event.reason}", level="warning")
             return
         if change.setting in SETTINGS:
             still = self.changes.latest_pending(change.setting)
-            applied = getattr(self.app.settings.engine, change.setting)
-            self.target[change.setting] = still.value if still else applied
+            self.target[change.setting] = still.value if still else self.in_force[change.setting]
             self.show_targets()
         elif change.setting in ("pause", "resume"):
-            self.want_paused = self.app.run_state == "paused"
-        self.app.add_log(change.describe(), level="warning")
-        self.app.query_one(Controls).show_message(change.describe(), error=True)
+            self.want_paused = self.screen.run_state == "paused"
+        self.screen.add_log(change.describe(), level="warning")
+        self.screen.controls.show_message(change.describe(), error=True)
         self.show_changes()
 
     def forget_pending(self) -> None:
@@ -148,12 +167,12 @@ class Steering:
     # --- showing --------------------------------------------------------------------------
 
     def show_changes(self) -> None:
-        self.app.query_one(Controls).show_changes(self.changes.lines())
+        self.screen.controls.show_changes(self.changes.lines())
 
     def show_targets(self) -> None:
-        budget = self.target["device_budget"]
-        self.app.query_one(Controls).set_values(
+        device_budget = self.target["device_budget"]
+        self.screen.controls.set_values(
             policy=str(self.target["policy"]),
             margin_ratio=float(self.target["margin_ratio"]),
-            device_budget=str(budget) if budget is not None else None,
+            device_budget=str(device_budget) if device_budget is not None else None,
         )

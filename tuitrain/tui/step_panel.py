@@ -12,8 +12,9 @@ from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
 from engine.telemetry import StepStats
+from tuitrain.formatting import format_seconds, format_size
+from tuitrain.tui.axes import step_ticks
 from tuitrain.tui.downsample import downsample, mean
-from tuitrain.tui.formatting import format_seconds, format_size, step_ticks
 
 LOSS_HISTORY = 2000  # losses kept for the curve
 BAR_WIDTH = 12

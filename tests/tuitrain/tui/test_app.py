@@ -326,7 +326,7 @@ async def test_the_log_step_column_never_runs_backwards():
 
 
 async def test_the_default_budget_shows_once_the_worker_has_chosen_it():
-    started = fake_started(budget=6 * GiB, settings={"engine": {"device_budget": "6GiB"}})
+    started = fake_started(device_budget=6 * GiB, settings={"engine": {"device_budget": "6GiB"}})
     app, _ = make_app([started])
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)

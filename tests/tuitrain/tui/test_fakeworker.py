@@ -183,7 +183,7 @@ def test_fake_stats_place_chunks_by_policy():
     cpu = fake_stats(1, policy="cpu").memory
     assert all(c.location == "device" for c in cuda.chunks)
     assert [c.state for c in cpu.chunks if c.location == "device"] == ["COMPUTE"]
-    small = fake_stats(1, policy="auto", budget=3 * GiB, parameters=1_300_000_000).memory
+    small = fake_stats(1, policy="auto", device_budget=3 * GiB, parameters=1_300_000_000).memory
     locations = {c.location for c in small.chunks}
     assert locations == {"device", "host"}
     assert small.device_peak <= small.device_capacity

@@ -1,6 +1,7 @@
 """Numbers on the screen."""
 
-from tuitrain.tui.formatting import format_count, format_rate, format_seconds, size_unit, step_ticks
+from tuitrain.formatting import format_count, format_rate, format_seconds
+from tuitrain.tui.axes import size_unit, step_ticks
 
 
 def test_counts_rates_and_durations():

@@ -17,7 +17,7 @@ from .helpers import SIZE
 RUN = dict(
     model="opt-1.3b",
     parameters=1_315_758_080,
-    budget=3 * GiB,
+    device_budget=3 * GiB,
     n_chunks=72,
     policy="auto",
     margin_ratio=0.3,

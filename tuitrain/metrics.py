@@ -1,0 +1,107 @@
+"""The JSONL metrics of a run: written by the worker, read back for a preset's header, and
+the pace of a run, which leaves out the warm-up step wherever it is measured.
+
+A metrics file holds, per run, one line of settings (`{"settings": ..., ...}`) and then one
+`dataclasses.asdict(StepStats)` per step. Files are appended to, so one file can hold
+several runs; readers take the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+
+@dataclass(frozen=True)
+class Pace:
+    step_seconds: float  # mean time of a step
+    tokens_per_second: float | None  # None when no time passed
+
+
+def pace(samples: Sequence[tuple[int, float]], *, warm_up: bool = True) -> Pace | None:
+    """How fast steps went, from (tokens, seconds) per step in order; None without a step.
+
+    With `warm_up`, the first sample is the run's first step, which also records the order
+    the chunks are used in: it is left out while there are others, since the settings
+    measured will not run at that pace again.
+    """
+    steady = (samples[1:] or samples) if warm_up else samples
+    if not steady:
+        return None
+    seconds = sum(s for _, s in steady)
+    return Pace(step_seconds=seconds / len(steady), tokens_per_second=tokens_per_second(steady))
+
+
+def tokens_per_second(samples: Sequence[tuple[int, float]]) -> float | None:
+    """Tokens per second over (tokens, seconds) samples; None when no time passed."""
+    seconds = sum(s for _, s in samples)
+    return sum(t for t, _ in samples) / seconds if seconds > 0 else None
+
+
+class MetricsWriter:
+    """Appends records to a metrics file, one JSON line each, flushed as written."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        """Open `path` for appending (its folder is made); ValueError when that fails."""
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            # Appended, never truncated: a metrics file the user already had is kept whole.
+            self._file: TextIO | None = open(path, "a", encoding="utf-8")
+        except OSError as err:
+            raise ValueError(f"cannot write metrics to {path}: {err.strerror or err}") from err
+
+    def write(self, record: dict) -> None:
+        assert self._file is not None, "the metrics file is closed"
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.close()
+        except OSError:  # the write that failed is already reported; closing retries it
+            pass
+        self._file = None
+
+
+def latest_run(path: str | os.PathLike) -> list[dict]:
+    """The step records of the latest run in a metrics file; empty when it cannot be read.
+
+    Lines that are not JSON (a run killed mid-write) are skipped.
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    steps: list[dict] = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "settings" in record:  # a new run starts here
+            steps = []
+        elif "step" in record:
+            steps.append(record)
+    return steps
+
+
+def measure_metrics(path: str | os.PathLike) -> dict[str, float] | None:
+    """What a metrics file says about its latest run, for a preset's header: the device
+    peak, the steady step time and tokens/s, and the last step. None when there is no step.
+    """
+    steps = latest_run(path)
+    measured = pace([(s["tokens"], s["seconds"]) for s in steps])
+    if measured is None:
+        return None
+    return {
+        "device_peak": max(s["memory"]["device_peak"] for s in steps),
+        "step_seconds": measured.step_seconds,
+        "tokens_per_second": measured.tokens_per_second or 0.0,
+        "step": steps[-1]["step"],
+    }
