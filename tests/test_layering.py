@@ -53,3 +53,81 @@ def test_importing_every_engine_module_loads_no_application_or_ui_module(tmp_pat
     assert "engine.models.zoo" in report["imported"]
     leaked = [m for m in report["loaded"] if m.split(".")[0] in FORBIDDEN]
     assert leaked == []
+
+
+# --- the application: no import circles, and the contracts that keep it layered ----------
+
+APPLICATION_CONTRACTS = (
+    "application layers: commands, UIs, the worker, what they share",
+    "the TUI reaches the worker through its client only",
+    "the TUI never imports torch or the engine's training code",
+    "the app above its panels; panels never reach the app",
+    "no import circles in tuitrain",
+)
+
+
+def import_circles(package: str) -> list[tuple[str, ...]]:
+    """One circle of imports (a, b, ..., a) per group of modules of `package` that import
+    each other round, type-hint-only imports included; empty when there is none."""
+    import grimp
+
+    graph = grimp.build_graph(package, exclude_type_checking_imports=False)
+    modules = sorted(m for m in graph.modules if m.split(".")[0] == package)
+    imports = {
+        m: sorted(d for d in graph.find_modules_directly_imported_by(m) if d in modules)
+        for m in modules
+    }
+    circles = []
+    for group in _strongly_connected(imports):
+        first = min(group)
+        nxt = next(m for m in imports[first] if m in group)
+        back = graph.find_shortest_chain(importer=nxt, imported=first)
+        circles.append((first, *back))
+    return circles
+
+
+def _strongly_connected(imports: dict[str, list[str]]) -> list[set[str]]:
+    """Tarjan's algorithm: the groups of more than one module that reach each other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in imports[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = set()
+            while not group or module not in group:
+                group.add(stack.pop())
+            if len(group) > 1:
+                groups.append(group)
+
+    for module in imports:
+        if module not in index:
+            visit(module)
+    return groups
+
+
+def test_no_module_of_tuitrain_imports_itself_round_a_circle():
+    circles = import_circles("tuitrain")
+    assert circles == [], "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_application_contracts_are_kept():
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    done = subprocess.run(
+        [str(lint_imports), "--config", str(REPO / "pyproject.toml"), "--no-cache"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    for contract in APPLICATION_CONTRACTS:
+        assert f"{contract} KEPT" in done.stdout, done.stdout + done.stderr
