@@ -65,6 +65,10 @@ class EngineConfig:
     warmup_steps: int = 0
     total_steps: int | None = None  # needed by the decaying schedules
     seed: int = 0
+    # Micro-batches per optimizer step: step() splits its batch into this many equal parts
+    # in order, runs forward and backward on each and sums their gradients, so a batch of
+    # N x b sequences trains as it would in one piece, with a micro-batch's memory.
+    grad_accum: int = 1
     chunk_size: int | None = None  # elements per chunk; None = searched to waste little
     initial_loss_scale: float = 2.0**16  # fp16 only: dynamic loss scaling starts here
     simulate: bool | None = None  # None = simulate when there is no CUDA
@@ -80,6 +84,8 @@ class EngineConfig:
             self.device_budget = parse_size(self.device_budget)
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, not {self.lr}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be at least 1, not {self.grad_accum}")
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
         if self.lr_schedule not in ("constant", "cosine", "linear"):

@@ -47,6 +47,10 @@ class StepStats:
     grad_norm: float | None = None
     lr: float = 0.0
     applied: list[str] = field(default_factory=list)  # settings changes that took effect here
+    # Gradient accumulation: forward and backward passes summed into this optimizer step;
+    # `loss` is their mean and `tokens` their total.
+    micro_batches: int = 1
+    micro_losses: list[float] = field(default_factory=list)
 
 
 def stats_from_dict(data: dict) -> StepStats:

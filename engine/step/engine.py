@@ -36,6 +36,18 @@ S = TensorState
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def split_batch(batch: dict, parts: int) -> list[dict]:
+    """`batch` as `parts` equal micro-batches along its first dimension, in order."""
+    if parts == 1:
+        return [batch]
+    size = batch["input_ids"].shape[0]
+    if size % parts:
+        raise ValueError(f"a batch of {size} sequences does not split into {parts} "
+                         f"equal micro-batches (grad_accum)")
+    return [{k: v.chunk(parts)[i] if isinstance(v, torch.Tensor) else v
+             for k, v in batch.items()} for i in range(parts)]
+
+
 class Engine:
     """The offload engine. See the module docstring and DESIGN.md ("The engine").
 
@@ -145,35 +157,51 @@ class Engine:
         self.runner.interrupt()
 
     def step(self, batch: dict[str, torch.Tensor]) -> StepStats:
-        """One optimizer step on `batch` (input_ids, labels, optional attention_mask)."""
+        """One optimizer step on `batch` (input_ids, labels, optional attention_mask).
+
+        With `grad_accum` N the batch is split into N micro-batches, in order; each runs
+        forward and backward with its loss divided by N, and their gradients add up where
+        each chunk's gradients live before the one update.
+        """
         if self.closed:
             raise RuntimeError("this engine is closed")
         t_start = time.perf_counter()
         self.manager.reset_counters()
         applied = self._apply_pending()
         m = self.manager
-        if self.runner.begin(tuple(batch["input_ids"].shape), step=self.step_count + 1):
-            if self.settings.margin_ratio > 0:
-                self._place(margin=False)  # a new shape may need that room for activations
+        parts = split_batch(batch, self.config.grad_accum)
         dev = self.device.torch_device
-        batch = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        losses: list[float] = []
+        traced = False
+        forward = fwd_transfer = bwd_transfer = 0.0
+        peak = 0
         t0 = time.perf_counter()
-        loss, fwd_transfer, bwd_transfer = self.runner.forward_backward(
-            batch, self.optimizer.loss_scale)
+        for i, part in enumerate(parts):
+            shape = tuple(part["input_ids"].shape)
+            if self.runner.begin(shape, step=self.step_count + 1, accumulate=i > 0):
+                if self.settings.margin_ratio > 0:
+                    self._place(margin=False)  # a new shape may need that room
+            part = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in part.items()}
+            loss, fx, bx = self.runner.forward_backward(
+                part, self.optimizer.loss_scale / len(parts))
+            traced = self._end_trace() or traced
+            losses.append(float(loss.detach()))
+            forward += self.runner.forward_seconds
+            fwd_transfer, bwd_transfer = fwd_transfer + fx, bwd_transfer + bx
+            peak = max(peak, self.runner.peak)
         t2 = time.perf_counter()
-        traced = self._end_trace()
-        loss_value = float(loss.detach())
+        loss_value = sum(losses) / len(losses)
         self.step_count += 1
         skipped, grad_norm = self.optimizer.step(self.chunks, self.step_count)
         if traced:
             self._place()  # the margin needs the traced peak; grads are consumed by now
         t3 = time.perf_counter()
-        forward = self.runner.forward_seconds
         allocator_peak = self.device.allocator_peak()
-        self._last_peak = allocator_peak if allocator_peak is not None else self.runner.peak
+        self._last_peak = allocator_peak if allocator_peak is not None else peak
         self._last_non_model_peak = self.runner.trace.non_model_peak if self.runner.trace else 0
         return StepStats(
             step=self.step_count, loss=loss_value, tokens=int(batch["input_ids"].numel()),
+            micro_batches=len(parts), micro_losses=losses,
             seconds=t3 - t_start, forward=forward - fwd_transfer,
             backward=(t2 - t0 - forward) - bwd_transfer, optimizer=t3 - t2,
             transfer=m.transfer_seconds, bytes_h2d=m.bytes_h2d, bytes_d2h=m.bytes_d2h,

@@ -215,9 +215,10 @@ class StepRunner:
         trainable = tuple(s.param.requires_grad for c in self.chunks for s in c.slots)
         return (shape, checkpointing, trainable)
 
-    def begin(self, shape: tuple, *, step: int) -> bool:
-        """Open optimizer step `step` on a batch of `shape`; returns whether it will be
-        traced (the step changed, see step_key)."""
+    def begin(self, shape: tuple, *, step: int, accumulate: bool = False) -> bool:
+        """Open a forward and backward for optimizer step `step` on a batch of `shape`;
+        returns whether it will be traced (the step changed, see step_key). `accumulate`:
+        a later micro-batch of the same step, whose gradients add to those already in."""
         self.step_number = step
         hook_gradients((s.param for c in self.chunks for s in c.slots), self._on_grad,
                        self._grad_hooks)
@@ -233,8 +234,9 @@ class StepRunner:
         self.counter.reset()
         for chunk in self.chunks:
             chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)
-            for slot in chunk.slots:
-                slot.got_grad = False
+            if not accumulate:
+                for slot in chunk.slots:
+                    slot.got_grad = False
         return tracing
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float

@@ -148,3 +148,59 @@ def test_bf16_tracks_fp32():
     for x, y in zip(a, b, strict=True):
         assert abs(x - y) <= 0.02 * x
     assert b[-1] < 0.9 * b[0]
+
+
+# --- gradient accumulation ------------------------------------------------------------------
+# N micro-batches of b sequences give the weights of one batch of N x b. Not bit for bit:
+# summing per-micro-batch gradients rounds differently from one backward over the whole
+# batch, and AdamW turns that noise into full steps where the true gradient is zero (OPT's
+# key bias; see whole_model_relative_difference), so the weights are compared as one vector.
+
+WHOLE_BATCHES = make_batches(STEPS, batch_size=4, seed=7)
+WHOLE_LOSSES, WHOLE_WEIGHTS = reference_run(MODEL, WHOLE_BATCHES)
+
+
+def working_set_of_4(grad_accum: int) -> int:
+    """The working set of a step on batches of 4 sequences, in `grad_accum` micro-batches
+    (a scaled loss makes backward a little different from an unscaled one)."""
+    eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy="auto", device_budget="1GiB",
+                                                    grad_accum=grad_accum))
+    eng.step(WHOLE_BATCHES[0])
+    return eng.trace.working_set
+
+
+ACCUM_BUDGETS = {"ample": BUDGETS["ample"], "tight": int(working_set_of_4(2) * 1.05)}
+
+
+@pytest.mark.parametrize("policy", ["cuda", "cpu", "auto"])
+@pytest.mark.parametrize("budget", ["ample", "tight"])
+def test_gradient_accumulation_equals_the_whole_batch(policy, budget):
+    if policy == "cuda" and budget == "tight":
+        pytest.skip("cuda keeps every chunk on the device: no tight budget")
+    changes = [(), (("margin", 0.5),), (("policy", "cpu"),), (("policy", policy),)]
+    assert ACCUM_BUDGETS["tight"] < working_set_of_4(1)  # a micro-batch's memory suffices
+    eng, losses = run_engine(MODEL, WHOLE_BATCHES, policy=policy, budget=ACCUM_BUDGETS[budget],
+                             margin=0.0, changes=changes, grad_accum=2)
+    assert losses == pytest.approx(WHOLE_LOSSES, rel=TOL)
+    assert whole_model_relative_difference(eng.model_state_dict(), WHOLE_WEIGHTS) <= TOL
+
+
+def test_accumulated_micro_batches_are_the_batch_in_order():
+    first = Engine(copy.deepcopy(MODEL), EngineConfig(device_budget=BUDGETS["ample"],
+                                                      grad_accum=2))
+    stats = first.step(WHOLE_BATCHES[0])
+    assert stats.micro_batches == 2 and len(stats.micro_losses) == 2
+    assert stats.loss == pytest.approx(sum(stats.micro_losses) / 2)
+    halves = [{k: v[i * 2:(i + 1) * 2] for k, v in WHOLE_BATCHES[0].items()} for i in (0, 1)]
+    singles = [Engine(copy.deepcopy(MODEL), EngineConfig(device_budget=BUDGETS["ample"]))
+               .step(h).loss for h in halves]
+    assert stats.micro_losses == singles
+    assert stats.tokens == WHOLE_BATCHES[0]["input_ids"].numel()
+
+
+def test_a_batch_that_does_not_split_evenly_is_refused_before_anything_runs():
+    eng = Engine(copy.deepcopy(MODEL), EngineConfig(device_budget=BUDGETS["ample"],
+                                                    grad_accum=3))
+    with pytest.raises(ValueError, match="does not split into 3"):
+        eng.step(WHOLE_BATCHES[0])
+    assert eng.step_count == 0
