@@ -120,8 +120,9 @@ class TrainingRun:
         built = build_run(s, self._say)
         self.model, self.data, self.engine = built.model, built.data, built.engine
         # The planner's forecast, once the engine has accepted the settings (so a refusal is
-        # one line, not a warning and an error saying the same).
-        unfit = warn_if_unfit(s)
+        # one line, not a warning and an error saying the same), and of the run as built: a
+        # default simulated budget may have shrunk to fit this machine.
+        unfit = warn_if_unfit(built.settings)
         if unfit:
             self._say(unfit, "warning")
         if resume is not None:
