@@ -244,6 +244,16 @@ class ChunkManager:
         if phase:
             self.prefetch(pos, phase)
 
+    def prepare_outside_step(self, needed: tuple[Chunk, ...]) -> None:
+        """Bring `needed` to the device for a forward outside a training step (evaluation),
+        whatever the policy: copied in right before use, dropped right after, as cpu does,
+        so that evaluation needs no more device memory than the smallest step."""
+        on_device = [c.index for c in self.chunks if c.on_device]
+        for index in rules.CpuRules.release_before_use(on_device, [c.index for c in needed]):
+            self.release(self.chunks[index])
+        for chunk in needed:
+            self.materialise(chunk, -1, needed)
+
     # --- gradients ------------------------------------------------------------------------
 
     def grad_buffer(self, chunk: Chunk, pos: int) -> torch.Tensor:

@@ -210,6 +210,23 @@ class Engine:
             skipped=skipped, loss_scale=self.optimizer.loss_scale, grad_norm=grad_norm,
             lr=self.config.lr_at(self.step_count), applied=applied)
 
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> float:
+        """The loss on `batch` (input_ids, labels) with no gradient and no update, the model
+        in eval mode; chunks are fetched as the cpu policy fetches them, so evaluation fits
+        in any budget the training step fits in. Pending setting changes stay pending."""
+        if self.closed:
+            raise RuntimeError("this engine is closed")
+        dev = self.device.torch_device
+        batch = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                loss = float(self.model(**batch).loss)
+        finally:
+            self.model.train()
+            self.manager.release_all()
+        return loss
+
     def _end_trace(self) -> bool:
         """Close this step's trace, if it recorded one; refuse a budget it overran."""
         overrun = self.manager.overrun

@@ -136,8 +136,11 @@ class StepRunner:
 
     def _pre_forward(self, key: int) -> None:
         if not self._in_step:
-            # A forward outside step() (evaluation, generation): fetch like the cpu policy.
-            self.manager.prepare(self.module_chunks[key], self.pos)
+            # A forward outside step() (evaluation, generation): fetch like the cpu policy,
+            # with the running modules' chunks marked in use so that none is evicted.
+            self.manager.prepare_outside_step(self.module_chunks[key])
+            for chunk, slot in self.module_slots[key]:
+                chunk.set_state(slot, S.COMPUTE)
             return
         self._point(key, "forward")
         # A forward inside backward is activation checkpointing's recompute: gradients may
@@ -149,6 +152,9 @@ class StepRunner:
 
     def _post_forward(self, key: int, output: object) -> object:
         if not self._in_step:
+            for chunk, slot in self.module_slots[key]:
+                if slot.state == S.COMPUTE:
+                    chunk.set_state(slot, S.HOLD)
             return output
         for chunk, slot in self.module_slots[key]:
             # A borrowed parameter may have been released already by the module it was
