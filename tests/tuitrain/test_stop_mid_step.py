@@ -11,7 +11,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from engine.step.engine import Engine
+from engine.step.runner import StepRunner
 from tuitrain.events import Finished, Log, Step, Stop
 from tuitrain.settings import Settings
 from tuitrain.training_run import TrainingRun
@@ -54,13 +54,13 @@ def test_stop_mid_step_keeps_nothing_of_it_and_resume_continues_exactly(
     expected = losses(straight)
     assert sorted(expected) == list(range(1, STEPS + 1))
 
-    point = Engine._point
+    point = StepRunner._point
     runs: list[TrainingRun] = []
 
     def stop_mid_step(self, key, phase):
         # Deep in the forward of step STOP_DURING: what the worker's signal handler does
         # when the parent sends Stop (the command, then the signal).
-        if self.step_count == STOP_DURING - 1 and self._pos == 5 and not runs[0].stopping:
+        if self.step_number == STOP_DURING and self.pos == 5 and not runs[0].stopping:
             runs[0].commands_sent.send(Stop(id=1))
             runs[0].interrupt()
             torch.rand(100)
@@ -72,9 +72,9 @@ def test_stop_mid_step_keeps_nothing_of_it_and_resume_continues_exactly(
                       log_path=str(tmp_path / "log"), commands=commands, outbox=sink)
     run.commands_sent = sender
     runs.append(run)
-    monkeypatch.setattr(Engine, "_point", stop_mid_step)
+    monkeypatch.setattr(StepRunner, "_point", stop_mid_step)
     assert run.execute() == 0
-    monkeypatch.setattr(Engine, "_point", point)
+    monkeypatch.setattr(StepRunner, "_point", point)
 
     finished = [e for e in sink if isinstance(e, Finished)]
     assert finished and finished[0].summary["last_step"] == STOP_DURING - 1
