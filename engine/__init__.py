@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from engine.chunks.state import TensorState
 from engine.config import EngineConfig, format_size, parse_size
 from engine.placement.policy import Policy
-from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
+from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats, TimelinePoint
 
 if TYPE_CHECKING:
     from engine.step.engine import Engine
@@ -23,6 +23,7 @@ __all__ = [
     "Policy",
     "StepStats",
     "TensorState",
+    "TimelinePoint",
     "format_size",
     "parse_size",
 ]

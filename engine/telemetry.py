@@ -27,6 +27,21 @@ class MemorySnapshot:
 
 
 @dataclass
+class TimelinePoint:
+    """One interval of a step, from a module boundary to the next, as the device saw it.
+
+    The same per-interval measurement the warm-up trace records, so a view built from these
+    shows where in the step the peak was (forward then backward, module by module)."""
+
+    phase: str  # "forward" | "backward"
+    module: str  # qualified name of the module about to run
+    model_bytes: int  # peak chunk bytes on the device in the interval (payloads, grads, state)
+    non_model_bytes: int  # peak of everything else on the device in the interval
+    bytes_h2d: int  # copied to the device in the interval
+    bytes_d2h: int  # copied to the host in the interval
+
+
+@dataclass
 class StepStats:
     step: int  # counts from 1; a resumed run keeps counting
     loss: float
@@ -51,6 +66,8 @@ class StepStats:
     # `loss` is their mean and `tokens` their total.
     micro_batches: int = 1
     micro_losses: list[float] = field(default_factory=list)
+    # The step interval by interval (the last micro-batch's, with accumulation).
+    timeline: list[TimelinePoint] = field(default_factory=list)
 
 
 def stats_from_dict(data: dict) -> StepStats:
@@ -59,4 +76,5 @@ def stats_from_dict(data: dict) -> StepStats:
     mem["chunks"] = [ChunkInfo(**c) for c in mem.get("chunks", [])]
     fields = dict(data)
     fields["memory"] = MemorySnapshot(**mem)
+    fields["timeline"] = [TimelinePoint(**p) for p in data.get("timeline", [])]
     return StepStats(**fields)
