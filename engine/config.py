@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.placement.policy import Policy
 
@@ -55,6 +56,13 @@ class EngineConfig:
     policy: str = "auto"  # "cuda" | "cpu" | "auto"; see engine.placement.policy
     margin_ratio: float = 0.0  # share of the spare device memory that holds optimizer state
     device_budget: int | str | None = None  # bytes or "6GiB"; None = the whole real GPU
+    # Bytes or "16GiB": the host's share of chunk bytes and disk I/O buffers. What does not
+    # fit goes to a scratch folder under `disk_dir` (optimizer state first, then payloads;
+    # engine.placement.rules.disk_placement). None = no limit: nothing goes to disk.
+    host_budget: int | str | None = None
+    # Where scratch folders go (one per engine, removed at close); None = $TUITRAIN_CACHE/
+    # scratch, else the user cache folder's tuitrain/scratch. Used only if the budget needs it.
+    disk_dir: str | Path | None = None
     precision: str = "fp32"  # compute dtype of the chunks; master weights are always fp32
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -82,6 +90,12 @@ class EngineConfig:
                              f"not {self.precision!r}")
         if self.device_budget is not None:
             self.device_budget = parse_size(self.device_budget)
+        if self.host_budget is not None:
+            self.host_budget = parse_size(self.host_budget)
+            if self.host_budget <= 0:
+                raise ValueError("host_budget must be positive")
+        if self.disk_dir is not None:
+            self.disk_dir = Path(self.disk_dir).expanduser()
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, not {self.lr}")
         if self.grad_accum < 1:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 @dataclass
 class ChunkInfo:
     index: int
-    location: str  # "device" | "host"
+    location: str  # "device" | "host" | "disk" (the payload is in the scratch folder)
     state: str  # the most active TensorState of its parameters
     nbytes: int  # payload bytes (compute dtype)
 
@@ -22,8 +22,11 @@ class MemorySnapshot:
     device_peak: int  # peak total device bytes in the last step
     host_model: int  # chunk bytes on the host now
     process_rss: int
+    # "device"/"host" (and "disk" when a host budget spills) -> TensorState -> parameters
     states: dict[str, dict[str, int]] = field(default_factory=dict)
     chunks: list[ChunkInfo] = field(default_factory=list)
+    disk_model: int = 0  # chunk bytes in the scratch folder now (host_budget)
+    host_io_buffers: int = 0  # host bytes of the disk tier's I/O buffers (in the host budget)
 
 
 @dataclass
@@ -68,6 +71,11 @@ class StepStats:
     micro_losses: list[float] = field(default_factory=list)
     # The step interval by interval (the last micro-batch's, with accumulation).
     timeline: list[TimelinePoint] = field(default_factory=list)
+    # The disk tier (host_budget): bytes read and written for this step (writes issued;
+    # the last ones may finish during the next step), and seconds it waited for the disk.
+    bytes_disk_read: int = 0
+    bytes_disk_written: int = 0
+    disk_wait: float = 0.0
 
 
 def stats_from_dict(data: dict) -> StepStats:

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.chunks.state import ACTIVITY, IllegalTransition, TensorState, check_transition
+
+if TYPE_CHECKING:
+    from engine.chunks.spill import Spill
 
 ALIGN = 32  # elements; keeps every parameter view 64-byte aligned for vectorised kernels
 
@@ -150,6 +154,12 @@ class Chunk:
     holds_grads: bool = False  # the home payload holds gradients, not parameters
     computing: int = 0  # parameters in COMPUTE; kept by set_state so in_use() is O(1)
     pending: object = None  # an unfinished prefetch into device_payload (CUDA only)
+    # The disk tier (engine.chunks.spill): parts kept in the scratch folder instead of on the
+    # host. Their tensors are None there, except while read into I/O buffers for a use.
+    state_on_disk: bool = False  # optimizer state (bf16/fp16: the master too)
+    payload_on_disk: bool = False  # the payload too (fp32: it is the master; and gradients)
+    grad_sq: float | None = None  # squared norm of gradients that went to disk as they landed
+    spill: Spill | None = None  # the disk tier's side of this chunk, when there is one
 
     @property
     def on_device(self) -> bool:
@@ -191,6 +201,20 @@ class Chunk:
         """fp32 master + two AdamW moments."""
         return self.numel * 12
 
+    @property
+    def location(self) -> str:
+        """Where its parameters are now: "device" (materialised there), "disk" (the payload
+        is in the scratch folder) or "host"."""
+        if self.on_device:
+            return "device"
+        return "disk" if self.payload_on_disk else "host"
+
+    @property
+    def disk_level(self) -> int:
+        """0: nothing on disk; 1: optimizer state on disk; 2: payload too
+        (engine.placement.rules.DiskPlacement.level)."""
+        return 2 if self.payload_on_disk else 1 if self.state_on_disk else 0
+
     def set_state(self, slot: Slot, new: TensorState) -> None:
         check_transition(slot.name, slot.state, new)
         self.computing += (new == TensorState.COMPUTE) - (slot.state == TensorState.COMPUTE)
@@ -217,6 +241,11 @@ class Chunk:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s.offset : s.offset + s.numel] for s in self.slots]
+
+
+def squared_norm(t: torch.Tensor) -> float:
+    """Squared L2 norm, accumulated in fp32 (gradient clipping and fp16's overflow check)."""
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
 
 
 def layout(sizes: list[int], chunk_size: int | None) -> tuple[int, list[list[int]]]:

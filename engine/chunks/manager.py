@@ -3,21 +3,27 @@
 Byte accounting is exact: every tensor a chunk allocates or frees goes through `_alloc` /
 `_free`, so `device_bytes` and `host_bytes` are counted, never estimated.
 
-The decisions (what to evict, what to release, what to prefetch, what stays resident) are
-engine.placement.rules'; this module only carries them out on tensors. The planner's replay
-carries out the same rules on counters.
+The decisions (what to evict, what to release, what to prefetch, what stays resident, what
+goes to disk under a host budget) are engine.placement.rules'; this module only carries them
+out on tensors, with engine.chunks.spill for the parts on disk. The planner's replay carries
+out the same rules on counters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
+from engine.chunks import spill as disk
 from engine.chunks.chunk import Chunk, DeviceCopy, Slot
 from engine.chunks.state import TensorState
 from engine.config import format_size
 from engine.devices.device import ComputeDevice, DeviceOutOfMemory
+from engine.devices.disk import ALIGN
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace
@@ -44,6 +50,9 @@ class ChunkManager:
         self.strict = True  # raise when room cannot be made; off while tracing
         self.overrun = 0  # most bytes over capacity seen while not strict
         self._last_use: dict[int, int] = {}  # chunk -> position of its latest use (LRU)
+        self.host_budget: int | None = None  # chunk bytes + I/O buffers on the host
+        self.spill: disk.Spill | None = None  # the disk tier, when the host budget needs it
+        self._disk_base = (0, 0, 0.0)  # the tier's counters at the step's start
 
     # --- the step's frame -------------------------------------------------------------
 
@@ -56,6 +65,9 @@ class ChunkManager:
         moves a byte, so that the step reports every copy made for it."""
         self.bytes_h2d = self.bytes_d2h = 0
         self.transfer_seconds = 0.0
+        if self.spill is not None:
+            tier = self.spill.tier
+            self._disk_base = (tier.bytes_read, tier.bytes_written, tier.wait_seconds)
 
     def begin_step(self, *, tracing: bool) -> None:
         """A traced step has no forecast to trust yet: room that cannot be made is noted as
@@ -148,8 +160,13 @@ class ChunkManager:
             self._storage_resize(chunk, True)
         # A payload that holds gradients (every trainable parameter's is in, and a frozen
         # one is still to be used) has the weights in the master only.
-        source = chunk.master if chunk.holds_grads and not chunk.aliased else chunk.payload
-        self._copy(chunk.device_payload, source, "h2d")
+        master = chunk.holds_grads and not chunk.aliased
+        if chunk.payload_on_disk or (master and chunk.state_on_disk):
+            source, pool, buffer = self.spill.fetch_source(chunk)
+            self._copy(chunk.device_payload, source, "h2d")
+            self.spill.give_back(pool, buffer)
+        else:
+            self._copy(chunk.device_payload, chunk.master if master else chunk.payload, "h2d")
         self._fetched(chunk)
 
     def _fetched(self, chunk: Chunk) -> None:
@@ -183,14 +200,22 @@ class ChunkManager:
                           and c.grads_pending > 0)
         forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening)
         # A stale device copy is one whose gradients went home: not used again this step.
+        # A payload on disk only once its read ahead is done: a prefetch never waits.
         chosen = rules.prefetches(
             trace.points[pos + 1].chunks, free=self.free_bytes(forecast),
-            skip=lambda i: self.chunks[i].on_device or self.chunks[i].holds_grads,
+            skip=lambda i: (self.chunks[i].on_device or self.chunks[i].holds_grads
+                            or (self.chunks[i].payload_on_disk and not self.spill.ready(i))),
             nbytes=lambda i: self.chunks[i].nbytes)
         for index in chosen:
             chunk = self.chunks[index]
             self._storage_resize(chunk, True)
-            chunk.pending, seconds = self.device.copy_ahead(chunk.device_payload, chunk.payload)
+            if chunk.payload_on_disk:
+                source, pool, buffer = self.spill.fetch_source(chunk)
+                chunk.pending, seconds = self.device.copy_ahead(chunk.device_payload, source)
+                self.spill.give_back(pool, buffer)
+            else:
+                chunk.pending, seconds = self.device.copy_ahead(chunk.device_payload,
+                                                                chunk.payload)
             self.transfer_seconds += seconds
             self.bytes_h2d += chunk.nbytes
             self._fetched(chunk)
@@ -211,6 +236,8 @@ class ChunkManager:
     def release_all(self) -> None:
         for chunk in self.chunks:
             self.release(chunk)
+        if self.spill is not None:
+            self.spill.cancel_read_ahead()
 
     def free_bytes(self, extra_non_model: int = 0) -> int:
         return self.device.capacity() - self.device_bytes - self.non_model_now() - extra_non_model
@@ -243,6 +270,7 @@ class ChunkManager:
             self.materialise(chunk, pos, needed)
         if phase:
             self.prefetch(pos, phase)
+            self.read_ahead(pos)
 
     def prepare_outside_step(self, needed: tuple[Chunk, ...]) -> None:
         """Bring `needed` to the device for a forward outside a training step (evaluation),
@@ -266,7 +294,13 @@ class ChunkManager:
         return chunk.grad
 
     def grad_home(self, chunk: Chunk) -> torch.Tensor:
-        """Where a non-resident chunk's gradients land on the host."""
+        """Where a non-resident chunk's gradients land on the host.
+
+        A chunk whose payload is on disk has none: one more gradient after its gradients
+        went there (a later micro-batch, a module run twice) brings its payload home to
+        add up in, until the step's end puts it back (restore_disk_placement)."""
+        if chunk.payload_on_disk:
+            self.spill.move(chunk, 1)
         return chunk.host_grad if chunk.aliased else chunk.payload
 
     def finish_grads(self, chunk: Chunk) -> None:
@@ -275,8 +309,12 @@ class ChunkManager:
             return
         self.settle(chunk)  # the home may be the payload a prefetch reads
         _zero_unwritten(chunk)
-        # The optimizer reads it after the device settles at the end of backward.
-        self._copy(self.grad_home(chunk), chunk.grad, "d2h", host_reads=False)
+        if chunk.payload_on_disk:
+            # Into an I/O buffer, which goes to disk as soon as the bytes are in.
+            self.spill.land_grads(chunk, lambda home: self._copy(home, chunk.grad, "d2h"))
+        else:
+            # The optimizer reads it after the device settles at the end of backward.
+            self._copy(self.grad_home(chunk), chunk.grad, "d2h", host_reads=False)
         chunk.mark_stale()  # the device copy will be outdated by the update
         self.grad_bytes -= chunk.nbytes
         self._free("device", chunk.grad)
@@ -348,15 +386,117 @@ class ChunkManager:
         return rules.resident_cost(chunk.numel, chunk.itemsize)
 
     def apply_residency(self, want: set[int]) -> None:
-        """Move chunks to match `want`: leavers first, so their bytes make room for joiners."""
+        """Move chunks to match `want`: leavers first, so their bytes make room for joiners.
+
+        Under a host budget, the parts of the other chunks go where the disk placement for
+        `want` puts them, in an order that keeps the host within the budget but for one
+        chunk at a time: what goes (further) to disk first, each leaver as it lands on the
+        host, then the joiners (through the host), then what comes back from disk."""
+        placement = self.disk_placement(want) if self.spill is not None else None
+        if placement is not None:
+            self.spill.prepare(placement)
+            for chunk in self.chunks:
+                level = placement.level(chunk.index)
+                if not chunk.resident and chunk.index not in want and level > chunk.disk_level:
+                    self.spill.move(chunk, level)
         for chunk in self.chunks:
             if chunk.resident and chunk.index not in want:
                 self.set_resident(chunk, False)
+                if placement is not None:
+                    self.spill.move(chunk, placement.level(chunk.index))
         self.release_all()
         for chunk in self.chunks:
             if chunk.index in want:
+                if chunk.disk_level:
+                    self.spill.move(chunk, 0)
                 self.set_resident(chunk, True)
+        if placement is not None:
+            self.restore_disk_placement(placement)
         self.transfer_seconds += self.device.settle_host()
+
+    # --- the disk tier (engine.chunks.spill) ---------------------------------------------------
+
+    def use_host_budget(self, host_budget: int, disk_dir: Path) -> None:
+        """Keep the chunk bytes on the host, with the disk tier's I/O buffers, within
+        `host_budget`; what does not fit goes to a scratch folder of its own under
+        `disk_dir`, made now if any placement could need it (all chunks on the host).
+
+        Raises ValueError (rules.HostBudgetTooSmall, ScratchTooSmall, or naming a folder
+        that cannot be written) before anything moves."""
+        self.host_budget = host_budget
+        worst = self.disk_placement(set())
+        if worst.state:
+            self.spill = disk.open_spill(
+                self.chunks, disk_dir=disk_dir, need=worst.disk_bytes,
+                empty=self.device.host_empty,
+                alloc=lambda numel, dtype: self._alloc("host", numel, dtype),
+                free=lambda t: self._free("host", t))
+
+    def disk_placement(self, resident: set[int]) -> rules.DiskPlacement:
+        """rules.disk_placement for the chunks not in `resident`."""
+        return rules.disk_placement(
+            [disk.disk_cost(c) for c in self.chunks],
+            on_host=[c.index for c in self.chunks if c.index not in resident],
+            host_budget=self.host_budget, block=ALIGN)
+
+    def restore_disk_placement(self, placement: rules.DiskPlacement | None = None) -> None:
+        """Put every non-resident chunk's parts where `placement` (default: the one in
+        force) says, e.g. after gradients brought a payload home for a step."""
+        if self.spill is None:
+            return
+        placement = placement or self.spill.placement
+        for chunk in self.chunks:
+            if not chunk.resident and placement.level(chunk.index) != chunk.disk_level:
+                self.spill.move(chunk, placement.level(chunk.index))
+        self.spill.settle(placement)
+
+    def read_ahead(self, pos: int) -> None:
+        """Start reading, from disk, the payloads of the next chunks to be fetched (trace
+        order); not while tracing, when there is no order to trust."""
+        if self.spill is None or self.trace is None or not self.strict:
+            return
+        upcoming = itertools.chain.from_iterable(
+            p.chunks for p in itertools.islice(self.trace.points, pos + 1, None))
+        self.spill.read_ahead(upcoming, skip=lambda i: self.chunks[i].on_device)
+
+    def update_pipeline(self, chunks: list[Chunk]) -> disk.UpdatePipeline | disk.NoDisk:
+        """The optimizer's walk over `chunks`, reading and writing their parts on disk."""
+        return self.spill.update_pipeline(chunks) if self.spill is not None else disk.NoDisk()
+
+    @contextlib.contextmanager
+    def opened(self, chunk: Chunk, *, write: bool = False) -> Iterator[None]:
+        """The chunk's tensors all readable (parts on disk read into buffers) in the block;
+        `write`: what the block changed in them goes back to disk."""
+        if self.spill is None or not chunk.disk_level:
+            yield
+            return
+        regions = (disk.STATE, disk.PAYLOAD) if write else ()
+        with self.spill.opened(chunk, write=regions):
+            yield
+
+    def retry_disk(self) -> None:
+        """Write again what a failed write left held in memory (DiskTierError if it fails)."""
+        if self.spill is not None:
+            self.spill.tier.retry_failed()
+
+    def disk_errors(self) -> list[OSError]:
+        """Writes that failed since the last call."""
+        return self.spill.tier.take_errors() if self.spill is not None else []
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.spill.disk_bytes if self.spill is not None else 0
+
+    @property
+    def io_buffer_bytes(self) -> int:
+        return self.spill.tier.buffer_bytes if self.spill is not None else 0
+
+    def disk_counters(self) -> tuple[int, int, float]:
+        """(bytes read, bytes written, seconds waited) by the disk tier this step."""
+        if self.spill is None:
+            return 0, 0, 0.0
+        tier, (r, w, s) = self.spill.tier, self._disk_base
+        return tier.bytes_read - r, tier.bytes_written - w, tier.wait_seconds - s
 
 
     # --- the end ------------------------------------------------------------------------------
@@ -367,13 +507,17 @@ class ChunkManager:
         self.device.settle_host()
         for chunk in self.chunks:
             self.settle(chunk)
-            for slot in chunk.slots:
-                weights = chunk.master[slot.offset:slot.offset + slot.numel]
-                slot.param.data = weights.to("cpu", chunk.dtype, copy=True).view(slot.shape)
-                slot.param.grad = None
+            with self.opened(chunk):
+                for slot in chunk.slots:
+                    weights = chunk.master[slot.offset:slot.offset + slot.numel]
+                    slot.param.data = weights.to("cpu", chunk.dtype, copy=True).view(slot.shape)
+                    slot.param.grad = None
             chunk.payload = chunk.device_payload = chunk.grad = chunk.host_grad = None
             chunk.master = chunk.exp_avg = chunk.exp_avg_sq = None
             chunk.slot_grads.clear()
+        if self.spill is not None:
+            self.spill.close()  # the scratch folder goes with it
+            self.spill = None
         self.device_bytes = self.host_bytes = self.grad_bytes = 0
 
 

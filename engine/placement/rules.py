@@ -2,9 +2,11 @@
 
 Which chunks stay resident, which chunk is evicted, what `cpu` releases before a module
 runs, how much room the trace's forecast keeps free, what a prefetch may bring in, whether a
-budget can run a policy. The chunk manager (engine.chunks.manager) carries these decisions
-out on tensors and the planner's replay (engine.planning.replay) on counters, so the two
-cannot drift apart: there is no second copy of any rule.
+budget can run a policy; and for the host: which parts of which chunks go to the scratch
+folder under a host budget, and which payloads are read from it ahead of use. The chunk
+manager (engine.chunks.manager) carries these decisions out on tensors and the planner's
+replay (engine.planning.replay) on counters, so the two cannot drift apart: there is no
+second copy of any rule.
 
 A policy is one class with the rules that differ between policies; a new policy is one new
 class (and a name in engine.placement.policy.Policy).
@@ -13,6 +15,7 @@ class (and a name in engine.placement.policy.Policy).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from engine.config import format_size
 from engine.placement.policy import Policy
@@ -206,3 +209,159 @@ def check_budget(budget: int, policy: Policy, *, trace: Trace | None,
                 f"policy cuda needs {format_size(need)} on the device (model data "
                 f"{format_size(model)} + activations {format_size(need - model)}) but the "
                 f"budget is {format_size(budget)}; use policy auto or cpu")
+
+
+# --- the disk tier -------------------------------------------------------------------------
+
+
+class HostBudgetTooSmall(ValueError):
+    """The host budget cannot hold even what must stay on the host with everything that may
+    go to disk on disk; says what it needs."""
+
+
+STATE_BUFFERS = 3  # the update reads chunk k+1's state while updating k and writing k-1
+
+
+def payload_buffers(aliased: bool) -> int:
+    """Payload-sized I/O buffers when payloads are on disk. An update holds a payload buffer
+    per chunk at each of its three stages, and in fp32 a second one for the gradients (the
+    payload is the master there, so they have their own region); in the forward and
+    backward, reads ahead may take at most half of them, so that a fetch and gradients
+    landing always find one."""
+    return 2 * STATE_BUFFERS if aliased else STATE_BUFFERS + 1
+
+
+@dataclass(frozen=True)
+class DiskCost:
+    """A non-resident chunk's bytes by where they can go: what moving them to disk frees
+    on the host, and what they take there (each region rounded up to whole disk blocks;
+    a region is also the size of the I/O buffer that carries it)."""
+
+    host_state: int  # optimizer state: bf16/fp16 the fp32 master and two moments; fp32 moments
+    host_payload: int  # the rest: the payload (fp32: it is the master) and fp32's gradients
+    state_region: int
+    payload_region: int
+    grad_region: int  # fp32 only: gradients beside the payload, which is the master
+
+    @property
+    def aliased(self) -> bool:
+        return self.grad_region > 0
+
+
+def _blocks(nbytes: int, block: int) -> int:
+    return -(-nbytes // block) * block
+
+
+def disk_cost(numel: int, itemsize: int, block: int) -> DiskCost:
+    """DiskCost of a chunk of `numel` elements of `itemsize` bytes, for disk blocks of
+    `block` bytes. The host side matches chunk.host_bytes_per_parameter: 16 B/param in
+    fp32 (payload = master, gradients, moments), 14 in bf16/fp16."""
+    fp32 = _blocks(4 * numel, block)
+    if itemsize == 4:
+        return DiskCost(host_state=8 * numel, host_payload=8 * numel, state_region=2 * fp32,
+                        payload_region=fp32, grad_region=fp32)
+    return DiskCost(host_state=12 * numel, host_payload=itemsize * numel,
+                    state_region=3 * fp32, payload_region=_blocks(itemsize * numel, block),
+                    grad_region=0)
+
+
+@dataclass(frozen=True)
+class DiskPlacement:
+    """Which chunks have which parts on disk, and the bytes that leaves where."""
+
+    state: frozenset[int] = frozenset()  # optimizer state on disk
+    payload: frozenset[int] = frozenset()  # payload on disk too (always a subset of state)
+    host_bytes: int = 0  # chunk bytes the host keeps (non-resident chunks)
+    disk_bytes: int = 0  # bytes in the scratch folder
+    state_buffer: int = 0  # bytes of one state I/O buffer (the largest state region on disk)
+    payload_buffer: int = 0  # bytes of one payload I/O buffer (0: no payload on disk)
+    aliased: bool = False
+    block: int = 0  # each buffer is allocated one block larger, to align it
+
+    @property
+    def buffers(self) -> dict[str, tuple[int, int]]:
+        """I/O buffer pools: name -> (count, bytes each)."""
+        pools = {}
+        if self.state_buffer:
+            pools["state"] = (STATE_BUFFERS, self.state_buffer)
+        if self.payload_buffer:
+            pools["payload"] = (payload_buffers(self.aliased), self.payload_buffer)
+        return pools
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes of the I/O buffers, alignment slack included."""
+        return sum(count * (nbytes + self.block) for count, nbytes in self.buffers.values())
+
+    @property
+    def host_total(self) -> int:
+        """What the host budget must hold: chunk bytes and I/O buffers."""
+        return self.host_bytes + self.buffer_bytes
+
+    def level(self, chunk: int) -> int:
+        """0: all on the host; 1: optimizer state on disk; 2: payload on disk too."""
+        return 2 if chunk in self.payload else 1 if chunk in self.state else 0
+
+
+def disk_placement(costs: Sequence[DiskCost], *, on_host: Iterable[int],
+                   host_budget: int | None, block: int) -> DiskPlacement:
+    """What of the non-resident chunks (`on_host`) goes to the scratch folder so that the
+    host budget holds their remaining bytes plus the I/O buffers: nothing when it holds
+    them all (or there is no budget); else, one chunk at a time, first the optimizer state
+    of chunks (needed only for their update), and only once every chunk's state is on disk,
+    payloads (needed before each use), as few as will do.
+
+    Chunks go in reverse first-use order (chunks are numbered in the order the forward
+    first uses them): the last used in the forward first. Its payload is read back latest,
+    so the read-ahead has the most forward compute to hide behind; and since the update
+    walks chunks in index order, the chunks kept on the host are updated first, while the
+    state of the first chunks on disk is read, and the writes of the last ones drain while
+    the next forward runs on chunks that never left the host.
+
+    Raises HostBudgetTooSmall, with the numbers, when even every part on disk is not enough.
+    """
+    chosen = sorted(on_host, reverse=True)
+    host = sum(costs[c].host_state + costs[c].host_payload for c in chosen)
+    aliased = bool(costs) and costs[0].aliased
+    if host_budget is None or host <= host_budget:
+        return DiskPlacement(host_bytes=host, aliased=aliased, block=block)
+    state: list[int] = []
+    payload: list[int] = []
+    state_buffer = payload_buffer = disk = 0
+
+    def placement() -> DiskPlacement:
+        return DiskPlacement(frozenset(state), frozenset(payload), host, disk, state_buffer,
+                             payload_buffer, aliased, block)
+
+    for c in chosen:
+        state.append(c)
+        host -= costs[c].host_state
+        disk += costs[c].state_region
+        state_buffer = max(state_buffer, costs[c].state_region)
+        if placement().host_total <= host_budget:
+            return placement()
+    for c in chosen:
+        payload.append(c)
+        host -= costs[c].host_payload
+        disk += costs[c].payload_region + costs[c].grad_region
+        payload_buffer = max(payload_buffer, costs[c].payload_region)
+        if placement().host_total <= host_budget:
+            return placement()
+    least = placement()
+    raise HostBudgetTooSmall(
+        f"host budget {format_size(host_budget)} is below the {format_size(least.host_total)} "
+        f"the host needs with every non-resident chunk on disk (I/O buffers "
+        f"{format_size(least.buffer_bytes)})")
+
+
+def disk_read_ahead(upcoming: Iterable[int], *, wanted: Callable[[int], bool],
+                    slots: int) -> list[int]:
+    """Chunks whose payload to start reading from disk now: the first `slots` distinct
+    `wanted` ones (payload on disk, not on the device, not read yet) in order of use."""
+    chosen: list[int] = []
+    for chunk in upcoming:
+        if len(chosen) >= slots:
+            break
+        if chunk not in chosen and wanted(chunk):
+            chosen.append(chunk)
+    return chosen

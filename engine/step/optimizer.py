@@ -8,6 +8,8 @@ bit-identical to `torch.optim.AdamW(fused=True)` over the same parameters.
 - A host chunk is updated as one flat tensor from its host gradients.
 - A resident chunk passes autograd's own gradient tensors (one per parameter, as a list in
   the same single call), so the gradients are never copied.
+- A chunk with parts on disk (engine.chunks.spill) is updated in I/O buffers: its state is
+  read while the chunk before it is updated, and written back while the one after it is.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 
 import torch
 
-from engine.chunks.chunk import Chunk
+from engine.chunks.chunk import Chunk, squared_norm
 from engine.chunks.manager import ChunkManager
 from engine.config import EngineConfig
 
@@ -30,9 +32,11 @@ def _flat_grad(chunk: Chunk) -> torch.Tensor:
 def grad_norm_squared(chunk: Chunk) -> float:
     if chunk.resident:
         grads = [g for _, g in chunk.slot_grads.values()]
+    elif chunk.payload_on_disk:
+        return chunk.grad_sq  # taken as they landed, before they went to disk
     else:
         grads = [_flat_grad(chunk)]
-    return sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
+    return sum(squared_norm(g) for g in grads)
 
 
 def global_grad_norm(chunks: list[Chunk]) -> float:
@@ -102,8 +106,12 @@ def _step_tensor(count: int, device: torch.device) -> torch.Tensor:
 def restore_params(chunk: Chunk) -> None:
     """Undo what backward did to the payload (a skipped or failed step)."""
     if not chunk.resident and not chunk.aliased:
-        chunk.payload.copy_(chunk.master)
+        if chunk.disk_level:
+            chunk.spill.restore_payload(chunk)
+        else:
+            chunk.payload.copy_(chunk.master)
     chunk.holds_grads = False
+    chunk.grad_sq = None
 
 
 class ChunkAdamW:
@@ -130,23 +138,32 @@ class ChunkAdamW:
         """
         cfg = self.config
         with_grads = [c for c in chunks if c.holds_grads]
-        scale = 1.0 / self.loss_scale
-        grad_norm = None
-        if cfg.max_grad_norm is not None or cfg.precision == "fp16":
-            grad_norm = global_grad_norm(with_grads) * scale
-            if not math.isfinite(grad_norm):
-                for chunk in with_grads:
-                    self.discard(chunk)
-                self.loss_scale /= 2.0
-                self.good_steps = 0
-                return True, grad_norm
-            if cfg.max_grad_norm is not None and grad_norm > cfg.max_grad_norm:
-                scale *= cfg.max_grad_norm / (grad_norm + 1e-6)
-        lr = cfg.lr_at(step)
-        for chunk in with_grads:
-            adamw_update(chunk, lr=lr, betas=cfg.betas, eps=cfg.eps,
-                         weight_decay=cfg.weight_decay, grad_scale=scale)
-            self.manager.drop_slot_grads(chunk)
+        pipeline = self.manager.update_pipeline(with_grads)
+        pipeline.start()  # the first reads from disk overlap the norm
+        try:
+            scale = 1.0 / self.loss_scale
+            grad_norm = None
+            if cfg.max_grad_norm is not None or cfg.precision == "fp16":
+                grad_norm = global_grad_norm(with_grads) * scale
+                if not math.isfinite(grad_norm):
+                    pipeline.cancel()
+                    for chunk in with_grads:
+                        self.discard(chunk)
+                    self.loss_scale /= 2.0
+                    self.good_steps = 0
+                    return True, grad_norm
+                if cfg.max_grad_norm is not None and grad_norm > cfg.max_grad_norm:
+                    scale *= cfg.max_grad_norm / (grad_norm + 1e-6)
+            lr = cfg.lr_at(step)
+            for chunk in with_grads:
+                pipeline.load(chunk)
+                adamw_update(chunk, lr=lr, betas=cfg.betas, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, grad_scale=scale)
+                self.manager.drop_slot_grads(chunk)
+                pipeline.store(chunk)
+        except BaseException:
+            pipeline.cancel()
+            raise
         if cfg.precision == "fp16":
             self.good_steps += 1
             if self.good_steps % LOSS_SCALE_GROWTH_INTERVAL == 0:

@@ -1,0 +1,152 @@
+"""The run's scratch folder: private to one engine, and gone when the engine is.
+
+Each engine that spills to disk gets a folder of its own under `disk_dir`, named
+`run-<pid>-<token>` (mode 0700; its files 0600). A lock file inside is `flock`ed for the
+folder's whole life. The kernel drops that lock when the process ends, however it ends (kill
+-9 included), so a folder whose lock can be taken belongs to a dead process: the next engine
+that starts under the same `disk_dir` removes it. The pid in the name covers the moment
+between creating a folder and locking it, and filesystems without `flock`.
+
+The folder is removed at `remove()` (Engine.close) and, for an engine nobody closed, when it
+is collected or at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import weakref
+from pathlib import Path
+
+PREFIX = "run-"
+NEW_PREFIX = ".new-"  # a folder being set up; renamed to run-... once locked
+LOCK = "lock"
+_NAME = re.compile(r"^(?:run-|\.new-)(\d+)-[0-9a-f]{8}$")
+CACHE_ENV = "TUITRAIN_CACHE"  # the same override engine.data's caches honour
+
+
+def default_disk_dir() -> Path:
+    """Where scratch folders go by default: `$TUITRAIN_CACHE/scratch` if set, else the
+    user's cache folder (platformdirs: ~/.cache/tuitrain/scratch on Linux)."""
+    if override := os.environ.get(CACHE_ENV):
+        return Path(override).expanduser() / "scratch"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("tuitrain", appauthor=False)) / "scratch"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _owner_gone(folder: Path, pid: int) -> tuple[bool, int | None]:
+    """Whether the folder's process is gone, and a descriptor holding its lock if so (kept
+    while the folder is removed, so that two cleaners never race over it)."""
+    try:
+        fd = os.open(folder / LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        return not _alive(pid), None  # not locked yet, or never: the pid decides
+    except OSError:
+        return False, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False, None
+    except OSError:  # no flock on this filesystem: the pid decides
+        if _alive(pid):
+            os.close(fd)
+            return False, None
+    return True, fd
+
+
+def remove_stale(parent: Path) -> list[Path]:
+    """Remove the scratch folders under `parent` whose process is gone; returns them.
+
+    Only entries named as this module names them are looked at: nothing else under
+    `parent` is ever touched."""
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _NAME.match(entry.name)
+        if not m or not entry.is_dir() or entry.is_symlink():
+            continue
+        gone, fd = _owner_gone(entry, int(m.group(1)))
+        if not gone:
+            continue
+        try:
+            shutil.rmtree(entry, ignore_errors=True)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        removed.append(entry)
+    return removed
+
+
+def _remove(path: Path, lock_fd: int, owner: int) -> None:
+    if os.getpid() != owner:  # a forked child inherits the finalizer, not the folder
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(lock_fd)
+
+
+class ScratchFolder:
+    """A new private folder under `parent`, removed by `remove()` or at exit.
+
+    Raises ValueError naming `parent` when it cannot be created or written to.
+    """
+
+    def __init__(self, parent: Path | str) -> None:
+        self.parent = Path(parent).expanduser()
+        try:
+            self.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise ValueError(f"scratch folder {self.parent} cannot be created: "
+                             f"{e.strerror or e}") from None
+        remove_stale(self.parent)
+        token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        staging = self.parent / f"{NEW_PREFIX}{token}"
+        try:
+            os.mkdir(staging, 0o700)
+            os.chmod(staging, 0o700)  # whatever the umask
+            fd = os.open(staging / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ValueError(f"scratch folder {self.parent} is not writable: "
+                             f"{e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        self.path = self.parent / f"{PREFIX}{token}"
+        os.rename(staging, self.path)
+        self._finalizer = weakref.finalize(self, _remove, self.path, fd, os.getpid())
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def free_bytes(self) -> int:
+        """Bytes free on the filesystem that holds the folder."""
+        return shutil.disk_usage(self.path).free
+
+    @property
+    def removed(self) -> bool:
+        return not self._finalizer.alive
+
+    def remove(self) -> None:
+        """Delete the folder and everything in it (harmless twice)."""
+        self._finalizer()
