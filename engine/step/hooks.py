@@ -33,39 +33,45 @@ class _PreBackward(torch.autograd.Function):
 
 
 def wrap_outputs(output: object, callback: Callable[[], None]) -> object:
-    """`output` with every grad-requiring tensor routed through a _PreBackward node."""
+    """`output` with every grad-requiring tensor routed through a _PreBackward node.
+
+    Plain module-level recursion, no nested closures: a closure that calls itself is a
+    reference cycle, and this one would hold the module's outputs (the step's activations)
+    until Python's cycle collector happened by, measured at ~80 MiB a step on a 35M-parameter
+    Llama, resident memory that grew step after step.
+    """
     found: list[torch.Tensor] = []
-
-    def collect(obj: object) -> None:
-        if isinstance(obj, torch.Tensor):
-            if obj.requires_grad:
-                found.append(obj)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                collect(v)
-        elif isinstance(obj, list | tuple):
-            for v in obj:
-                collect(v)
-
-    collect(output)
+    _collect(output, found)
     if not found:
         return output
     wrapped = dict(zip(map(id, found), _PreBackward.apply(callback, *found), strict=True))
+    return _rebuild(output, wrapped)
 
-    def rebuild(obj: object) -> object:
-        if isinstance(obj, torch.Tensor):
-            return wrapped.get(id(obj), obj)
-        if isinstance(obj, dict):
-            for k in list(obj.keys()):
-                obj[k] = rebuild(obj[k])
-            return obj
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*(rebuild(v) for v in obj))
-        if isinstance(obj, list | tuple):
-            return type(obj)(rebuild(v) for v in obj)
+
+def _collect(obj: object, found: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            found.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect(v, found)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _collect(v, found)
+
+
+def _rebuild(obj: object, wrapped: dict[int, torch.Tensor]) -> object:
+    if isinstance(obj, torch.Tensor):
+        return wrapped.get(id(obj), obj)
+    if isinstance(obj, dict):
+        for k in list(obj.keys()):
+            obj[k] = _rebuild(obj[k], wrapped)
         return obj
-
-    return rebuild(output)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_rebuild(v, wrapped) for v in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(_rebuild(v, wrapped) for v in obj)
+    return obj
 
 
 def weak(method: Callable) -> Callable:
