@@ -10,6 +10,7 @@ gives the losses and weights of torch.optim.AdamW(fused=True) on the same batche
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
@@ -21,6 +22,7 @@ from engine.chunks.packing import build_chunks, first_use_order, first_uses
 from engine.chunks.state import TensorState
 from engine.config import EngineConfig, LiveSettings, describe_setting, format_size
 from engine.devices.device import ComputeDevice, make_device
+from engine.devices.disk import DiskTierError, default_disk_dir
 from engine.devices.host_memory import release_free_host_memory
 from engine.placement import rules
 from engine.placement.policy import Policy
@@ -46,6 +48,17 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
                          f"equal micro-batches (grad_accum)")
     return [{k: v.chunk(parts)[i] if isinstance(v, torch.Tensor) else v
              for k, v in batch.items()} for i in range(parts)]
+
+
+class _Entries:
+    """Some of a model's state_dict entries, for weights.model_state_dict (one chunk's at a
+    time when masters are on disk)."""
+
+    def __init__(self, entries: dict[str, torch.Tensor]) -> None:
+        self.entries = entries
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        return self.entries
 
 
 class Engine:
@@ -79,6 +92,8 @@ class Engine:
         self.manager = self.runner.manager
         self.manager.set_policy(self.settings.policy)
         self.manager.count_host(self.chunks)
+        if config.host_budget is not None:
+            self.manager.use_host_budget(config.host_budget, config.disk_dir or default_disk_dir())
         self.optimizer = ChunkAdamW(config, self.manager)
         self._move_buffers()
         self._check_budget(self.settings.device_budget, self.settings.policy)
@@ -169,6 +184,7 @@ class Engine:
         if self.closed:
             raise RuntimeError("this engine is closed")
         t_start = time.perf_counter()
+        self.manager.retry_disk()  # what a full disk left held, before anything changes
         self.manager.reset_counters()
         applied = self._apply_pending()
         m = self.manager
@@ -198,7 +214,11 @@ class Engine:
         skipped, grad_norm = self.optimizer.step(self.chunks, self.step_count)
         if traced:
             self._place()  # the margin needs the traced peak; grads are consumed by now
+        else:
+            self.manager.restore_disk_placement()  # payloads gradients brought home
+        self._raise_disk_errors()
         t3 = time.perf_counter()
+        disk_read, disk_written, disk_wait = m.disk_counters()
         allocator_peak = self.device.allocator_peak()
         self._last_peak = allocator_peak if allocator_peak is not None else peak
         self._last_non_model_peak = self.runner.trace.non_model_peak if self.runner.trace else 0
@@ -211,7 +231,19 @@ class Engine:
             policy=self.settings.policy.value, margin_ratio=self.settings.margin_ratio,
             device_budget=self.settings.device_budget, memory=self.snapshot(),
             skipped=skipped, loss_scale=self.optimizer.loss_scale, grad_norm=grad_norm,
-            lr=self.config.lr_at(self.step_count), applied=applied)
+            lr=self.config.lr_at(self.step_count), applied=applied,
+            bytes_disk_read=disk_read, bytes_disk_written=disk_written, disk_wait=disk_wait)
+
+    def _raise_disk_errors(self) -> None:
+        """A write to the scratch folder failed during this step: the step is applied and
+        what could not be written is held in memory; say so, and why."""
+        errors = self.manager.disk_errors()
+        if errors:
+            raise DiskTierError(
+                errors[0].errno,
+                f"{errors[0].strerror}. Step {self.step_count} is applied and what could not "
+                f"be written is kept in host memory: free space there and step again (it is "
+                f"written first), or save a checkpoint")
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> float:
         """The loss on `batch` (input_ids, labels) with no gradient and no update, the model
@@ -290,42 +322,67 @@ class Engine:
 
     def snapshot(self) -> MemorySnapshot:
         """Where memory is now (mid-step too), and the peaks of the last step."""
-        states = {loc: {s.value: 0 for s in TensorState} for loc in ("device", "host")}
+        locations = ("device", "host", "disk") if self.manager.spill else ("device", "host")
+        states = {loc: {s.value: 0 for s in TensorState} for loc in locations}
         chunks = []
         for c in self.chunks:
-            loc = "device" if c.on_device else "host"
             for slot in c.slots:
-                states[loc][slot.state.value] += 1
-            chunks.append(ChunkInfo(c.index, loc, c.most_active().value, c.nbytes))
+                states[c.location][slot.state.value] += 1
+            chunks.append(ChunkInfo(c.index, c.location, c.most_active().value, c.nbytes))
         return MemorySnapshot(
             device_capacity=self.device.capacity(), device_model=self.manager.device_bytes,
             device_non_model_peak=self._last_non_model_peak, device_peak=self._last_peak,
             host_model=self.manager.host_bytes, process_rss=psutil.Process().memory_info().rss,
-            states=states, chunks=chunks)
+            states=states, chunks=chunks, disk_model=self.manager.disk_bytes,
+            host_io_buffers=self.manager.io_buffer_bytes)
 
     # --- weights and state ----------------------------------------------------------------------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full-precision weights on the CPU under the model's own names (tied names too)."""
-        return weights.model_state_dict(self.model, self.runner.slot_of)
+        """Full-precision weights on the CPU under the model's own names (tied names too).
+
+        Masters on disk are read back one chunk at a time: beyond the result, the disk
+        tier's I/O buffers are all the memory this takes."""
+        if self.manager.spill is None:
+            return weights.model_state_dict(self.model, self.runner.slot_of)
+        entries = self.model.state_dict(keep_vars=True)
+        slot_of = self.runner.slot_of
+        out = weights.model_state_dict(
+            _Entries({k: v for k, v in entries.items() if id(v) not in slot_of}), {})
+        for chunk in self.chunks:
+            mine = {k: v for k, v in slot_of.items() if v[0] is chunk}
+            with self.manager.opened(chunk):
+                out.update(weights.model_state_dict(
+                    _Entries({k: v for k, v in entries.items() if id(v) in mine}), mine))
+        return {name: out[name] for name in entries}
 
     def state_dict(self) -> dict:
         """Everything to resume exactly: fp32 master, moments and step counts by parameter
-        name (plain CPU tensors, safetensors-ready), the loss scale and the settings."""
+        name (plain CPU tensors, safetensors-ready), the loss scale and the settings.
+
+        State on disk is read back one chunk at a time: beyond the result (16 B/param),
+        the disk tier's I/O buffers are all the memory this takes."""
+        tensors: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            with self.manager.opened(chunk):
+                tensors.update(weights.optimizer_tensors([chunk]))
         meta = {"step": self.step_count, "loss_scale": self.optimizer.loss_scale,
                 "good_steps": self.optimizer.good_steps, "policy": self.settings.policy.value,
                 "margin_ratio": self.settings.margin_ratio,
                 "device_budget": self.settings.device_budget,
                 "precision": self.config.precision}
-        return {"tensors": weights.optimizer_tensors(self.chunks), "meta": meta}
+        return {"tensors": tensors, "meta": meta}
 
     def load_state_dict(self, state: dict) -> None:
-        """Inverse of state_dict(); raises ValueError naming what does not match."""
-        weights.load_optimizer_tensors(self.chunks, state["tensors"])
+        """Inverse of state_dict(); raises ValueError naming what does not match, before
+        anything changes. State on disk is written back one chunk at a time."""
+        weights.load_optimizer_tensors(self._dry_chunks(), state["tensors"])  # checks only
         for c in self.chunks:
             self.optimizer.discard(c)
-            if not c.aliased:
-                c.payload.copy_(c.master)
+            with self.manager.opened(c, write=True):
+                weights.load_optimizer_tensors([c], state["tensors"])
+                if not c.aliased:
+                    c.payload.copy_(c.master)
             if not c.resident:
                 c.mark_stale()
         self.manager.release_all()
@@ -333,3 +390,13 @@ class Engine:
         self.step_count = int(meta["step"])
         self.optimizer.loss_scale = float(meta.get("loss_scale", self.optimizer.loss_scale))
         self.optimizer.good_steps = int(meta.get("good_steps", 0))
+
+    def _dry_chunks(self) -> list:
+        """The chunks' layout with meta tensors for their state: a load into these checks
+        every name and size without touching anything."""
+        def dry(c):
+            meta = torch.empty(c.numel, device="meta")
+            return dataclasses.replace(c, slots=[dataclasses.replace(s) for s in c.slots],
+                                       master=meta, exp_avg=meta, exp_avg_sq=meta,
+                                       slot_grads={}, spill=None)
+        return [dry(c) for c in self.chunks]
