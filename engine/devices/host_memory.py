@@ -3,7 +3,9 @@
 glibc keeps freed heap memory for reuse, and after large frees it raises its mmap threshold,
 so that later large tensors come from that heap too. Freed chunk buffers then stay in the
 process's resident memory until the heap is trimmed. Trimming walks the heap and costs time,
-so the engine does it at the rare moments when a lot has been freed (close), not per step.
+so the engine does it at the rare moments when a lot has been freed (after packing a model
+into chunks, and at close), not per step: measured, a trim after every step costs about a
+third of a small model's step time in page faults when the memory is used again.
 """
 
 from __future__ import annotations
@@ -31,3 +33,4 @@ def release_free_host_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
