@@ -62,11 +62,10 @@ def warn_if_unfit(settings: Settings) -> str | None:
     allocates nothing. A model or size the planner cannot read gives None; the run reports
     that itself.
     """
-    import torch
-
+    from engine.devices.device import uses_cuda
     from engine.planning.planner import plan
 
-    simulated = not torch.cuda.is_available()
+    simulated = not uses_cuda()
     try:
         result = plan(
             settings.model,

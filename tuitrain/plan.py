@@ -27,11 +27,10 @@ def plan_main(args: argparse.Namespace) -> int:
 
     Raises UsageError for input the planner refuses (one line, status 2).
     """
-    import torch
-
+    from engine.devices.device import uses_cuda
     from engine.planning.planner import plan
 
-    simulated = not torch.cuda.is_available()
+    simulated = not uses_cuda()
     defaults = Settings()
     try:
         result = plan(
