@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.devices.device import SIMULATE_ENV
+from tuitrain.presets import CONFIG_ENV
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,3 +41,13 @@ def tuitrain_cache(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TUITRAIN_CACHE", str(path))
         yield Path(path)
+
+
+@pytest.fixture(autouse=True)
+def user_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test gets an empty configuration folder of its own (TUITRAIN_CONFIG), so what
+    the user saved (presets) never changes a result, and no test writes into their folder.
+    An environment variable, so worker processes see the same folder."""
+    path = tmp_path_factory.mktemp("config")
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    return path

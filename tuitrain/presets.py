@@ -2,8 +2,9 @@
 
 A preset is what a user found while tuning (in the app or by hand) and wants to reuse on
 another run or another machine. Shipped presets live in the repository's `presets/` folder,
-one per hardware story; a saved one starts with a comment header saying how to reproduce the
-run and what was measured when it was saved.
+one per hardware story; the app saves the user's own in their configuration folder
+(saved_dir), apart from the shipped ones, each starting with a comment header saying how to
+reproduce the run and what was measured when it was saved.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import platformdirs
 import yaml
 
 from engine.config import format_size
 from tuitrain.settings import SETTINGS_VERSION, InvalidSettings, Settings, validate_settings
 
 SUFFIX = ".yaml"
+# Where the user's configuration lives instead of the platform's folder (tests, sandboxes).
+CONFIG_ENV = "TUITRAIN_CONFIG"
 
 
 def _shipped_dir() -> Path:
@@ -36,6 +40,21 @@ def _shipped_dir() -> Path:
 
 
 SHIPPED_DIR = _shipped_dir()
+
+
+def config_dir() -> Path:
+    """tuitrain's folder in the user's configuration: $TUITRAIN_CONFIG when set, else the
+    platform's (~/.config/tuitrain on Linux, ~/Library/Application Support/tuitrain on
+    macOS). Read at each call, so a change of the variable takes effect at once."""
+    override = os.environ.get(CONFIG_ENV)
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_config_dir("tuitrain", appauthor=False))
+
+
+def saved_dir() -> Path:
+    """Where the app saves the user's presets (it may not exist yet)."""
+    return config_dir() / "presets"
 
 
 class PresetError(ValueError):
@@ -161,23 +180,42 @@ _Dumper.add_representer(str, _represent_text)
 def _measured_lines(measured: Mapping[str, Any]) -> list[str]:
     """Human lines for the header; well-known keys are formatted, others shown as given.
 
-    Known keys: `device_peak` (bytes), `step_seconds`, `tokens_per_second`, `step`.
+    Known keys: `device_peak` (bytes), `step_seconds`, `tokens_per_second`, `step` (the last
+    step measured), and from a trial (tuitrain.trials.Trial.measured) `first_step`,
+    `settled_steps` (those the step time is the median of), `bytes_copied_per_step`,
+    `process_rss` (bytes) and `within_budget`.
     """
     parts = []
     rest = dict(measured)
     if (peak := rest.pop("device_peak", None)) is not None:
-        parts.append(f"device peak {format_size(peak)}")
+        within = rest.pop("within_budget", None)
+        over = " (over the budget)" if within is False else ""
+        parts.append(f"device peak {format_size(peak)}{over}")
     if (seconds := rest.pop("step_seconds", None)) is not None:
         parts.append(f"step time {seconds:.3g} s")
     if (rate := rest.pop("tokens_per_second", None)) is not None:
         parts.append(f"{rate:,.0f} tokens/s")
+    if (copied := rest.pop("bytes_copied_per_step", None)) is not None:
+        parts.append(f"copied {format_size(copied)}/step")
+    if (rss := rest.pop("process_rss", None)) is not None:
+        parts.append(f"host RSS {format_size(rss)}")
     step = rest.pop("step", None)
+    first = rest.pop("first_step", None)
+    settled = rest.pop("settled_steps", None)
     lines = []
     if parts:
-        at = f" at step {step}" if step is not None else ""
-        lines.append(f"measured{at}: {', '.join(parts)}")
-    elif step is not None:
-        rest["step"] = step
+        if first is not None and step is not None and first != step:
+            at = f" over steps {first}-{step}"
+        elif step is not None:
+            at = f" at step {step}"
+        else:
+            at = ""
+        counted = f" (median of {settled} settled steps)" if settled is not None else ""
+        lines.append(f"measured{at}{counted}: {', '.join(parts)}")
+    else:
+        rest.update({k: v for k, v in (("step", step), ("first_step", first)) if v is not None})
+        if settled is not None:
+            rest["settled_steps"] = settled
     lines += [f"{key}: {value}" for key, value in rest.items()]
     return lines
 
@@ -286,45 +324,109 @@ def _fsync_folder(folder: Path) -> None:
             os.close(fd)
 
 
-# --- shipped presets ---------------------------------------------------------------------
+# --- shipped and saved presets -----------------------------------------------------------
 
 
 def list_presets() -> list[tuple[str, str]]:
     """(name, description) of each shipped preset, by name; the description is the text of
     the file's first comment line."""
-    entries = []
-    for path in sorted(SHIPPED_DIR.glob(f"*{SUFFIX}")):
-        entries.append((path.stem, _description(path)))
-    return entries
+    return [(path.stem, _description(path)) for path in sorted(SHIPPED_DIR.glob(f"*{SUFFIX}"))]
+
+
+def list_saved_presets() -> list[tuple[str, str]]:
+    """(name, description) of each preset the user saved (saved_dir), by name; the
+    description says the model and settings, when it was saved and what was measured."""
+    folder = saved_dir()
+    if not folder.is_dir():
+        return []
+    return [(path.stem, _saved_description(path)) for path in _saved_files(folder)]
+
+
+def _saved_files(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in folder.glob(f"*{SUFFIX}") if p.is_file() and not p.name.startswith(".")
+    )
+
+
+def _comments(text: str) -> list[str]:
+    """The comment lines at the top of a preset, without their `#`."""
+    comments = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            comments.append(line.lstrip("#").strip())
+        elif line.strip():
+            break
+    return comments
 
 
 def _description(path: Path) -> str:
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-        if line.strip():
-            break
-    return ""
+    comments = _comments(path.read_text(encoding="utf-8"))
+    return comments[0] if comments else ""
+
+
+def _saved_description(path: Path) -> str:
+    """ "opt-125m: auto, margin 0.30, budget 3GiB; saved 2025-06-01 14:02 CEST; measured …"."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = yaml.load(text, Loader=_Loader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return "(cannot be read)"
+    parts = []
+    if isinstance(data, dict):
+        engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+        margin = engine.get("margin_ratio", 0.0)
+        margin = f"{margin:.2f}" if isinstance(margin, int | float) else margin
+        settings = (
+            f"{engine.get('policy', 'auto')}, margin {margin}, "
+            f"budget {engine.get('device_budget') or 'default'}"
+        )
+        parts.append(f"{data.get('model', '?')}: {settings}")
+    comments = _comments(text)
+    parts += [c.removeprefix("tuitrain preset, ") for c in comments[:1]]
+    parts += [c for c in comments[1:] if c.startswith("measured")][:1]
+    return "; ".join(parts)
+
+
+def preset_listing() -> list[str]:
+    """What `tuitrain presets` prints: the shipped presets, one line each, then the user's
+    saved ones under a line naming their folder (nothing more when there are none)."""
+    shipped, saved = list_presets(), list_saved_presets()
+    width = max((len(name) for name, _ in shipped + saved), default=0)
+    lines = [f"{name:<{width}}  {description}" for name, description in shipped]
+    if saved:
+        hidden = {name for name, _ in saved} & {name for name, _ in shipped}
+        lines.append("")
+        lines.append(f"saved, in {saved_dir()} (a name finds these first):")
+        for name, description in saved:
+            note = "  [hides the shipped one]" if name in hidden else ""
+            lines.append(f"{name:<{width}}  {description}{note}")
+    return lines
 
 
 def find_preset(name_or_path: str | os.PathLike) -> Path:
-    """The preset file for a path, or for the name of a shipped preset (`laptop-6gb`).
+    """The preset file for a path, or for a preset's name (`laptop-6gb`, `opt-125m-auto`).
 
-    An existing file wins over a shipped name, so a user's own `laptop-6gb.yaml` in the
-    working folder is the one used.
+    An existing file wins; a bare name is then looked up among the user's saved presets
+    first and the shipped ones after, so a preset the user saved under a shipped name (or a
+    `laptop-6gb.yaml` in the working folder) is the one used: their own choice is never
+    overridden by an update of tuitrain.
 
     Raises:
-        PresetError: neither a file nor a shipped name; the message lists the shipped names.
+        PresetError: neither a file nor a known name; the message lists the names.
     """
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
     name = str(name_or_path)
     stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
-    shipped = SHIPPED_DIR / f"{stem}{SUFFIX}"
-    if os.sep not in name and "/" not in name and shipped.is_file():
-        return shipped
+    if os.sep not in name and "/" not in name:
+        for folder in (saved_dir(), SHIPPED_DIR):
+            candidate = folder / f"{stem}{SUFFIX}"
+            if candidate.is_file():
+                return candidate
     if path.is_dir():
         raise PresetError(f"{path}: is a folder, not a preset file")
-    names = ", ".join(n for n, _ in list_presets()) or "none"
-    raise PresetError(f"{name}: no such preset file or shipped preset (shipped: {names})")
+    shipped = ", ".join(n for n, _ in list_presets()) or "none"
+    saved = ", ".join(n for n, _ in list_saved_presets())
+    known = f"shipped: {shipped}" + (f"; saved: {saved}" if saved else "")
+    raise PresetError(f"{name}: no such preset file or preset name ({known})")
