@@ -1,0 +1,247 @@
+"""Trials: what each setting a run has used achieved, to compare them and keep the best.
+
+A setting is the triple the user steers live: (policy, margin_ratio, device_budget). A run
+that changed it went through several; each is one trial, whose steps may come in several
+stretches when the user went back to a setting tried before. Pure bookkeeping over
+StepStats, no UI: the app shows the rows as a table, the headless runner prints them and
+appends them to the metrics file in the run's summary line.
+
+Which steps are timed: the first step of each stretch is left out (the run's first step
+records the chunk order; a step right after a change re-places chunks), so a trial's step
+time is the median of the steps that ran settled under it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from engine.telemetry import StepStats
+from tuitrain.formatting import format_rate, format_seconds, format_size
+from tuitrain.metrics import MetricsWriter
+
+# Settled steps a trial keeps for its medians: its latest, so that a long run stays small and
+# a redraw stays cheap; the count of settled steps goes on.
+SAMPLES_KEPT = 1000
+
+
+@dataclass(frozen=True, order=True)
+class Setting:
+    """The live setting a step ran under."""
+
+    policy: str
+    margin_ratio: float
+    device_budget: int  # bytes
+
+    @classmethod
+    def of(cls, stats: StepStats) -> Setting:
+        return cls(stats.policy, round(stats.margin_ratio, 4), stats.device_budget)
+
+    def describe(self) -> str:
+        """The setting in words: auto, margin 0.30, budget 3.0 GiB."""
+        return (
+            f"{self.policy}, margin {self.margin_ratio:.2f}, "
+            f"budget {format_size(self.device_budget)}"
+        )
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One setting and what the run measured while it was in force.
+
+    Step time, tokens/s and bytes copied are medians over the settled steps (the latest
+    SAMPLES_KEPT of them; None while there is none); the device peak and host RSS are the
+    highest of all its steps, since a step that re-placed chunks still had to fit.
+    """
+
+    policy: str
+    margin_ratio: float
+    device_budget: int  # bytes
+    steps: int  # steps it ran, settled or not
+    settled_steps: int  # the steps its medians are taken over
+    first_step: int
+    last_step: int
+    step_seconds: float | None
+    tokens_per_second: float | None
+    device_peak: int  # bytes, highest of its steps
+    bytes_copied: int | None  # h2d + d2h per settled step, bytes
+    process_rss: int  # host RSS, bytes, highest of its steps
+    within_budget: bool  # device_peak <= device_budget on every step it ran
+
+    @property
+    def setting(self) -> Setting:
+        return Setting(self.policy, self.margin_ratio, self.device_budget)
+
+    def measured(self) -> dict[str, object]:
+        """What a preset saved for this trial records in its header (presets.save_preset)."""
+        values: dict[str, object] = {
+            "first_step": self.first_step,
+            "settled_steps": self.settled_steps,
+            "step": self.last_step,
+            "device_peak": self.device_peak,
+            "step_seconds": self.step_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "bytes_copied_per_step": self.bytes_copied,
+            "process_rss": self.process_rss,
+            "within_budget": self.within_budget,
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+    def describe(self) -> str:
+        """One line: the setting, then what it measured."""
+        return f"{self.setting.describe()}: {describe_measurements(self)}"
+
+
+def describe_measurements(trial: Trial) -> str:
+    """What a trial measured in words: 12 steps, 1.23 s/step (median), 208 tok/s, ..."""
+    parts = [f"{trial.steps} step{'s' if trial.steps != 1 else ''}"]
+    if trial.step_seconds is None:
+        parts.append("no settled step yet")
+    else:
+        parts.append(f"{format_seconds(trial.step_seconds)}/step (median)")
+    if trial.tokens_per_second is not None:
+        parts.append(f"{format_rate(trial.tokens_per_second)} tok/s")
+    over = "" if trial.within_budget else " (over budget)"
+    parts.append(f"device peak {format_size(trial.device_peak)}{over}")
+    if trial.bytes_copied is not None:
+        parts.append(f"copied {format_size(trial.bytes_copied)}/step")
+    parts.append(f"host RSS {format_size(trial.process_rss)}")
+    return ", ".join(parts)
+
+
+def _recent() -> deque:
+    return deque(maxlen=SAMPLES_KEPT)
+
+
+@dataclass
+class _Tally:
+    """One setting's steps so far: counts and peaks, and the latest settled steps' numbers."""
+
+    first_step: int
+    last_step: int
+    steps: int = 0
+    settled: int = 0
+    seconds: deque[float] = field(default_factory=_recent)  # settled steps only
+    rates: deque[float] = field(default_factory=_recent)
+    copied: deque[int] = field(default_factory=_recent)
+    device_peak: int = 0
+    process_rss: int = 0
+    within_budget: bool = True
+
+
+class TrialBook:
+    """Folds steps, in the order they ran, into one trial per setting."""
+
+    def __init__(self) -> None:
+        self._tallies: dict[Setting, _Tally] = {}
+        self._previous: Setting | None = None
+
+    def record(self, stats: StepStats) -> None:
+        setting = Setting.of(stats)
+        tally = self._tallies.get(setting)
+        if tally is None:
+            tally = self._tallies[setting] = _Tally(first_step=stats.step, last_step=stats.step)
+        # The first step of a stretch, or one at which the worker applied a change (even
+        # back to the same value), re-placed chunks or traced: it is not what the setting
+        # costs once settled.
+        settling = setting != self._previous or bool(stats.applied)
+        self._previous = setting
+        tally.steps += 1
+        tally.last_step = stats.step
+        memory = stats.memory
+        tally.device_peak = max(tally.device_peak, memory.device_peak)
+        tally.process_rss = max(tally.process_rss, memory.process_rss)
+        tally.within_budget &= memory.device_peak <= stats.device_budget
+        if not settling and stats.seconds > 0:
+            tally.settled += 1
+            tally.seconds.append(stats.seconds)
+            tally.rates.append(stats.tokens / stats.seconds)
+            tally.copied.append(stats.bytes_h2d + stats.bytes_d2h)
+
+    def reset(self) -> None:
+        self._tallies.clear()
+        self._previous = None
+
+    @property
+    def current(self) -> Setting | None:
+        """The setting of the latest step."""
+        return self._previous
+
+    def rows(self) -> list[Trial]:
+        """One trial per setting, in the order they were first used."""
+        return [_trial(setting, tally) for setting, tally in self._tallies.items()]
+
+
+def _median(values: deque) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _trial(setting: Setting, tally: _Tally) -> Trial:
+    copied = _median(tally.copied)
+    return Trial(
+        policy=setting.policy,
+        margin_ratio=setting.margin_ratio,
+        device_budget=setting.device_budget,
+        steps=tally.steps,
+        settled_steps=tally.settled,
+        first_step=tally.first_step,
+        last_step=tally.last_step,
+        step_seconds=_median(tally.seconds),
+        tokens_per_second=_median(tally.rates),
+        device_peak=tally.device_peak,
+        bytes_copied=None if copied is None else int(copied),
+        process_rss=tally.process_rss,
+        within_budget=tally.within_budget,
+    )
+
+
+def trials(steps: Iterable[StepStats]) -> list[Trial]:
+    """One trial per setting the steps ran under, in the order the settings were first used."""
+    book = TrialBook()
+    for stats in steps:
+        book.record(stats)
+    return book.rows()
+
+
+def best_trial(rows: Iterable[Trial]) -> Trial | None:
+    """The fastest trial that stayed within its budget on every step; None when none did
+    (or none has a settled step yet). Fastest: most tokens/s, then the shortest step."""
+    candidates = [t for t in rows if t.within_budget and t.step_seconds is not None]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda t: (-(t.tokens_per_second or 0.0), t.step_seconds))
+
+
+def trials_record(rows: list[Trial]) -> list[dict]:
+    """The trials as plain data (for a metrics file), the best one flagged `"best": true`."""
+    best = best_trial(rows)
+    return [{**asdict(t), "best": best is not None and t.setting == best.setting} for t in rows]
+
+
+def summary_lines(rows: list[Trial]) -> list[str]:
+    """The trials as a run summary prints them: a heading, then one line per setting."""
+    if not rows:
+        return []
+    best = best_trial(rows)
+    lines = ["  trials    one per setting, medians of settled steps; ★ fastest within budget"]
+    for trial in rows:
+        mark = "★" if best is not None and trial.setting == best.setting else " "
+        lines.append(f"    {mark} {trial.describe()}")
+    return lines
+
+
+def append_summary(path: str | os.PathLike, summary: dict, rows: list[Trial]) -> None:
+    """Append the run's summary to its metrics file: one line `{"summary": {...}}` with
+    the trials under "trials" (trials_record). Readers of the steps skip it.
+
+    Raises:
+        ValueError: the file cannot be written (MetricsWriter's message).
+    """
+    writer = MetricsWriter(path)
+    try:
+        writer.write({"summary": {**summary, "trials": trials_record(rows)}})
+    finally:
+        writer.close()
