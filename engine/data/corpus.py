@@ -1,7 +1,8 @@
 """Training data: a corpus on disk becomes one token stream, served as fixed-length batches.
 
 A corpus is a text file, a folder of text files, a JSONL file with a `text` field per
-line, or a folder written by `datasets`' `save_to_disk`. With none given, the standard
+line, or a folder written by `datasets`' `save_to_disk` (another field or column may hold
+the text: `text_field`). With none given, the standard
 library's own Python sources serve: they exist wherever Python does, so a first run needs
 nothing from the network. The token stream is cached next to the tokenizer, keyed by the
 corpus files' sizes and modification times, so a second run starts in moments.
@@ -36,6 +37,7 @@ __all__ = [
     "DataError",
     "TokenBatches",
     "build_data",
+    "corpus_tokens",
     "default_corpus",
     "get_tokenizer",
     "open_corpus",
@@ -55,6 +57,7 @@ _STDLIB_SKIP = frozenset(
 )
 _DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _READER = "corpus-v1"  # part of every corpus identity: bump when reading changes
+TEXT_FIELD = "text"  # the JSONL field or `datasets` column read unless another is named
 
 
 class DataError(ValueError):
@@ -72,9 +75,12 @@ class Corpus:
     source: str  # the --data path as given, or "stdlib" for the built-in corpus
     files: tuple[Path, ...]
     datasets_folder: Path | None = None  # set when the corpus was written by `datasets`
+    text_field: str = TEXT_FIELD  # the JSONL field or `datasets` column holding the text
 
     def identity(self) -> str:
         lines = [_READER, self.source, str(self.datasets_folder)]
+        if self.text_field != TEXT_FIELD:  # the default adds nothing: older caches still match
+            lines.append(f"field\t{self.text_field}")
         for path in self.files:
             stat = path.stat()
             lines.append(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}")
@@ -83,9 +89,9 @@ class Corpus:
     def documents(self) -> Iterator[str]:
         """Every document, in a fixed order; empty and missing ones are skipped."""
         if self.datasets_folder is not None:
-            texts = _dataset_texts(self.datasets_folder)
+            texts = _dataset_texts(self.datasets_folder, self.text_field)
         else:
-            texts = (text for path in self.files for text in _file_texts(path))
+            texts = (text for path in self.files for text in _file_texts(path, self.text_field))
         for text in texts:
             if text is not None and not isinstance(text, str):
                 raise DataError(f"{self.source}: a text holds {type(text).__name__}, not text")
@@ -101,7 +107,7 @@ def _read_text(path: Path) -> str:
         raise DataError(f"cannot read {path}: {error.strerror or error}") from error
 
 
-def _jsonl_texts(path: Path) -> Iterator[str]:
+def _jsonl_texts(path: Path, field: str) -> Iterator[str]:
     # Iterating the file splits at line ends only; str.splitlines would also split inside
     # records at U+2028 and friends, which JSON allows unescaped.
     try:
@@ -113,18 +119,28 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
                     raise DataError(f"{path}:{number}: not valid JSON ({error.msg})") from error
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                if not isinstance(record, dict) or not isinstance(record.get(field), str):
                     raise DataError(
-                        f'{path}:{number}: expected an object with a string "text" field'
+                        f'{path}:{number}: expected an object with a string "{field}" field'
+                        + _fields_found(record)
                     )
-                yield record["text"]
+                yield record[field]
     except OSError as error:
         raise DataError(f"cannot read {path}: {error.strerror or error}") from error
 
 
-def _file_texts(path: Path) -> Iterator[str]:
+def _fields_found(record: object) -> str:
+    """What a JSONL record holds instead, for the message that says a field is missing."""
+    if not isinstance(record, dict):
+        return f" (found {type(record).__name__ if record is not None else 'null'})"
+    if not record:
+        return " (found no fields)"
+    return f" (fields: {', '.join(map(str, record))})"
+
+
+def _file_texts(path: Path, field: str) -> Iterator[str]:
     if path.suffix.lower() == ".jsonl":
-        yield from _jsonl_texts(path)
+        yield from _jsonl_texts(path, field)
     else:
         yield _read_text(path)
 
@@ -144,9 +160,9 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def _dataset_texts(folder: Path) -> Iterator[str]:
+def _dataset_texts(folder: Path, field: str) -> Iterator[str]:
     try:
-        yield from _read_dataset(folder)
+        yield from _read_dataset(folder, field)
     except DataError:
         raise
     except Exception as error:  # datasets, pyarrow and json each raise their own types
@@ -154,19 +170,19 @@ def _dataset_texts(folder: Path) -> Iterator[str]:
         raise DataError(f"cannot read the datasets folder {folder}: {line}") from error
 
 
-def _read_dataset(folder: Path) -> Iterator[str | None]:
+def _read_dataset(folder: Path, field: str) -> Iterator[str | None]:
     if _installed("datasets"):
         import datasets
 
         dataset = datasets.load_from_disk(str(folder))
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset["train"] if "train" in dataset else dataset[sorted(dataset)[0]]
-        if "text" not in dataset.column_names:
+        if field not in dataset.column_names:
             raise DataError(
-                f'{folder}: no "text" column (columns: {", ".join(dataset.column_names)})'
+                f'{folder}: no "{field}" column (columns: {", ".join(dataset.column_names)})'
             )
-        for batch in dataset.select_columns(["text"]).iter(batch_size=1024):
-            yield from batch["text"]
+        for batch in dataset.select_columns([field]).iter(batch_size=1024):
+            yield from batch[field]
         return
     # Without `datasets`, read its Arrow stream files directly, in the order it lists them.
     import pyarrow as pa
@@ -176,11 +192,11 @@ def _read_dataset(folder: Path) -> Iterator[str | None]:
     for entry in state["_data_files"]:
         with pa.memory_map(str(split / entry["filename"])) as source:
             for batch in pa.ipc.open_stream(source):
-                if "text" not in batch.schema.names:
+                if field not in batch.schema.names:
                     raise DataError(
-                        f'{folder}: no "text" column (columns: {", ".join(batch.schema.names)})'
+                        f'{folder}: no "{field}" column (columns: {", ".join(batch.schema.names)})'
                     )
-                yield from batch.column("text").to_pylist()
+                yield from batch.column(field).to_pylist()
 
 
 def _looks_binary(path: Path) -> bool:
@@ -208,8 +224,9 @@ def default_corpus() -> Corpus:
     return Corpus(source="stdlib", files=tuple(files))
 
 
-def open_corpus(data_path: str | os.PathLike | None) -> Corpus:
-    """The corpus at `data_path`, or the built-in one for None.
+def open_corpus(data_path: str | os.PathLike | None, *, text_field: str = TEXT_FIELD) -> Corpus:
+    """The corpus at `data_path`, or the built-in one for None; a JSONL file or a `datasets`
+    folder has its text in `text_field`.
 
     Raises:
         DataError: the path does not exist, holds no text files, looks binary, or is a
@@ -224,7 +241,7 @@ def open_corpus(data_path: str | os.PathLike | None) -> Corpus:
     if path.is_file():
         if _looks_binary(path):
             raise DataError(f"{data_path} does not look like text (it holds NUL bytes)")
-        return Corpus(source=str(data_path), files=(path,))
+        return Corpus(source=str(data_path), files=(path,), text_field=text_field)
     if any((path / marker).is_file() for marker in _DATASETS_MARKERS):
         if not (_installed("datasets") or _installed("pyarrow")):
             raise DataError(
@@ -232,13 +249,15 @@ def open_corpus(data_path: str | os.PathLike | None) -> Corpus:
                 f"package: pip install datasets"
             )
         files = tuple(p for p in sorted(path.rglob("*")) if p.is_file())
-        return Corpus(source=str(data_path), files=files, datasets_folder=path)
+        return Corpus(
+            source=str(data_path), files=files, datasets_folder=path, text_field=text_field
+        )
     files = _walk(path, keep=TEXT_SUFFIXES, skip_dirs=frozenset())
     if not files:
         raise DataError(
             f"no text files under {data_path} (looked for {', '.join(sorted(TEXT_SUFFIXES))})"
         )
-    return Corpus(source=str(data_path), files=tuple(files))
+    return Corpus(source=str(data_path), files=tuple(files), text_field=text_field)
 
 
 def tokenize_corpus(corpus: Corpus, tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
@@ -381,6 +400,29 @@ def get_tokenizer(
     return _tokenizer_for(corpus, model_name_or_path=model_name_or_path, vocab_limit=vocab_limit)
 
 
+def corpus_tokens(
+    data_path: str | os.PathLike | None,
+    *,
+    model_name_or_path: str,
+    vocab_limit: int,
+    seq_len: int,
+    text_field: str = TEXT_FIELD,
+) -> tuple[np.ndarray, PreTrainedTokenizerBase]:
+    """The token stream of the corpus at `data_path` and the tokenizer that made it; the
+    arguments and errors are `build_data`'s."""
+    positions = getattr(model_config(model_name_or_path), "max_position_embeddings", None)
+    if positions is not None and seq_len > positions:
+        raise DataError(
+            f"seq_len {seq_len} is longer than the {positions} positions "
+            f"{model_name_or_path} embeds"
+        )
+    corpus = open_corpus(data_path, text_field=text_field)
+    tokenizer = _tokenizer_for(
+        corpus, model_name_or_path=model_name_or_path, vocab_limit=vocab_limit
+    )
+    return tokenize_corpus(corpus, tokenizer), tokenizer
+
+
 def build_data(
     data_path: str | os.PathLike | None,
     *,
@@ -389,6 +431,7 @@ def build_data(
     batch_size: int,
     seq_len: int,
     seed: int,
+    text_field: str = TEXT_FIELD,
 ) -> TokenBatches:
     """The batches of a run: corpus, tokenizer and token stream, each cached after the first.
 
@@ -400,23 +443,20 @@ def build_data(
         vocab_limit: the model's vocabulary size.
         batch_size, seq_len: the shape of each batch.
         seed: orders the blocks; the same seed gives the same batches.
+        text_field: the JSONL field or `datasets` column that holds the text.
 
     Raises:
         DataError: a missing or unreadable path, a corpus smaller than one batch, a
-            tokenizer larger than the model's vocabulary, or `seq_len` beyond the model's
-            positions.
+            tokenizer larger than the model's vocabulary, `seq_len` beyond the model's
+            positions, or records without `text_field`.
     """
-    positions = getattr(model_config(model_name_or_path), "max_position_embeddings", None)
-    if positions is not None and seq_len > positions:
-        raise DataError(
-            f"seq_len {seq_len} is longer than the {positions} positions "
-            f"{model_name_or_path} embeds"
-        )
-    corpus = open_corpus(data_path)
-    tokenizer = _tokenizer_for(
-        corpus, model_name_or_path=model_name_or_path, vocab_limit=vocab_limit
+    tokens, tokenizer = corpus_tokens(
+        data_path,
+        model_name_or_path=model_name_or_path,
+        vocab_limit=vocab_limit,
+        seq_len=seq_len,
+        text_field=text_field,
     )
-    tokens = tokenize_corpus(corpus, tokenizer)
     batches = TokenBatches(tokens, batch_size=batch_size, seq_len=seq_len, seed=seed)
     batches.tokenizer = tokenizer
     return batches

@@ -23,6 +23,7 @@ from engine.data.corpus import (
     open_corpus,
     tokenize_corpus,
 )
+from engine.data.held_out import build_run_data, eval_batches, split_documents
 from engine.data.tokenizer import cache_dir, save_tokenizer
 from engine.models.zoo import build_model
 
@@ -445,3 +446,133 @@ def test_a_cache_that_cannot_be_written_costs_only_time(tmp_path, text_file, mon
     monkeypatch.setenv("TUITRAIN_CACHE", str(blocker))
     first, second = small_data(text_file), small_data(text_file)
     assert torch.equal(next(first)["input_ids"], next(second)["input_ids"])
+
+
+# Another text field ----------------------------------------------------------------------
+
+
+def test_a_jsonl_file_reads_the_field_it_is_told(fresh_cache, tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    records = [{"body": prose(i, sentences=20), "text": "not this"} for i in range(5)]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    corpus = open_corpus(str(path), text_field="body")
+    assert list(corpus.documents()) == [r["body"] for r in records]
+    # Another field is another corpus: the caches keep them apart.
+    assert corpus.identity() != open_corpus(str(path)).identity()
+    assert open_corpus(str(path)).identity() == open_corpus(str(path), text_field="text").identity()
+
+
+def test_a_missing_jsonl_field_names_the_file_and_the_fields_found(fresh_cache, tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(json.dumps({"text": "a", "id": 1}) + "\n")
+    with pytest.raises(DataError) as caught:
+        small_data(path, text_field="body")
+    assert str(caught.value) == (
+        f'{path}:1: expected an object with a string "body" field (fields: text, id)'
+    )
+
+
+@pytest.mark.parametrize("reader", ["datasets", "pyarrow"])
+def test_a_datasets_folder_reads_the_column_it_is_told(
+        fresh_cache, datasets_folder, monkeypatch, reader):
+    if reader == "pyarrow":
+        monkeypatch.setattr(data, "_installed", lambda package: package != "datasets")
+    texts = list(open_corpus(str(datasets_folder)).documents())
+    renamed = datasets_folder.parent / "renamed"
+    import datasets
+
+    saved = datasets.load_from_disk(str(datasets_folder))
+    saved.rename_column("text", "content").save_to_disk(str(renamed))
+    assert list(open_corpus(str(renamed), text_field="content").documents()) == texts
+    with pytest.raises(DataError) as caught:
+        list(open_corpus(str(renamed)).documents())
+    assert str(caught.value) == f'{renamed}: no "text" column (columns: content, n)'
+
+
+# Held-out text ---------------------------------------------------------------------------
+
+
+def documents_of(tokens: np.ndarray, separator: int = 0) -> list[tuple[int, ...]]:
+    ends = np.flatnonzero(tokens == separator) + 1
+    return [tuple(d.tolist()) for d in np.split(tokens, ends) if len(d)]
+
+
+def corpus_of(lengths: list[int], seed: int = 0) -> np.ndarray:
+    """Documents of the given lengths (separator 0 included), with distinct random tokens."""
+    rng = np.random.default_rng(seed)
+    parts = [np.append(rng.integers(1, 1000, n - 1), 0) for n in lengths]
+    return np.concatenate(parts).astype(np.uint16)
+
+
+def test_held_out_documents_are_never_trained_on():
+    tokens = corpus_of([int(n) for n in np.random.default_rng(1).integers(20, 400, 300)])
+    train, held = split_documents(tokens, separator=0, fraction=0.1)
+    assert len(train) + len(held) == len(tokens)
+    assert 0.08 * len(tokens) < len(held) <= 0.1 * len(tokens)
+    trained, judged = set(documents_of(train)), set(documents_of(held))
+    assert not trained & judged
+    assert trained | judged == set(documents_of(tokens))
+    # Fixed by the tokens alone: the same split every time.
+    again = split_documents(tokens, separator=0, fraction=0.1)
+    assert np.array_equal(again[0], train) and np.array_equal(again[1], held)
+
+
+def test_copies_of_a_document_fall_on_the_same_side():
+    tokens = corpus_of([50] * 40)
+    copies = np.concatenate([tokens] * 3)  # every text three times
+    train, held = split_documents(copies, separator=0, fraction=0.2)
+    assert not set(documents_of(train)) & set(documents_of(held))
+    assert len(held) % 3 == 0 and len(held) > 0
+
+
+def test_one_document_cannot_be_split():
+    with pytest.raises(DataError, match="nothing to hold out: the data is one document"):
+        split_documents(corpus_of([500]), separator=0, fraction=0.5)
+    with pytest.raises(DataError, match="the data is one document"):
+        split_documents(np.arange(1, 100, dtype=np.uint16), separator=None, fraction=0.2)
+    with pytest.raises(DataError, match="each of the 3 documents is more than 0.2 of"):
+        split_documents(corpus_of([100, 150, 200]), separator=0, fraction=0.2)
+
+
+def test_evaluation_batches_are_fixed_and_spread_over_the_held_out_text():
+    tokens = np.arange(10_000, dtype=np.uint16)  # 100 blocks of 100
+    first = eval_batches(tokens, sequences=8, batch_size=3, seq_len=100, source="x")
+    starts = [int(row[0]) for b in first.batches for row in b["input_ids"]]
+    assert starts == [0, 1200, 2500, 3700, 5000, 6200, 7500, 8700]
+    assert [len(b["input_ids"]) for b in first.batches] == [3, 3, 2]
+    assert (first.sequences, first.tokens) == (8, 800)
+    for batch in first.batches:
+        assert torch.equal(batch["labels"], batch["input_ids"])
+    # The same sequences whatever the batch size, and every block when there are few.
+    other = eval_batches(tokens, sequences=8, batch_size=8, seq_len=100, source="x")
+    assert torch.equal(other.batches[0]["input_ids"],
+                       torch.cat([b["input_ids"] for b in first.batches]))
+    few = eval_batches(tokens[:350], sequences=8, batch_size=2, seq_len=100, source="x")
+    assert few.sequences == 3
+    with pytest.raises(DataError, match=r"held-out text \(x\) holds 99 tokens"):
+        eval_batches(tokens[:99], sequences=8, batch_size=2, seq_len=100, source="x")
+
+
+def test_held_out_text_from_another_corpus_uses_the_runs_tokenizer(fresh_cache, text_file,
+                                                                     tmp_path):
+    other = tmp_path / "held.txt"
+    other.write_text(prose(7, sentences=100))
+    run = build_run_data(str(text_file), model_name_or_path="tiny", vocab_limit=SMALL_VOCAB,
+                         batch_size=2, seq_len=16, seed=0, eval_path=str(other),
+                         eval_sequences=4, eval_batch_size=2)
+    whole = small_data(text_file)
+    assert run.train.num_tokens == whole.num_tokens  # all of --data is trained on
+    assert run.eval.sequences == 4 and run.eval.source == str(other)
+    text = run.train.tokenizer.decode(run.eval.batches[0]["input_ids"][0].tolist())
+    assert text in other.read_text()
+
+
+def test_a_share_of_the_built_in_corpus_is_held_out():
+    options = dict(model_name_or_path="tiny", vocab_limit=8192, batch_size=4, seq_len=128,
+                   seed=0)
+    whole = build_data(None, **options)
+    run = build_run_data(None, **options, eval_fraction=0.05, eval_sequences=16,
+                         eval_batch_size=4)
+    held = whole.num_tokens - run.train.num_tokens
+    assert 0.04 * whole.num_tokens < held <= 0.05 * whole.num_tokens
+    assert run.eval.tokens == 16 * 128
