@@ -63,16 +63,37 @@ RUN: tuple[Flag, ...] = (
          "device budget, e.g. 6GiB (default: the whole GPU; 6GiB when simulated)"),
     Flag("--precision", "engine.precision", "P",
          "fp32, bf16 or fp16 (default: bf16 on GPU, fp32 simulated)"),
-    Flag("--batch-size", "training.batch_size", "N", "sequences per step (default 2)",
-         number=True),
+    Flag("--batch-size", "training.batch_size", "N",
+         "sequences per micro-batch; a step is --grad-accum of them (default 2)", number=True),
+    Flag("--grad-accum", "training.grad_accum", "N",
+         "micro-batches per optimizer step, gradients summed: the step trains on N x "
+         "--batch-size sequences with one micro-batch's memory (default 1)", number=True),
     Flag("--seq-len", "training.seq_len", "N", "tokens per sequence (default 128)", number=True),
     Flag("--lr", "training.lr", "F", "learning rate (default 0.0003)", number=True),
+    Flag("--lr-schedule", "training.lr_schedule", "S",
+         "constant, linear or cosine: after the warm-up, keep --lr or decay it to 0 at the "
+         "last step (default constant)"),
+    Flag("--warmup-steps", "training.warmup_steps", "N",
+         "steps of linear warm-up from 0 to --lr (default 0)", number=True),
     Flag("--seed", "training.seed", "N", "seed of the model init and data (default 0)",
          number=True),
     Flag("--checkpointing", "training.activation_checkpointing", None,
          "recompute activations in the backward pass to save memory (default off)"),
     Flag("--data", "data.path", "PATH",
          "text file, folder, JSONL or `datasets` folder (default: a built-in corpus)"),
+    Flag("--text-field", "data.text_field", "NAME",
+         "the JSONL field or `datasets` column that holds the text (default text)"),
+    Flag("--eval-data", "data.eval_path", "PATH",
+         "held-out text to evaluate on, in any form --data takes"),
+    Flag("--eval-fraction", "data.eval_fraction", "F",
+         "hold out this share of the data's documents (over 0, at most 0.5) to evaluate on",
+         number=True),
+    Flag("--eval-every", "training.eval_every", "N",
+         "held-out loss every N steps and after the last (default: after the last only)",
+         number=True),
+    Flag("--eval-batches", "training.eval_batches", "N",
+         "an evaluation scores the same N steps' worth of held-out sequences each time "
+         "(default 8)", number=True),
     Flag("--metrics", "logging.metrics", "FILE", "write one JSON line per step here"),
     Flag("--checkpoint-dir", "checkpoint.dir", "DIR", "save checkpoints in this folder"),
     Flag("--checkpoint-every", "checkpoint.every", "N", "save a checkpoint every N steps",
@@ -217,8 +238,14 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
             "no model given: name one (e.g. `tuitrain run opt-125m`, see `tuitrain models`) "
             "or use a preset that sets `model:`"
         )
-    model = {"model": args.model} if args.model is not None else {}
-    return _merge(base, args, RUN, **model)
+    more: dict[str, object] = {"model": args.model} if args.model is not None else {}
+    # Held-out text comes from one place: a flag that names one replaces the preset's.
+    given = {f.key for f in RUN if f.value(args) is not None}
+    for key, other in (("data.eval_path", "data.eval_fraction"),
+                       ("data.eval_fraction", "data.eval_path")):
+        if key in given and other not in given:
+            more[other] = None
+    return _merge(base, args, RUN, **more)
 
 
 def _check_model(name: str, seq_len: int) -> None:
@@ -248,6 +275,9 @@ def check_runnable(settings: Settings) -> None:
     data = settings.data.path
     if data is not None and not Path(data).expanduser().exists():
         raise UsageError(f"data path not found: {data}")
+    held_out = settings.data.eval_path
+    if held_out is not None and not Path(held_out).expanduser().exists():
+        raise UsageError(f"eval data path not found: {held_out}")
     metrics = settings.logging.metrics
     if metrics is not None:
         metrics_path = Path(metrics).expanduser()

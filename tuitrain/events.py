@@ -110,3 +110,14 @@ class Failed(Event):
 @dataclass
 class Finished(Event):
     summary: dict  # steps, tokens, mean step seconds, peak device/host bytes, ...
+
+
+@dataclass
+class Eval(Event):
+    """The loss on the held-out text after a step, with no gradient and no update."""
+
+    step: int  # the optimizer step it was measured after
+    loss: float  # mean over every predicted token of the fixed evaluation batches
+    perplexity: float  # exp(loss)
+    tokens: int  # tokens in those batches
+    seconds: float = 0.0  # how long the evaluation took

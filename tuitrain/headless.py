@@ -18,7 +18,7 @@ from typing import TextIO
 
 from engine.telemetry import StepStats
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from tuitrain.events import Event, Failed, Finished, Log, Rejected, Started, Step, Stop
+from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
 from tuitrain.formatting import format_count, format_rate, format_size
 from tuitrain.settings import Settings
 from tuitrain.worker import ProcessWorker
@@ -135,6 +135,12 @@ class _Report:
             self.step(event.stats)
         elif isinstance(event, Started):
             self.started(event)
+        elif isinstance(event, Eval):
+            self.say(
+                f"eval after step {event.step}: loss {event.loss:.4f}, perplexity "
+                f"{event.perplexity:.2f} on {event.tokens:,} held-out tokens "
+                f"({event.seconds:.1f} s)"
+            )
         elif isinstance(event, Log):
             if event.level == "info":
                 self.say(f"  {event.message}")
@@ -155,18 +161,40 @@ class _Report:
         used = event.settings
         e, t, d, g = used["engine"], used["training"], used["data"], used["logging"]
         device_budget = e["device_budget"] or "whole device"
+        accumulated = (
+            f" in {t['grad_accum']} micro-batches" if t.get("grad_accum", 1) > 1 else ""
+        )
+        schedule = t.get("lr_schedule", "constant")
+        if t.get("warmup_steps"):
+            schedule += f" after {t['warmup_steps']} warm-up steps"
         lines = [
             f"{event.model}: {format_count(event.parameters)} parameters in {len(event.chunks)} "
             f"chunks on {event.device}",
             f"  engine    policy {e['policy']}, margin {e['margin_ratio']:.2f}, "
             f"budget {device_budget}, precision {e['precision']}",
-            f"  training  {t['steps']} steps of {t['batch_size']} x {t['seq_len']} tokens, "
-            f"lr {t['lr']:g}, seed {t['seed']}",
+            f"  training  {t['steps']} steps of {t['batch_size'] * t.get('grad_accum', 1)} x "
+            f"{t['seq_len']} tokens{accumulated}, lr {t['lr']:g} {schedule}, seed {t['seed']}",
             f"  data      {d['path'] or 'built-in corpus'}",
+            *self._evaluation(t, d),
             f"  metrics   {g['metrics'] or 'not written (--metrics FILE.jsonl)'}",
             f"  worker    pid {event.pid}, log {event.log_path}",
         ]
         self.say("\n".join(lines))
+
+    @staticmethod
+    def _evaluation(training: dict, data: dict) -> list[str]:
+        """The settings block's line about held-out text, if the run has any."""
+        if data.get("eval_path"):
+            held_out = data["eval_path"]
+        elif data.get("eval_fraction"):
+            held_out = f"{data['eval_fraction']:g} of the data's documents held out"
+        else:
+            return []
+        every = training.get("eval_every")
+        when = f"every {every} steps and after the last" if every else "after the last step"
+        sequences = training["eval_batches"] * training["batch_size"]
+        sequences *= training.get("grad_accum", 1)
+        return [f"  eval      {held_out}; up to {sequences} sequences, {when}"]
 
     def step(self, stats: StepStats) -> None:
         self.latest = stats
@@ -201,6 +229,11 @@ class _Report:
                 f"  mean step {summary['mean_step_seconds']:.3f} s "
                 f"(first {summary['first_step_seconds']:.3f} s), {format_rate(rate)} tokens/s, "
                 f"final loss {summary['final_loss']:.4f}"
+            )
+        if summary.get("eval_loss") is not None:
+            lines.append(
+                f"  held-out loss {summary['eval_loss']:.4f}, perplexity "
+                f"{summary['eval_perplexity']:.2f} after step {summary['eval_step']}"
             )
         lines.append(
             f"  peak device {format_size(summary['peak_device_bytes'])}, "

@@ -2,8 +2,9 @@
 the pace of a run, which leaves out the warm-up step wherever it is measured.
 
 A metrics file holds, per run, one line of settings (`{"settings": ..., ...}`) and then one
-`dataclasses.asdict(StepStats)` per step. Files are appended to, so one file can hold
-several runs; readers take the latest.
+`dataclasses.asdict(StepStats)` per step (a top-level "step" key), with, in a run that
+evaluates, a line `{"eval": dataclasses.asdict(Eval)}` after each evaluation. Files are
+appended to, so one file can hold several runs; readers take the latest.
 """
 
 from __future__ import annotations
@@ -74,21 +75,36 @@ def latest_run(path: str | os.PathLike) -> list[dict]:
 
     Lines that are not JSON (a run killed mid-write) are skipped.
     """
+    return _latest_records(path)[0]
+
+
+def latest_evals(path: str | os.PathLike) -> list[dict]:
+    """The evaluations of the latest run in a metrics file (each `dataclasses.asdict(Eval)`:
+    step, loss, perplexity, tokens, seconds); empty when there are none."""
+    return _latest_records(path)[1]
+
+
+def _latest_records(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError:
-        return []
+        return [], []
     steps: list[dict] = []
+    evals: list[dict] = []
     for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not isinstance(record, dict):
+            continue
         if "settings" in record:  # a new run starts here
-            steps = []
+            steps, evals = [], []
         elif "step" in record:
             steps.append(record)
-    return steps
+        elif isinstance(record.get("eval"), dict):
+            evals.append(record["eval"])
+    return steps, evals
 
 
 def measure_metrics(path: str | os.PathLike) -> dict[str, float] | None:

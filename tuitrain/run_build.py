@@ -17,11 +17,12 @@ HOST_RESERVE = 1024**3
 @dataclass
 class BuiltRun:
     model: Any
-    data: Any
+    data: Any  # the training batches (engine.data.corpus.TokenBatches)
     engine: Any
     device: str  # as the user sees it: "simulated, 6.0 GiB", or the GPU's name and memory
     device_budget: int | None  # bytes the engine got; None: the whole GPU
     settings: Settings  # as used: precision and device budget resolved (Settings.as_used)
+    eval_data: Any = None  # the fixed held-out batches (engine.data.held_out.EvalBatches)
 
 
 def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
@@ -29,7 +30,7 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     import torch
 
     from engine import Engine, EngineConfig, format_size
-    from engine.data.corpus import build_data
+    from engine.data.held_out import build_run_data
     from engine.models.zoo import build_model
 
     simulated = not torch.cuda.is_available()
@@ -41,13 +42,23 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()
     say("preparing data")
-    data = build_data(
+    t = s.training
+    data = build_run_data(
         s.data.path,
         model_name_or_path=s.model,
         vocab_limit=model.config.vocab_size,
-        batch_size=s.training.batch_size,
-        seq_len=s.training.seq_len,
-        seed=s.training.seed,
+        # A step's batch holds all its micro-batches, in order: the engine splits it, so a
+        # run with accumulation sees exactly the sequences of one without it.
+        batch_size=t.batch_size * t.grad_accum,
+        seq_len=t.seq_len,
+        seed=t.seed,
+        text_field=s.data.text_field,
+        eval_path=s.data.eval_path,
+        eval_fraction=s.data.eval_fraction,
+        # eval_batches of a step's sequences, scored a micro-batch at a time: the same
+        # sequences however a step's batch is split, in a micro-batch's memory.
+        eval_sequences=t.eval_batches * t.grad_accum * t.batch_size,
+        eval_batch_size=t.batch_size,
     )
     precision = s.precision_for(simulated)
     if simulated and s.engine.device_budget is None:
@@ -69,16 +80,21 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
             max_grad_norm=s.training.max_grad_norm,
             seed=s.training.seed,
             chunk_size=s.engine.chunk_size,
-            total_steps=s.training.steps,
+            grad_accum=t.grad_accum,
+            lr_schedule=t.lr_schedule,
+            warmup_steps=t.warmup_steps,
+            # The schedule spans the run as planned; a resumed run keeps the same span.
+            total_steps=t.steps,
         ),
     )
     return BuiltRun(
         model,
-        data,
+        data.train,
         engine,
         describe_device(simulated, device_budget),
         device_budget,
         s.as_used(precision=precision, device_budget=device_budget),
+        data.eval,
     )
 
 

@@ -9,7 +9,14 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import annotated_types
-from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    ValidationError,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import core_schema
 
@@ -20,6 +27,8 @@ SETTINGS_VERSION = 1  # the `version:` a preset must carry; bumped when a key ch
 SIMULATED_DEVICE_BUDGET = 6 * 1024**3
 # The margin ratio is a share of the spare device memory.
 MARGIN_RATIO_MIN, MARGIN_RATIO_MAX = 0.0, 1.0
+# Holding out more than half of the data leaves less to train on than to judge by.
+EVAL_FRACTION_MAX = 0.5
 
 
 class Size(str):
@@ -93,12 +102,29 @@ class TrainingSettings(_Strict):
     weight_decay: float = Field(0.01, ge=0)
     max_grad_norm: float | None = Field(None, gt=0)
     seed: int = 0
+    # Micro-batches of batch_size sequences per optimizer step: the step's gradient is that
+    # of one batch of grad_accum x batch_size sequences, with one micro-batch's memory.
     grad_accum: int = Field(1, gt=0)
     activation_checkpointing: bool = False
+    # After warmup_steps of linear warm-up from 0, the rate stays at lr (constant) or decays
+    # to 0 at the run's last step (linear, cosine).
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    # Loss on the held-out data (data.eval_path or data.eval_fraction) every eval_every steps
+    # and after the last; None: after the last step only.
+    eval_every: int | None = Field(None, gt=0)
+    # Held-out sequences per evaluation, fixed for the run: eval_batches steps' worth
+    # (grad_accum x batch_size each), scored a micro-batch at a time.
+    eval_batches: int = Field(8, gt=0)
 
 
 class DataSettings(_Strict):
     path: str | None = None  # text file, folder, JSONL or `datasets` folder; None = built-in
+    text_field: str = Field("text", min_length=1)  # the JSONL field or `datasets` column
+    # Held-out text to evaluate on: another corpus (same formats as path), or a share of
+    # path's documents (of the built-in corpus when path is None) kept out of training.
+    eval_path: str | None = None
+    eval_fraction: float | None = Field(None, gt=0, le=EVAL_FRACTION_MAX)
 
 
 class LoggingSettings(_Strict):
@@ -120,6 +146,29 @@ class Settings(_Strict):
     data: DataSettings = Field(default_factory=DataSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+
+    @model_validator(mode="after")
+    def _check_evaluation(self) -> Settings:
+        # Keys of two sections: the one place both are seen. An InvalidSettings raised here
+        # keeps its own key (see validate_settings), so a flag's name can replace it.
+        if self.data.eval_path is not None and self.data.eval_fraction is not None:
+            raise InvalidSettings(
+                "data.eval_fraction",
+                "give data.eval_path or data.eval_fraction, not both (held-out text comes "
+                "from another corpus or from a share of this one)",
+            )
+        if self.training.eval_every is not None and not self.evaluates:
+            raise InvalidSettings(
+                "training.eval_every",
+                "nothing is held out to evaluate on: set data.eval_fraction or "
+                "data.eval_path (--eval-fraction F or --eval-data PATH)",
+            )
+        return self
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run measures its loss on held-out text."""
+        return self.data.eval_path is not None or self.data.eval_fraction is not None
 
     def precision_for(self, simulated: bool) -> str:
         """The compute precision: the one asked for, else the best for this device."""
@@ -183,6 +232,9 @@ def validate_settings(data: Mapping[str, Any]) -> Settings:
     except ValidationError as error:
         errors = error.errors()
         first = errors[0]
+        own = (first.get("ctx") or {}).get("error")
+        if isinstance(own, InvalidSettings):  # a check across keys names its own key
+            raise InvalidSettings(own.key, own.problem, more=len(errors) - 1) from None
         key = ".".join(str(part) for part in first["loc"]) or "(top level)"
         raise InvalidSettings(key, describe_error(first), more=len(errors) - 1) from None
 

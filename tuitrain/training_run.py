@@ -3,12 +3,15 @@
 It builds the model, the data and the engine from the settings, announces them with
 `Started`, then trains step by step. Between steps it answers the commands waiting on the
 channel; after each step it sends a `Step` event and, when asked, appends the step to a
-JSONL metrics file. How it ends is its exit status: finished, failed, or bad input.
+JSONL metrics file. When the run holds text out, it measures the loss on it every so many
+steps and after the last (an `Eval` event and a metrics line of its own). How it ends is
+its exit status: finished, failed, or bad input.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -23,6 +26,7 @@ from tuitrain.events import (
     Applied,
     Checkpoint,
     Command,
+    Eval,
     Event,
     Failed,
     Finished,
@@ -43,6 +47,8 @@ from tuitrain.worker_log import read_log_tail
 
 # How long a paused run sleeps between looks at the command channel.
 PAUSE_WAIT_SECONDS = 0.2
+# exp() of a loss past this overflows a float; a perplexity that large is reported as e^700.
+_MAX_LOG_PERPLEXITY = 700.0
 
 
 class EventSink(Protocol):
@@ -76,6 +82,8 @@ class TrainingRun:
         self.metrics: MetricsWriter | None = None
         self.save_checkpoint: Callable[..., Any] | None = None
         self.engine: Any = None
+        self.eval_data: Any = None  # fixed held-out batches, when the run evaluates
+        self.last_eval: Eval | None = None
         self.checkpointed = 0  # the step of the latest checkpoint this run saved
 
     # --- the run -----------------------------------------------------------------------
@@ -108,17 +116,13 @@ class TrainingRun:
 
         s = self.settings
         print(f"tuitrain worker pid {os.getpid()} started {_now()}", flush=True)
-        if s.training.grad_accum != 1:
-            raise ValueError(
-                "grad_accum above 1 is not supported: the engine takes one optimizer step per "
-                "batch; raise batch_size instead"
-            )
         resume = self._checkpoint_hooks()
         if s.logging.metrics:
             self.metrics = MetricsWriter(s.logging.metrics)
 
         built = build_run(s, self._say)
         self.model, self.data, self.engine = built.model, built.data, built.engine
+        self.eval_data = built.eval_data
         # The planner's forecast, once the engine has accepted the settings (so a refusal is
         # one line, not a warning and an error saying the same), and of the run as built: a
         # default simulated budget may have shrunk to fit this machine.
@@ -182,6 +186,8 @@ class TrainingRun:
                 continue  # the Stop behind the interrupt ends the loop at the top
             ended = time.time()
             self._record(stats, ended)
+            if self._evaluates_after(stats.step):
+                self._evaluate(stats.step)
         self._final_checkpoint()
 
     def _finish(self) -> None:
@@ -222,6 +228,42 @@ class TrainingRun:
         every = self.settings.checkpoint.every
         if every and stats.step % every == 0:
             self._periodic_checkpoint(stats.step)
+
+    # --- evaluation --------------------------------------------------------------------
+
+    def _evaluates_after(self, step: int) -> bool:
+        every = self.settings.training.eval_every
+        last = step == self.settings.training.steps
+        return self.eval_data is not None and (last or bool(every and step % every == 0))
+
+    def _evaluate(self, step: int) -> None:
+        """The loss on the held-out batches after `step`: their mean over every predicted
+        token. A Stop that arrives meanwhile ends it without a result."""
+        started = time.perf_counter()
+        total = weight = 0.0
+        for batch in self.eval_data.batches:
+            self._drain_commands()
+            if self.stopping:
+                self._say(f"evaluation after step {step} left unfinished: stopping")
+                return
+            rows, columns = batch["input_ids"].shape
+            predicted = rows * (columns - 1)  # the model predicts each token from the ones before
+            total += self.engine.evaluate(batch) * predicted
+            weight += predicted
+        loss = total / weight
+        result = Eval(
+            step=step,
+            loss=loss,
+            perplexity=math.exp(min(loss, _MAX_LOG_PERPLEXITY)),
+            tokens=self.eval_data.tokens,
+            seconds=time.perf_counter() - started,
+        )
+        self.last_eval = result
+        self.outbox.put(result)
+        print(f"eval after step {step}: loss {loss:.4f}, perplexity {result.perplexity:.2f}",
+              flush=True)
+        if self.metrics is not None:
+            self.metrics.write({"eval": dataclasses.asdict(result)})
 
     def _periodic_checkpoint(self, step: int) -> bool:
         """Save a checkpoint; a failure (a full disk) is reported and training goes on."""
@@ -266,6 +308,19 @@ class TrainingRun:
             "peak_host_bytes": peak_rss,
             "metrics": self.settings.logging.metrics,
             "log": self.log_path,
+            **self._eval_summary(),
+        }
+
+    def _eval_summary(self) -> dict:
+        """The latest held-out loss, for a run that evaluates."""
+        if self.eval_data is None:
+            return {}
+        e = self.last_eval
+        return {
+            "eval_step": e.step if e else None,
+            "eval_loss": e.loss if e else None,
+            "eval_perplexity": e.perplexity if e else None,
+            "eval_tokens": e.tokens if e else None,
         }
 
     # --- commands ----------------------------------------------------------------------

@@ -308,9 +308,19 @@ settings_data = st.fixed_dictionaries(
                 "seed": st.integers(-(2**63), 2**63 - 1),
                 "grad_accum": st.integers(1, 1024),
                 "activation_checkpointing": st.booleans(),
+                "lr_schedule": st.sampled_from(["constant", "linear", "cosine"]),
+                "warmup_steps": st.integers(0, 10**6),
+                "eval_every": st.none() | st.integers(1, 10**6),
+                "eval_batches": st.integers(1, 1024),
             }
         ),
-        "data": st.fixed_dictionaries({"path": st.none() | texts}),
+        "data": st.one_of(
+            st.fixed_dictionaries({"path": st.none() | texts, "text_field": texts}),
+            st.fixed_dictionaries({"path": st.none() | texts, "eval_path": texts}),
+            st.fixed_dictionaries(
+                {"path": st.none() | texts, "eval_fraction": st.floats(1e-6, 0.5)}
+            ),
+        ),
         "logging": st.fixed_dictionaries(
             {"metrics": st.none() | texts, "every": st.integers(1, 10**6)}
         ),
@@ -322,6 +332,10 @@ settings_data = st.fixed_dictionaries(
             }
         ),
     }
+).map(
+    # Evaluating needs held-out text: without any, the run has no eval_every.
+    lambda d: d if "eval_path" in d["data"] or "eval_fraction" in d["data"]
+    else {**d, "training": {**d["training"], "eval_every": None}}
 )
 
 

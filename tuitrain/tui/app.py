@@ -20,7 +20,18 @@ from textual.widgets import Footer
 
 from engine.telemetry import StepStats
 from tuitrain.client import WorkerClient
-from tuitrain.events import Applied, Command, Event, Failed, Finished, Log, Rejected, Started, Step
+from tuitrain.events import (
+    Applied,
+    Command,
+    Eval,
+    Event,
+    Failed,
+    Finished,
+    Log,
+    Rejected,
+    Started,
+    Step,
+)
 from tuitrain.settings import Settings, Size
 from tuitrain.tui.changes import Value
 from tuitrain.tui.chunk_map import ChunkMap
@@ -155,6 +166,7 @@ class TuitrainApp(App[None]):
         handler = {
             Started: self._on_started,
             Step: self._on_step,
+            Eval: self._on_eval,
             Log: self._on_log,
             Applied: self.steering.applied,
             Rejected: self.steering.rejected,
@@ -196,6 +208,10 @@ class TuitrainApp(App[None]):
         if self.run_state == "starting":
             self.set_state("running")
         self._panels_stale = self._charts_stale = True
+
+    def _on_eval(self, event: Eval) -> None:
+        self.query_one(StepPanel).record_eval(event.step, event.loss)
+        self._charts_stale = True
 
     def _on_log(self, event: Log) -> None:
         self.add_log(event.message, level=event.level)

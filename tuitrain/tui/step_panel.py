@@ -67,6 +67,8 @@ def step_breakdown(stats: StepStats | None) -> Text:
         Text.assemble(
             ("non-model peak ", "dim"),
             (format_size(stats.memory.device_non_model_peak), "bold"),
+            ("  lr ", "dim"),
+            (f"{stats.lr:.1e}", "bold"),
         )
     )
     if stats.skipped:
@@ -98,6 +100,7 @@ class StepPanel(Horizontal):
         super().__init__(id=id)
         self.border_title = "Step"
         self.losses: deque[tuple[int, float]] = deque(maxlen=history)
+        self.evals: deque[tuple[int, float]] = deque(maxlen=history)  # held-out losses
         self.latest: StepStats | None = None
 
     def compose(self) -> ComposeResult:
@@ -112,6 +115,10 @@ class StepPanel(Horizontal):
         self.losses.append((stats.step, stats.loss))
         self.latest = stats
 
+    def record_eval(self, step: int, loss: float) -> None:
+        """Keep a held-out loss, drawn as the curve's second line."""
+        self.evals.append((step, loss))
+
     @property
     def times_text(self) -> str:
         """The time split as drawn (or what the panel says while it waits)."""
@@ -121,6 +128,7 @@ class StepPanel(Horizontal):
     def reset(self) -> None:
         """Forget the run shown (a restart begins a new one)."""
         self.losses.clear()
+        self.evals.clear()
         self.latest = None
         self.redraw_breakdown()
 
@@ -147,5 +155,9 @@ class StepPanel(Horizontal):
             steps, [v for _, v in self.losses], max(1, 2 * plot.size.width), reduce=mean
         )
         plt.plot(xs, ys, color="cyan", marker="braille")
+        if self.evals:
+            plt.title(f"loss {self.losses[-1][1]:.4f}  held-out {self.evals[-1][1]:.4f}")
+            plt.plot([s for s, _ in self.evals], [v for _, v in self.evals], color="orange",
+                     marker="dot", label="held-out")
         plt.xticks(step_ticks(steps))
         plot.refresh()
