@@ -27,13 +27,13 @@ class BuiltRun:
 
 def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     """Build model, data and engine; `say` hears each stage and any setting adapted."""
-    import torch
 
     from engine import Engine, EngineConfig, format_size
     from engine.data.held_out import build_run_data
+    from engine.devices.device import uses_cuda
     from engine.models.zoo import build_model
 
-    simulated = not torch.cuda.is_available()
+    simulated = not uses_cuda()
     device_budget = s.device_budget_for(simulated)
     say(f"building {s.model}")
     model = build_model(s.model, seed=s.training.seed)
