@@ -6,7 +6,8 @@ them. Everything is a pure function of the script and the commands, never of the
 a screen drawn from it is the same on every run.
 
 The helpers `fake_stats`, `fake_started` and `fake_run` make plausible telemetry (memory
-split by policy, chunk placement, time split, a decaying loss) for screens and demos.
+split by policy, chunk placement, the step interval by interval, time split, a decaying
+loss) for screens and demos.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from engine.chunks.state import TensorState
 from engine.config import LiveSettings, describe_setting, format_size
 from engine.placement.policy import Policy
-from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
+from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats, TimelinePoint
 from tuitrain.events import (
     Applied,
     Checkpoint,
@@ -50,6 +51,9 @@ TENSORS_PER_CHUNK = 8
 _OPTIMIZER_BYTES_PER_PARAM = 4 + 4 + 4 + 2
 # The engine's own checks of a live setting, asked of a value that stands for no run.
 _LIVE = LiveSettings(policy=Policy.AUTO, margin_ratio=0.0, device_budget=1)
+# Chunks a step under cpu or auto holds besides the resident ones: the one in use, the
+# next one prefetched, and the gradient buffer on its way home.
+_TRANSIENT_CHUNKS = 3
 # Throughputs that make the time split look like a laptop GPU on PCIe 3.
 _DEVICE_FLOPS = 5e12
 _HOST_ADAM_BYTES_PER_S = 20e9
@@ -66,6 +70,11 @@ class FakeWorker:
         steps_per_poll: how many Step events one poll() delivers at most (default 1, like a
             worker slower than the UI's timer). Events queued with `emit` come after the
             script.
+        restep: how a scripted step looks under the settings changed so far: called with
+            the scripted stats and the changed settings (policy, margin_ratio, device_budget
+            in bytes). Default: the scripted stats with the new values written in, their
+            memory and timings unchanged; `follow_settings` redraws them with fake_stats,
+            so that each setting tried measures differently.
 
     Commands are answered as the real worker answers them: SetPolicy/SetMargin/SetBudget are
     Applied at the next scripted Step, whose stats (and all later ones) carry the new value;
@@ -73,13 +82,20 @@ class FakeWorker:
     last step; Stop is Applied and followed by Finished. While paused no Step is delivered.
     """
 
-    def __init__(self, script: Script = (), *, steps_per_poll: int = 1) -> None:
+    def __init__(
+        self,
+        script: Script = (),
+        *,
+        steps_per_poll: int = 1,
+        restep: Callable[[StepStats, dict[str, object]], StepStats] | None = None,
+    ) -> None:
         if steps_per_poll < 1:
             raise ValueError(f"steps_per_poll must be at least 1, not {steps_per_poll}")
         self.commands: list[Command] = []
         self.started = False
         self.stop_calls = 0
         self.steps_per_poll = steps_per_poll
+        self.restep = restep
         self._source = script
         self._script: Iterator[Event | None] = iter(())
         self._emitted: deque[Event] = deque()
@@ -199,6 +215,8 @@ class FakeWorker:
         self._last_step = stats.step
         if not self._overrides and not applied:
             return event
+        if self.restep is not None and self._overrides:
+            stats = self.restep(stats, dict(self._overrides))
         stats = dataclasses.replace(stats, **self._overrides, applied=stats.applied + applied)
         if "device_budget" in self._overrides:
             memory = dataclasses.replace(
@@ -276,6 +294,9 @@ def fake_stats(
     )
     param_bytes = parameters * 2
     non_model = _non_model(param_bytes) if non_model is None else non_model
+    on_device = _chunks_on_device(
+        policy, device_budget, n_chunks, param_bytes // n_chunks, non_model
+    )
     non_model = int(non_model * (1.0 + 0.05 * math.sin(step * 0.9)))
     optimizer_bytes = parameters * _OPTIMIZER_BYTES_PER_PARAM
     device_chunk_bytes = sum(c.nbytes for c in chunks if c.location == "device")
@@ -283,14 +304,25 @@ def fake_stats(
     if policy == "cuda":
         device_optimizer = optimizer_bytes
     else:
-        spare = max(0, device_budget - device_chunk_bytes - int(non_model * 1.05))
+        # Room left once the step's peak is in: resident chunks, the ones a step fetches
+        # (the chunk in use, the next one prefetched, a gradient buffer) and the non-model
+        # data at its highest.
+        working = (len(on_device) + _TRANSIENT_CHUNKS) * (param_bytes // n_chunks)
+        spare = max(0, device_budget - working - int(non_model * 1.05))
         device_optimizer = min(optimizer_bytes, int(margin_ratio * spare))
     device_model = device_chunk_bytes + device_optimizer
     host_model = host_chunk_bytes + optimizer_bytes - device_optimizer
+    timeline = fake_timeline(
+        [c.nbytes for c in chunks],
+        resident=on_device,
+        non_model=non_model,
+        device_optimizer=device_optimizer,
+        all_resident=policy == "cuda",
+    )
+    moved_h2d = sum(p.bytes_h2d for p in timeline)
+    moved_d2h = sum(p.bytes_d2h for p in timeline)
 
     compute = parameters * tokens * 6 / _DEVICE_FLOPS
-    moved_h2d = 2 * host_chunk_bytes  # fetched for the forward and again for the backward
-    moved_d2h = host_chunk_bytes  # their gradients go back
     host_share = 1.0 - device_optimizer / optimizer_bytes
     optimizer = optimizer_bytes * host_share / _HOST_ADAM_BYTES_PER_S + 0.002
     transfer = (moved_h2d + moved_d2h) / _PCIE_BYTES_PER_S
@@ -300,10 +332,11 @@ def fake_stats(
     memory = MemorySnapshot(
         device_capacity=device_budget,
         device_model=device_model,
-        device_non_model_peak=non_model,
-        device_peak=device_model + non_model,
+        device_non_model_peak=max(p.non_model_bytes for p in timeline),
+        device_peak=max(p.model_bytes + p.non_model_bytes for p in timeline),
         host_model=host_model,
-        process_rss=host_model + int(1.4 * GiB),
+        # The simulated device its Started event names lives in this process too.
+        process_rss=host_model + device_model + int(1.4 * GiB),
         states=states,
         chunks=chunks,
     )
@@ -323,7 +356,86 @@ def fake_stats(
         device_budget=device_budget,
         memory=memory,
         lr=3e-4,
+        timeline=timeline,
     )
+
+
+def follow_settings(**run: object) -> Callable[[StepStats, dict[str, object]], StepStats]:
+    """A FakeWorker `restep` that redraws each step with fake_stats under the settings in
+    force: `run` are fake_stats' other arguments (parameters, n_chunks, ...), the run's
+    starting settings among them."""
+
+    def restep(stats: StepStats, settings: dict[str, object]) -> StepStats:
+        return fake_stats(stats.step, **{**run, **settings})
+
+    return restep
+
+
+def module_names(n_chunks: int) -> list[str]:
+    """The module that uses each chunk, in forward order: the embedding, one decoder layer
+    per chunk between, the output head."""
+    if n_chunks == 1:
+        return ["model"]
+    layers = [f"model.decoder.layers.{i}" for i in range(n_chunks - 2)]
+    return ["model.decoder.embed_tokens", *layers, "lm_head"]
+
+
+def fake_timeline(
+    chunk_bytes: list[int],
+    *,
+    resident: set[int],
+    non_model: int,
+    device_optimizer: int = 0,
+    all_resident: bool = False,
+) -> list[TimelinePoint]:
+    """A step interval by interval: forward over the modules (one chunk each), then
+    backward in reverse.
+
+    Chunks in `resident` stay on the device; any other is copied in before its module runs
+    (forward and again in backward), the next one is prefetched beside it, and in backward
+    its gradient is copied back out. Under `all_resident` (cuda) gradients stay on the
+    device with the optimizer state. Activations grow through the forward; backward starts
+    at the step's non-model peak (`non_model`: logits, their gradient, temporaries) and
+    frees them layer by layer.
+    """
+    n = len(chunk_bytes)
+    names = module_names(n)
+    kept = sum(chunk_bytes[i] for i in resident) + device_optimizer
+    points: list[TimelinePoint] = []
+
+    def fetched(i: int) -> int:
+        return 0 if i in resident or not 0 <= i < n else chunk_bytes[i]
+
+    for i in range(n):
+        activations = int(non_model * 0.6 * (i + 1) / n)
+        points.append(
+            TimelinePoint(
+                phase="forward",
+                module=names[i],
+                model_bytes=kept + fetched(i) + fetched(i + 1),
+                non_model_bytes=activations,
+                bytes_h2d=fetched(i) if i == 0 else fetched(i + 1) if i + 1 < n else 0,
+                bytes_d2h=0,
+            )
+        )
+    if n > 1:  # the first fetch above brought chunk 0 and prefetched chunk 1
+        first = points[0]
+        points[0] = dataclasses.replace(first, bytes_h2d=fetched(0) + fetched(1))
+    for i in reversed(range(n)):
+        remaining = int(non_model * (0.35 + 0.65 * (i + 1) / n))
+        grad = 0 if all_resident else chunk_bytes[i]
+        previous = fetched(i - 1)
+        points.append(
+            TimelinePoint(
+                phase="backward",
+                module=names[i],
+                model_bytes=kept + fetched(i) + previous + grad,
+                non_model_bytes=remaining,
+                bytes_h2d=(fetched(i) if i == n - 1 else 0) + previous,
+                bytes_d2h=grad,
+            )
+        )
+    return points
 
 
 def fake_started(
@@ -398,6 +510,7 @@ def _chunks_on_device(
         return set(range(n_chunks))
     if policy == "cpu":
         return set()
-    # Leave room for the non-model peak at its highest (fake_stats lets it wobble by 5%).
+    # Leave room for the non-model peak at its highest (fake_stats lets it wobble by 5%) and
+    # for the chunks a step fetches besides the resident ones.
     room = max(0, device_budget - int(non_model * 1.05)) // max(1, chunk_bytes)
-    return set(range(min(n_chunks, room)))
+    return set(range(min(n_chunks, max(0, room - _TRANSIENT_CHUNKS))))

@@ -21,6 +21,7 @@ from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
 from tuitrain.formatting import format_count, format_rate, format_size
 from tuitrain.settings import Settings
+from tuitrain.trials import TrialBook, append_summary, summary_lines
 from tuitrain.worker import ProcessWorker
 
 WAIT_SECONDS = 0.1  # longest sleep between looks at the worker
@@ -126,6 +127,7 @@ class _Report:
         self.tty = bool(getattr(out, "isatty", lambda: False)())
         self.total = settings.training.steps
         self.latest: StepStats | None = None
+        self.trials = TrialBook()  # one per setting; a headless run keeps its first
         self.line_open = False  # a progress line is drawn and not yet ended
         self.last_drawn = 0.0
 
@@ -198,6 +200,7 @@ class _Report:
 
     def step(self, stats: StepStats) -> None:
         self.latest = stats
+        self.trials.record(stats)
         now = time.monotonic()
         last = stats.step >= self.total
         if self.tty:
@@ -239,8 +242,13 @@ class _Report:
             f"  peak device {format_size(summary['peak_device_bytes'])}, "
             f"peak host {format_size(summary['peak_host_bytes'])}"
         )
+        lines += summary_lines(self.trials.rows())
         if summary.get("metrics"):
             lines.append(f"  metrics   {summary['metrics']}")
+            try:
+                append_summary(summary["metrics"], summary, self.trials.rows())
+            except ValueError as error:
+                self.say_err(f"summary not added to the metrics: {error}")
         self.say("\n".join(lines))
 
     def failed(self, event: Failed) -> int:

@@ -53,15 +53,19 @@ def test_a_run_prints_settings_progress_and_summary_and_appends_metrics(tmp_path
     assert "5 steps of 2 x 16 tokens" in text
     assert re.search(r"\r\[#+\] step 5/5  loss \d+\.\d{4}", text), "a bar redrawn in place"
     assert "done: 5 steps, 160 tokens" in text
+    assert "★ auto, margin 0.00, budget 6.0 GiB: 5 steps" in text  # the one trial
     assert f"metrics   {metrics}" in text
 
     lines = metrics.read_text().splitlines()
     assert lines[0] == earlier, "an existing metrics file is appended to, never truncated"
     records = [json.loads(line) for line in lines[1:]]
-    assert len(records) == 5 + 1
+    assert len(records) == 1 + 5 + 1
     assert records[0]["settings"]["training"]["steps"] == 5
-    assert [r["step"] for r in records[1:]] == [1, 2, 3, 4, 5]
-    assert all(r["tokens"] == 32 and r["policy"] == "auto" for r in records[1:])
+    assert [r["step"] for r in records[1:-1]] == [1, 2, 3, 4, 5]
+    assert all(r["tokens"] == 32 and r["policy"] == "auto" for r in records[1:-1])
+    summary = records[-1]["summary"]
+    assert summary["steps"] == 5
+    assert [(t["policy"], t["steps"], t["best"]) for t in summary["trials"]] == [("auto", 5, True)]
 
 
 def test_a_budget_below_the_working_set_exits_2_with_one_line(tmp_path: Path) -> None:
@@ -123,8 +127,8 @@ def test_ctrl_c_stops_the_worker_cleanly_and_exits_130(tmp_path: Path) -> None:
     assert "done (stopped early): " in stdout
     assert f"metrics in {metrics}" in stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert "settings" in records[0]
-    steps = [r["step"] for r in records[1:]]
+    assert "settings" in records[0] and records[-1]["summary"]["stopped"]
+    steps = [r["step"] for r in records[1:-1]]
     assert steps and steps == list(range(1, len(steps) + 1))
     # With a checkpoint folder, Ctrl-C leaves a checkpoint of the last step taken.
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"step-{steps[-1]:06d}"]

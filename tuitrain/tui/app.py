@@ -4,6 +4,9 @@ Data flows one way: the worker's events are drained on a timer, folded into the 
 of the run, and the panels are redrawn from the latest sample at a bounded rate, so a
 worker doing hundreds of steps a second never floods the screen. User requests go back as
 commands and stay "pending" on screen until the worker reports the step they took effect.
+Every setting the run has used is a trial (tuitrain.trials): the trials table compares
+them, and a save writes the selected one. Which panels show depends on the terminal's size
+(tuitrain.tui.layout): all of them on a large one, the others a key away on a small one.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Iterable
+from functools import partial
 from typing import TextIO
 
+from textual import events
 from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import DataTable, Footer
 
 from engine.telemetry import StepStats
 from tuitrain.client import WorkerClient
@@ -32,7 +37,9 @@ from tuitrain.events import (
     Started,
     Step,
 )
+from tuitrain.formatting import format_size
 from tuitrain.settings import Settings, Size
+from tuitrain.trials import Trial, TrialBook, describe_measurements
 from tuitrain.tui.changes import Value
 from tuitrain.tui.chunk_map import ChunkMap
 from tuitrain.tui.controls import Controls
@@ -40,6 +47,7 @@ from tuitrain.tui.failure_panel import FailurePanel, exit_status, failure_line
 from tuitrain.tui.header import HeaderInfo, RunHeader, settings_fields
 from tuitrain.tui.help_screen import HelpScreen
 from tuitrain.tui.keys import KEYS, MARGIN_STEP, bindings, palette_commands
+from tuitrain.tui.layout import PANELS, View, closest_view, next_view, size_class, views_for
 from tuitrain.tui.log_panel import LogPanel
 from tuitrain.tui.measurements import RunMeter
 from tuitrain.tui.memory_chart import MemoryChart
@@ -48,6 +56,8 @@ from tuitrain.tui.spawn import WorkerFactory, default_worker_factory, start_work
 from tuitrain.tui.states_table import StatesTable
 from tuitrain.tui.steering import Steering
 from tuitrain.tui.step_panel import StepPanel
+from tuitrain.tui.step_timeline import StepTimeline
+from tuitrain.tui.trials_table import TrialsTable
 
 POLL_INTERVAL = 0.1  # seconds between drains of the worker's events
 PANEL_INTERVAL = 0.25  # numbers redraw at most 4 times a second, however fast steps come
@@ -67,11 +77,32 @@ class TuitrainApp(App[None]):
 
     TITLE = "tuitrain"
     AUTO_FOCUS = None  # keys go to the app until the user tabs into a control
+    # The body carries its size (-full, -standard, -compact) and view (-view-<name>) as
+    # classes; tuitrain.tui.layout says which panels each view shows.
     CSS = """
+    #body { height: 1fr; }
     #top { height: 3fr; }
     #side { width: 52; }
     #middle { height: 2fr; min-height: 9; }
-    #middle > Controls { width: 52; }
+    #controls { width: 52; }
+    #trials { width: 80; }
+
+    #body.-standard.-view-tuning #trials { width: 1fr; }
+    #body.-standard.-view-tuning #controls { width: 40; }
+
+    #body.-compact #top { height: 1fr; }
+    #body.-compact #middle { height: 9; min-height: 0; }
+    #body.-compact #controls { width: 40; }
+    #body.-compact Controls > Horizontal { margin-bottom: 0; }
+    #body.-compact.-view-run #loss-plot { display: none; }
+    #body.-compact.-view-run #step-times { width: 1fr; }
+    #body.-compact.-view-trials #middle { layout: vertical; height: 1fr; }
+    #body.-compact.-view-trials #trials { width: 1fr; height: 1fr; }
+    #body.-compact.-view-trials #controls { width: 1fr; height: 8; }
+    #body.-compact.-view-step #middle { height: 10; }
+    #body.-compact.-view-placement #side { width: 1fr; }
+    #body.-compact.-view-log #log { height: 1fr; }
+    Footer.-compact FooterLabel { margin: 0 1 0 0; }
     """
     BINDINGS = bindings()
 
@@ -88,6 +119,9 @@ class TuitrainApp(App[None]):
         self.finished: Finished | None = None
         self.steering = Steering(self.settings.engine, screen=self)
         self.meter = RunMeter()
+        self.trial_book = TrialBook()
+        self.size_class = ""
+        self.view: View | None = None
         self.saving = PresetSaving(self, report=self._report_save)
         self._panels_stale = False  # a step arrived since the panels were drawn
         self._charts_stale = False
@@ -106,24 +140,28 @@ class TuitrainApp(App[None]):
             ),
             id="header",
         )
-        with Horizontal(id="top"):
-            yield MemoryChart(id="memory")
-            with Vertical(id="side"):
-                yield StatesTable(id="states")
-                yield ChunkMap(id="chunks")
-        with Horizontal(id="middle"):
-            yield StepPanel(id="step")
-            yield Controls(
-                policy=engine.policy,
-                margin_ratio=engine.margin_ratio,
-                device_budget=engine.device_budget,
-                id="controls",
-            )
-        yield FailurePanel(id="failure")
-        yield LogPanel(id="log")
+        with Vertical(id="body"):
+            with Horizontal(id="top"):
+                yield MemoryChart(id="memory")
+                yield StepTimeline(id="timeline")
+                with Vertical(id="side"):
+                    yield StatesTable(id="states")
+                    yield ChunkMap(id="chunks")
+            with Horizontal(id="middle"):
+                yield StepPanel(id="step")
+                yield TrialsTable(id="trials")
+                yield Controls(
+                    policy=engine.policy,
+                    margin_ratio=engine.margin_ratio,
+                    device_budget=engine.device_budget,
+                    id="controls",
+                )
+            yield FailurePanel(id="failure")
+            yield LogPanel(id="log")
         yield Footer()
 
     def on_mount(self) -> None:
+        self.lay_out(self.size.width, self.size.height)
         self._start_worker()
         self.set_interval(POLL_INTERVAL, self.poll_worker)
         self.set_interval(PANEL_INTERVAL, self.redraw_panels)
@@ -131,6 +169,43 @@ class TuitrainApp(App[None]):
 
     async def on_unmount(self) -> None:
         await asyncio.to_thread(self._stop_worker)
+
+    # --- views ----------------------------------------------------------------------------
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.lay_out(event.size.width, event.size.height)
+
+    def lay_out(self, width: int, height: int) -> None:
+        """Pick the size class for `width` x `height`, and the view of it closest to the one
+        shown, and show that view's panels."""
+        size = size_class(width, height)
+        if size != self.size_class or self.view is None:
+            self.size_class = size
+            self.show_view(closest_view(size, self.view))
+
+    def show_view(self, view: View) -> None:
+        """Show `view`'s panels (of this size class) and hide the others."""
+        self.view = view
+        body = self.query_one("#body")
+        for size in ("full", "standard", "compact"):
+            body.set_class(size == self.size_class, f"-{size}")
+        for other in {*views_for(self.size_class), view}:
+            body.set_class(other == view, f"-view-{other.name}")
+        for panel in PANELS:
+            self.query_one(f"#{panel}").display = panel in view.panels
+        side = self.query_one("#side")
+        side.display = bool({"states", "chunks"} & view.panels)
+        for row in ("#top", "#middle"):
+            node = self.query_one(row)
+            node.display = any(child.display for child in node.children)
+        self.query_one(Footer).compact = self.size_class == "compact"
+        trials = self.query_one(TrialsTable)
+        if trials.display and self.size_class == "compact":
+            trials.focus()  # the view is for picking a row: the arrows move it at once
+        elif self.focused is trials and not trials.display:
+            self.set_focus(None)
+        self._charts_stale = self.latest is not None  # hidden charts were not drawn
+        self.call_after_refresh(self.redraw_charts)
 
     # --- the worker -----------------------------------------------------------------------
 
@@ -182,6 +257,7 @@ class TuitrainApp(App[None]):
             model=event.model, parameters=event.parameters, device=event.device
         )
         self.query_one(ChunkMap).show(event.chunks)
+        self.query_one(MemoryChart).simulated = event.device.startswith("simulated")
         controls = self.query_one(Controls)
         controls.allow_budget(event.device.startswith("simulated"))
         # The worker picks the default budget (the whole GPU, or one sized for the simulated
@@ -205,6 +281,7 @@ class TuitrainApp(App[None]):
         self.query_one(MemoryChart).record(stats)
         self.query_one(StepPanel).record(stats)
         self.meter.record(stats)
+        self.trial_book.record(stats)
         if self.run_state == "starting":
             self.set_state("running")
         self._panels_stale = self._charts_stale = True
@@ -257,14 +334,21 @@ class TuitrainApp(App[None]):
         self.query_one(StatesTable).show(stats.memory)
         self.query_one(ChunkMap).show(stats.memory.chunks)
         self.query_one(StepPanel).redraw_breakdown()
+        self.query_one(StepTimeline).show(stats)
+        self.query_one(TrialsTable).show(self.trial_book.rows(), self.trial_book.current)
 
     def redraw_charts(self) -> None:
-        """Redraw the memory and loss charts from their recorded windows, if a step arrived."""
+        """Redraw the memory and loss charts from their recorded windows, if a step arrived;
+        a chart hidden in this view is drawn when it is shown."""
         if not self._charts_stale or not self.is_running:
             return
         self._charts_stale = False
-        self.query_one(MemoryChart).redraw()
-        self.query_one(StepPanel).redraw_loss()
+        memory = self.query_one(MemoryChart)
+        if memory.display:
+            memory.redraw()
+        step = self.query_one(StepPanel)
+        if step.display:
+            step.redraw_loss()
 
     def set_state(self, state: str) -> None:
         """Show the run's new state, and offer the keys that make sense in it."""
@@ -301,8 +385,6 @@ class TuitrainApp(App[None]):
         value was checked where it entered, on the screen or by the worker."""
         engine = self.settings.engine.model_copy(update={setting: value})
         self.settings = self.settings.model_copy(update={"engine": engine})
-        if from_step is not None:
-            self.meter.settings_changed(from_step)
         self.query_one(RunHeader).show(**settings_fields(engine))
 
     # --- requests -------------------------------------------------------------------------
@@ -328,7 +410,10 @@ class TuitrainApp(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if self.screen.is_modal and action in {k.action for k in KEYS} | {"leave_field"}:
             return False  # a dialog is open: its keys, not the main screen's
-        return True if self.can_run(action) else None  # None: shown greyed out
+        if self.can_run(action):
+            return True
+        # Shown greyed out (None), except in a small footer, which has no room to spare.
+        return False if self.size_class == "compact" else None
 
     def can_run(self, action: str) -> bool:
         """Whether `action` makes sense in the run's state (the palette asks too, and it
@@ -365,13 +450,24 @@ class TuitrainApp(App[None]):
         self.query_one(LogPanel).shorten(False)
         self.query_one(MemoryChart).samples.clear()
         self.query_one(StepPanel).reset()
+        self.query_one(StepTimeline).reset()
+        self.query_one(TrialsTable).reset()
         self.latest = self.failure = self.finished = self.started = None
         self.meter.reset()
+        self.trial_book.reset()
         self.add_log(f"restarting {self.settings.model} with policy {self.settings.engine.policy}")
         self._start_worker()
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(views_for(self.size_class), self.view))
+
+    def action_next_view(self) -> None:
+        views = views_for(self.size_class)
+        if len(views) == 1:
+            self.notify("every panel is on screen at this size")
+            return
+        assert self.view is not None
+        self.show_view(next_view(self.size_class, self.view))
 
     def action_leave_field(self) -> None:
         self.set_focus(None)
@@ -394,13 +490,71 @@ class TuitrainApp(App[None]):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Our actions that can run now, then Textual's theme and screenshot commands."""
         textual = super().get_system_commands(screen)
-        return palette_commands(self.can_run, self.run_action, textual)
+        views = views_for(self.size_class)
+        shows = [
+            SystemCommand(f"Show view: {v.name}", v.about, partial(self.show_view, v))
+            for v in views
+            if len(views) > 1
+        ]
+        return palette_commands(self.can_run, self.run_action, textual, extra=shows)
 
     # --- presets --------------------------------------------------------------------------
 
     def action_save_preset(self) -> None:
-        device_budget = self.latest.device_budget if self.latest else None
-        self.saving.start(self.settings, self.meter.measured(), device_budget=device_budget)
+        """Save the selected trial (the setting in force, unless the user picked another
+        row), or the settings as they are before the first step."""
+        self.save_trial(self.query_one(TrialsTable).selected)
+
+    def on_data_table_row_selected(self, message: DataTable.RowSelected) -> None:
+        if message.data_table.id == "trials":  # Enter on a row saves it
+            self.save_trial(self.query_one(TrialsTable).selected)
+
+    def save_trial(self, trial: Trial | None) -> None:
+        """Open the save dialog for `trial`'s settings and measurements (None: the settings
+        in force, nothing measured yet)."""
+        if trial is None:
+            summary = f"{self._settings_line(self.settings)}\nno step yet: nothing measured"
+            self.saving.start(self.settings, None, summary=summary)
+            return
+        settings = self.trial_settings(trial)
+        when = (
+            "in force now"
+            if trial.setting == self.trial_book.current
+            else f"tried at steps {trial.first_step}-{trial.last_step}"
+        )
+        summary = (
+            f"{self._settings_line(settings)} ({when})\n"
+            f"measured: {describe_measurements(trial)}"
+        )
+        self.saving.start(settings, trial.measured(), summary=summary)
+
+    def trial_settings(self, trial: Trial) -> Settings:
+        """The run's settings with `trial`'s policy, margin ratio and budget.
+
+        A budget the run took by default (none given) stays none when the trial ran under
+        it, so that a run of the preset takes the default of its own device."""
+        engine = self.settings.engine
+        default = self.started.device_budget if self.started is not None else None
+        budget = engine.device_budget
+        if budget is None or budget.nbytes != trial.device_budget:
+            budget = None if trial.device_budget == default else Size.of_bytes(trial.device_budget)
+        engine = engine.model_copy(
+            update={
+                "policy": trial.policy,
+                "margin_ratio": trial.margin_ratio,
+                "device_budget": budget,
+            }
+        )
+        return self.settings.model_copy(update={"engine": engine})
+
+    def _settings_line(self, settings: Settings) -> str:
+        engine = settings.engine
+        # No budget in the settings is saved as none: a run of the preset takes the default
+        # for its own device, which is not always the one measured here.
+        budget = engine.device_budget or "default"
+        if engine.device_budget is None and self.started and self.started.device_budget:
+            budget += f" ({format_size(self.started.device_budget)} on this run)"
+        return f"policy {engine.policy} · margin {engine.margin_ratio:.2f} · budget {budget}"
 
     def _report_save(self, message: str, *, error: bool) -> None:
         self.query_one(Controls).show_message(message, error=error)

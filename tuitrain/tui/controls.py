@@ -122,7 +122,7 @@ class Controls(Vertical):
                 id="budget",
                 validators=[_valid("device_budget")],
             )
-        yield Static("Enter applies · c policy · +/- margin", id="control-hint")
+        yield Static("Enter applies · c policy · +- margin", id="control-hint")
         yield Static("", id="control-message")
         yield Static("", id="changes")
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from rich.text import Text
-from textual.widgets import Static
+from textual.widget import Widget
 
 from tuitrain.formatting import format_count, format_rate, format_size
 from tuitrain.settings import EngineSettings
+from tuitrain.tui.fitting import KEEP, Item, fit_line
 
 STATE_STYLES = {
     "starting": "bold yellow",
@@ -45,11 +47,45 @@ def settings_fields(engine: EngineSettings) -> dict[str, object]:
     return fields
 
 
-class RunHeader(Static):
-    """Two lines at the top: the run (model, device, state, progress) and its settings."""
+def model_label(model: str) -> str:
+    """A model as the header names it: a zoo name as is, a folder by its last name."""
+    return Path(model.rstrip("/\\")).name or model
+
+
+def header_items(info: HeaderInfo) -> tuple[list[Item], list[Item]]:
+    """The two lines' items, in the order drawn, each with its rank."""
+    # "…" promises a value; once the run has ended without one, it will not come.
+    unknown = "…" if info.state in WAITING_STATES else "-"
+    params = unknown if info.parameters is None else format_count(info.parameters)
+    device = unknown if info.device is None else (info.device or "N/A")
+    total = "?" if info.total_steps is None else str(info.total_steps)
+    rate = unknown if info.tokens_per_s is None else format_rate(info.tokens_per_s)
+    budget = unknown if info.device_budget is None else format_size(info.device_budget)
+    first = [
+        Item((("tuitrain", "bold"),), rank=1),
+        Item(((model_label(info.model), "bold"),), rank=50, shrink=True, stays=True),
+        Item(((f"{params} params", ""),), rank=3),
+        Item(((f"● {info.state}", STATE_STYLES.get(info.state, "")),), rank=KEEP),
+        Item(((f"step {info.step}/{total}", ""),), rank=KEEP),
+        Item(((f"{rate} tok/s", ""),), rank=KEEP),
+    ]
+    second = [
+        Item((("policy ", ""), (info.policy, "bold")), rank=KEEP),
+        Item((("margin ", ""), (f"{info.margin_ratio:.2f}", "bold")), rank=KEEP),
+        Item((("budget ", ""), (budget, "bold")), rank=KEEP),
+        Item((("device ", ""), (device, "bold")), rank=2, shrink=True),
+    ]
+    return first, second
+
+
+class RunHeader(Widget):
+    """Two lines at the top: the run (model, state, progress, pace) and its settings and
+    device, fitted to the width: the least important items go first, never the state, the
+    step or the pace."""
 
     DEFAULT_CSS = """
     RunHeader {
+        width: 1fr;
         height: 2;
         padding: 0 1;
         text-wrap: nowrap;
@@ -62,56 +98,20 @@ class RunHeader(Static):
     def __init__(self, info: HeaderInfo, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.info = info
-        self.update(self._render_info())
 
     def show(self, **changes: object) -> None:
         """Update some fields (those of HeaderInfo) and redraw if anything changed."""
         info = replace(self.info, **changes)
         if info != self.info:
             self.info = info
-            self.update(self._render_info())
+            self.refresh()
 
     @property
     def plain(self) -> str:
-        """The header as plain text (what a reader of the screen sees)."""
-        return self._render_info().plain
+        """The header as plain text, as drawn at the widget's width."""
+        return self.render().plain
 
-    def _render_info(self) -> Text:
-        info = self.info
-        sep = ("  │  ", "dim")
-        # "…" promises a value; once the run has ended without one, it will not come.
-        unknown = "…" if info.state in WAITING_STATES else "-"
-        params = unknown if info.parameters is None else format_count(info.parameters)
-        if info.device is None:
-            device = unknown
-        else:
-            device = info.device or "N/A"
-        total = "?" if info.total_steps is None else str(info.total_steps)
-        rate = unknown if info.tokens_per_s is None else format_rate(info.tokens_per_s)
-        device_budget = unknown if info.device_budget is None else format_size(info.device_budget)
-        first = Text.assemble(
-            ("tuitrain", "bold"),
-            sep,
-            (info.model, "bold"),
-            f" · {params} params",
-            sep,
-            "device ",
-            (device, "bold"),
-            sep,
-            (f"● {info.state}", STATE_STYLES.get(info.state, "")),
-            sep,
-            f"step {info.step}/{total}",
-            sep,
-            f"{rate} tok/s",
-        )
-        second = Text.assemble(
-            "policy ",
-            (info.policy, "bold"),
-            sep,
-            "margin ",
-            (f"{info.margin_ratio:.2f}", "bold"),
-            sep,
-            "budget ",
-            (device_budget, "bold"),
-        )
-        return Text("\n").join([first, second])
+    def render(self) -> Text:
+        width = self.content_region.width or 10_000  # not laid out yet: everything
+        first, second = header_items(self.info)
+        return Text("\n").join([fit_line(first, width), fit_line(second, width)])

@@ -6,14 +6,16 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from tuitrain.tui.keys import KEYS, PALETTE_ONLY
+from tuitrain.tui.layout import View
 
 
-def help_table() -> Table:
+def help_table(views: tuple[View, ...] = (), shown: View | None = None) -> Table:
+    """Every key and command; then the views of the screen's size, the one shown marked."""
     table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
     table.add_column(style="bold", justify="right", no_wrap=True)
     table.add_column()
@@ -22,21 +24,30 @@ def help_table() -> Table:
     table.add_row("ctrl+p", "command palette: the actions above that apply now, and:")
     for command in PALETTE_ONLY:
         table.add_row("", Text.assemble((command.title, "italic"), f": {command.help}"))
-    table.add_row("enter", "in the margin or budget field: ask for that value")
+    table.add_row("enter", "in the margin or budget field: ask for that value;")
+    table.add_row("", "in the trials table (tab to it, ↑ ↓ pick a row): save that row")
     table.add_row("escape", "leave a field, close a dialog")
+    if len(views) > 1:
+        table.add_row("", "")
+        table.add_row("views", Text("at this size (v, or the palette's Show view)", style="dim"))
+        for view in views:
+            mark = "▸" if view == shown else ""
+            table.add_row(mark, Text.assemble((view.name, "bold"), f": {view.about}"))
     return table
 
 
 class HelpScreen(ModalScreen[None]):
-    """A modal listing the keys; escape, ? or q closes it."""
+    """A modal listing the keys and the views of this size; escape, ? or q closes it."""
 
     DEFAULT_CSS = """
     HelpScreen {
         align: center middle;
     }
-    HelpScreen > Vertical {
+    HelpScreen > VerticalScroll {
         width: 90;
+        max-width: 100%;
         height: auto;
+        max-height: 100%;
         border: round $primary;
         border-title-color: $text-primary;
         background: $surface;
@@ -55,15 +66,20 @@ class HelpScreen(ModalScreen[None]):
         Binding("escape,question_mark,q", "close", "Close", show=False),
     ]
 
+    def __init__(self, views: tuple[View, ...] = (), shown: View | None = None) -> None:
+        super().__init__()
+        self.views = views
+        self.shown = shown
+
     def compose(self) -> ComposeResult:
-        with Vertical() as box:
+        with VerticalScroll() as box:  # ↑ ↓ scroll it on a small screen
             box.border_title = "Keys"
             yield Static(
                 "Changes take effect between steps; each shows as pending until the worker\n"
                 "reports the step it was applied at.",
                 id="help-intro",
             )
-            yield Static(help_table(), id="help-keys")
+            yield Static(help_table(self.views, self.shown), id="help-keys")
             yield Static("escape, ? or q closes this screen", id="help-footer")
 
     def action_close(self) -> None:

@@ -13,6 +13,8 @@ from tuitrain.settings import MARGIN_RATIO_MAX, MARGIN_RATIO_MIN
 
 TEXTUAL_COMMANDS_REPLACED = ("Quit", "Keys")  # by our Quit and Help
 MARGIN_STEP = 0.05  # how far + and - move the margin ratio
+# + and - share one place in the footer ("+- Margin"), which fits the keys in 80 columns.
+MARGIN_GROUP = Binding.Group("Margin")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,11 +50,16 @@ KEYS: tuple[KeyAction, ...] = (
     ),
     KeyAction(
         key="s", shown="s", action="save_preset", title="Save preset", short="Save",
-        help="save the current settings and measurements as a YAML preset",
+        help="save the selected trial (the setting in force unless you picked another row) "
+        "and what it measured as a preset",
     ),
     KeyAction(
         key="r", shown="r", action="restart", title="Restart run", short="Restart",
         help="run again with the current settings, once the run failed or finished",
+    ),
+    KeyAction(
+        key="v", shown="v", action="next_view", title="Next view", short="View",
+        help="show the next view: panels that do not fit this size together (below)",
     ),
     KeyAction(
         key="question_mark", shown="?", action="help", title="Help", short="Help",
@@ -79,7 +86,14 @@ def bindings() -> list[Binding]:
     return [
         # space is a priority so that a focused select or button cannot swallow it; fields
         # that type spaces still get it (Textual skips keys a focused input consumes).
-        Binding(k.key, k.action, k.short, key_display=k.shown, priority=k.key == "space")
+        Binding(
+            k.key,
+            k.action,
+            k.short,
+            key_display=k.shown,
+            priority=k.key == "space",
+            group=MARGIN_GROUP if k.action.startswith("margin_") else None,
+        )
         for k in KEYS
     ] + [Binding("escape", "leave_field", "Leave field", show=False)]
 
@@ -88,8 +102,11 @@ def palette_commands(
     can_run: Callable[[str], bool],
     run_action: Callable[[str], object],
     textual: Iterable[SystemCommand],
+    *,
+    extra: Iterable[SystemCommand] = (),
 ) -> Iterator[SystemCommand]:
-    """Our actions that `can_run` now, then Textual's `textual` commands but the replaced ones.
+    """Our actions that `can_run` now, the `extra` commands (the views of this size), then
+    Textual's `textual` commands but the replaced ones.
 
     Textual's own Quit and Keys are left out: ours quits by stopping the worker first, and
     Help lists every key and command already.
@@ -97,6 +114,7 @@ def palette_commands(
     for key in KEYS + PALETTE_ONLY:
         if can_run(key.action):
             yield SystemCommand(key.title, key.help, partial(run_action, key.action))
+    yield from extra
     for command in textual:
         if command.title not in TEXTUAL_COMMANDS_REPLACED:
             yield command

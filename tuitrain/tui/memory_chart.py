@@ -1,9 +1,13 @@
 """MemoryChart: device and host memory over the last steps, drawn with plotext.
 
-Device: model data (chunks and the optimizer state kept there) and the step's peak, which
-adds the non-model data (activations, workspace), against the budget line; the non-model
-peak alone is in the step panel. Host: model data kept there and the whole process's RSS,
-against the machine's total memory.
+Device, per step, stacked: the peak of chunk bytes on the device (parameters, gradients,
+optimizer state: what the placement decides) and on top of it the peak of everything else
+(activations, workspace), against the budget line. Between steps the chunks may all be
+back on the host (cpu, or auto with no margin), so what the device held *during* the step
+is what is drawn: from the step's timeline when the engine reports one, else estimated
+from its peaks. Host: the bytes the engine keeps there (its chunks; on the simulated
+device, its device bytes too, which live in this process) and the process's RSS above
+them; the gap is memory the engine does not account for.
 """
 
 from __future__ import annotations
@@ -22,27 +26,43 @@ from engine.telemetry import StepStats
 from tuitrain.formatting import format_size
 from tuitrain.tui.axes import size_unit, step_ticks
 from tuitrain.tui.downsample import downsample
+from tuitrain.tui.fitting import KEEP, Item, fit_line
 
 HISTORY = 600  # steps kept for the charts; older samples scroll off
 
 Colour = tuple[int, int, int]
 
-# One colour per series, shared by the plot line and its caption.
-MODEL = (80, 200, 120)
-PEAK = (255, 165, 0)
+# One colour per series, shared by the plot and its caption.
+CHUNKS = (80, 200, 120)
+OTHER = (255, 165, 0)
 BUDGET = (230, 70, 70)
-HOST_MODEL = (90, 150, 255)
+ENGINE_HOST = (90, 150, 255)
 RSS = (210, 110, 230)
+CAPTION_SEPS = ("  ", " ")
 
 
 class MemorySample(NamedTuple):
     step: int
-    device_model: int
-    device_non_model: int
-    device_peak: int
+    chunk_peak: int  # chunk bytes on the device at their highest in the step
+    non_model_peak: int  # everything else on the device at its highest in the step
+    device_peak: int  # all device bytes at their highest (not always the sum of the two)
     device_capacity: int
-    host_model: int
+    estimated: bool  # no timeline: chunk_peak is estimated from the step's peaks
+    host_model: int  # chunk bytes on the host after the step
+    device_model: int  # chunk bytes on the device after the step
     process_rss: int
+
+
+def chunk_peak(stats: StepStats) -> tuple[int, bool]:
+    """The highest chunk bytes on the device during the step, and whether it is estimated.
+
+    From the timeline when there is one; else the more of what stayed on the device after
+    the step and what the total peak leaves beside the non-model peak (a lower bound)."""
+    if stats.timeline:
+        return max(p.model_bytes for p in stats.timeline), False
+    memory = stats.memory
+    estimate = max(memory.device_model, memory.device_peak - memory.device_non_model_peak)
+    return max(0, estimate), True
 
 
 def host_total_bytes() -> int | None:
@@ -53,12 +73,16 @@ def host_total_bytes() -> int | None:
         return None
 
 
-def _key(colour: Colour, label: str) -> Text:
-    return Text.assemble(("━ ", "rgb({},{},{})".format(*colour)), label, " ")
+def _key(colour: Colour, label: str, *, rank: int = KEEP) -> Item:
+    return Item((("━ ", "rgb({},{},{})".format(*colour)), (label, "")), rank=rank)
+
+
+def _plain(label: str, *, style: str = "", rank: int = KEEP) -> Item:
+    return Item(((label, style),), rank=rank)
 
 
 class MemoryChart(Vertical):
-    """Two stacked line charts (device, host) over a bounded window of steps."""
+    """Two stacked charts (device, host) over a bounded window of steps."""
 
     DEFAULT_CSS = """
     MemoryChart {
@@ -73,6 +97,7 @@ class MemoryChart(Vertical):
     }
     MemoryChart > PlotextPlot {
         height: 1fr;
+        min-height: 3;
     }
     """
 
@@ -81,6 +106,7 @@ class MemoryChart(Vertical):
         self.border_title = "Memory"
         self.samples: deque[MemorySample] = deque(maxlen=history)
         self.host_total = host_total_bytes()
+        self.simulated = False  # the device's bytes live in this process too
 
     def compose(self) -> ComposeResult:
         yield Static("device: waiting for the first step…", id="device-caption", classes="caption")
@@ -88,55 +114,83 @@ class MemoryChart(Vertical):
         yield Static("host", id="host-caption", classes="caption")
         yield PlotextPlot(id="host-plot")
 
+    def on_mount(self) -> None:
+        for plot in self.query(PlotextPlot):
+            # No box around the plots: on a small screen its two rows are half the chart.
+            plot.plt.frame(False)
+
     def record(self, stats: StepStats) -> None:
         """Keep one step's numbers; cheap, so every step can be recorded."""
         mem = stats.memory
+        chunks, estimated = chunk_peak(stats)
         self.samples.append(
             MemorySample(
                 step=stats.step,
-                device_model=mem.device_model,
-                device_non_model=mem.device_non_model_peak,
+                chunk_peak=chunks,
+                non_model_peak=mem.device_non_model_peak,
                 device_peak=mem.device_peak,
                 device_capacity=mem.device_capacity,
+                estimated=estimated,
                 host_model=mem.host_model,
+                device_model=mem.device_model,
                 process_rss=mem.process_rss,
             )
         )
+
+    def engine_host_bytes(self, sample: MemorySample) -> int:
+        """What the engine accounts for in this process's memory."""
+        return sample.host_model + (sample.device_model if self.simulated else 0)
+
+    def _width(self) -> int:
+        return self.query_one("#device-caption", Static).content_region.width or 200
 
     def device_caption(self) -> Text:
         if not self.samples:
             return Text("device: waiting for the first step…")
         last = self.samples[-1]
+        estimated = "≈" if last.estimated else ""  # no timeline: see chunk_peak
+        over = last.device_peak > last.device_capacity
         unit, _ = size_unit(max(last.device_peak, last.device_capacity))
-        # The peak line is model + non-model data; its caption names the total it is drawn
-        # at, which keeps the line within the chart's width at 120 columns.
-        return Text.assemble(
-            ("device ", "bold"),
-            (f"{unit} ", "dim"),
-            _key(MODEL, f"model {format_size(last.device_model)}"),
-            _key(PEAK, f"peak {format_size(last.device_peak)}"),
-            _key(BUDGET, f"budget {format_size(last.device_capacity)}"),
-        )
+        items = [
+            _plain("device", style="bold"),
+            _plain(f"({unit})", style="dim", rank=1),  # the scale's, on the left of the plot
+            _key(CHUNKS, f"chunks {estimated}{format_size(last.chunk_peak)}"),
+            _key(OTHER, f"other {format_size(last.non_model_peak)}"),
+            _key(BUDGET, f"budget {format_size(last.device_capacity)}", rank=3),
+            _plain(f"peak {format_size(last.device_peak)}", style="red" if over else "", rank=2),
+        ]
+        return fit_line(items, self._width(), seps=CAPTION_SEPS)
 
     def host_caption(self) -> Text:
         if not self.samples:
             return Text("host")
         last = self.samples[-1]
-        unit, _ = size_unit(max(last.host_model, last.process_rss))
-        total = "N/A" if self.host_total is None else format_size(self.host_total)
-        return Text.assemble(
-            ("host   ", "bold"),
-            (f"{unit} ", "dim"),
-            _key(HOST_MODEL, f"model {format_size(last.host_model)}"),
+        engine = self.engine_host_bytes(last)
+        untracked = max(0, last.process_rss - engine)
+        unit, _ = size_unit(max(engine, last.process_rss))
+        items = [
+            _plain("host  ", style="bold"),
+            _plain(f"({unit})", style="dim", rank=1),
+            _key(ENGINE_HOST, f"engine {format_size(engine)}"),
             _key(RSS, f"RSS {format_size(last.process_rss)}"),
-            (f"of {total}", "dim"),
-        )
+            _plain(f"untracked {format_size(untracked)}", style="bold", rank=3),
+        ]
+        if self.host_total is not None:
+            items.append(_plain(f"of {format_size(self.host_total)}", style="dim", rank=1))
+        return fit_line(items, self._width(), seps=CAPTION_SEPS)
 
     @staticmethod
-    def _line(plot: PlotextPlot, steps: list[int], values: list[float], colour: Colour) -> None:
+    def _series(
+        plot: PlotextPlot,
+        steps: list[int],
+        values: list[float],
+        colour: Colour,
+        *,
+        fill: bool = False,
+    ) -> None:
         # Two braille dots per column: more points than that cost time and show nothing.
         xs, ys = downsample(steps, values, max(1, 2 * plot.size.width))
-        plot.plt.plot(xs, ys, color=colour, marker="braille")
+        plot.plt.plot(xs, ys, color=colour, marker="braille", fillx=fill)
 
     def redraw(self) -> None:
         """Draw the recorded window; called at the screen's refresh rate, not per step."""
@@ -144,28 +198,37 @@ class MemoryChart(Vertical):
             return
         self.query_one("#device-caption", Static).update(self.device_caption())
         self.query_one("#host-caption", Static).update(self.host_caption())
-        steps = [s.step for s in self.samples]
+        samples = list(self.samples)
+        steps = [s.step for s in samples]
         ticks = step_ticks(steps)
 
-        top = max(max(s.device_peak, s.device_capacity) for s in self.samples)
+        stacked = [s.chunk_peak + s.non_model_peak for s in samples]
+        top = max(max(stacked), max(s.device_peak for s in samples))
+        top = max(top, max(s.device_capacity for s in samples))
         _, scale = size_unit(top)
         device = self.query_one("#device-plot", PlotextPlot)
         plt = device.plt
         plt.clear_data()
-        self._line(device, steps, [s.device_peak / scale for s in self.samples], PEAK)
-        self._line(device, steps, [s.device_model / scale for s in self.samples], MODEL)
-        plt.hline(self.samples[-1].device_capacity / scale, BUDGET)
+        self._series(device, steps, [v / scale for v in stacked], OTHER, fill=True)
+        self._series(device, steps, [s.chunk_peak / scale for s in samples], CHUNKS, fill=True)
+        # The budget as a series drawn last, so that it shows over the filled areas.
+        budget = [s.device_capacity / scale for s in samples]
+        if len(steps) == 1:
+            plt.plot([steps[0] - 0.5, steps[0] + 0.5], budget * 2, color=BUDGET, marker="hd")
+        else:
+            plt.plot(steps, budget, color=BUDGET, marker="hd")
         plt.ylim(0, top / scale * 1.05)
         plt.xticks([])  # the host chart below labels the same steps: a row more for data
         device.refresh()
 
-        top = max(max(s.host_model, s.process_rss) for s in self.samples)
+        engine = [self.engine_host_bytes(s) for s in samples]
+        top = max(max(engine), max(s.process_rss for s in samples), 1)
         _, scale = size_unit(top)
         host = self.query_one("#host-plot", PlotextPlot)
         plt = host.plt
         plt.clear_data()
-        self._line(host, steps, [s.process_rss / scale for s in self.samples], RSS)
-        self._line(host, steps, [s.host_model / scale for s in self.samples], HOST_MODEL)
+        self._series(host, steps, [v / scale for v in engine], ENGINE_HOST, fill=True)
+        self._series(host, steps, [s.process_rss / scale for s in samples], RSS)
         plt.ylim(0, top / scale * 1.1)
         plt.xticks(ticks)
         host.refresh()

@@ -1,13 +1,14 @@
 """Saving a preset from the screen: the path dialog, the overwrite question, the write.
 
 The dialogs only ask; PresetSaving writes the file, and replaces an existing one only after
-the user said yes in ConfirmOverwrite.
+the user said yes in ConfirmOverwrite. Presets go by default into the user's own folder
+(tuitrain.presets.saved_dir), where `--preset NAME` finds them, never among the shipped ones.
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 
@@ -18,23 +19,37 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
-from tuitrain.formatting import format_size
+from tuitrain.presets import SUFFIX, save_preset, saved_dir
 from tuitrain.settings import Settings
-from tuitrain.tui.measurements import Measured
 
-PRESETS_DIR = "presets"
+Measured = Mapping[str, object]  # what presets.save_preset records in the header
+
+
+def shown_path(path: Path) -> str:
+    """`path` as the user reads and types it: under their home folder, with `~`."""
+    try:
+        return "~/" + path.relative_to(Path.home()).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def default_preset_path(model: str, policy: str) -> str:
-    """presets/<model>-<policy>.yaml in the working folder; a model folder gives its name."""
+    """<model>-<policy>.yaml in the user's saved presets folder; a model folder gives its
+    name."""
     name = Path(model.rstrip("/\\")).name or "model"
-    return f"{PRESETS_DIR}/{name}-{policy}.yaml"
+    return shown_path(saved_dir() / f"{name}-{policy}{SUFFIX}")
 
 
 def reproducing_command(preset_path: str) -> str:
     """The command line that runs again what the preset at `preset_path` holds (the model
-    and every setting are in the file)."""
-    return shlex.join(["tuitrain", "run", "--preset", preset_path])
+    and every setting are in the file): by its name when it is in the saved folder."""
+    path = Path(preset_path).expanduser()
+    try:
+        in_saved = path.resolve().parent == saved_dir().resolve()
+    except OSError:
+        in_saved = False
+    preset = path.stem if in_saved and path.suffix == SUFFIX else preset_path
+    return shlex.join(["tuitrain", "run", "--preset", preset])
 
 
 _DIALOG_CSS = """
@@ -131,8 +146,8 @@ class ConfirmOverwrite(ModalScreen[bool]):
 class PresetSaving:
     """The save flow: the path dialog, the write, the overwrite question, the outcome.
 
-    What is saved is what the dialog showed: the settings and measurements of the moment
-    it opened.
+    What is saved is what the dialog showed: the settings and measurements given when it
+    opened.
 
     Args:
         app: where the dialogs are shown.
@@ -143,24 +158,11 @@ class PresetSaving:
         self.app = app
         self.report = report
 
-    def start(
-        self, settings: Settings, measured: Measured | None, *, device_budget: int | None
-    ) -> None:
-        """Open the dialog with presets/<model>-<policy>.yaml filled in; `device_budget` is
-        the one this run has (bytes)."""
+    def start(self, settings: Settings, measured: Measured | None, *, summary: str) -> None:
+        """Open the dialog with <saved presets>/<model>-<policy>.yaml filled in; `summary`
+        tells what will be saved (the setting, what was measured)."""
         settings = settings.model_copy(deep=True)
-        engine = settings.engine
-        # No budget in the settings is saved as none: a run of the preset takes the default
-        # for its own device, which is not always the one measured here.
-        shown_budget = engine.device_budget or "default"
-        if engine.device_budget is None and device_budget:
-            shown_budget += f" ({format_size(device_budget)} on this run)"
-        summary = (
-            f"policy {engine.policy} · margin {engine.margin_ratio:.2f} · budget {shown_budget}"
-        )
-        if measured is not None:
-            summary += "\n" + measured.describe()
-        path = default_preset_path(settings.model, engine.policy)
+        path = default_preset_path(settings.model, settings.engine.policy)
         self.app.push_screen(
             SaveDialog(path, summary=summary), partial(self._chosen, settings, measured)
         )
@@ -169,18 +171,17 @@ class PresetSaving:
         self, settings: Settings, measured: Measured | None, path: str, *, overwrite: bool
     ) -> bool:
         """Write the preset; an existing file makes it ask first. True when written."""
-        from tuitrain.presets import save_preset
-
+        target = Path(path).expanduser()
         try:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             return self._failed(path, exc)
         try:
             save_preset(
                 settings,
-                path,
+                target,
                 command=reproducing_command(path),
-                measured=measured.as_dict() if measured else None,
+                measured=measured,
                 overwrite=overwrite,
             )
         except FileExistsError:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tuitrain.client import WorkerClient
 from tuitrain.events import (
     Applied,
@@ -19,7 +21,14 @@ from tuitrain.events import (
     Step,
     Stop,
 )
-from tuitrain.fakeworker import TENSORS_PER_CHUNK, FakeWorker, GiB, fake_run, fake_stats
+from tuitrain.fakeworker import (
+    TENSORS_PER_CHUNK,
+    FakeWorker,
+    GiB,
+    fake_run,
+    fake_stats,
+    follow_settings,
+)
 
 
 def steps(events) -> list[int]:
@@ -202,3 +211,19 @@ def test_the_time_split_adds_up_and_the_loss_decreases():
     for s in stats:
         assert abs(s.forward + s.backward + s.optimizer + s.transfer - s.seconds) < 1e-12
     assert stats[1].loss < stats[0].loss
+
+
+def test_follow_settings_redraws_each_step_under_the_settings_in_force():
+    run = dict(parameters=1_315_758_080, n_chunks=72, device_budget=3 * GiB)
+    worker = FakeWorker(
+        [Step(fake_stats(n, **run)) for n in (1, 2, 3)], restep=follow_settings(**run)
+    )
+    worker.start()
+    (first,) = worker.poll()
+    worker.send(SetPolicy(policy="cpu"))
+    applied, second = worker.poll()
+    assert isinstance(applied, Applied)
+    assert second.stats == dataclasses.replace(
+        fake_stats(2, policy="cpu", **run), applied=["policy cpu"]
+    )
+    assert second.stats.seconds != first.stats.seconds

@@ -1,4 +1,5 @@
-"""Saving a preset from the app: prefilled path, what is written, and never a silent overwrite."""
+"""Saving a preset from the app: into the user's presets folder, what is written, and never a
+silent overwrite."""
 
 from __future__ import annotations
 
@@ -8,22 +9,33 @@ import pytest
 
 from tuitrain.events import Step
 from tuitrain.fakeworker import fake_run, fake_stats
-from tuitrain.presets import load_preset
+from tuitrain.presets import find_preset, load_preset, saved_dir
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.controls import Controls
-from tuitrain.tui.save_dialog import ConfirmOverwrite, SaveDialog, default_preset_path
+from tuitrain.tui.save_dialog import (
+    ConfirmOverwrite,
+    SaveDialog,
+    default_preset_path,
+    reproducing_command,
+    shown_path,
+)
 
 from .helpers import SIZE, make_app, settle
 
 pytestmark = pytest.mark.anyio
-
-PRESET = Path("presets/opt-125m-auto.yaml")
 
 
 @pytest.fixture(autouse=True)
 def in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture
+def preset() -> Path:
+    """Where `s`, Enter saves opt-125m under auto: the user's folder (tests/conftest.py
+    gives each test an empty one)."""
+    return saved_dir() / "opt-125m-auto.yaml"
 
 
 async def open_dialog(app: TuitrainApp, pilot) -> SaveDialog:
@@ -34,25 +46,42 @@ async def open_dialog(app: TuitrainApp, pilot) -> SaveDialog:
     return app.screen
 
 
-def test_the_default_path_is_model_and_policy_under_presets():
-    assert default_preset_path("opt-1.3b", "cpu") == "presets/opt-1.3b-cpu.yaml"
-    assert default_preset_path("/models/my-opt/", "auto") == "presets/my-opt-auto.yaml"
+def test_the_default_path_is_model_and_policy_in_the_users_presets_folder(user_config):
+    assert default_preset_path("opt-1.3b", "cpu") == str(user_config / "presets/opt-1.3b-cpu.yaml")
+    assert default_preset_path("/models/my-opt/", "auto").endswith("/presets/my-opt-auto.yaml")
 
 
-async def test_enter_saves_the_settings_with_the_command_and_the_measurements():
+def test_a_path_under_the_home_folder_reads_with_a_tilde():
+    assert shown_path(Path.home() / ".config/tuitrain/presets/x.yaml") == (
+        "~/.config/tuitrain/presets/x.yaml"
+    )
+    assert shown_path(Path("/srv/presets/x.yaml")) == "/srv/presets/x.yaml"
+
+
+def test_a_saved_preset_is_reproduced_by_its_name_any_other_by_its_path(user_config):
+    assert reproducing_command(str(saved_dir() / "opt-125m-auto.yaml")) == (
+        "tuitrain run --preset opt-125m-auto"
+    )
+    assert reproducing_command("elsewhere/x.yaml") == "tuitrain run --preset elsewhere/x.yaml"
+
+
+async def test_enter_saves_the_settings_with_the_command_and_the_measurements(preset):
     app, _ = make_app(fake_run(3))
     async with app.run_test(size=SIZE) as pilot:
         dialog = await open_dialog(app, pilot)
-        assert dialog.query_one("#preset-path").value == str(PRESET)
+        assert dialog.query_one("#preset-path").value == str(preset)
         await pilot.press("enter")
         await pilot.pause()
         assert not isinstance(app.screen, SaveDialog)
-    text = PRESET.read_text()
-    assert "# reproduce: tuitrain run --preset presets/opt-125m-auto.yaml" in text
-    assert "measured at step 3" in text and "device peak" in text
-    saved = load_preset(PRESET)
+    text = preset.read_text()
+    assert "# reproduce: tuitrain run --preset opt-125m-auto\n" in text
+    assert "measured over steps 1-3 (median of 2 settled steps)" in text
+    assert "device peak" in text and "host RSS" in text
+    saved = load_preset(preset)
     assert saved == app.settings
     assert saved.model == "opt-125m" and saved.engine.policy == "auto"
+    assert find_preset("opt-125m-auto") == preset  # `--preset opt-125m-auto` finds it
+    assert not Path("presets").exists()  # nothing lands in the working folder
 
 
 async def test_the_preset_holds_the_changes_the_worker_applied_and_not_the_pending_ones():
@@ -64,46 +93,46 @@ async def test_the_preset_holds_the_changes_the_worker_applied_and_not_the_pendi
         await settle(app, pilot)
         await pilot.press("plus")  # still pending when saved
         dialog = await open_dialog(app, pilot)
-        assert dialog.query_one("#preset-path").value == "presets/opt-125m-cuda.yaml"
+        assert dialog.query_one("#preset-path").value == str(saved_dir() / "opt-125m-cuda.yaml")
         await pilot.press("enter")
         await pilot.pause()
-    saved = load_preset("presets/opt-125m-cuda.yaml")
+    saved = load_preset(saved_dir() / "opt-125m-cuda.yaml")
     assert saved.engine.policy == "cuda"
     assert saved.engine.margin_ratio == 0.0
 
 
-async def test_an_existing_file_is_kept_unless_the_user_says_yes():
-    PRESET.parent.mkdir()
-    PRESET.write_text("# mine\n")
+async def test_an_existing_file_is_kept_unless_the_user_says_yes(preset):
+    preset.parent.mkdir(parents=True)
+    preset.write_text("# mine\n")
     app, _ = make_app(fake_run(3))
     async with app.run_test(size=SIZE) as pilot:
         await open_dialog(app, pilot)
         await pilot.press("enter")
         await pilot.pause()
         assert isinstance(app.screen, ConfirmOverwrite)
-        assert PRESET.read_text() == "# mine\n"
+        assert preset.read_text() == "# mine\n"
         await pilot.press("n")
         await pilot.pause()
         assert not isinstance(app.screen, ConfirmOverwrite)
-        assert PRESET.read_text() == "# mine\n"
+        assert preset.read_text() == "# mine\n"
 
         await open_dialog(app, pilot)
         await pilot.press("enter")
         await pilot.pause()
-        assert PRESET.read_text() == "# mine\n"
+        assert preset.read_text() == "# mine\n"
         await pilot.press("y")
         await pilot.pause()
-    assert load_preset(PRESET).model == "opt-125m"
+    assert load_preset(preset).model == "opt-125m"
 
 
-async def test_escape_cancels_without_writing():
+async def test_escape_cancels_without_writing(preset):
     app, _ = make_app(fake_run(3))
     async with app.run_test(size=SIZE) as pilot:
         await open_dialog(app, pilot)
         await pilot.press("escape")
         await pilot.pause()
         assert not isinstance(app.screen, SaveDialog)
-    assert not PRESET.exists()
+    assert not preset.exists()
 
 
 async def test_typing_in_the_path_field_does_not_trigger_the_app_keys():

@@ -1,11 +1,12 @@
-"""How the app looks at 120x40 with a scripted run (regenerate: pytest --snapshot-update)."""
+"""How the app looks at 80x24, 120x40 and 200x60 with a scripted run in which three
+settings were tried (regenerate: pytest --snapshot-update)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tuitrain.events import Step
-from tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats
+from tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats, follow_settings
 from tuitrain.settings import Settings
 from tuitrain.tui import memory_chart
 from tuitrain.tui.app import TuitrainApp
@@ -29,31 +30,58 @@ def same_host_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory_chart, "host_total_bytes", lambda: 32 * GiB)
 
 
+STATS = {k: v for k, v in RUN.items() if k != "model"}
+SIZES = {"80x24": (80, 24), "120x40": SIZE, "200x60": (200, 60)}
+
+
 def scripted_app() -> tuple[TuitrainApp, FakeWorker]:
     settings = Settings(model=RUN["model"])
     settings.engine.device_budget = "3GiB"
     settings.engine.margin_ratio = RUN["margin_ratio"]
     settings.training.steps = 500
-    fake = FakeWorker(fake_run(120, **RUN), steps_per_poll=10_000)
+    fake = FakeWorker(
+        fake_run(100, **RUN), steps_per_poll=10_000, restep=follow_settings(**STATS)
+    )
     return TuitrainApp(settings, worker_factory=lambda _: fake), fake
 
 
-def test_main_screen(snap_compare):
+async def three_settings(app: TuitrainApp, fake: FakeWorker, pilot) -> None:
+    """auto at margin 0.30 for steps 1-100, cuda for 101-110 (over the budget), cpu at 0.35
+    for 111-121, and a change still pending on screen."""
+    await pilot.pause()
+    app.poll_worker()
+    for key, steps in (("c", range(101, 111)), ("c", ()), ("plus", range(111, 122))):
+        await pilot.press(key)
+        fake.emit(*(Step(fake_stats(n, **STATS)) for n in steps))
+        app.poll_worker()
+    await pilot.press("c")  # still pending on screen
+    app.poll_worker()
+    app.redraw()
+    await pilot.pause()
+
+
+@pytest.mark.parametrize("size", SIZES, ids=list(SIZES))
+def test_main_screen(snap_compare, size):
     app, fake = scripted_app()
-    stats = {k: v for k, v in RUN.items() if k != "model"}
 
     async def run_before(pilot) -> None:
-        await pilot.pause()
-        app.poll_worker()
-        await pilot.press("plus")  # applied at the next step
-        fake.emit(Step(fake_stats(121, **stats)))
-        app.poll_worker()
-        await pilot.press("c")  # still pending on screen
-        app.poll_worker()
+        await three_settings(app, fake, pilot)
+
+    assert snap_compare(app, terminal_size=SIZES[size], run_before=run_before)
+
+
+@pytest.mark.parametrize("view", ["trials", "step"])
+def test_a_view_a_key_away_on_a_small_screen(snap_compare, view):
+    app, fake = scripted_app()
+
+    async def run_before(pilot) -> None:
+        await three_settings(app, fake, pilot)
+        while app.view.name != view:
+            await pilot.press("v")
         app.redraw()
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=SIZES["80x24"], run_before=run_before)
 
 
 def test_help_screen(snap_compare):

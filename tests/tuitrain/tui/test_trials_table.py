@@ -1,0 +1,165 @@
+"""The trials table on a scripted run: three settings tried, the best marked, any row saved."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuitrain.events import Failed, Step
+from tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats, follow_settings
+from tuitrain.formatting import format_size
+from tuitrain.presets import load_preset, saved_dir
+from tuitrain.settings import Settings
+from tuitrain.trials import Setting
+from tuitrain.tui.app import TuitrainApp
+from tuitrain.tui.save_dialog import SaveDialog
+from tuitrain.tui.trials_table import TrialsTable
+
+from .helpers import SIZE, settle
+
+pytestmark = pytest.mark.anyio
+
+# opt-1.3b on a 3 GiB budget: cuda is fastest but cannot fit, auto beats cpu.
+RUN = dict(
+    parameters=1_315_758_080,
+    device_budget=3 * GiB,
+    n_chunks=72,
+    policy="auto",
+    margin_ratio=0.3,
+)
+AUTO = Setting("auto", 0.3, 3 * GiB)
+CUDA = Setting("cuda", 0.3, 3 * GiB)
+CPU = Setting("cpu", 0.3, 3 * GiB)
+
+
+def tuning_app() -> tuple[TuitrainApp, FakeWorker]:
+    settings = Settings(model="opt-1.3b")
+    settings.engine.device_budget = "3GiB"
+    settings.engine.margin_ratio = 0.3
+    fake = FakeWorker(
+        fake_run(3, model="opt-1.3b", **RUN),
+        steps_per_poll=10_000,
+        restep=follow_settings(**RUN),
+    )
+    return TuitrainApp(settings, worker_factory=lambda _: fake), fake
+
+
+async def try_three_settings(app: TuitrainApp, fake: FakeWorker, pilot) -> TrialsTable:
+    """auto for steps 1-3, then c: cuda for 4-6, then c: cpu for 7-9."""
+    await settle(app, pilot)
+    for first in (4, 7):
+        await pilot.press("c")
+        fake.emit(*(Step(fake_stats(n, **RUN)) for n in range(first, first + 3)))
+        await settle(app, pilot)
+    return app.query_one(TrialsTable)
+
+
+async def test_each_setting_tried_is_a_row_and_the_fastest_within_budget_is_marked():
+    app, fake = tuning_app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        table = await try_three_settings(app, fake, pilot)
+        assert [t.setting for t in table.trials] == [AUTO, CUDA, CPU]
+        assert table.cell_text(AUTO, "mark") == "★"
+        assert table.cell_text(CUDA, "mark") == "!"  # fastest, but over its budget
+        assert table.cell_text(CPU, "mark") == ""
+        assert table.cell_text(CPU, "policy") == "cpu ●"  # in force
+        auto, cuda, cpu = table.trials
+        assert cuda.step_seconds < auto.step_seconds < cpu.step_seconds
+        assert not cuda.within_budget and auto.within_budget and cpu.within_budget
+        assert (auto.steps, auto.settled_steps, cuda.steps, cuda.settled_steps) == (3, 2, 3, 2)
+        assert table.cell_text(CUDA, "peak") == "20.8 GiB"
+        assert table.cell_text(CPU, "copied") == "7.4 GiB"
+
+
+async def test_the_cursor_follows_the_setting_in_force_until_the_user_picks_a_row():
+    app, fake = tuning_app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await settle(app, pilot)
+        table = app.query_one(TrialsTable)
+        await pilot.press("c")
+        fake.emit(Step(fake_stats(4, **RUN)))
+        await settle(app, pilot)
+        assert table.selected.setting == CUDA  # followed the change
+        table.focus()
+        await pilot.press("up")
+        await settle(app, pilot)
+        assert table.selected.setting == AUTO
+        app.set_focus(None)
+        await pilot.press("c")  # cpu
+        fake.emit(Step(fake_stats(5, **RUN)))
+        await settle(app, pilot)
+        assert table.selected.setting == AUTO  # the user's pick stays
+        table.follow_in_force()
+        assert table.selected.setting == CPU
+
+
+async def test_s_saves_the_selected_row_with_what_was_measured_for_it():
+    app, fake = tuning_app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        table = await try_three_settings(app, fake, pilot)
+        auto = table.trials[0]
+        table.focus()
+        await pilot.press("up", "up")  # from cpu, in force, to auto
+        app.set_focus(None)
+        await pilot.press("s")
+        await pilot.pause()
+        dialog = app.screen
+        assert isinstance(dialog, SaveDialog)
+        assert dialog.path == str(saved_dir() / "opt-1.3b-auto.yaml")
+        assert "policy auto · margin 0.30 · budget 3GiB (tried at steps 1-3)" in dialog.summary
+        assert "3 steps, 1.70 s/step (median)" in dialog.summary
+        await pilot.press("enter")
+        await pilot.pause()
+    path = saved_dir() / "opt-1.3b-auto.yaml"
+    saved = load_preset(path)
+    assert (saved.engine.policy, saved.engine.margin_ratio) == ("auto", 0.3)
+    assert saved.engine.device_budget.nbytes == 3 * GiB
+    assert app.settings.engine.policy == "cpu"  # what runs is not what was saved
+    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    assert "# reproduce: tuitrain run --preset opt-1.3b-auto" in header
+    (measured,) = [line for line in header if line.startswith("# measured")]
+    assert measured.startswith("# measured over steps 1-3 (median of 2 settled steps): ")
+    assert f"step time {auto.step_seconds:.3g} s" in measured
+    assert f"device peak {format_size(auto.device_peak)}," in measured
+    assert f"host RSS {format_size(auto.process_rss)}" in measured
+    assert "copied" in measured and "over the budget" not in measured
+
+
+async def test_enter_on_a_row_saves_that_row_and_says_it_went_over_its_budget():
+    app, fake = tuning_app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        table = await try_three_settings(app, fake, pilot)
+        table.focus()
+        await pilot.press("up", "enter")  # the cuda row
+        await pilot.pause()
+        dialog = app.screen
+        assert isinstance(dialog, SaveDialog)
+        assert dialog.path.endswith("opt-1.3b-cuda.yaml")
+        assert "(over budget)" in dialog.summary
+        await pilot.press("enter")
+        await pilot.pause()
+    text = (saved_dir() / "opt-1.3b-cuda.yaml").read_text()
+    assert "(over the budget)" in text
+
+
+async def test_a_save_before_the_first_step_writes_the_settings_in_force():
+    app, fake = tuning_app()
+    fake._source = []  # no step comes
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("s")
+        await pilot.pause()
+        assert "nothing measured" in app.screen.summary
+        await pilot.press("enter")
+        await pilot.pause()
+    saved = load_preset(saved_dir() / "opt-1.3b-auto.yaml")
+    assert saved.engine.margin_ratio == 0.3
+
+
+async def test_a_restart_starts_the_trials_over():
+    app, fake = tuning_app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        table = await try_three_settings(app, fake, pilot)
+        fake.emit(Failed("boom"))
+        await settle(app, pilot)
+        await pilot.press("r")
+        await pilot.pause()
+        assert table.trials == [] and table.row_count == 0
