@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a zoo name (see `tuitrain models`) or a local Hugging Face model folder; "
         "optional when the preset names one",
     )
-    run.add_argument("--preset", metavar="FILE", help="a preset file or a shipped preset name")
+    run.add_argument(
+        "--preset", metavar="FILE", help="a preset file, or the name of a saved or shipped preset"
+    )
     run.add_argument("--headless", action="store_true", help="train without the app")
     for flag in RUN:
         flag.add_to(run)
@@ -162,12 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = commands.add_parser(
         "presets",
-        help="list the shipped presets, or show one",
-        description="List the shipped presets, or print one with `presets show NAME`.",
+        help="list the shipped and saved presets, or show one",
+        description="List the shipped presets and those saved from the app, or print one with "
+        "`presets show NAME`.",
     )
     presets_actions = presets.add_subparsers(dest="action", metavar="ACTION")
     show = presets_actions.add_parser("show", help="print a preset file")
-    show.add_argument("name", metavar="NAME", help="a shipped preset name or a file")
+    show.add_argument("name", metavar="NAME", help="a saved or shipped preset name, or a file")
     presets.set_defaults(handler=cmd_presets)
 
     models = commands.add_parser("models", help="list the model zoo")
@@ -386,13 +389,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _has_cuda() -> bool:
-    import torch
+    from engine.devices.device import uses_cuda
 
-    return torch.cuda.is_available()
+    return uses_cuda()
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from tuitrain.presets import PresetError, find_preset, list_presets
+    from tuitrain.presets import PresetError, find_preset, preset_listing
 
     if args.action == "show":
         try:
@@ -403,10 +406,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as error:
             raise UsageError(f"{args.name}: cannot read: {error}") from None
         return 0
-    entries = list_presets()
-    width = max((len(name) for name, _ in entries), default=0)
-    for name, description in entries:
-        print(f"{name:<{width}}  {description}")
+    for line in preset_listing():
+        print(line)
     return 0
 
 
