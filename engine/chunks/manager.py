@@ -51,6 +51,7 @@ class ChunkManager:
         self.overrun = 0  # most bytes over capacity seen while not strict
         self._last_use: dict[int, int] = {}  # chunk -> position of its latest use (LRU)
         self.host_budget: int | None = None  # chunk bytes + I/O buffers on the host
+        self.disk_piece = rules.DISK_PIECE  # elements per piece of disk I/O
         self.spill: disk.Spill | None = None  # the disk tier, when the host budget needs it
         self._disk_base = (0, 0, 0.0)  # the tier's counters at the step's start
 
@@ -162,9 +163,8 @@ class ChunkManager:
         # one is still to be used) has the weights in the master only.
         master = chunk.holds_grads and not chunk.aliased
         if chunk.payload_on_disk or (master and chunk.state_on_disk):
-            source, pool, buffer = self.spill.fetch_source(chunk)
-            self._copy(chunk.device_payload, source, "h2d")
-            self.spill.give_back(pool, buffer)
+            for source, lo, hi in self.spill.fetch(chunk):
+                self._copy(chunk.device_payload[lo:hi], source, "h2d")
         else:
             self._copy(chunk.device_payload, chunk.master if master else chunk.payload, "h2d")
         self._fetched(chunk)
@@ -210,13 +210,15 @@ class ChunkManager:
             chunk = self.chunks[index]
             self._storage_resize(chunk, True)
             if chunk.payload_on_disk:
-                source, pool, buffer = self.spill.fetch_source(chunk)
-                chunk.pending, seconds = self.device.copy_ahead(chunk.device_payload, source)
-                self.spill.give_back(pool, buffer)
+                # Piece by piece on one stream: the last one's event covers them all.
+                for source, lo, hi in self.spill.fetch(chunk):
+                    chunk.pending, seconds = self.device.copy_ahead(
+                        chunk.device_payload[lo:hi], source)
+                    self.transfer_seconds += seconds
             else:
                 chunk.pending, seconds = self.device.copy_ahead(chunk.device_payload,
                                                                 chunk.payload)
-            self.transfer_seconds += seconds
+                self.transfer_seconds += seconds
             self.bytes_h2d += chunk.nbytes
             self._fetched(chunk)
 
@@ -310,8 +312,9 @@ class ChunkManager:
         self.settle(chunk)  # the home may be the payload a prefetch reads
         _zero_unwritten(chunk)
         if chunk.payload_on_disk:
-            # Into an I/O buffer, which goes to disk as soon as the bytes are in.
-            self.spill.land_grads(chunk, lambda home: self._copy(home, chunk.grad, "d2h"))
+            # Into I/O buffers, which go to disk as soon as the bytes are in.
+            self.spill.land_grads(chunk, chunk.grad,
+                                  lambda home, grads: self._copy(home, grads, "d2h"))
         else:
             # The optimizer reads it after the device settles at the end of backward.
             self._copy(self.grad_home(chunk), chunk.grad, "d2h", host_reads=False)
@@ -424,10 +427,11 @@ class ChunkManager:
         Raises ValueError (rules.HostBudgetTooSmall, ScratchTooSmall, or naming a folder
         that cannot be written) before anything moves."""
         self.host_budget = host_budget
+        self.disk_piece = rules.DISK_PIECE
         worst = self.disk_placement(set())
         if worst.state:
             self.spill = disk.open_spill(
-                self.chunks, disk_dir=disk_dir, need=worst.disk_bytes,
+                self.chunks, disk_dir=disk_dir, need=worst.disk_bytes, piece=self.disk_piece,
                 empty=self.device.host_empty,
                 alloc=lambda numel, dtype: self._alloc("host", numel, dtype),
                 free=lambda t: self._free("host", t))
@@ -435,7 +439,7 @@ class ChunkManager:
     def disk_placement(self, resident: set[int]) -> rules.DiskPlacement:
         """rules.disk_placement for the chunks not in `resident`."""
         return rules.disk_placement(
-            [disk.disk_cost(c) for c in self.chunks],
+            [rules.disk_cost(c.numel, c.itemsize, ALIGN, self.disk_piece) for c in self.chunks],
             on_host=[c.index for c in self.chunks if c.index not in resident],
             host_budget=self.host_budget, block=ALIGN)
 
@@ -451,16 +455,20 @@ class ChunkManager:
         self.spill.settle(placement)
 
     def read_ahead(self, pos: int) -> None:
-        """Start reading, from disk, the payloads of the next chunks to be fetched (trace
-        order); not while tracing, when there is no order to trust."""
-        if self.spill is None or self.trace is None or not self.strict:
+        """Start reading from disk, into idle buffers: the payloads of the next chunks to
+        be fetched (trace order; not while tracing, when there is no order to trust), and
+        the state the update will need first."""
+        if self.spill is None:
             return
-        upcoming = itertools.chain.from_iterable(
-            p.chunks for p in itertools.islice(self.trace.points, pos + 1, None))
-        self.spill.read_ahead(upcoming, skip=lambda i: self.chunks[i].on_device)
+        if self.trace is not None and self.strict:
+            upcoming = itertools.chain.from_iterable(
+                p.chunks for p in itertools.islice(self.trace.points, pos + 1, None))
+            self.spill.read_ahead(upcoming, skip=lambda i: self.chunks[i].on_device)
+        self.spill.read_ahead_state()
 
     def update_pipeline(self, chunks: list[Chunk]) -> disk.UpdatePipeline | disk.NoDisk:
-        """The optimizer's walk over `chunks`, reading and writing their parts on disk."""
+        """The optimizer's walk over `chunks` (disk.Span by span), reading and writing
+        their parts on disk."""
         return self.spill.update_pipeline(chunks) if self.spill is not None else disk.NoDisk()
 
     @contextlib.contextmanager

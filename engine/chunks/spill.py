@@ -13,13 +13,15 @@ them under the host budget; the ChunkManager asks this class to carry them out):
   fp32: a region of their own, beside the payload, which is the master); the update reads
   them back with the state.
 
-Each chunk has one file of regions: "state", "payload" and (fp32) "grad". In a state
-buffer the parts sit at block-aligned offsets: [master,] exp_avg, exp_avg_sq.
+Each chunk has one file with regions "state", "payload" and (fp32) "grad", each cut into
+pieces of at most rules.DISK_PIECE elements, which is what is read and written: an I/O
+buffer holds one piece, whatever the chunk's size. In a state piece the parts sit at
+block-aligned offsets: [master,] exp_avg, exp_avg_sq.
 
-While a part is read into an I/O buffer, the chunk's tensor for it (chunk.master, ...) is a
-view into that buffer; otherwise it is None. The buffers are the tier's (a few, allocated
-once, counted apart from the chunk bytes); the chunk's host tensors are allocated and freed
-through the manager's accounting (`alloc`, `free`).
+The I/O buffers are the tier's (a few, allocated once, counted apart from the chunk bytes);
+the chunk's host tensors are allocated and freed through the manager's accounting (`alloc`,
+`free`). While the update or a fetch uses a piece, the tensors it reads are views into the
+buffer that holds it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,9 +40,12 @@ from engine.config import format_size
 from engine.devices.disk import ALIGN, DiskTier, Region, ScratchFolder
 from engine.placement import rules
 
-STATE = "state"  # the state region, and the pool of buffers that carries it
-PAYLOAD = "payload"  # the payload region, and the pool for payloads and fp32 gradients
+STATE = "state"  # the state region, and the pool of buffers that carries its pieces
+PAYLOAD = "payload"  # the payload region, and the pool for payload and gradient pieces
 GRAD = "grad"  # fp32 only: the gradient region (carried by payload buffers)
+POOL = {STATE: STATE, PAYLOAD: PAYLOAD, GRAD: PAYLOAD}
+
+Loaded = tuple[torch.Tensor, Future | None]  # a buffer and the read filling it (None: done)
 
 
 def state_parts(chunk: Chunk) -> tuple[str, ...]:
@@ -47,15 +53,39 @@ def state_parts(chunk: Chunk) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq") if chunk.aliased else ("master", "exp_avg", "exp_avg_sq")
 
 
-def disk_cost(chunk: Chunk) -> rules.DiskCost:
-    return rules.disk_cost(chunk.numel, chunk.itemsize, ALIGN)
+def host_parts(chunk: Chunk, region: str) -> tuple[str, ...]:
+    """The chunk's host tensors that `region` holds (fp32's master is its payload)."""
+    if region == STATE:
+        return state_parts(chunk)
+    return ("host_grad",) if region == GRAD else ("payload",)
 
 
 class ScratchTooSmall(ValueError):
     """The scratch folder's filesystem has less free space than the disk tier may need."""
 
 
-def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int,
+@dataclass
+class Span:
+    """Elements lo..hi of a chunk as the update sees them: each tensor covers just those
+    (views into the chunk's host tensors or into I/O buffers)."""
+
+    lo: int
+    hi: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grads: torch.Tensor  # in the compute dtype (bf16/fp16: where they landed, the payload)
+    payload: torch.Tensor | None  # bf16/fp16: where the new parameters go; fp32: None
+
+    @classmethod
+    def whole(cls, chunk: Chunk) -> Span:
+        """The whole chunk, from its own tensors (nothing of it on disk)."""
+        return cls(0, chunk.numel, chunk.master, chunk.exp_avg, chunk.exp_avg_sq,
+                   chunk.host_grad if chunk.aliased else chunk.payload,
+                   None if chunk.aliased else chunk.payload)
+
+
+def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int, piece: int,
                empty: Callable[[int, torch.dtype], torch.Tensor],
                alloc: Callable[[int, torch.dtype], torch.Tensor],
                free: Callable[[torch.Tensor], None]) -> Spill:
@@ -71,7 +101,7 @@ def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int,
             f"the host budget needs {format_size(need)} on disk, but the scratch folder "
             f"{folder.parent} has {format_size(available)} free; free some space, give "
             f"another folder (disk_dir) or a larger host budget")
-    return Spill(chunks, DiskTier(folder, empty=empty), alloc=alloc, free=free)
+    return Spill(chunks, DiskTier(folder, empty=empty), piece=piece, alloc=alloc, free=free)
 
 
 class Spill:
@@ -80,60 +110,125 @@ class Spill:
     Args:
         chunks: every chunk of the engine.
         tier: the scratch folder, its I/O buffers and threads.
+        piece: elements per piece (rules.DISK_PIECE).
         alloc: a host tensor of (numel, dtype), counted in the manager's host bytes.
         free: uncount (and drop) a host tensor made by `alloc`.
     """
 
-    def __init__(self, chunks: list[Chunk], tier: DiskTier, *,
+    def __init__(self, chunks: list[Chunk], tier: DiskTier, *, piece: int,
                  alloc: Callable[[int, torch.dtype], torch.Tensor],
                  free: Callable[[torch.Tensor], None]) -> None:
         self.chunks = chunks
         self.tier = tier
+        self.piece = piece
         self.alloc, self.free = alloc, free
         self.placement = rules.DiskPlacement(block=ALIGN)
         self._regions: dict[int, dict[str, Region]] = {}
-        # Payloads read ahead of their fetch: chunk -> (buffer, read in flight).
-        self._ahead: dict[int, tuple[torch.Tensor, Future | None]] = {}
+        # Pieces read before they are asked for: payloads for the next fetches, and the
+        # state of the next update's first pieces. (chunk, region, piece) -> Loaded.
+        self._ahead: dict[tuple[int, str, int], Loaded] = {}
         for chunk in chunks:
             chunk.spill = self
 
-    # --- what is where ------------------------------------------------------------------------
+    # --- geometry -------------------------------------------------------------------------------
 
-    def regions(self, chunk: Chunk) -> dict[str, Region]:
-        """The chunk's file, made (and its space reserved) on first use."""
+    def cost(self, chunk: Chunk) -> rules.DiskCost:
+        return rules.disk_cost(chunk.numel, chunk.itemsize, ALIGN, self.piece)
+
+    def spans(self, chunk: Chunk) -> list[tuple[int, int]]:
+        """(lo, hi) of each piece of the chunk."""
+        step = min(chunk.numel, self.piece)
+        return [(lo, min(lo + step, chunk.numel)) for lo in range(0, chunk.numel, step)]
+
+    def _piece_bytes(self, chunk: Chunk, region: str) -> int:
+        cost = self.cost(chunk)
+        return {STATE: cost.state_piece, PAYLOAD: cost.payload_piece,
+                GRAD: cost.grad_piece}[region]
+
+    def region(self, chunk: Chunk, region: str, i: int) -> Region:
+        """Piece `i` of one of the chunk's regions; the chunk's file is made (its space
+        reserved) on first use."""
         if chunk.index not in self._regions:
-            cost = disk_cost(chunk)
-            sizes = {STATE: cost.state_region, PAYLOAD: cost.payload_region}
+            cost = self.cost(chunk)
+            sizes = {STATE: cost.pieces * cost.state_piece,
+                     PAYLOAD: cost.pieces * cost.payload_piece}
             if chunk.aliased:
-                sizes[GRAD] = cost.grad_region
+                sizes[GRAD] = cost.pieces * cost.grad_piece
             self._regions[chunk.index] = self.tier.regions(f"chunk-{chunk.index:05d}", sizes)
-        return self._regions[chunk.index]
+        whole = self._regions[chunk.index][region]
+        size = self._piece_bytes(chunk, region)
+        return Region(whole.file, whole.offset + i * size, size)
+
+    def _views(self, chunk: Chunk, region: str, buffer: torch.Tensor, numel: int
+               ) -> dict[str, torch.Tensor]:
+        """The tensors a buffer holding one piece (`numel` elements) of `region` holds,
+        by the chunk attribute they stand for."""
+        if region == STATE:
+            stride = self._piece_bytes(chunk, STATE) // len(state_parts(chunk))
+            return {name: buffer[i * stride:i * stride + 4 * numel].view(torch.float32)
+                    for i, name in enumerate(state_parts(chunk))}
+        if region == GRAD:
+            return {"host_grad": buffer[:4 * numel].view(torch.float32)}
+        return {"payload": buffer[:numel * chunk.itemsize].view(chunk.dtype)}
 
     @property
     def disk_bytes(self) -> int:
         """Bytes of chunk parts in the scratch folder now."""
         total = 0
         for c in self.chunks:
-            cost = disk_cost(c)
+            cost = self.cost(c)
             total += cost.state_region if c.state_on_disk else 0
-            total += cost.payload_region + cost.grad_region if c.payload_on_disk else 0
+            total += cost.payload_region if c.payload_on_disk else 0
         return total
 
-    def _views(self, chunk: Chunk, region: str, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The chunk's tensors that `buffer`, holding `region`, holds, as views into it."""
-        n = chunk.numel
-        if region == STATE:
-            step = disk_cost(chunk).state_region // len(state_parts(chunk))
-            return {name: buffer[i * step:i * step + 4 * n].view(torch.float32)
-                    for i, name in enumerate(state_parts(chunk))}
-        if region == GRAD:
-            return {"host_grad": buffer[:4 * n].view(torch.float32)}
-        payload = buffer[:chunk.nbytes].view(chunk.dtype)
-        return {"payload": payload, "master": payload} if chunk.aliased else {"payload": payload}
+    # --- reading and writing pieces ------------------------------------------------------------
 
-    @staticmethod
-    def _pool(region: str) -> str:
-        return STATE if region == STATE else PAYLOAD
+    def _load(self, chunk: Chunk, region: str, i: int, *, wait: bool = True,
+              nbytes: int | None = None) -> Loaded | None:
+        """Start reading a piece (one read ahead already is taken as is)."""
+        ahead = self._ahead.pop((chunk.index, region, i), None)
+        if ahead is not None:
+            return ahead
+        return self.tier.load((chunk.index, region, i), self.region(chunk, region, i),
+                              POOL[region], wait=wait, nbytes=nbytes)
+
+    def _store(self, chunk: Chunk, region: str, i: int, buffer: torch.Tensor) -> None:
+        self.tier.store((chunk.index, region, i), self.region(chunk, region, i), buffer,
+                        POOL[region])
+
+    def _give_back(self, region: str, loaded: Loaded) -> None:
+        with contextlib.suppress(OSError):
+            self.tier.finish(loaded[1])
+        self.tier.release(POOL[region], loaded[0])
+
+    def _write_out(self, chunk: Chunk, region: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write a whole region from `tensors` (name -> whole-chunk tensor), piece by piece,
+        waiting for each: the tensors are untouched, so a failure loses nothing."""
+        for i, (lo, hi) in enumerate(self.spans(chunk)):
+            buffer = self.tier.acquire(POOL[region])
+            try:
+                for name, view in self._views(chunk, region, buffer, hi - lo).items():
+                    view.copy_(tensors[name][lo:hi])
+                self.tier.write_now(self.region(chunk, region, i), buffer,
+                                    (chunk.index, region, i))
+            finally:
+                self.tier.release(POOL[region], buffer)
+
+    def _read_in(self, chunk: Chunk, region: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Read a whole region into `tensors`, piece by piece."""
+        for i, (lo, hi) in enumerate(self.spans(chunk)):
+            loaded = self._load(chunk, region, i)
+            try:
+                self.tier.finish(loaded[1])
+                for name, view in self._views(chunk, region, loaded[0], hi - lo).items():
+                    tensors[name][lo:hi].copy_(view)
+            finally:
+                self.tier.release(POOL[region], loaded[0])
+
+    def _forget_ahead(self, chunk: Chunk, region: str | None = None) -> None:
+        """Drop the pieces read ahead of the chunk's `region` (all regions: None)."""
+        for key in [k for k in self._ahead if k[0] == chunk.index and region in (None, k[1])]:
+            self._give_back(key[1], self._ahead.pop(key))
 
     # --- placement: moving parts between the host and the disk --------------------------------
 
@@ -153,136 +248,94 @@ class Spill:
     def move(self, chunk: Chunk, level: int) -> None:
         """Bring a non-resident chunk to disk level `level` (0, 1 or 2), synchronously.
 
-        Each step writes first and frees after, so a failed write leaves the chunk as it
-        was (DiskTierError)."""
+        Each part is written before its host tensors are freed, so a failed write leaves
+        the chunk as it was (DiskTierError)."""
+        self._forget_ahead(chunk)
         if level >= 1 and not chunk.state_on_disk:
-            self._write_out(chunk, STATE)
+            self._write_out(chunk, STATE, {n: getattr(chunk, n) for n in state_parts(chunk)})
             self._drop(chunk, STATE)
             chunk.state_on_disk = True
         if level >= 2 and not chunk.payload_on_disk:
-            self._ahead_drop(chunk)
-            grads = chunk.host_grad if chunk.aliased else chunk.payload
-            moving = [PAYLOAD, GRAD] if chunk.aliased and chunk.holds_grads else [PAYLOAD]
-            for region in moving:
-                self._write_out(chunk, region)
+            regions = [PAYLOAD, GRAD] if chunk.aliased and chunk.holds_grads else [PAYLOAD]
+            for region in regions:
+                self._write_out(chunk, region,
+                                {n: getattr(chunk, n) for n in host_parts(chunk, region)})
             if chunk.holds_grads:
-                chunk.grad_sq = squared_norm(grads)
-            for region in moving:
+                chunk.grad_sq = squared_norm(chunk.host_grad if chunk.aliased else chunk.payload)
+            for region in regions:
                 self._drop(chunk, region)
             if chunk.aliased and not chunk.holds_grads:
                 self.free(chunk.host_grad)  # gradients land in a buffer when on disk
                 chunk.host_grad = None
             chunk.payload_on_disk = True
         if level <= 1 and chunk.payload_on_disk:
-            self._ahead_drop(chunk)
-            self._in(chunk, PAYLOAD)
+            self._bring(chunk, PAYLOAD)
             if chunk.aliased:
+                chunk.master = chunk.payload
                 if chunk.holds_grads:
-                    self._in(chunk, GRAD)
+                    self._bring(chunk, GRAD)
                 else:
                     chunk.host_grad = self.alloc(chunk.numel, torch.float32)
             chunk.payload_on_disk = False
             chunk.grad_sq = None
         if level == 0 and chunk.state_on_disk:
-            self._in(chunk, STATE)
+            self._bring(chunk, STATE)
             chunk.state_on_disk = False
-
-    def _host_parts(self, chunk: Chunk, region: str) -> list[str]:
-        """The chunk's host tensors that `region` holds (fp32's master is its payload)."""
-        if region == STATE:
-            return list(state_parts(chunk))
-        return ["host_grad"] if region == GRAD else ["payload"]
-
-    def _write_out(self, chunk: Chunk, region: str) -> None:
-        """Write the region from the chunk's host tensors, and wait (they stay as they are)."""
-        pool = self._pool(region)
-        buffer = self.tier.acquire(pool)
-        try:
-            views = self._views(chunk, region, buffer)
-            for name in self._host_parts(chunk, region):
-                views[name].copy_(getattr(chunk, name))
-            self.tier.write_now(self.regions(chunk)[region], buffer, (chunk.index, region))
-        finally:
-            self.tier.release(pool, buffer)
 
     def _drop(self, chunk: Chunk, region: str) -> None:
         """Free the host tensors of a region that is on disk now."""
-        for name in self._host_parts(chunk, region):
+        for name in host_parts(chunk, region):
             self.free(getattr(chunk, name))
             setattr(chunk, name, None)
         if region == PAYLOAD and chunk.aliased:
             chunk.master = None
 
-    def _in(self, chunk: Chunk, region: str) -> None:
-        pool = self._pool(region)
-        key = (chunk.index, region)
-        buffer, future = self.tier.load(key, self.regions(chunk)[region], pool)
+    def _bring(self, chunk: Chunk, region: str) -> None:
+        """Read a region into new host tensors of the chunk (counted by `alloc`)."""
+        dtypes = {"payload": chunk.dtype}
+        homes = {n: self.alloc(chunk.numel, dtypes.get(n, torch.float32))
+                 for n in host_parts(chunk, region)}
         try:
-            self.tier.finish(future)
-            views = self._views(chunk, region, buffer)
-            homes = {}
-            for name in self._host_parts(chunk, region):
-                homes[name] = self.alloc(chunk.numel, views[name].dtype)
-                homes[name].copy_(views[name])
-            self.tier.forget(key)  # held after a failed write: on the host now
-        finally:
-            self.tier.release(pool, buffer)
+            self._read_in(chunk, region, homes)
+        except BaseException:
+            for home in homes.values():
+                self.free(home)
+            raise
+        for i in range(len(self.spans(chunk))):
+            self.tier.forget((chunk.index, region, i))  # a copy held after a failure
         for name, home in homes.items():
             setattr(chunk, name, home)
-        if region == PAYLOAD and chunk.aliased:
-            chunk.master = chunk.payload
 
-    # --- a chunk's parts read into buffers for a while ---------------------------------------
+    # --- a whole chunk read back for a while (checkpoints, close) ------------------------------
 
     @contextlib.contextmanager
-    def opened(self, chunk: Chunk, *, write: tuple[str, ...] = (),
-               grads: bool = False) -> Iterator[None]:
-        """Every part of the chunk on disk read into I/O buffers, the chunk's tensors views
-        into them, for the `with` block; then the regions in `write` written back (waiting)
-        and the buffers given back. `grads`: the fp32 gradient region too."""
-        loaded = self._load_all(chunk, grads=grads, wait=True)
+    def opened(self, chunk: Chunk, *, write: tuple[str, ...] = ()) -> Iterator[None]:
+        """Every part of the chunk on disk read into whole temporary tensors, which the
+        chunk's attributes point to for the `with` block; then the regions in `write`
+        written back (waiting). Costs the host one chunk's parts on disk, beyond the
+        budget, for the block. (fp32 gradients on disk are not read: nothing outside the
+        update needs them.)"""
+        regions = ([STATE] if chunk.state_on_disk else []) + (
+            [PAYLOAD] if chunk.payload_on_disk else [])
+        temps: dict[str, dict[str, torch.Tensor]] = {}
+        for region in regions:
+            dtypes = {"payload": chunk.dtype}
+            temps[region] = {n: torch.empty(chunk.numel, dtype=dtypes.get(n, torch.float32))
+                             for n in host_parts(chunk, region)}
+            self._read_in(chunk, region, temps[region])
         try:
-            for region, (buffer, future) in loaded.items():
-                self.tier.finish(future)
-                self._attach(chunk, region, buffer)
+            for tensors in temps.values():
+                for name, t in tensors.items():
+                    setattr(chunk, name, t)
+            if chunk.payload_on_disk and chunk.aliased:
+                chunk.master = chunk.payload
             yield
             for region in write:
-                if region in loaded:
-                    self.tier.write_now(self.regions(chunk)[region], loaded[region][0],
-                                        (chunk.index, region))
+                if region in temps:
+                    self._forget_ahead(chunk, region)
+                    self._write_out(chunk, region, temps[region])
         finally:
-            for region, (buffer, future) in loaded.items():
-                with contextlib.suppress(OSError):
-                    self.tier.finish(future)
-                self.tier.release(self._pool(region), buffer)
             self._detach(chunk)
-
-    def _wanted(self, chunk: Chunk, grads: bool) -> list[str]:
-        wanted = [STATE] if chunk.state_on_disk else []
-        if chunk.payload_on_disk:
-            wanted.append(PAYLOAD)
-            if chunk.aliased and grads:
-                wanted.append(GRAD)
-        return wanted
-
-    def _load_all(self, chunk: Chunk, *, grads: bool, wait: bool,
-                  have: dict | None = None) -> dict[str, tuple[torch.Tensor, Future | None]]:
-        """Start reading the chunk's regions on disk (those not in `have` yet). Without
-        `wait`, stops at the first region with no buffer free now."""
-        loaded = dict(have or {})
-        for region in self._wanted(chunk, grads):
-            if region in loaded:
-                continue
-            got = self.tier.load((chunk.index, region), self.regions(chunk)[region],
-                                 self._pool(region), wait=wait)
-            if got is None:
-                break
-            loaded[region] = got
-        return loaded
-
-    def _attach(self, chunk: Chunk, region: str, buffer: torch.Tensor) -> None:
-        for name, view in self._views(chunk, region, buffer).items():
-            setattr(chunk, name, view)
 
     def _detach(self, chunk: Chunk) -> None:
         if chunk.state_on_disk:
@@ -290,94 +343,6 @@ class Spill:
                 setattr(chunk, name, None)
         if chunk.payload_on_disk:
             chunk.payload = chunk.master = chunk.host_grad = None
-
-    # --- the update: read ahead, update, write behind ------------------------------------------
-
-    def update_pipeline(self, chunks: list[Chunk]) -> UpdatePipeline:
-        return UpdatePipeline(self, chunks)
-
-    # --- payloads on disk, in the forward and backward -----------------------------------------
-
-    def fetch_source(self, chunk: Chunk) -> tuple[torch.Tensor, str, torch.Tensor]:
-        """What to copy to the device for a chunk whose payload is on disk, read (or its
-        read ahead finished) now: (source tensor, pool, buffer to give back after).
-
-        A payload that holds gradients has the weights in the master: bf16/fp16 read it
-        from the state region (the copy casts), fp32's payload region is the master."""
-        if chunk.holds_grads and not chunk.aliased:
-            pool = STATE
-            buffer, future = self.tier.load((chunk.index, STATE), self.regions(chunk)[STATE],
-                                            STATE, nbytes=4 * chunk.numel)
-            view = buffer[:4 * chunk.numel].view(torch.float32)
-        else:
-            pool = PAYLOAD
-            entry = self._ahead.pop(chunk.index, None)
-            if entry is None:
-                entry = self.tier.load((chunk.index, PAYLOAD), self.regions(chunk)[PAYLOAD],
-                                       PAYLOAD)
-            buffer, future = entry
-            view = buffer[:chunk.nbytes].view(chunk.dtype)
-        try:
-            self.tier.finish(future)
-        except BaseException:
-            self.tier.release(pool, buffer)
-            raise
-        return view, pool, buffer
-
-    def give_back(self, pool: str, buffer: torch.Tensor) -> None:
-        self.tier.release(pool, buffer)
-
-    def ready(self, index: int) -> bool:
-        """Chunk `index`'s payload has been read ahead and the read is done."""
-        entry = self._ahead.get(index)
-        return entry is not None and (entry[1] is None or entry[1].done())
-
-    def read_ahead(self, upcoming: list[int], skip: Callable[[int], bool]) -> None:
-        """Start reading the payloads of the next chunks on disk to be fetched, into at most
-        half the payload buffers (rules.disk_read_ahead), never waiting for one."""
-        if PAYLOAD not in self.placement.buffers:
-            return
-        slots = rules.payload_buffers(self.placement.aliased) // 2 - len(self._ahead)
-        wanted = [i for i in rules.disk_read_ahead(
-            upcoming, slots=max(0, slots),
-            wanted=lambda i: (self.chunks[i].payload_on_disk and i not in self._ahead
-                              and not self.chunks[i].holds_grads and not skip(i)))]
-        for index in wanted:
-            chunk = self.chunks[index]
-            got = self.tier.load((index, PAYLOAD), self.regions(chunk)[PAYLOAD], PAYLOAD,
-                                 wait=False)
-            if got is None:
-                return
-            self._ahead[index] = got
-
-    def _ahead_drop(self, chunk: Chunk) -> None:
-        entry = self._ahead.pop(chunk.index, None)
-        if entry is not None:
-            with contextlib.suppress(OSError):
-                self.tier.finish(entry[1])
-            self.tier.release(PAYLOAD, entry[0])
-
-    def cancel_read_ahead(self) -> None:
-        """Give back the buffers of payloads read ahead and not fetched (end of backward)."""
-        for index in list(self._ahead):
-            self._ahead_drop(self.chunks[index])
-
-    def land_grads(self, chunk: Chunk, copy: Callable[[torch.Tensor], None]) -> None:
-        """A chunk whose payload is on disk has all its gradients: `copy(dst)` copies them
-        from the device into a buffer, which goes to disk (without waiting) after their
-        norm is taken."""
-        self._ahead_drop(chunk)  # bf16/fp16: the payload region is about to hold gradients
-        buffer = self.tier.acquire(PAYLOAD)
-        dtype = torch.float32 if chunk.aliased else chunk.dtype
-        grads = buffer[:chunk.numel * dtype.itemsize].view(dtype)
-        try:
-            copy(grads)
-            chunk.grad_sq = squared_norm(grads)
-        except BaseException:
-            self.tier.release(PAYLOAD, buffer)
-            raise
-        region = GRAD if chunk.aliased else PAYLOAD
-        self.tier.store((chunk.index, region), self.regions(chunk)[region], buffer, PAYLOAD)
 
     def restore_payload(self, chunk: Chunk) -> None:
         """bf16/fp16: the payload holds gradients that will not be used; put the
@@ -387,104 +352,229 @@ class Spill:
             chunk.payload.copy_(chunk.master)
         chunk.grad_sq = None
 
+    # --- the update: read ahead, update, write behind ------------------------------------------
+
+    def update_pipeline(self, chunks: list[Chunk]) -> UpdatePipeline:
+        return UpdatePipeline(self, chunks)
+
+    def read_ahead_state(self) -> None:
+        """While the forward and backward run, read the state of the first pieces the
+        next update needs into the state buffers they leave idle (never waiting; one
+        buffer stays free for what the step needs now). The state does not change until
+        the update, so what is read stays good, even across a step that fails."""
+        if STATE not in self.placement.buffers:
+            return
+        room = self.placement.buffers[STATE][0] - 1 - sum(k[1] == STATE for k in self._ahead)
+        for chunk in self.chunks:
+            if room <= 0:
+                return
+            if not chunk.state_on_disk or not any(s.param.requires_grad for s in chunk.slots):
+                continue
+            for i in range(len(self.spans(chunk))):
+                if room <= 0:
+                    return
+                if (chunk.index, STATE, i) in self._ahead:
+                    continue
+                loaded = self.tier.load((chunk.index, STATE, i), self.region(chunk, STATE, i),
+                                        STATE, wait=False)
+                if loaded is None:
+                    return
+                self._ahead[(chunk.index, STATE, i)] = loaded
+                room -= 1
+
+    # --- payloads on disk, in the forward and backward -----------------------------------------
+
+    def fetch(self, chunk: Chunk) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """What to copy to the device, piece by piece, for a chunk whose payload is on disk:
+        yields (source, lo, hi), each read (or its read ahead finished) first, its buffer
+        given back once the caller has copied it.
+
+        A payload that holds gradients has the weights in the master: bf16/fp16 read it
+        from the state pieces (the copy casts), fp32's payload region is the master."""
+        master = chunk.holds_grads and not chunk.aliased
+        region = STATE if master else PAYLOAD
+        for i, (lo, hi) in enumerate(self.spans(chunk)):
+            n = hi - lo
+            loaded = self._load(chunk, region, i, nbytes=4 * n if master else None)
+            try:
+                self.tier.finish(loaded[1])
+                buffer = loaded[0]
+                yield (buffer[:4 * n].view(torch.float32) if master
+                       else buffer[:n * chunk.itemsize].view(chunk.dtype)), lo, hi
+            finally:
+                self.tier.release(POOL[region], loaded[0])
+
+    def ready(self, index: int) -> bool:
+        """Every payload piece of chunk `index` has been read ahead, and the reads are done."""
+        for i in range(len(self.spans(self.chunks[index]))):
+            loaded = self._ahead.get((index, PAYLOAD, i))
+            if loaded is None or (loaded[1] is not None and not loaded[1].done()):
+                return False
+        return True
+
+    def read_ahead(self, upcoming: Iterator[int], skip: Callable[[int], bool]) -> None:
+        """Start reading the payload pieces of the next chunks on disk to be fetched, into
+        at most half the payload buffers (rules.disk_read_ahead), never waiting for one."""
+        if PAYLOAD not in self.placement.buffers:
+            return
+        held = sum(k[1] == PAYLOAD for k in self._ahead)
+        slots = rules.payload_buffers(self.placement.aliased) // 2 - held
+        if slots <= 0:
+            return
+        chosen = rules.disk_read_ahead(
+            upcoming, slots=slots,
+            wanted=lambda i: (self.chunks[i].payload_on_disk and not self.chunks[i].holds_grads
+                              and not skip(i)),
+            pieces=lambda i: [p for p in range(len(self.spans(self.chunks[i])))
+                              if (i, PAYLOAD, p) not in self._ahead])
+        for index, i in chosen:
+            loaded = self.tier.load((index, PAYLOAD, i), self.region(self.chunks[index],
+                                                                     PAYLOAD, i),
+                                    PAYLOAD, wait=False)
+            if loaded is None:
+                return
+            self._ahead[(index, PAYLOAD, i)] = loaded
+
+    def cancel_read_ahead(self) -> None:
+        """Give back the buffers of payloads read ahead and not fetched (end of backward)."""
+        for key in [k for k in self._ahead if k[1] == PAYLOAD]:
+            self._give_back(PAYLOAD, self._ahead.pop(key))
+
+    def land_grads(self, chunk: Chunk, grads: torch.Tensor,
+                   copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """A chunk whose payload is on disk has all its gradients in `grads` (on the
+        device): their norm is taken there, and `copy(dst, src)` copies them, a piece at a
+        time, into buffers that go to disk without waiting."""
+        chunk.grad_sq = squared_norm(grads)
+        self._forget_ahead(chunk, PAYLOAD)  # bf16/fp16: the payload region gets gradients
+        region = GRAD if chunk.aliased else PAYLOAD
+        dtype = torch.float32 if chunk.aliased else chunk.dtype
+        for i, (lo, hi) in enumerate(self.spans(chunk)):
+            buffer = self.tier.acquire(PAYLOAD)
+            try:
+                copy(buffer[:(hi - lo) * dtype.itemsize].view(dtype), grads[lo:hi])
+            except BaseException:
+                self.tier.release(PAYLOAD, buffer)
+                raise
+            self._store(chunk, region, i, buffer)
+
     # --- the end --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.cancel_read_ahead()
+        for key in list(self._ahead):
+            self._give_back(key[1], self._ahead.pop(key))
         for chunk in self.chunks:
             chunk.spill = None
         self.tier.close()
 
 
 class UpdatePipeline:
-    """The optimizer's walk over chunks, in order, with their parts on disk read ahead and
-    written behind: while chunk k is updated, chunk k+1 is read and chunk k-1 written, as
-    far as the buffers go (three state buffers: one each).
+    """The optimizer's walk over chunks and their pieces, in order, with the parts on disk
+    read ahead and written behind: while piece k is updated, piece k+1 is read and piece
+    k-1 written, as far as the buffers go (three state buffers: one each).
 
         pipe = spill.update_pipeline(chunks); pipe.start()
         for chunk in chunks:
-            pipe.load(chunk); update(chunk); pipe.store(chunk)
+            update(chunk, pipe.spans(chunk))   # each span is written once the next is asked
 
-    A write that fails does not stop the walk: the buffer keeps that chunk's state (the
-    tier holds it and reports it, see DiskTier), and the update of every other chunk goes
-    on, so the step is whole either way.
+    A write that fails does not stop the walk: the buffer keeps that piece (the tier holds
+    it and reports it, see DiskTier) and every other piece is updated, so the step is whole
+    either way.
     """
 
     def __init__(self, spill: Spill, chunks: list[Chunk]) -> None:
         self.spill = spill
-        self.queue = deque(c for c in chunks if c.state_on_disk)
-        self._loading: dict[int, dict[str, tuple[torch.Tensor, Future | None]]] = {}
-        self._held: dict[int, dict[str, torch.Tensor]] = {}
+        # Pieces of chunks with state on disk, in update order.
+        self.queue = deque((c, i) for c in chunks if c.state_on_disk
+                           for i in range(len(spill.spans(c))))
+        self._loading: dict[tuple[int, int], dict[str, Loaded]] = {}
+
+    def _regions(self, chunk: Chunk) -> list[str]:
+        if not chunk.payload_on_disk:
+            return [STATE]
+        return [STATE, PAYLOAD, GRAD] if chunk.aliased else [STATE, PAYLOAD]
 
     def start(self) -> None:
         """Start the first reads (before the global norm, so that they overlap it)."""
         self._ahead()
 
     def _ahead(self) -> None:
-        for chunk in self.queue:
-            have = self._loading.get(chunk.index, {})
-            got = self.spill._load_all(chunk, grads=True, wait=False, have=have)
-            self._loading[chunk.index] = got
-            if len(got) < len(self.spill._wanted(chunk, grads=True)):
-                return  # out of buffers: later chunks wait their turn, in order
+        for chunk, i in self.queue:
+            got = self._loading.setdefault((chunk.index, i), {})
+            for region in self._regions(chunk):
+                if region not in got:
+                    loaded = self.spill._load(chunk, region, i, wait=False)
+                    if loaded is None:
+                        return  # out of buffers: later pieces wait their turn, in order
+                    got[region] = loaded
 
-    def load(self, chunk: Chunk) -> None:
-        """The chunk's parts are in buffers and its tensors point there (no-op for a chunk
-        with nothing on disk)."""
+    def spans(self, chunk: Chunk) -> Iterator[Span]:
+        """The chunk's spans for the update, each with its parts in buffers; once the
+        caller asks for the next one (or ends), the updated parts are written behind."""
         if not chunk.state_on_disk:
+            yield Span.whole(chunk)
             return
-        if self.queue and self.queue[0] is chunk:
-            self.queue.popleft()
-        loaded = self.spill._load_all(chunk, grads=True, wait=True,
-                                      have=self._loading.pop(chunk.index, {}))
-        for region, (buffer, future) in loaded.items():
-            self.spill.tier.finish(future)
-            self.spill._attach(chunk, region, buffer)
-        self._held[chunk.index] = {region: buffer for region, (buffer, _) in loaded.items()}
-        self._ahead()
-
-    def store(self, chunk: Chunk) -> None:
-        """Write what the update changed (state; payload, which is the new parameters or
-        fp32's master), without waiting; the gradients' buffer is given back."""
-        held = self._held.pop(chunk.index, None)
-        if held is None:
-            return
-        tier, regions = self.spill.tier, self.spill.regions(chunk)
-        for region, buffer in held.items():
-            if region == GRAD:  # used up: a copy held after a failed write is, too
-                tier.forget((chunk.index, GRAD))
-                tier.release(PAYLOAD, buffer)
-            else:
-                tier.store((chunk.index, region), regions[region], buffer,
-                           self.spill._pool(region))
+        spill, tier = self.spill, self.spill.tier
+        for i, (lo, hi) in enumerate(spill.spans(chunk)):
+            if self.queue and self.queue[0] == (chunk, i):
+                self.queue.popleft()
+            got = self._loading.pop((chunk.index, i), {})
+            try:
+                for region in self._regions(chunk):
+                    if region not in got:
+                        got[region] = spill._load(chunk, region, i)
+                views: dict[str, torch.Tensor] = {}
+                for region, (buffer, future) in got.items():
+                    tier.finish(future)
+                    views.update(spill._views(chunk, region, buffer, hi - lo))
+            except BaseException:
+                for region, loaded in got.items():
+                    spill._give_back(region, loaded)
+                raise
+            self._ahead()
+            try:
+                yield self._span(chunk, lo, hi, views)
+            except BaseException:  # the update failed or stopped: nothing to write
+                for region, loaded in got.items():
+                    spill._give_back(region, loaded)
+                raise
+            for region, (buffer, _) in got.items():
+                if region == GRAD:  # used up; so is a copy held after a failed write
+                    tier.forget((chunk.index, GRAD, i))
+                    tier.release(PAYLOAD, buffer)
+                else:
+                    spill._store(chunk, region, i, buffer)
         chunk.grad_sq = None
-        self.spill._detach(chunk)
+
+    @staticmethod
+    def _span(chunk: Chunk, lo: int, hi: int, views: dict[str, torch.Tensor]) -> Span:
+        """Each part from its buffer if it was read, else from the chunk's host tensor."""
+        def part(name: str) -> torch.Tensor:
+            return views[name] if name in views else getattr(chunk, name)[lo:hi]
+
+        payload = part("payload")
+        master = payload if chunk.aliased else part("master")
+        grads = part("host_grad") if chunk.aliased else payload
+        return Span(lo, hi, master, part("exp_avg"), part("exp_avg_sq"), grads,
+                    None if chunk.aliased else payload)
 
     def cancel(self) -> None:
         """Give back every buffer read ahead and not used (a skipped or failed update)."""
-        for index, loaded in list(self._loading.items()) + [
-                (i, {r: (b, None) for r, b in held.items()}) for i, held in self._held.items()]:
-            for region, (buffer, future) in loaded.items():
-                with contextlib.suppress(OSError):
-                    self.spill.tier.finish(future)
-                self.spill.tier.release(self.spill._pool(region), buffer)
-            self.spill._detach(self.spill.chunks[index])
+        for got in self._loading.values():
+            for region, loaded in got.items():
+                self.spill._give_back(region, loaded)
         self._loading.clear()
-        self._held.clear()
         self.queue.clear()
 
 
 class NoDisk:
-    """The update walk when nothing is on disk: nothing to read or write."""
+    """The update walk when nothing is on disk: one span per chunk, its own tensors."""
 
     def start(self) -> None:
         pass
 
-    def load(self, chunk: Chunk) -> None:
-        pass
-
-    def store(self, chunk: Chunk) -> None:
-        pass
+    def spans(self, chunk: Chunk) -> Iterator[Span]:
+        yield Span.whole(chunk)
 
     def cancel(self) -> None:
         pass

@@ -219,50 +219,69 @@ class HostBudgetTooSmall(ValueError):
     go to disk on disk; says what it needs."""
 
 
-STATE_BUFFERS = 3  # the update reads chunk k+1's state while updating k and writing k-1
+STATE_BUFFERS = 3  # the update reads piece k+1's state while updating k and writing k-1
+# Elements per piece: the unit of disk I/O. A chunk larger than this is read, updated and
+# written a piece at a time (AdamW is elementwise, so that is the same arithmetic), which
+# keeps the I/O buffers the size of a piece however large the largest chunk (opt-125m's
+# embedding alone is 38.6M elements). 4M elements: 32 MiB of fp32 moments per state piece,
+# long enough for a disk to stream at full speed.
+DISK_PIECE = 2**22
 
 
 def payload_buffers(aliased: bool) -> int:
-    """Payload-sized I/O buffers when payloads are on disk. An update holds a payload buffer
-    per chunk at each of its three stages, and in fp32 a second one for the gradients (the
-    payload is the master there, so they have their own region); in the forward and
-    backward, reads ahead may take at most half of them, so that a fetch and gradients
-    landing always find one."""
+    """Payload-piece-sized I/O buffers when payloads are on disk. An update holds one per
+    stage (read, update, write), and in fp32 a second one for the gradients (the payload is
+    the master there, so they have their own region); in the forward and backward, reads
+    ahead take at most half of them, so that a fetch and gradients landing always find one."""
     return 2 * STATE_BUFFERS if aliased else STATE_BUFFERS + 1
 
 
 @dataclass(frozen=True)
 class DiskCost:
     """A non-resident chunk's bytes by where they can go: what moving them to disk frees
-    on the host, and what they take there (each region rounded up to whole disk blocks;
-    a region is also the size of the I/O buffer that carries it)."""
+    on the host, and what they take there, piece by piece (each piece of each region
+    rounded up to whole disk blocks; a piece is also the size of the I/O buffer that
+    carries it)."""
 
     host_state: int  # optimizer state: bf16/fp16 the fp32 master and two moments; fp32 moments
     host_payload: int  # the rest: the payload (fp32: it is the master) and fp32's gradients
-    state_region: int
-    payload_region: int
-    grad_region: int  # fp32 only: gradients beside the payload, which is the master
+    pieces: int  # how many pieces the chunk's regions are cut into
+    state_piece: int
+    payload_piece: int
+    grad_piece: int  # fp32 only: gradients beside the payload, which is the master
 
     @property
     def aliased(self) -> bool:
-        return self.grad_region > 0
+        return self.grad_piece > 0
+
+    @property
+    def state_region(self) -> int:
+        return self.pieces * self.state_piece
+
+    @property
+    def payload_region(self) -> int:
+        """The payload's region and, in fp32, the gradients' beside it."""
+        return self.pieces * (self.payload_piece + self.grad_piece)
 
 
 def _blocks(nbytes: int, block: int) -> int:
     return -(-nbytes // block) * block
 
 
-def disk_cost(numel: int, itemsize: int, block: int) -> DiskCost:
+def disk_cost(numel: int, itemsize: int, block: int, piece: int | None = None) -> DiskCost:
     """DiskCost of a chunk of `numel` elements of `itemsize` bytes, for disk blocks of
-    `block` bytes. The host side matches chunk.host_bytes_per_parameter: 16 B/param in
-    fp32 (payload = master, gradients, moments), 14 in bf16/fp16."""
-    fp32 = _blocks(4 * numel, block)
+    `block` bytes and pieces of `piece` elements (default DISK_PIECE). The host side
+    matches chunk.host_bytes_per_parameter: 16 B/param in fp32 (payload = master,
+    gradients, moments), 14 in bf16/fp16."""
+    elements = min(numel, piece or DISK_PIECE)
+    pieces = -(-numel // elements)
+    fp32 = _blocks(4 * elements, block)
     if itemsize == 4:
-        return DiskCost(host_state=8 * numel, host_payload=8 * numel, state_region=2 * fp32,
-                        payload_region=fp32, grad_region=fp32)
-    return DiskCost(host_state=12 * numel, host_payload=itemsize * numel,
-                    state_region=3 * fp32, payload_region=_blocks(itemsize * numel, block),
-                    grad_region=0)
+        return DiskCost(host_state=8 * numel, host_payload=8 * numel, pieces=pieces,
+                        state_piece=2 * fp32, payload_piece=fp32, grad_piece=fp32)
+    return DiskCost(host_state=12 * numel, host_payload=itemsize * numel, pieces=pieces,
+                    state_piece=3 * fp32, payload_piece=_blocks(itemsize * elements, block),
+                    grad_piece=0)
 
 
 @dataclass(frozen=True)
@@ -273,7 +292,7 @@ class DiskPlacement:
     payload: frozenset[int] = frozenset()  # payload on disk too (always a subset of state)
     host_bytes: int = 0  # chunk bytes the host keeps (non-resident chunks)
     disk_bytes: int = 0  # bytes in the scratch folder
-    state_buffer: int = 0  # bytes of one state I/O buffer (the largest state region on disk)
+    state_buffer: int = 0  # bytes of one state I/O buffer (the largest state piece on disk)
     payload_buffer: int = 0  # bytes of one payload I/O buffer (0: no payload on disk)
     aliased: bool = False
     block: int = 0  # each buffer is allocated one block larger, to align it
@@ -337,14 +356,14 @@ def disk_placement(costs: Sequence[DiskCost], *, on_host: Iterable[int],
         state.append(c)
         host -= costs[c].host_state
         disk += costs[c].state_region
-        state_buffer = max(state_buffer, costs[c].state_region)
+        state_buffer = max(state_buffer, costs[c].state_piece)
         if placement().host_total <= host_budget:
             return placement()
     for c in chosen:
         payload.append(c)
         host -= costs[c].host_payload
-        disk += costs[c].payload_region + costs[c].grad_region
-        payload_buffer = max(payload_buffer, costs[c].payload_region)
+        disk += costs[c].payload_region
+        payload_buffer = max(payload_buffer, costs[c].payload_piece)
         if placement().host_total <= host_budget:
             return placement()
     least = placement()
@@ -355,13 +374,19 @@ def disk_placement(costs: Sequence[DiskCost], *, on_host: Iterable[int],
 
 
 def disk_read_ahead(upcoming: Iterable[int], *, wanted: Callable[[int], bool],
-                    slots: int) -> list[int]:
-    """Chunks whose payload to start reading from disk now: the first `slots` distinct
-    `wanted` ones (payload on disk, not on the device, not read yet) in order of use."""
-    chosen: list[int] = []
+                    pieces: Callable[[int], Iterable[int]], slots: int
+                    ) -> list[tuple[int, int]]:
+    """Payload pieces to start reading from disk now, as (chunk, piece): those of the
+    `wanted` chunks (payload on disk, not on the device), in order of use and each once,
+    that `pieces(chunk)` says are not read yet, at most `slots` of them."""
+    chosen: list[tuple[int, int]] = []
+    seen: set[int] = set()
     for chunk in upcoming:
-        if len(chosen) >= slots:
-            break
-        if chunk not in chosen and wanted(chunk):
-            chosen.append(chunk)
+        if chunk in seen or not wanted(chunk):
+            continue
+        seen.add(chunk)
+        for piece in pieces(chunk):
+            if len(chosen) >= slots:
+                return chosen
+            chosen.append((chunk, piece))
     return chosen

@@ -8,18 +8,21 @@ bit-identical to `torch.optim.AdamW(fused=True)` over the same parameters.
 - A host chunk is updated as one flat tensor from its host gradients.
 - A resident chunk passes autograd's own gradient tensors (one per parameter, as a list in
   the same single call), so the gradients are never copied.
-- A chunk with parts on disk (engine.chunks.spill) is updated in I/O buffers: its state is
-  read while the chunk before it is updated, and written back while the one after it is.
+- A chunk with parts on disk (engine.chunks.spill) is updated a piece at a time in I/O
+  buffers: each piece is read while the one before it is updated, and written back while
+  the one after it is.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
 from engine.chunks.chunk import Chunk, squared_norm
 from engine.chunks.manager import ChunkManager
+from engine.chunks.spill import Span
 from engine.config import EngineConfig
 
 LOSS_SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles
@@ -46,56 +49,90 @@ def global_grad_norm(chunks: list[Chunk]) -> float:
 
 
 def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, grad_scale: float = 1.0) -> None:
+                 weight_decay: float, grad_scale: float = 1.0,
+                 spans: Iterable[Span] | None = None) -> None:
     """One AdamW step of the chunk from the gradients backward left it.
 
     `grad_scale` multiplies the gradients first (loss-scale undo and clipping in one).
     Parameters that got no gradient this step keep their weights and moments, as
     torch.optim.AdamW skips parameters whose .grad is None.
+
+    A non-resident chunk is updated span by span: `spans` (engine.chunks.spill.Span),
+    default the whole chunk from its own tensors; a chunk with parts on disk comes in
+    pieces read into I/O buffers. The kernel is elementwise, so that is the same arithmetic.
     """
     updated = [s for s in chunk.slots if s.got_grad]
     for slot in updated:
         slot.steps += 1
-    device = chunk.master.device
-    if chunk.resident or len({s.steps for s in updated}) > 1:
-        # One view per parameter, each with its own step count (a parameter that missed a
-        # step is one update behind its neighbours).
-        if chunk.resident:
-            picked = [chunk.slot_grads[offset] for offset in sorted(chunk.slot_grads)]
-        else:
-            flat = _flat_grad(chunk)
-            picked = [(s, flat[s.offset:s.offset + s.numel]) for s in updated]
+    hyper = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "weight_decay": weight_decay,
+             "eps": eps}
+    if chunk.resident:
+        # One view per parameter, autograd's own gradient tensors: no copy of them.
+        picked = [chunk.slot_grads[offset] for offset in sorted(chunk.slot_grads)]
+        if not picked:
+            return
 
         def views(flat: torch.Tensor) -> list[torch.Tensor]:
             return [flat[s.offset:s.offset + s.numel] for s, _ in picked]
 
-        params, m, v = views(chunk.master), views(chunk.exp_avg), views(chunk.exp_avg_sq)
-        grads = [g if g.dtype == torch.float32 else g.float() for _, g in picked]
-        steps = [_step_tensor(s.steps, device) for s, _ in picked]
-        restore = []
+        _fused(views(chunk.master), [g for _, g in picked], views(chunk.exp_avg),
+               views(chunk.exp_avg_sq), [s.steps for s, _ in picked], chunk.master.device,
+               grad_scale, hyper)
+        if not chunk.aliased:
+            chunk.payload.copy_(chunk.master)
     else:
-        # Every updated parameter at the same count: one call over the whole chunk, and the
-        # parameters without a gradient put back afterwards.
-        flat = _flat_grad(chunk)
-        params, m, v = [chunk.master], [chunk.exp_avg], [chunk.exp_avg_sq]
-        grads = [flat if flat.dtype == torch.float32 else flat.float()]
-        steps = [_step_tensor(updated[0].steps if updated else 1, device)]
-        restore = [(s.offset, s.offset + s.numel) for s in chunk.slots if not s.got_grad]
-    if not params:
-        return
+        # Every updated parameter at the same count: one call over each span, and the
+        # parameters without a gradient put back afterwards. Else one view per parameter,
+        # each with its own count (a parameter that missed a step is one update behind
+        # its neighbours).
+        count = updated[0].steps if updated else 1
+        uniform = len({s.steps for s in updated}) <= 1
+        for span in [Span.whole(chunk)] if spans is None else spans:
+            _update_span(chunk, span, count if uniform else None, grad_scale, hyper)
+    chunk.holds_grads = False
+
+
+def _update_span(chunk: Chunk, span: Span, count: int | None, grad_scale: float,
+                 hyper: dict) -> None:
+    """AdamW over elements span.lo..span.hi of a non-resident chunk; `count`: the step
+    count of every updated parameter, None when they differ."""
+    lo, hi = span.lo, span.hi
+    cut = [(s, max(s.offset, lo) - lo, min(s.offset + s.numel, hi) - lo)
+           for s in chunk.slots if s.offset < hi and s.offset + s.numel > lo]
+    device = span.master.device
+    if count is None:
+        picked = [(s, a, b) for s, a, b in cut if s.got_grad]
+        if picked:
+            def views(flat: torch.Tensor) -> list[torch.Tensor]:
+                return [flat[a:b] for _, a, b in picked]
+
+            _fused(views(span.master), views(span.grads), views(span.exp_avg),
+                   views(span.exp_avg_sq), [s.steps for s, _, _ in picked], device,
+                   grad_scale, hyper)
+    else:
+        restore = [(a, b) for s, a, b in cut if not s.got_grad]
+        kept = [(a, b, span.master[a:b].clone(), span.exp_avg[a:b].clone(),
+                 span.exp_avg_sq[a:b].clone()) for a, b in restore]
+        _fused([span.master], [span.grads], [span.exp_avg], [span.exp_avg_sq], [count],
+               device, grad_scale, hyper)
+        for a, b, master, exp_avg, exp_avg_sq in kept:
+            span.master[a:b], span.exp_avg[a:b], span.exp_avg_sq[a:b] = (
+                master, exp_avg, exp_avg_sq)
+    if span.payload is not None:
+        span.payload.copy_(span.master)  # parameters in the compute dtype, from the master
+
+
+def _fused(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[torch.Tensor],
+           exp_avg_sq: list[torch.Tensor], counts: list[int], device: torch.device,
+           grad_scale: float, hyper: dict) -> None:
+    """PyTorch's fused AdamW kernel over the given views (fp32 gradients; a scaled copy
+    where they are in another dtype, in place where they are fp32: they are used up)."""
+    grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
     if grad_scale != 1.0:
         torch._foreach_mul_(grads, grad_scale)
-    kept = [(a, b, chunk.master[a:b].clone(), chunk.exp_avg[a:b].clone(),
-             chunk.exp_avg_sq[a:b].clone()) for a, b in restore]
-    torch._fused_adamw_(
-        params, grads, m, v, [], steps,
-        lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps,
-        amsgrad=False, maximize=False)
-    for a, b, master, exp_avg, exp_avg_sq in kept:
-        chunk.master[a:b], chunk.exp_avg[a:b], chunk.exp_avg_sq[a:b] = master, exp_avg, exp_avg_sq
-    if not chunk.aliased:
-        chunk.payload.copy_(chunk.master)  # parameters in the compute dtype, from the master
-    chunk.holds_grads = False
+    torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [],
+                        [_step_tensor(c, device) for c in counts],
+                        amsgrad=False, maximize=False, **hyper)
 
 
 def _step_tensor(count: int, device: torch.device) -> torch.Tensor:
@@ -156,11 +193,10 @@ class ChunkAdamW:
                     scale *= cfg.max_grad_norm / (grad_norm + 1e-6)
             lr = cfg.lr_at(step)
             for chunk in with_grads:
-                pipeline.load(chunk)
                 adamw_update(chunk, lr=lr, betas=cfg.betas, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, grad_scale=scale)
+                             weight_decay=cfg.weight_decay, grad_scale=scale,
+                             spans=None if chunk.resident else pipeline.spans(chunk))
                 self.manager.drop_slot_grads(chunk)
-                pipeline.store(chunk)
         except BaseException:
             pipeline.cancel()
             raise

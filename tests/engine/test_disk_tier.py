@@ -218,6 +218,43 @@ def test_half_precision_with_the_disk_gives_the_same_bits_as_without(disk_dir, p
     eng.close()
 
 
+# Pieces of 5000 elements: every chunk of MODEL (~65k elements) is cut into a dozen or so,
+# each piece of each region read, updated and written on its own, parameters straddling
+# pieces included.
+SMALL_PIECE = 5000
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+@pytest.mark.parametrize("host", ["state", "payload"])
+def test_chunks_larger_than_a_piece_go_piece_by_piece_and_match_adamw(disk_dir, monkeypatch,
+                                                                      policy, host):
+    monkeypatch.setattr(rules, "DISK_PIECE", SMALL_PIECE)
+    eng = engine(disk_dir, policy=policy, host=host)
+    assert all(len(eng.manager.spill.spans(c)) > 1 for c in eng.chunks if c.disk_level)
+    assert eng.manager.spill.placement.state_buffer <= 3 * 4 * SMALL_PIECE + 4096
+    losses = run(eng)
+    assert_matches_reference(eng, losses)
+    state = eng.state_dict()
+    eng.load_state_dict(state)
+    again = eng.state_dict()["tensors"]
+    assert all(torch.equal(v, again[k]) for k, v in state["tensors"].items())
+    eng.close()
+
+
+@pytest.mark.parametrize("host", ["state", "payload"])
+def test_bf16_piece_by_piece_gives_the_same_bits_as_without_the_disk(disk_dir, monkeypatch,
+                                                                     host):
+    monkeypatch.setattr(rules, "DISK_PIECE", SMALL_PIECE)
+    plain = Engine(copy.deepcopy(MODEL), EngineConfig(
+        policy="cpu", device_budget=DEVICE, precision="bf16", max_grad_norm=0.5))
+    budget = int(host_state("bf16") * (0.8 if host == "state" else 0.2))
+    eng = engine(disk_dir, precision="bf16", host_budget=budget, max_grad_norm=0.5)
+    assert run(eng) == [plain.step(b).loss for b in BATCHES]
+    ours, theirs = eng.state_dict()["tensors"], plain.state_dict()["tensors"]
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    eng.close()
+
+
 def test_accumulated_micro_batches_with_payloads_on_disk_give_the_same_bits(disk_dir):
     # A later micro-batch's gradients add up where the first ones went: they come home.
     batches = make_batches(2, batch_size=4, seed=7)

@@ -109,6 +109,7 @@ class DiskTier:
         self.read_seconds = 0.0  # the reading thread busy (for throughput)
         self.write_seconds = 0.0
         self.errors: list[DiskTierError] = []  # writes that failed, until take_errors()
+        self.failing = False  # a write failed, and no retry has succeeded since
         self.closed = False
 
     # --- files and buffers ----------------------------------------------------------------
@@ -315,6 +316,7 @@ class DiskTier:
         self.errors.append(self._error(f"could not write {format_size(write.region.nbytes)} "
                                        f"to {write.region.file.path}", error))
         self._failed[write.key] = write  # replaces an older failure of the same region
+        self.failing = True
         pool = self._pools[write.pool]
         if pool.members.get(id(write.buffer)) is write.buffer:
             del pool.members[id(write.buffer)]  # the failure's now; a new one for the pool
@@ -340,13 +342,14 @@ class DiskTier:
         """Write every region held after a failure again, now; raises DiskTierError (and
         keeps holding what still fails) if one fails again. Once one has failed, the writes
         still pending are waited for first: they may have failed too."""
-        self.reap()
-        if not self._failed:
+        if not self.failing:
             return
         self.flush()
+        self.errors.clear()  # what they said is what the retry will say, if it fails
         for key, write in list(self._failed.items()):
             self.write_now(write.region, write.buffer, key)
             self.release(write.pool, write.buffer)
+        self.failing = False
 
     def _error(self, what: str, error: BaseException | None) -> DiskTierError:
         reason = getattr(error, "strerror", None) or str(error)
