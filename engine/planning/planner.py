@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.config import PRECISIONS, format_size, parse_size
+from engine.devices.cuda import DEFAULT_STAGING
 from engine.models.zoo import meta_model, model_config
 from engine.placement import rules
 from engine.placement.policy import Policy
@@ -52,6 +53,9 @@ RUNTIME_BYTES = 370 * 2**20
 # What a process that uses CUDA adds to its host memory (driver, context, kernels). Not
 # measured here (no GPU on the machine this was calibrated on); a typical figure.
 CUDA_CONTEXT = 500 * 2**20
+# Page-locked host memory a CUDA device holds for the whole run: its staging ring, through
+# which every copy streams (engine.devices.transfers), whatever the model's size.
+PINNED_STAGING = DEFAULT_STAGING.buffers * DEFAULT_STAGING.buffer_bytes
 
 # What the engine does not count but the memory holds during backward, beside the largest
 # gradient autograd builds before handing it over (see _Planner._transient): the gradients in
@@ -175,7 +179,7 @@ class _Planner:
     ) -> None:
         self.lay, self.events, self.cost = lay, events, cost
         self.device_mem, self.host_mem, self.simulated = device_mem, host_mem, simulated
-        self.runtime = RUNTIME_BYTES + (0 if simulated else CUDA_CONTEXT)
+        self.runtime = RUNTIME_BYTES + (0 if simulated else CUDA_CONTEXT + PINNED_STAGING)
         self.capacity = device_mem
         self.transient = self._transient()
         if not simulated:
