@@ -5,11 +5,12 @@
 
 Nothing is allocated. The step is run once on the meta device (shapes and dtypes, no data)
 through the engine's own hooks, which records what the engine would see:
-the modules in the order they run, the bytes autograd saves for backward (counted the way the
-engine counts them on the simulated device), and when each gradient arrives. That recording is
-then replayed against the engine's own chunk layout under each policy, with the manager's
-rules (fetch before use, evict the chunk used farthest ahead, gradient buffers until a chunk's
-last gradient is in, optimizer state resident for cuda and the margin), in bytes only.
+the modules in the order they run, every byte an op allocates and frees (counted the way the
+engine counts non-model bytes on the simulated device), and when each gradient arrives. That
+recording is then replayed against the engine's own chunk layout under each policy, with the
+manager's rules (fetch before use, evict the chunk used farthest ahead, gradient buffers until
+a chunk's last gradient is in, optimizer state resident for cuda and the margin, room kept
+for the traced non-model peak), in bytes only.
 
 Decoder stacks repeat one layer, so a large model is traced with TRACE_LAYERS layers and its
 inner layer is repeated in the recording: opt-30b plans in about as long as opt-125m.
@@ -57,12 +58,13 @@ CUDA_CONTEXT = 500 * 2**20
 # which every copy streams (engine.devices.transfers), whatever the model's size.
 PINNED_STAGING = DEFAULT_STAGING.buffers * DEFAULT_STAGING.buffer_bytes
 
-# What the engine does not count but the memory holds during backward, beside the largest
-# gradient autograd builds before handing it over (see _Planner._transient): the gradients in
-# flight and the freed blocks the allocator keeps, as a share of the saved activations.
-# Calibrated on the peak RSS of simulated runs: 0.6 (opt-350m fp32), 0.66 (opt-125m bf16),
-# 0.93 (opt-125m fp32).
-ACTIVATION_SLACK = 0.75
+# Freed blocks an allocator keeps beyond the live bytes the engine counts, as a share of the
+# step's non-model peak (every live byte but model data: activations, gradients in flight,
+# backward temporaries). On the simulated device the host's malloc keeps them: calibrated on
+# the peak RSS of simulated runs of opt-125m, batch 2 x 128: 0.40 (auto, fp32), 0.45 (cpu,
+# fp32), 0.63 (cpu, bf16). A GPU's caching allocator rounds and caches blocks too; assumed
+# alike (not measured on a GPU).
+ALLOCATOR_SLACK = 0.5
 
 # Share of the spare device memory a recommended margin leaves to the allocator on a real
 # GPU, which rounds and fragments while other processes come and go. The simulated device
@@ -181,11 +183,10 @@ class _Planner:
         self.device_mem, self.host_mem, self.simulated = device_mem, host_mem, simulated
         self.runtime = RUNTIME_BYTES + (0 if simulated else CUDA_CONTEXT + PINNED_STAGING)
         self.capacity = device_mem
-        self.transient = self._transient()
+        self.slack = self._allocator_slack()
         if not simulated:
-            # A GPU's allocator counts the transient bytes as activations, so the engine
-            # there has that much less room for chunks.
-            self.capacity = max(0, device_mem - self.transient)
+            # Blocks a GPU's allocator keeps are device memory the chunks cannot have.
+            self.capacity = max(0, device_mem - self.slack)
         # Before its first step the engine asks for the chunks of its largest module, twice
         # (Engine.min_working_set without a trace).
         self.first_need = rules.minimum_working_set(
@@ -231,26 +232,14 @@ class _Planner:
             )
         return _Outcome(policy, step, trace, "", resident)
 
-    def _transient(self) -> int:
-        """Bytes a step holds that the engine's count of saved activations leaves out.
+    def _allocator_slack(self) -> int:
+        """Bytes the allocator holds beyond the live bytes of a step (ALLOCATOR_SLACK).
 
-        Autograd builds each parameter's gradient before the engine copies it into the
-        chunk; a weight used twice (a tied embedding and head) holds its first gradient
-        through the whole backward and meets its second at the end. Beside them, the
-        gradients flowing between layers and the allocator's slack grow with the
-        activations. On the simulated device all of it is host memory; on a GPU it is device
-        memory the engine sees as activations.
+        The recording counts every live byte (engine.step.non_model), so what is left is
+        the allocator's: on the simulated device host memory, on a GPU device memory.
         """
-        uses: dict[str, int] = {}
-        for params in self.lay.module_params.values():
-            for p in params:
-                uses[p] = uses.get(p, 0) + 1
-        grads = max(
-            (uses.get(p, 1) * n * self.cost.itemsize for p, n in self.lay.sizes.items()),
-            default=0,
-        )
-        activations = self.run(Policy.CPU, float("inf")).trace.non_model_peak
-        return grads + int(ACTIVATION_SLACK * activations)
+        non_model = self.run(Policy.CPU, float("inf")).trace.non_model_peak
+        return int(ALLOCATOR_SLACK * non_model)
 
     def _too_small(self, trace: Trace) -> str:
         return (
@@ -261,10 +250,10 @@ class _Planner:
 
     def working_set(self, trace: Trace) -> int:
         """The least device memory a step needs, as the engine will measure it."""
-        return trace.working_set + (0 if self.simulated else self.transient)
+        return trace.working_set + (0 if self.simulated else self.slack)
 
     def device_peak(self, step: StepReplay) -> int:
-        return step.peak + (0 if self.simulated else self.transient)
+        return step.peak + (0 if self.simulated else self.slack)
 
     def host_model(self, resident: set[int]) -> int:
         return sum(self.cost.host(n) for c, n in enumerate(self.lay.numel) if c not in resident)
@@ -275,7 +264,7 @@ class _Planner:
         Building the chunks holds every chunk's host state at once, whatever the policy
         (resident chunks move to the device afterwards). During a step the host holds the
         non-resident chunks and, when the device is simulated, the device's bytes and the
-        transient ones too. The update of a chunk in a 16-bit precision reads its gradients
+        allocator's slack too. The update of a chunk in a 16-bit precision reads its gradients
         as fp32, one chunk at a time.
         """
         built = self.host_model(set())
@@ -283,7 +272,7 @@ class _Planner:
         during = self.host_model(outcome.resident) + update
         if self.simulated:
             during = max(
-                during, self.host_model(outcome.resident) + outcome.step.peak + self.transient
+                during, self.host_model(outcome.resident) + outcome.step.peak + self.slack
             )
         return self.runtime + max(built, during)
 
@@ -342,13 +331,13 @@ class _Planner:
     def _cuda_need(self, trace: Trace) -> tuple[int, int]:
         """(model data, activations) the cuda policy keeps on the device (cuda_policy_bytes)."""
         model_data = sum(self.cost.resident_cost(n) for n in self.lay.numel)
-        return model_data, trace.non_model_peak + (0 if self.simulated else self.transient)
+        return model_data, trace.non_model_peak + (0 if self.simulated else self.slack)
 
     def _host_parts(self, outcome: _Outcome) -> str:
         parts = [f"chunks {format_size(self.host_model(outcome.resident))}"]
         if self.simulated:
             parts.append(f"simulated device {format_size(outcome.step.peak)}")
-            parts.append(f"gradients in flight {format_size(self.transient)}")
+            parts.append(f"allocator slack {format_size(self.slack)}")
         parts.append(f"runtime {format_size(self.runtime)}")
         return " + ".join(parts)
 

@@ -2,9 +2,10 @@
 
 `record_step` runs forward and backward of one batch on a meta-device model (shapes and
 dtypes, no data) through engine.step.hooks and returns what the engine would see, in order: the
-modules as they run, the bytes autograd saves for backward, when each gradient arrives. A deep
-decoder is traced with a few layers and its inner layer repeated in the recording. The
-planner replays the recording in bytes (engine.planning.replay).
+modules as they run, every byte an op allocates and frees (counted as the engine counts
+non-model bytes on the simulated device, engine.step.non_model), when each gradient arrives.
+A deep decoder is traced with a few layers and its inner layer repeated in the recording.
+The planner replays the recording in bytes (engine.planning.replay).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from engine.models.zoo import BadCheckpoint
 from engine.step.hooks import hook_gradients, install, wrap_outputs
-from engine.step.non_model import SavedBytes, tensor_bytes
+from engine.step.non_model import LiveBytes
 
 __all__ = ["Event", "record_step"]
 
@@ -26,37 +27,26 @@ __all__ = ["Event", "record_step"]
 # A recording is a flat list of events, in the order the engine would see them:
 #   ("point", module name, phase)  a module's chunks are fetched (engine._point)
 #   ("post", module name)          a module's forward is done (its parameters leave COMPUTE)
-#   ("nm", delta)                  non-model bytes change by delta (saved activations, output)
+#   ("nm", delta)                  non-model bytes change by delta (an op allocated, a storage
+#                                  was freed)
 #   ("grad", parameter name)       a parameter's gradient arrives
 #   ("backward",)                  forward is over; the loss's backward starts
 
 Event = tuple
 
 
-class _Recorder(SavedBytes):
-    """engine.placement.trace.NonModelCounter for meta tensors, writing events instead of peaks.
+class _Recorder(LiveBytes):
+    """The engine's NonModelCounter for meta tensors, writing events instead of peaks.
 
-    Storages are told apart by their StorageImpl (meta tensors have no data pointer), and
-    parameter storages are model data, exactly as the engine skips its chunk payloads.
+    Parameters exist before the step, so no op allocates them: model data is left out
+    exactly as the engine leaves its chunk payloads out. Gradients are freed as soon as
+    they arrive (the engine copies them into chunks, which the replay counts).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(self._storage_key, lambda delta: self.events.append(("nm", delta)))
-        self.model_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+        super().__init__(lambda delta: self.events.append(("nm", delta)))
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.events: list[Event] = []
-        self.output = 0
-
-    def _storage_key(self, tensor: torch.Tensor) -> int | None:
-        storage = tensor.untyped_storage()
-        if storage._cdata in self.model_storages or storage.nbytes() == 0:
-            return None
-        return storage._cdata
-
-    def set_output(self, nbytes: int) -> None:
-        if nbytes != self.output:
-            self.events.append(("nm", nbytes - self.output))
-            self.output = nbytes
 
 
 class _CpuAttention(TorchFunctionMode):
@@ -136,7 +126,6 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
 
     def post_forward(key: int, output: object) -> object:
         events.append(("post", names[modules[key]]))
-        rec.set_output(tensor_bytes(output))
         if torch.is_grad_enabled():
             return wrap_outputs(
                 output, lambda: events.append(("point", names[modules[key]], "backward"))
@@ -152,11 +141,10 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
     hook_gradients(model.parameters(), on_grad, grad_hooks)
     handles += grad_hooks.values()
     try:
-        with rec.hooks():
-            ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+        with rec:
             with _CpuAttention():
                 loss = model(input_ids=ids, labels=ids).loss
-            rec.set_output(0)
             events.append(("backward",))
             loss.backward()
             del loss

@@ -155,6 +155,7 @@ class StepReplay:
         self.nm = 0
         self.pos = -1
         self.pinned = 0
+        self.held = 0  # most chunk bytes held since the latest point: pinned, gradients opening
         self.evicting = False
         self.overrun = 0
         self.copied = 0  # payload bytes copied between host and device (fetches, gradients)
@@ -189,8 +190,10 @@ class StepReplay:
         if self.recorded.points:
             point = self.recorded.points[-1]
             point.non_model_peak = max(point.non_model_peak, self.nm)
-            point.working_set = max(point.working_set,
-                                    self.pinned + self.opening_bytes + self.nm)
+            # What the rules keep room for (StepRunner._sample): the most chunk bytes held
+            # beside the whole non-model peak of the interval.
+            self.held = max(self.held, self.pinned + self.opening_bytes)
+            point.working_set = self.held + point.non_model_peak
         self.peak = max(self.peak, self.device_bytes + self.nm)
 
     # ChunkManager
@@ -254,7 +257,8 @@ class StepReplay:
         chunks = self.lay.module_chunks[module]
         self.recorded.points.append(TracePoint(chunks, phase))
         self.pinned = sum(self.nbytes[c] for c in self.busy.union(chunks))
-        self._sample()
+        self.held = 0
+        self._keep_room(tuple(self.busy.union(chunks)))
         for chunk in self.rules.release_before_use(sorted(self.on_device), chunks):
             self._release(chunk)
         for chunk in chunks:
@@ -290,11 +294,18 @@ class StepReplay:
 
     def non_model(self, delta: int) -> None:
         self.nm += delta
-        if delta > 0 and self.device_bytes + self.nm > self.capacity:
-            in_use = tuple(self.busy | self.grads)
+        if delta > 0:
+            self._keep_room(tuple(self.busy | self.grads))
+        else:
+            self._sample()
+
+    def _keep_room(self, protect: tuple[int, ...]) -> None:
+        """StepRunner._keep_room: room for the forecast non-model bytes, then a sample."""
+        forecast = self.rules.forecast(self.trace, self.pos, self.nm)
+        if self.device_bytes + self.nm + forecast > self.capacity:
             self.evicting = True
             try:
-                self._make_room(0, in_use)
+                self._make_room(0, protect)
             finally:
                 self.evicting = False
         self._sample()

@@ -12,6 +12,7 @@ class owns only what happens between the first forward pre-hook and the end of b
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +22,7 @@ from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
 from engine.placement.trace import Trace, TracePoint
 from engine.step.hooks import hook_gradients, install, wrap_outputs
-from engine.step.non_model import NonModelCounter, tensor_bytes
+from engine.step.non_model import NonModelCounter, storage_key, tensor_bytes
 from engine.step.optimizer import restore_params
 
 S = TensorState
@@ -34,6 +35,10 @@ class StepInterrupted(Exception):
 
 class StepRunner:
     """Runs forward and backward of one step over chunked parameters; see the module doc."""
+
+    # Peak non-model bytes this step (set again by `begin`). With `peak`, what the step
+    # really reached: on the simulated device every storage alive counts (non_model.py).
+    non_model_peak = 0
 
     def __init__(self, model: torch.nn.Module, chunks: list[Chunk], device: ComputeDevice, *,
                  borrowed: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
@@ -72,8 +77,20 @@ class StepRunner:
 
     # --- measuring ----------------------------------------------------------------------------
 
-    def _is_model_storage(self, ptr: int) -> bool:
-        return ptr in self._model_ptrs
+    # Model data is the chunk manager's to count, and the non-model counter leaves it out:
+    # chunk payloads exist before the step (no op allocates them), a gradient buffer is an
+    # uninitialised allocation the counter asks about (`_is_model_storage`), and a gradient
+    # a resident chunk keeps was autograd's until then (`_adopt_kept_grads`).
+
+    def _is_model_storage(self, key: int) -> bool:
+        return any(c.grad is not None and storage_key(c.grad) == key for c in self.chunks)
+
+    def _adopt_kept_grads(self) -> None:
+        for chunk in self.chunks:
+            kept = chunk.slot_grads
+            if kept and len(kept) != self._kept_grads.get(chunk.index):
+                self._kept_grads[chunk.index] = len(kept)
+                self.counter.disown({storage_key(g) for _, g in kept.values()})
 
     def non_model_now(self) -> int:
         allocated = self.device.allocator_bytes()
@@ -82,19 +99,27 @@ class StepRunner:
         return max(0, allocated - self.manager.device_bytes)
 
     def _on_model_change(self) -> None:
-        self._model_ptrs = {c.device_payload.untyped_storage().data_ptr()
-                            for c in self.chunks if c.on_device}
+        if self._in_step:
+            self._adopt_kept_grads()
         self._sample()
 
     def _on_non_model_change(self) -> None:
+        self._keep_room(self._chunks_in_use)
+
+    def _keep_room(self, protect: Callable[[], tuple[Chunk, ...]]) -> None:
+        """On the simulated device, keep room for the non-model bytes the trace says are
+        still to come before the next module (rules.forecast), evicting idle chunks but not
+        `protect()`: a real device would fail an allocation that found none. Then sample.
+        Called after every op that allocated, so the common case (room enough) is cheap."""
         if self._in_step and self.device.simulated:
-            over = self.manager.device_bytes + self.counter.current - self.device.capacity()
-            if over > 0:
-                # A real device would fail the allocation; evict idle chunks first, and
-                # sample only once they are gone.
+            m = self.manager
+            if m.free_bytes(m.rules.forecast(m.trace, self.pos, self.counter.current)) < 0:
+                # Sampled once the evicted chunks are gone: had there been no room for an
+                # allocation that already happened (no trace yet), a real device would
+                # have failed it rather than held both.
                 self._evicting = True
                 try:
-                    self.manager.make_room(0, self.pos, self._chunks_in_use())
+                    m.make_room(0, self.pos, protect())
                 finally:
                     self._evicting = False
         self._sample()
@@ -104,9 +129,24 @@ class StepRunner:
             return
         non_model = self.non_model_now()
         self._interval_peak = max(self._interval_peak, non_model)
-        self._interval_ws = max(self._interval_ws,
-                                self._pinned + self._opening_bytes + non_model)
-        self.peak = max(self.peak, self.manager.device_bytes + non_model)
+        # An interval's working set is what the placement rules keep room for: the most
+        # chunk bytes it holds (in use, and gradient buffers opening) beside its whole
+        # non-model peak, which they reserve from its start on (rules.forecast). This part
+        # is the chunk bytes; the interval adds its non-model peak when it closes.
+        self._interval_ws = max(self._interval_ws, self._pinned + self._opening_bytes)
+        model = self.manager.device_bytes
+        self.peak = max(self.peak, model + non_model)
+        self.non_model_peak = max(self.non_model_peak, non_model)
+        if self.device.simulated:
+            # Until the next sample (every change of model bytes takes one), non-model
+            # growth matters only past a peak or past the room left, once there is room
+            # for the forecast: the forecast is room for that growth, so it shrinks as
+            # they grow.
+            m = self.manager
+            forecast = m.rules.forecast(m.trace, self.pos, non_model)
+            room = self.device.capacity() - model
+            self.counter.quiet_below = (-1 if room < non_model + forecast else
+                                        min(self._interval_peak, self.peak - model, room))
 
     def _chunks_in_use(self) -> tuple[Chunk, ...]:
         return tuple(c for c in self.chunks if c.in_use() or c.grad is not None)
@@ -127,12 +167,13 @@ class StepRunner:
             points = self._tracing.points
             if points:
                 points[-1].non_model_peak = self._interval_peak
-                points[-1].working_set = self._interval_ws
+                points[-1].working_set = self._interval_ws + self._interval_peak
             points.append(TracePoint(tuple(c.index for c in chunks), phase))
-        # Bytes no placement could evict until the next point: chunks in use or about to be.
-        self._pinned = sum(c.nbytes for c in self.chunks if c.in_use() or c in chunks)
+        # Chunks no placement could evict until the next point: in use or about to be.
+        pinned = tuple(c for c in self.chunks if c.in_use() or c in chunks)
+        self._pinned = sum(c.nbytes for c in pinned)
         self._interval_peak = self._interval_ws = 0
-        self._sample()
+        self._keep_room(lambda: pinned)  # before the module's first allocation, not after
 
     def _pre_forward(self, key: int) -> None:
         if not self._in_step:
@@ -236,8 +277,10 @@ class StepRunner:
         self.manager.begin_step(tracing=tracing)
         self.pos = -1
         self.peak = self.manager.device_bytes
+        self.non_model_peak = 0
         self.device.begin_step(self.manager.device_bytes)
         self.counter.reset()
+        self._kept_grads: dict[int, int] = {}  # chunk index -> kept gradients adopted
         for chunk in self.chunks:
             chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)
             if not accumulate:
@@ -253,7 +296,9 @@ class StepRunner:
         self.model.train()
         self._in_step = True
         try:
-            with self.counter.hooks():
+            # Every op's allocations: counted on the simulated device, and the moments
+            # to read the allocator at on CUDA.
+            with self.counter:
                 t0, x0 = time.perf_counter(), m.transfer_seconds
                 loss = self.model(**batch).loss
                 self.counter.set_output(0)
@@ -315,7 +360,7 @@ class StepRunner:
             return None
         if trace.points:
             trace.points[-1].non_model_peak = self._interval_peak
-            trace.points[-1].working_set = self._interval_ws
+            trace.points[-1].working_set = self._interval_ws + self._interval_peak
         trace.finish()
         self.trace = trace
         self.manager.use_trace(trace)
