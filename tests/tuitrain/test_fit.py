@@ -21,13 +21,13 @@ def test_warn_if_unfit_says_why_and_what_would_fit():
     tight = Settings.model_validate(
         {
             "model": "tiny",
-            "engine": {"policy": "cuda", "device_budget": "12MiB", "precision": "bf16"},
+            "engine": {"policy": "cuda", "device_budget": "20MiB", "precision": "bf16"},
             "training": {"batch_size": 2, "seq_len": 64},
         }
     )
     line = warn_if_unfit(tight)
     assert line is not None and "\n" not in line
-    assert "policy cuda will not fit" in line and "12.0 MiB" in line
+    assert "policy cuda will not fit" in line and "20.0 MiB" in line
     assert "policy auto would" in line
 
 

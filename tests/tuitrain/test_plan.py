@@ -38,7 +38,7 @@ def namespace(**overrides: object) -> argparse.Namespace:
 
 
 def test_the_table_has_a_row_per_policy_and_the_recommendation(capsys):
-    assert main(["plan", "tiny", "--device-mem", "12MiB", "--host-mem", "64GiB", *SMALL]) == 0
+    assert main(["plan", "tiny", "--device-mem", "20MiB", "--host-mem", "64GiB", *SMALL]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("POLICY"))
@@ -53,18 +53,18 @@ def test_the_table_has_a_row_per_policy_and_the_recommendation(capsys):
     ]
     rows = {line.split()[0]: line for line in lines[header + 1 : header + 4]}
     assert list(rows) == ["cuda", "cpu", "auto"]
-    assert "no: needs" in rows["cuda"] and "12.0 MiB" in rows["cuda"]
+    assert "no: needs" in rows["cuda"] and "20.0 MiB" in rows["cuda"]
     assert rows["cpu"].endswith("yes") and rows["auto"].endswith("yes")
     assert lines[-1].startswith("recommended: --policy auto --margin ")
     assert "simulated" in out
 
 
 def test_json_carries_the_figures_of_the_plan(capsys):
-    argv = ["plan", "tiny", "--device-mem", "12MiB", "--host-mem", "64GiB", "--json", *SMALL]
+    argv = ["plan", "tiny", "--device-mem", "20MiB", "--host-mem", "64GiB", "--json", *SMALL]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     expected = plan(
-        "tiny", device_mem="12MiB", host_mem="64GiB", precision="bf16", batch_size=2, seq_len=64
+        "tiny", device_mem="20MiB", host_mem="64GiB", precision="bf16", batch_size=2, seq_len=64
     )
     for name in ("cuda", "cpu", "auto"):
         row = expected.policies[name]
