@@ -20,6 +20,7 @@ import torch
 
 from engine.chunks import spill as disk
 from engine.chunks.chunk import Chunk, DeviceCopy, Slot
+from engine.chunks.flight import UpdateInFlight
 from engine.chunks.state import TensorState
 from engine.config import format_size
 from engine.devices.device import ComputeDevice, DeviceOutOfMemory
@@ -54,6 +55,7 @@ class ChunkManager:
         self.disk_piece = rules.DISK_PIECE  # elements per piece of disk I/O
         self.spill: disk.Spill | None = None  # the disk tier, when the host budget needs it
         self._disk_base = (0, 0, 0.0)  # the tier's counters at the step's start
+        self.flight = UpdateInFlight()  # the last step's update, while the next forward runs
 
     # --- the step's frame -------------------------------------------------------------
 
@@ -68,7 +70,8 @@ class ChunkManager:
         self.transfer_seconds = 0.0
         if self.spill is not None:
             tier = self.spill.tier
-            self._disk_base = (tier.bytes_read, tier.bytes_written, tier.wait_seconds)
+            self._disk_base = (tier.bytes_read, tier.bytes_written,
+                               tier.wait_seconds + self.flight.waited)
 
     def begin_step(self, *, tracing: bool) -> None:
         """A traced step has no forecast to trust yet: room that cannot be made is noted as
@@ -152,6 +155,7 @@ class ChunkManager:
 
     def materialise(self, chunk: Chunk, pos: int, protect: tuple[Chunk, ...] = ()) -> None:
         """Make sure the chunk's parameters are on the device (HOLD or better)."""
+        self.flight.wait(chunk)  # its update from the last step, if that is still running
         self._last_use[chunk.index] = pos
         self.settle(chunk)
         if chunk.on_device and not chunk.stale:
@@ -204,6 +208,7 @@ class ChunkManager:
         chosen = rules.prefetches(
             trace.points[pos + 1].chunks, free=self.free_bytes(forecast),
             skip=lambda i: (self.chunks[i].on_device or self.chunks[i].holds_grads
+                            or self.flight.pending(i)
                             or (self.chunks[i].payload_on_disk and not self.spill.ready(i))),
             nbytes=lambda i: self.chunks[i].nbytes)
         for index in chosen:
@@ -265,6 +270,8 @@ class ChunkManager:
 
     def prepare(self, needed: tuple[Chunk, ...], pos: int, phase: str = "") -> None:
         """Bring `needed` to the device for the module about to run."""
+        if phase == "backward":
+            self.flight.wait()  # gradients come home to chunks the last update is done with
         on_device = [c.index for c in self.chunks if c.on_device]
         for index in self.rules.release_before_use(on_device, [c.index for c in needed]):
             self.release(self.chunks[index])
@@ -287,6 +294,7 @@ class ChunkManager:
     # --- gradients ------------------------------------------------------------------------
 
     def grad_buffer(self, chunk: Chunk, pos: int) -> torch.Tensor:
+        self.flight.wait(chunk)
         if chunk.grad is None:
             self.make_room(chunk.nbytes, pos, (chunk,))
             self.grad_bytes += chunk.nbytes
@@ -301,6 +309,7 @@ class ChunkManager:
         A chunk whose payload is on disk has none: one more gradient after its gradients
         went there (a later micro-batch, a module run twice) brings its payload home to
         add up in, until the step's end puts it back (restore_disk_placement)."""
+        self.flight.wait(chunk)
         if chunk.payload_on_disk:
             self.spill.move(chunk, 1)
         return chunk.host_grad if chunk.aliased else chunk.payload
@@ -395,6 +404,7 @@ class ChunkManager:
         `want` puts them, in an order that keeps the host within the budget but for one
         chunk at a time: what goes (further) to disk first, each leaver as it lands on the
         host, then the joiners (through the host), then what comes back from disk."""
+        self.flight.wait()
         placement = self.disk_placement(want) if self.spill is not None else None
         if placement is not None:
             self.spill.prepare(placement)
@@ -432,7 +442,7 @@ class ChunkManager:
         if worst.state:
             self.spill = disk.open_spill(
                 self.chunks, disk_dir=disk_dir, need=worst.disk_bytes, piece=self.disk_piece,
-                empty=self.device.host_empty,
+                flight=self.flight, empty=self.device.host_empty,
                 alloc=lambda numel, dtype: self._alloc("host", numel, dtype),
                 free=lambda t: self._free("host", t))
 
@@ -449,22 +459,33 @@ class ChunkManager:
         if self.spill is None:
             return
         placement = placement or self.spill.placement
-        for chunk in self.chunks:
-            if not chunk.resident and placement.level(chunk.index) != chunk.disk_level:
-                self.spill.move(chunk, placement.level(chunk.index))
+        moving = [c for c in self.chunks
+                  if not c.resident and placement.level(c.index) != c.disk_level]
+        if not moving and placement == self.spill.placement:
+            return  # nothing to do: the disk tier is left alone (an update may be using it)
+        self.flight.wait()
+        for chunk in moving:
+            self.spill.move(chunk, placement.level(chunk.index))
         self.spill.settle(placement)
 
     def read_ahead(self, pos: int) -> None:
         """Start reading from disk, into idle buffers: the payloads of the next chunks to
         be fetched (trace order; not while tracing, when there is no order to trust), and
         the state the update will need first."""
-        if self.spill is None:
-            return
+        if self.spill is None or self.flight.active:
+            return  # a running update has the disk tier to itself
         if self.trace is not None and self.strict:
             upcoming = itertools.chain.from_iterable(
                 p.chunks for p in itertools.islice(self.trace.points, pos + 1, None))
             self.spill.read_ahead(upcoming, skip=lambda i: self.chunks[i].on_device)
         self.spill.read_ahead_state()
+
+    def overlap_update(self) -> bool:
+        """Whether the update of host chunks may overlap the next step's forward
+        (engine.chunks.flight): when it is bound by the disk, with optimizer state there,
+        and the forward needs nothing of the disk tier (no payload there)."""
+        return (self.spill is not None and bool(self.spill.placement.state)
+                and not self.spill.placement.payload)
 
     def update_pipeline(self, chunks: list[Chunk]) -> disk.UpdatePipeline | disk.NoDisk:
         """The optimizer's walk over `chunks` (disk.Span by span), reading and writing
@@ -504,7 +525,8 @@ class ChunkManager:
         if self.spill is None:
             return 0, 0, 0.0
         tier, (r, w, s) = self.spill.tier, self._disk_base
-        return tier.bytes_read - r, tier.bytes_written - w, tier.wait_seconds - s
+        return (tier.bytes_read - r, tier.bytes_written - w,
+                tier.wait_seconds + self.flight.waited - s)
 
 
     # --- the end ------------------------------------------------------------------------------
@@ -512,6 +534,7 @@ class ChunkManager:
     def close(self) -> None:
         """Give every parameter its latest weights as a plain CPU tensor of its own (in the
         compute dtype), then drop every chunk tensor: nothing of the engine stays alive."""
+        self.flight.close()
         self.device.settle_host()
         for chunk in self.chunks:
             self.settle(chunk)

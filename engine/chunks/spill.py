@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from engine.chunks.chunk import Chunk, squared_norm
+from engine.chunks.flight import UpdateInFlight
 from engine.config import format_size
 from engine.devices.disk import ALIGN, DiskTier, Region, ScratchFolder
 from engine.placement import rules
@@ -86,7 +87,7 @@ class Span:
 
 
 def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int, piece: int,
-               empty: Callable[[int, torch.dtype], torch.Tensor],
+               flight: UpdateInFlight, empty: Callable[[int, torch.dtype], torch.Tensor],
                alloc: Callable[[int, torch.dtype], torch.Tensor],
                free: Callable[[torch.Tensor], None]) -> Spill:
     """A Spill over a new scratch folder under `disk_dir` that has room for `need` bytes.
@@ -101,7 +102,8 @@ def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int, piece: int,
             f"the host budget needs {format_size(need)} on disk, but the scratch folder "
             f"{folder.parent} has {format_size(available)} free; free some space, give "
             f"another folder (disk_dir) or a larger host budget")
-    return Spill(chunks, DiskTier(folder, empty=empty), piece=piece, alloc=alloc, free=free)
+    return Spill(chunks, DiskTier(folder, empty=empty), piece=piece, flight=flight, alloc=alloc,
+                 free=free)
 
 
 class Spill:
@@ -111,16 +113,18 @@ class Spill:
         chunks: every chunk of the engine.
         tier: the scratch folder, its I/O buffers and threads.
         piece: elements per piece (rules.DISK_PIECE).
+        flight: the update that may still be running (what undoes a step waits for it).
         alloc: a host tensor of (numel, dtype), counted in the manager's host bytes.
         free: uncount (and drop) a host tensor made by `alloc`.
     """
 
     def __init__(self, chunks: list[Chunk], tier: DiskTier, *, piece: int,
-                 alloc: Callable[[int, torch.dtype], torch.Tensor],
+                 flight: UpdateInFlight, alloc: Callable[[int, torch.dtype], torch.Tensor],
                  free: Callable[[torch.Tensor], None]) -> None:
         self.chunks = chunks
         self.tier = tier
         self.piece = piece
+        self.flight = flight
         self.alloc, self.free = alloc, free
         self.placement = rules.DiskPlacement(block=ALIGN)
         self._regions: dict[int, dict[str, Region]] = {}
@@ -437,7 +441,7 @@ class Spill:
 
     def cancel_read_ahead(self) -> None:
         """Give back the buffers of payloads read ahead and not fetched (end of backward)."""
-        for key in [k for k in self._ahead if k[1] == PAYLOAD]:
+        for key in [k for k in list(self._ahead) if k[1] == PAYLOAD]:
             self._give_back(PAYLOAD, self._ahead.pop(key))
 
     def land_grads(self, chunk: Chunk, grads: torch.Tensor,

@@ -180,11 +180,17 @@ class Engine:
         With `grad_accum` N the batch is split into N micro-batches, in order; each runs
         forward and backward with its loss divided by N, and their gradients add up where
         each chunk's gradients live before the one update.
+
+        With optimizer state on disk (host_budget), the update of the chunks on the host may
+        still run when this returns: it overlaps the next step's forward, which waits for
+        each chunk's update just before using it (engine.chunks.flight). Anything else that
+        needs the weights or the state (state_dict, evaluate, a setting change) waits for it.
         """
         if self.closed:
             raise RuntimeError("this engine is closed")
         t_start = time.perf_counter()
-        self.manager.retry_disk()  # what a full disk left held, before anything changes
+        if not self.manager.flight.active:
+            self.manager.retry_disk()  # what a full disk left held, before anything changes
         self.manager.reset_counters()
         applied = self._apply_pending()
         m = self.manager
@@ -210,13 +216,20 @@ class Engine:
             peak = max(peak, self.runner.peak)
         t2 = time.perf_counter()
         loss_value = sum(losses) / len(losses)
+        try:
+            self._settle_update()  # the last step's, if it overlapped this forward
+        except BaseException:
+            for chunk in self.chunks:
+                self.optimizer.discard(chunk)  # this step is not applied
+            raise
         self.step_count += 1
         skipped, grad_norm = self.optimizer.step(self.chunks, self.step_count)
         if traced:
             self._place()  # the margin needs the traced peak; grads are consumed by now
         else:
             self.manager.restore_disk_placement()  # payloads gradients brought home
-        self._raise_disk_errors()
+        if not self.manager.flight.active:
+            self._raise_disk_errors()  # else once that update is over (_settle_update)
         t3 = time.perf_counter()
         disk_read, disk_written, disk_wait = m.disk_counters()
         allocator_peak = self.device.allocator_peak()
@@ -233,6 +246,13 @@ class Engine:
             skipped=skipped, loss_scale=self.optimizer.loss_scale, grad_norm=grad_norm,
             lr=self.config.lr_at(self.step_count), applied=applied,
             bytes_disk_read=disk_read, bytes_disk_written=disk_written, disk_wait=disk_wait)
+
+    def _settle_update(self) -> None:
+        """Wait for the update still running from the last step, if any (it overlaps the
+        next forward: engine.chunks.flight), and raise what went wrong in it."""
+        self.manager.flight.wait()
+        if self.manager.flight.take_ended():
+            self._raise_disk_errors()
 
     def _raise_disk_errors(self) -> None:
         """A write to the scratch folder failed during this step: the step is applied and
@@ -251,6 +271,7 @@ class Engine:
         in any budget the training step fits in. Pending setting changes stay pending."""
         if self.closed:
             raise RuntimeError("this engine is closed")
+        self.manager.flight.wait()
         dev = self.device.torch_device
         batch = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         self.model.eval()
@@ -343,6 +364,7 @@ class Engine:
 
         Masters on disk are read back one chunk at a time: beyond the result, the disk
         tier's I/O buffers are all the memory this takes."""
+        self.manager.flight.wait()
         if self.manager.spill is None:
             return weights.model_state_dict(self.model, self.runner.slot_of)
         entries = self.model.state_dict(keep_vars=True)
@@ -362,6 +384,7 @@ class Engine:
 
         State on disk is read back one chunk at a time: beyond the result (16 B/param),
         the disk tier's I/O buffers are all the memory this takes."""
+        self.manager.flight.wait()
         tensors: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
             with self.manager.opened(chunk):
@@ -377,6 +400,7 @@ class Engine:
         """Inverse of state_dict(); raises ValueError naming what does not match, before
         anything changes. State on disk is written back one chunk at a time."""
         weights.load_optimizer_tensors(self._dry_chunks(), state["tensors"])  # checks only
+        self.manager.flight.wait()
         for c in self.chunks:
             self.optimizer.discard(c)
             with self.manager.opened(c, write=True):

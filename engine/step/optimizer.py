@@ -16,11 +16,11 @@ bit-identical to `torch.optim.AdamW(fused=True)` over the same parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from engine.chunks.chunk import Chunk, squared_norm
+from engine.chunks.chunk import Chunk, Slot, squared_norm
 from engine.chunks.manager import ChunkManager
 from engine.chunks.spill import Span
 from engine.config import EngineConfig
@@ -50,7 +50,8 @@ def global_grad_norm(chunks: list[Chunk]) -> float:
 
 def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, grad_scale: float = 1.0,
-                 spans: Iterable[Span] | None = None) -> None:
+                 spans: Iterable[Span] | None = None, updated: list[Slot] | None = None
+                 ) -> None:
     """One AdamW step of the chunk from the gradients backward left it.
 
     `grad_scale` multiplies the gradients first (loss-scale undo and clipping in one).
@@ -60,8 +61,10 @@ def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: fl
     A non-resident chunk is updated span by span: `spans` (engine.chunks.spill.Span),
     default the whole chunk from its own tensors; a chunk with parts on disk comes in
     pieces read into I/O buffers. The kernel is elementwise, so that is the same arithmetic.
+    `updated`: the parameters that got a gradient (default: as their slots say now; an
+    update that overlaps the next step is told, as the next step resets the slots).
     """
-    updated = [s for s in chunk.slots if s.got_grad]
+    updated = [s for s in chunk.slots if s.got_grad] if updated is None else updated
     for slot in updated:
         slot.steps += 1
     hyper = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "weight_decay": weight_decay,
@@ -87,21 +90,22 @@ def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: fl
         # its neighbours).
         count = updated[0].steps if updated else 1
         uniform = len({s.steps for s in updated}) <= 1
+        got = {id(s) for s in updated}
         for span in [Span.whole(chunk)] if spans is None else spans:
-            _update_span(chunk, span, count if uniform else None, grad_scale, hyper)
+            _update_span(chunk, span, got, count if uniform else None, grad_scale, hyper)
     chunk.holds_grads = False
 
 
-def _update_span(chunk: Chunk, span: Span, count: int | None, grad_scale: float,
-                 hyper: dict) -> None:
-    """AdamW over elements span.lo..span.hi of a non-resident chunk; `count`: the step
-    count of every updated parameter, None when they differ."""
+def _update_span(chunk: Chunk, span: Span, got: set[int], count: int | None,
+                 grad_scale: float, hyper: dict) -> None:
+    """AdamW over elements span.lo..span.hi of a non-resident chunk, for the slots whose
+    id is in `got`; `count`: the step count of every one of them, None when they differ."""
     lo, hi = span.lo, span.hi
     cut = [(s, max(s.offset, lo) - lo, min(s.offset + s.numel, hi) - lo)
            for s in chunk.slots if s.offset < hi and s.offset + s.numel > lo]
     device = span.master.device
     if count is None:
-        picked = [(s, a, b) for s, a, b in cut if s.got_grad]
+        picked = [(s, a, b) for s, a, b in cut if id(s) in got]
         if picked:
             def views(flat: torch.Tensor) -> list[torch.Tensor]:
                 return [flat[a:b] for _, a, b in picked]
@@ -110,7 +114,7 @@ def _update_span(chunk: Chunk, span: Span, count: int | None, grad_scale: float,
                    views(span.exp_avg_sq), [s.steps for s, _, _ in picked], device,
                    grad_scale, hyper)
     else:
-        restore = [(a, b) for s, a, b in cut if not s.got_grad]
+        restore = [(a, b) for s, a, b in cut if id(s) not in got]
         kept = [(a, b, span.master[a:b].clone(), span.exp_avg[a:b].clone(),
                  span.exp_avg_sq[a:b].clone()) for a, b in restore]
         _fused([span.master], [span.grads], [span.exp_avg], [span.exp_avg_sq], [count],
@@ -142,6 +146,10 @@ def _step_tensor(count: int, device: torch.device) -> torch.Tensor:
 
 def restore_params(chunk: Chunk) -> None:
     """Undo what backward did to the payload (a skipped or failed step)."""
+    if chunk.spill is not None:
+        chunk.spill.flight.wait(chunk)  # the last step's update of it may be running still
+        if not chunk.holds_grads:
+            return
     if not chunk.resident and not chunk.aliased:
         if chunk.disk_level:
             chunk.spill.restore_payload(chunk)
@@ -191,15 +199,33 @@ class ChunkAdamW:
                     return True, grad_norm
                 if cfg.max_grad_norm is not None and grad_norm > cfg.max_grad_norm:
                     scale *= cfg.max_grad_norm / (grad_norm + 1e-6)
-            lr = cfg.lr_at(step)
+            hyper = {"lr": cfg.lr_at(step), "betas": cfg.betas, "eps": cfg.eps,
+                     "weight_decay": cfg.weight_decay, "grad_scale": scale}
             for chunk in with_grads:
-                adamw_update(chunk, lr=lr, betas=cfg.betas, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, grad_scale=scale,
-                             spans=None if chunk.resident else pipeline.spans(chunk))
-                self.manager.drop_slot_grads(chunk)
+                if chunk.resident:  # on the device, now
+                    adamw_update(chunk, **hyper)
+                    self.manager.drop_slot_grads(chunk)
         except BaseException:
             pipeline.cancel()
             raise
+        # Host chunks in one walk: in a thread of its own that overlaps the next step's
+        # forward when their state is on disk (engine.chunks.flight), else right here.
+        on_host = [(c, [s for s in c.slots if s.got_grad]) for c in with_grads
+                   if not c.resident]
+
+        def walk(done: Callable[[Chunk], None]) -> None:
+            try:
+                for chunk, updated in on_host:
+                    adamw_update(chunk, **hyper, spans=pipeline.spans(chunk), updated=updated)
+                    done(chunk)
+            except BaseException:
+                pipeline.cancel()
+                raise
+
+        if self.manager.overlap_update():
+            self.manager.flight.run([c for c, _ in on_host], walk)
+        else:
+            walk(lambda chunk: None)
         if cfg.precision == "fp16":
             self.good_steps += 1
             if self.good_steps % LOSS_SCALE_GROWTH_INTERVAL == 0:

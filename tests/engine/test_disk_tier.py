@@ -266,6 +266,68 @@ def test_accumulated_micro_batches_with_payloads_on_disk_give_the_same_bits(disk
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+# --- the update overlapping the next forward --------------------------------------------------
+
+
+def slow_reads(monkeypatch) -> None:
+    """Every read from a scratch file takes 20 ms longer: the update outlasts step()."""
+    import time
+
+    read = files.ScratchFile.read
+
+    def slow(self, buffer, offset):
+        time.sleep(0.02)
+        read(self, buffer, offset)
+
+    monkeypatch.setattr(files.ScratchFile, "read", slow)
+
+
+def test_the_update_overlaps_the_next_forward_which_sees_its_weights(disk_dir, monkeypatch):
+    slow_reads(monkeypatch)
+    eng = engine(disk_dir, policy="auto", host="state")
+    losses, running = [], []
+    for batch in BATCHES:
+        losses.append(eng.step(batch).loss)
+        running.append(eng.manager.flight.active)
+    assert any(running) and eng.manager.overlap_update()
+    assert_matches_reference(eng, losses)
+    eng.close()
+
+
+def test_payloads_on_disk_update_within_the_step(disk_dir):
+    eng = engine(disk_dir, host="payload")
+    eng.step(BATCHES[0])
+    assert not eng.manager.overlap_update() and not eng.manager.flight.active
+    eng.close()
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_interrupt_while_the_last_update_runs_changes_nothing(disk_dir, monkeypatch, where):
+    from engine.step.engine import StepInterrupted
+
+    slow_reads(monkeypatch)
+    eng = engine(disk_dir, policy="cpu", host="state")
+    losses = [eng.step(b).loss for b in BATCHES[:2]]
+    points = len(eng.trace.points)
+    boundary = 2 if where == "forward" else points - 1
+    point, seen = eng.runner._point, [0]
+
+    def counting(key, phase):
+        if seen[0] == boundary:
+            eng.interrupt()
+        seen[0] += 1
+        point(key, phase)
+
+    eng.runner._point = counting
+    with pytest.raises(StepInterrupted):
+        eng.step(BATCHES[2])
+    del eng.runner._point
+    assert eng.step_count == 2 and not any(c.holds_grads for c in eng.chunks)
+    losses += [eng.step(b).loss for b in BATCHES[2:]]
+    assert_matches_reference(eng, losses)
+    eng.close()
+
+
 # --- checkpoints and telemetry --------------------------------------------------------------
 
 
@@ -409,6 +471,8 @@ def test_too_little_free_space_is_refused_before_the_first_step(disk_dir, monkey
 def test_a_full_disk_mid_run_is_a_clean_error_and_loses_nothing(disk_dir, monkeypatch, host):
     eng = engine(disk_dir, host=host)
     eng.step(BATCHES[0])
+    eng.manager.flight.wait()  # its update and writes are over before the disk fills up
+    eng.manager.spill.tier.flush()
     real = os.pwritev
 
     def full(*args):
@@ -417,6 +481,10 @@ def test_a_full_disk_mid_run_is_a_clean_error_and_loses_nothing(disk_dir, monkey
     monkeypatch.setattr(os, "pwritev", full)
     with pytest.raises(DiskTierError, match="No space left on device.*Step 2 is applied") as e:
         eng.step(BATCHES[1])
+        # An update that overlaps the next step's forward (state on disk, payloads not)
+        # tells at the end of that step, which is then not applied.
+        assert eng.manager.overlap_update()
+        eng.step(BATCHES[2])
     assert e.value.errno == errno.ENOSPC and eng.step_count == 2
     # What could not be written is held; a checkpoint now has step 2's state.
     plain = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE))

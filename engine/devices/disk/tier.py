@@ -20,6 +20,7 @@ placement rules); this module knows bytes and files only.
 from __future__ import annotations
 
 import errno
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -105,9 +106,15 @@ class DiskTier:
         self._failed: dict[Hashable, _Write] = {}  # region key -> the write that failed
         self.bytes_read = 0  # issued, since the counters were last reset
         self.bytes_written = 0
-        self.wait_seconds = 0.0  # the caller's thread blocked on the disk
+        self.wait_seconds = 0.0  # the thread that made the tier blocked on the disk
+        self.background_wait_seconds = 0.0  # another (an update overlapping a step) blocked
+        self._owner = threading.get_ident()
         self.read_seconds = 0.0  # the reading thread busy (for throughput)
         self.write_seconds = 0.0
+        self.busy_seconds = 0.0  # either thread busy: the disk's time spent on the tier
+        self._busy = 0
+        self._busy_since = 0.0
+        self._busy_lock = threading.Lock()
         self.errors: list[DiskTierError] = []  # writes that failed, until take_errors()
         self.failing = False  # a write failed, and no retry has succeeded since
         self.closed = False
@@ -164,9 +171,10 @@ class DiskTier:
 
     @property
     def buffer_bytes(self) -> int:
-        """Host bytes of the I/O buffers (those holding failed writes included)."""
-        pools = sum(len(p.members) * (p.nbytes + ALIGN) for p in self._pools.values())
-        return pools + sum(w.buffer.numel() + ALIGN for w in self._failed.values())
+        """Host bytes of the I/O buffers (those holding failed writes included). Safe to ask
+        from any thread (a snapshot while an update runs)."""
+        pools = sum(len(p.members) * (p.nbytes + ALIGN) for p in list(self._pools.values()))
+        return pools + sum(w.buffer.numel() + ALIGN for w in list(self._failed.values()))
 
     def acquire(self, pool: str, *, wait: bool = True) -> torch.Tensor | None:
         """A free buffer of `pool`; without `wait`, None when none is free now. Waiting
@@ -238,7 +246,7 @@ class DiskTier:
         except OSError as e:
             raise self._error("could not read from the scratch folder", e) from e
         finally:
-            self.wait_seconds += time.perf_counter() - t0
+            self._waited(time.perf_counter() - t0)
 
     def store(self, key: Hashable, region: Region, buffer: torch.Tensor, pool: str) -> None:
         """Start writing `buffer` (its first region.nbytes) to `region`; the buffer is the
@@ -268,7 +276,7 @@ class DiskTier:
             raise self._error(f"could not write {format_size(region.nbytes)} to "
                               f"{region.file.path}", e) from e
         finally:
-            self.wait_seconds += time.perf_counter() - t0
+            self._waited(time.perf_counter() - t0)
         if key is not None:
             self.forget(key)
 
@@ -281,15 +289,29 @@ class DiskTier:
         except OSError as e:
             raise self._error(f"could not read {region.file.path}", e) from e
         finally:
-            self.wait_seconds += time.perf_counter() - t0
+            self._waited(time.perf_counter() - t0)
+
+    def _waited(self, seconds: float) -> None:
+        if threading.get_ident() == self._owner:
+            self.wait_seconds += seconds
+        else:
+            self.background_wait_seconds += seconds
 
     def _timed(self, counter: str, fn: Callable, *args: object) -> None:
-        t0 = time.perf_counter()
+        with self._busy_lock:
+            t0 = time.perf_counter()
+            if self._busy == 0:
+                self._busy_since = t0
+            self._busy += 1
         try:
             fn(*args)
         finally:
-            # One thread per counter, so the += is never raced.
-            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
+            with self._busy_lock:
+                t1 = time.perf_counter()
+                setattr(self, counter, getattr(self, counter) + t1 - t0)
+                self._busy -= 1
+                if self._busy == 0:
+                    self.busy_seconds += t1 - self._busy_since
 
     # --- writes finishing -----------------------------------------------------------------
 
@@ -303,7 +325,7 @@ class DiskTier:
         try:
             write.future.exception()  # waits; raises nothing
         finally:
-            self.wait_seconds += time.perf_counter() - t0
+            self._waited(time.perf_counter() - t0)
         self._writes.remove(write)
         self._settle(write)
 
