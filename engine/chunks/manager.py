@@ -22,6 +22,7 @@ from engine.chunks import spill as disk
 from engine.chunks.chunk import Chunk, DeviceCopy, Slot
 from engine.chunks.flight import UpdateInFlight
 from engine.chunks.state import TensorState
+from engine.chunks.update_walk import NoDisk, UpdatePipeline
 from engine.config import format_size
 from engine.devices.device import ComputeDevice, DeviceOutOfMemory
 from engine.devices.disk import ALIGN
@@ -487,10 +488,10 @@ class ChunkManager:
         return (self.spill is not None and bool(self.spill.placement.state)
                 and not self.spill.placement.payload)
 
-    def update_pipeline(self, chunks: list[Chunk]) -> disk.UpdatePipeline | disk.NoDisk:
-        """The optimizer's walk over `chunks` (disk.Span by span), reading and writing
-        their parts on disk."""
-        return self.spill.update_pipeline(chunks) if self.spill is not None else disk.NoDisk()
+    def update_pipeline(self, chunks: list[Chunk]) -> UpdatePipeline | NoDisk:
+        """The optimizer's walk over `chunks` (update_walk.Span by span), reading and
+        writing their parts on disk."""
+        return UpdatePipeline(self.spill, chunks) if self.spill is not None else NoDisk()
 
     @contextlib.contextmanager
     def opened(self, chunk: Chunk, *, write: bool = False) -> Iterator[None]:

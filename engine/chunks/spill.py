@@ -20,17 +20,15 @@ block-aligned offsets: [master,] exp_avg, exp_avg_sq.
 
 The I/O buffers are the tier's (a few, allocated once, counted apart from the chunk bytes);
 the chunk's host tensors are allocated and freed through the manager's accounting (`alloc`,
-`free`). While the update or a fetch uses a piece, the tensors it reads are views into the
-buffer that holds it.
+`free`). While the update (engine.chunks.update_walk) or a fetch uses a piece, the tensors
+it reads are views into the buffer that holds it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,27 +61,6 @@ def host_parts(chunk: Chunk, region: str) -> tuple[str, ...]:
 
 class ScratchTooSmall(ValueError):
     """The scratch folder's filesystem has less free space than the disk tier may need."""
-
-
-@dataclass
-class Span:
-    """Elements lo..hi of a chunk as the update sees them: each tensor covers just those
-    (views into the chunk's host tensors or into I/O buffers)."""
-
-    lo: int
-    hi: int
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    grads: torch.Tensor  # in the compute dtype (bf16/fp16: where they landed, the payload)
-    payload: torch.Tensor | None  # bf16/fp16: where the new parameters go; fp32: None
-
-    @classmethod
-    def whole(cls, chunk: Chunk) -> Span:
-        """The whole chunk, from its own tensors (nothing of it on disk)."""
-        return cls(0, chunk.numel, chunk.master, chunk.exp_avg, chunk.exp_avg_sq,
-                   chunk.host_grad if chunk.aliased else chunk.payload,
-                   None if chunk.aliased else chunk.payload)
 
 
 def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int, piece: int,
@@ -163,7 +140,7 @@ class Spill:
         size = self._piece_bytes(chunk, region)
         return Region(whole.file, whole.offset + i * size, size)
 
-    def _views(self, chunk: Chunk, region: str, buffer: torch.Tensor, numel: int
+    def views(self, chunk: Chunk, region: str, buffer: torch.Tensor, numel: int
                ) -> dict[str, torch.Tensor]:
         """The tensors a buffer holding one piece (`numel` elements) of `region` holds,
         by the chunk attribute they stand for."""
@@ -187,7 +164,7 @@ class Spill:
 
     # --- reading and writing pieces ------------------------------------------------------------
 
-    def _load(self, chunk: Chunk, region: str, i: int, *, wait: bool = True,
+    def load_piece(self, chunk: Chunk, region: str, i: int, *, wait: bool = True,
               nbytes: int | None = None) -> Loaded | None:
         """Start reading a piece (one read ahead already is taken as is)."""
         ahead = self._ahead.pop((chunk.index, region, i), None)
@@ -196,11 +173,11 @@ class Spill:
         return self.tier.load((chunk.index, region, i), self.region(chunk, region, i),
                               POOL[region], wait=wait, nbytes=nbytes)
 
-    def _store(self, chunk: Chunk, region: str, i: int, buffer: torch.Tensor) -> None:
+    def store_piece(self, chunk: Chunk, region: str, i: int, buffer: torch.Tensor) -> None:
         self.tier.store((chunk.index, region, i), self.region(chunk, region, i), buffer,
                         POOL[region])
 
-    def _give_back(self, region: str, loaded: Loaded) -> None:
+    def give_back(self, region: str, loaded: Loaded) -> None:
         with contextlib.suppress(OSError):
             self.tier.finish(loaded[1])
         self.tier.release(POOL[region], loaded[0])
@@ -211,7 +188,7 @@ class Spill:
         for i, (lo, hi) in enumerate(self.spans(chunk)):
             buffer = self.tier.acquire(POOL[region])
             try:
-                for name, view in self._views(chunk, region, buffer, hi - lo).items():
+                for name, view in self.views(chunk, region, buffer, hi - lo).items():
                     view.copy_(tensors[name][lo:hi])
                 self.tier.write_now(self.region(chunk, region, i), buffer,
                                     (chunk.index, region, i))
@@ -221,10 +198,10 @@ class Spill:
     def _read_in(self, chunk: Chunk, region: str, tensors: dict[str, torch.Tensor]) -> None:
         """Read a whole region into `tensors`, piece by piece."""
         for i, (lo, hi) in enumerate(self.spans(chunk)):
-            loaded = self._load(chunk, region, i)
+            loaded = self.load_piece(chunk, region, i)
             try:
                 self.tier.finish(loaded[1])
-                for name, view in self._views(chunk, region, loaded[0], hi - lo).items():
+                for name, view in self.views(chunk, region, loaded[0], hi - lo).items():
                     tensors[name][lo:hi].copy_(view)
             finally:
                 self.tier.release(POOL[region], loaded[0])
@@ -232,7 +209,7 @@ class Spill:
     def _forget_ahead(self, chunk: Chunk, region: str | None = None) -> None:
         """Drop the pieces read ahead of the chunk's `region` (all regions: None)."""
         for key in [k for k in self._ahead if k[0] == chunk.index and region in (None, k[1])]:
-            self._give_back(key[1], self._ahead.pop(key))
+            self.give_back(key[1], self._ahead.pop(key))
 
     # --- placement: moving parts between the host and the disk --------------------------------
 
@@ -356,10 +333,7 @@ class Spill:
             chunk.payload.copy_(chunk.master)
         chunk.grad_sq = None
 
-    # --- the update: read ahead, update, write behind ------------------------------------------
-
-    def update_pipeline(self, chunks: list[Chunk]) -> UpdatePipeline:
-        return UpdatePipeline(self, chunks)
+    # --- the update (engine.chunks.update_walk reads and writes through these) ---------------
 
     def read_ahead_state(self) -> None:
         """While the forward and backward run, read the state of the first pieces the
@@ -399,7 +373,7 @@ class Spill:
         region = STATE if master else PAYLOAD
         for i, (lo, hi) in enumerate(self.spans(chunk)):
             n = hi - lo
-            loaded = self._load(chunk, region, i, nbytes=4 * n if master else None)
+            loaded = self.load_piece(chunk, region, i, nbytes=4 * n if master else None)
             try:
                 self.tier.finish(loaded[1])
                 buffer = loaded[0]
@@ -442,7 +416,7 @@ class Spill:
     def cancel_read_ahead(self) -> None:
         """Give back the buffers of payloads read ahead and not fetched (end of backward)."""
         for key in [k for k in list(self._ahead) if k[1] == PAYLOAD]:
-            self._give_back(PAYLOAD, self._ahead.pop(key))
+            self.give_back(PAYLOAD, self._ahead.pop(key))
 
     def land_grads(self, chunk: Chunk, grads: torch.Tensor,
                    copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
@@ -460,125 +434,13 @@ class Spill:
             except BaseException:
                 self.tier.release(PAYLOAD, buffer)
                 raise
-            self._store(chunk, region, i, buffer)
+            self.store_piece(chunk, region, i, buffer)
 
     # --- the end --------------------------------------------------------------------------------
 
     def close(self) -> None:
         for key in list(self._ahead):
-            self._give_back(key[1], self._ahead.pop(key))
+            self.give_back(key[1], self._ahead.pop(key))
         for chunk in self.chunks:
             chunk.spill = None
         self.tier.close()
-
-
-class UpdatePipeline:
-    """The optimizer's walk over chunks and their pieces, in order, with the parts on disk
-    read ahead and written behind: while piece k is updated, piece k+1 is read and piece
-    k-1 written, as far as the buffers go (three state buffers: one each).
-
-        pipe = spill.update_pipeline(chunks); pipe.start()
-        for chunk in chunks:
-            update(chunk, pipe.spans(chunk))   # each span is written once the next is asked
-
-    A write that fails does not stop the walk: the buffer keeps that piece (the tier holds
-    it and reports it, see DiskTier) and every other piece is updated, so the step is whole
-    either way.
-    """
-
-    def __init__(self, spill: Spill, chunks: list[Chunk]) -> None:
-        self.spill = spill
-        # Pieces of chunks with state on disk, in update order.
-        self.queue = deque((c, i) for c in chunks if c.state_on_disk
-                           for i in range(len(spill.spans(c))))
-        self._loading: dict[tuple[int, int], dict[str, Loaded]] = {}
-
-    def _regions(self, chunk: Chunk) -> list[str]:
-        if not chunk.payload_on_disk:
-            return [STATE]
-        return [STATE, PAYLOAD, GRAD] if chunk.aliased else [STATE, PAYLOAD]
-
-    def start(self) -> None:
-        """Start the first reads (before the global norm, so that they overlap it)."""
-        self._ahead()
-
-    def _ahead(self) -> None:
-        for chunk, i in self.queue:
-            got = self._loading.setdefault((chunk.index, i), {})
-            for region in self._regions(chunk):
-                if region not in got:
-                    loaded = self.spill._load(chunk, region, i, wait=False)
-                    if loaded is None:
-                        return  # out of buffers: later pieces wait their turn, in order
-                    got[region] = loaded
-
-    def spans(self, chunk: Chunk) -> Iterator[Span]:
-        """The chunk's spans for the update, each with its parts in buffers; once the
-        caller asks for the next one (or ends), the updated parts are written behind."""
-        if not chunk.state_on_disk:
-            yield Span.whole(chunk)
-            return
-        spill, tier = self.spill, self.spill.tier
-        for i, (lo, hi) in enumerate(spill.spans(chunk)):
-            if self.queue and self.queue[0] == (chunk, i):
-                self.queue.popleft()
-            got = self._loading.pop((chunk.index, i), {})
-            try:
-                for region in self._regions(chunk):
-                    if region not in got:
-                        got[region] = spill._load(chunk, region, i)
-                views: dict[str, torch.Tensor] = {}
-                for region, (buffer, future) in got.items():
-                    tier.finish(future)
-                    views.update(spill._views(chunk, region, buffer, hi - lo))
-            except BaseException:
-                for region, loaded in got.items():
-                    spill._give_back(region, loaded)
-                raise
-            self._ahead()
-            try:
-                yield self._span(chunk, lo, hi, views)
-            except BaseException:  # the update failed or stopped: nothing to write
-                for region, loaded in got.items():
-                    spill._give_back(region, loaded)
-                raise
-            for region, (buffer, _) in got.items():
-                if region == GRAD:  # used up; so is a copy held after a failed write
-                    tier.forget((chunk.index, GRAD, i))
-                    tier.release(PAYLOAD, buffer)
-                else:
-                    spill._store(chunk, region, i, buffer)
-        chunk.grad_sq = None
-
-    @staticmethod
-    def _span(chunk: Chunk, lo: int, hi: int, views: dict[str, torch.Tensor]) -> Span:
-        """Each part from its buffer if it was read, else from the chunk's host tensor."""
-        def part(name: str) -> torch.Tensor:
-            return views[name] if name in views else getattr(chunk, name)[lo:hi]
-
-        payload = part("payload")
-        master = payload if chunk.aliased else part("master")
-        grads = part("host_grad") if chunk.aliased else payload
-        return Span(lo, hi, master, part("exp_avg"), part("exp_avg_sq"), grads,
-                    None if chunk.aliased else payload)
-
-    def cancel(self) -> None:
-        """Give back every buffer read ahead and not used (a skipped or failed update)."""
-        for got in self._loading.values():
-            for region, loaded in got.items():
-                self.spill._give_back(region, loaded)
-        self._loading.clear()
-        self.queue.clear()
-
-
-class NoDisk:
-    """The update walk when nothing is on disk: one span per chunk, its own tensors."""
-
-    def start(self) -> None:
-        pass
-
-    def spans(self, chunk: Chunk) -> Iterator[Span]:
-        yield Span.whole(chunk)
-
-    def cancel(self) -> None:
-        pass

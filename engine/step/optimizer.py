@@ -22,7 +22,7 @@ import torch
 
 from engine.chunks.chunk import Chunk, Slot, squared_norm
 from engine.chunks.manager import ChunkManager
-from engine.chunks.spill import Span
+from engine.chunks.update_walk import Span
 from engine.config import EngineConfig
 
 LOSS_SCALE_GROWTH_INTERVAL = 2000  # good fp16 steps before the loss scale doubles
@@ -58,7 +58,7 @@ def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: fl
     Parameters that got no gradient this step keep their weights and moments, as
     torch.optim.AdamW skips parameters whose .grad is None.
 
-    A non-resident chunk is updated span by span: `spans` (engine.chunks.spill.Span),
+    A non-resident chunk is updated span by span: `spans` (engine.chunks.update_walk.Span),
     default the whole chunk from its own tensors; a chunk with parts on disk comes in
     pieces read into I/O buffers. The kernel is elementwise, so that is the same arithmetic.
     `updated`: the parameters that got a gradient (default: as their slots say now; an

@@ -106,8 +106,9 @@ class DiskTier:
         self._failed: dict[Hashable, _Write] = {}  # region key -> the write that failed
         self.bytes_read = 0  # issued, since the counters were last reset
         self.bytes_written = 0
-        self.wait_seconds = 0.0  # the thread that made the tier blocked on the disk
-        self.background_wait_seconds = 0.0  # another (an update overlapping a step) blocked
+        # The thread that made the tier (the engine's) blocked on the disk; an update that
+        # overlaps the next step waits in its own thread, alongside the step, uncounted.
+        self.wait_seconds = 0.0
         self._owner = threading.get_ident()
         self.read_seconds = 0.0  # the reading thread busy (for throughput)
         self.write_seconds = 0.0
@@ -280,22 +281,9 @@ class DiskTier:
         if key is not None:
             self.forget(key)
 
-    def read_now(self, region: Region, buffer: torch.Tensor, nbytes: int | None = None) -> None:
-        n = region.nbytes if nbytes is None else aligned(nbytes)
-        self.bytes_read += n
-        t0 = time.perf_counter()
-        try:
-            self._timed("read_seconds", region.file.read, buffer[:n], region.offset)
-        except OSError as e:
-            raise self._error(f"could not read {region.file.path}", e) from e
-        finally:
-            self._waited(time.perf_counter() - t0)
-
     def _waited(self, seconds: float) -> None:
         if threading.get_ident() == self._owner:
             self.wait_seconds += seconds
-        else:
-            self.background_wait_seconds += seconds
 
     def _timed(self, counter: str, fn: Callable, *args: object) -> None:
         with self._busy_lock:
