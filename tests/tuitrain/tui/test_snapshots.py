@@ -78,6 +78,8 @@ def test_a_view_a_key_away_on_a_small_screen(snap_compare, view):
         await three_settings(app, fake, pilot)
         while app.view.name != view:
             await pilot.press("v")
+            await pilot.pause()  # each view switch settles before the next key
+        app.poll_worker()
         app.redraw()
         await pilot.pause()
 
