@@ -199,7 +199,7 @@ class Engine:
         losses: list[float] = []
         traced = False
         forward = fwd_transfer = bwd_transfer = 0.0
-        peak = 0
+        peak = non_model_peak = 0
         t0 = time.perf_counter()
         for i, part in enumerate(parts):
             shape = tuple(part["input_ids"].shape)
@@ -214,6 +214,7 @@ class Engine:
             forward += self.runner.forward_seconds
             fwd_transfer, bwd_transfer = fwd_transfer + fx, bwd_transfer + bx
             peak = max(peak, self.runner.peak)
+            non_model_peak = max(non_model_peak, self.runner.non_model_peak)
         t2 = time.perf_counter()
         loss_value = sum(losses) / len(losses)
         try:
@@ -234,7 +235,7 @@ class Engine:
         disk_read, disk_written, disk_wait = m.disk_counters()
         allocator_peak = self.device.allocator_peak()
         self._last_peak = allocator_peak if allocator_peak is not None else peak
-        self._last_non_model_peak = self.runner.trace.non_model_peak if self.runner.trace else 0
+        self._last_non_model_peak = non_model_peak
         return StepStats(
             step=self.step_count, loss=loss_value, tokens=int(batch["input_ids"].numel()),
             micro_batches=len(parts), micro_losses=losses,
@@ -245,6 +246,7 @@ class Engine:
             device_budget=self.settings.device_budget, memory=self.snapshot(),
             skipped=skipped, loss_scale=self.optimizer.loss_scale, grad_norm=grad_norm,
             lr=self.config.lr_at(self.step_count), applied=applied,
+            timeline=self.runner.timeline,
             bytes_disk_read=disk_read, bytes_disk_written=disk_written, disk_wait=disk_wait)
 
     def _settle_update(self) -> None:

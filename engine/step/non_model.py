@@ -192,18 +192,3 @@ class NonModelCounter(LiveBytes):
     def reset(self) -> None:
         super().reset()
         self.quiet_below = -1
-
-    def set_output(self, nbytes: int) -> None:
-        """Module outputs are op outputs, counted like any other storage; kept for callers
-        that still report them."""
-
-
-def tensor_bytes(obj: object) -> int:
-    """Bytes of every tensor in a (nested) module output."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0

@@ -22,8 +22,9 @@ from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
 from engine.placement.trace import Trace, TracePoint
 from engine.step.hooks import hook_gradients, install, wrap_outputs
-from engine.step.non_model import NonModelCounter, storage_key, tensor_bytes
+from engine.step.non_model import NonModelCounter, storage_key
 from engine.step.optimizer import restore_params
+from engine.telemetry import TimelinePoint
 
 S = TensorState
 
@@ -56,12 +57,16 @@ class StepRunner:
         self.peak = 0  # peak device bytes this step
         self._interval_peak = 0
         self._interval_ws = 0
+        self._interval_model = 0
+        # The latest forward and backward interval by interval (StepStats.timeline), and the
+        # copy counters where the open interval began.
+        self.timeline: list[TimelinePoint] = []
+        self._copied_at = (0, 0)
         self._pinned = 0
         self._in_step = False
         self._in_backward = False
         self._evicting = False
         self._interrupted = False
-        self._model_ptrs: set[int] = set()
         # Chunks whose gradients have started but not finished arriving this backward, and
         # their bytes: the gradient buffers a non-resident placement holds (see trace.py).
         self._opening: set[int] = set()
@@ -74,6 +79,8 @@ class StepRunner:
             k: [self.slot_of[id(p)] for p in ps] for k, ps in owned.items()}
         self.module_chunks: dict[int, tuple[Chunk, ...]] = {
             k: tuple(dict.fromkeys(c for c, _ in pairs)) for k, pairs in self.module_slots.items()}
+        names = [name or type(model).__name__ for name, _ in model.named_modules()]
+        self.module_names = {k: names[k] for k in owned}  # same order as install's keys
 
     # --- measuring ----------------------------------------------------------------------------
 
@@ -135,6 +142,7 @@ class StepRunner:
         # is the chunk bytes; the interval adds its non-model peak when it closes.
         self._interval_ws = max(self._interval_ws, self._pinned + self._opening_bytes)
         model = self.manager.device_bytes
+        self._interval_model = max(self._interval_model, model)
         self.peak = max(self.peak, model + non_model)
         self.non_model_peak = max(self.non_model_peak, non_model)
         if self.device.simulated:
@@ -163,17 +171,31 @@ class StepRunner:
             raise StepInterrupted(f"step {self.step_number} was interrupted in the {phase}")
         self.pos += 1
         chunks = self.module_chunks[key]
+        self._close_interval()
         if self._tracing is not None:
-            points = self._tracing.points
-            if points:
-                points[-1].non_model_peak = self._interval_peak
-                points[-1].working_set = self._interval_ws + self._interval_peak
-            points.append(TracePoint(tuple(c.index for c in chunks), phase))
+            self._tracing.points.append(TracePoint(tuple(c.index for c in chunks), phase))
+        m = self.manager
+        self.timeline.append(TimelinePoint(phase, self.module_names[key], 0, 0, 0, 0))
+        self._copied_at = (m.bytes_h2d, m.bytes_d2h)
         # Chunks no placement could evict until the next point: in use or about to be.
         pinned = tuple(c for c in self.chunks if c.in_use() or c in chunks)
         self._pinned = sum(c.nbytes for c in pinned)
         self._interval_peak = self._interval_ws = 0
+        self._interval_model = m.device_bytes
         self._keep_room(lambda: pinned)  # before the module's first allocation, not after
+
+    def _close_interval(self) -> None:
+        """The interval since the latest point ends: its peaks go to the trace being
+        recorded, if any, and with the bytes copied in it to the timeline."""
+        if self._tracing is not None and self._tracing.points:
+            last = self._tracing.points[-1]
+            last.non_model_peak = self._interval_peak
+            last.working_set = self._interval_ws + self._interval_peak
+        if self.timeline:
+            point, m = self.timeline[-1], self.manager
+            point.model_bytes, point.non_model_bytes = self._interval_model, self._interval_peak
+            point.bytes_h2d = m.bytes_h2d - self._copied_at[0]
+            point.bytes_d2h = m.bytes_d2h - self._copied_at[1]
 
     def _pre_forward(self, key: int) -> None:
         if not self._in_step:
@@ -202,7 +224,6 @@ class StepRunner:
             # borrowed from, if that one ran inside this one.
             if slot.state != S.HOLD_AFTER_FWD:
                 chunk.set_state(slot, S.HOLD_AFTER_FWD)
-        self.counter.set_output(tensor_bytes(output))
         if torch.is_grad_enabled():
             return wrap_outputs(output, lambda: self._pre_backward(key))
         return output
@@ -257,8 +278,10 @@ class StepRunner:
     def step_key(self, shape: tuple) -> tuple:
         """What a trace depends on: the batch shape, activation checkpointing, and which
         parameters need a gradient."""
-        checkpointing = bool(getattr(self.model, "is_activation_checkpointing", None)
-                             or getattr(self.model, "is_gradient_checkpointing", False))
+        # transformers 5 renamed the flag; the old name warns where the new one exists.
+        flag = ("is_activation_checkpointing" if hasattr(self.model, "is_activation_checkpointing")
+                else "is_gradient_checkpointing")
+        checkpointing = bool(getattr(self.model, flag, False))
         trainable = tuple(s.param.requires_grad for c in self.chunks for s in c.slots)
         return (shape, checkpointing, trainable)
 
@@ -276,6 +299,7 @@ class StepRunner:
         self._opening_bytes = 0
         self.manager.begin_step(tracing=tracing)
         self.pos = -1
+        self.timeline = []
         self.peak = self.manager.device_bytes
         self.non_model_peak = 0
         self.device.begin_step(self.manager.device_bytes)
@@ -301,12 +325,12 @@ class StepRunner:
             with self.counter:
                 t0, x0 = time.perf_counter(), m.transfer_seconds
                 loss = self.model(**batch).loss
-                self.counter.set_output(0)
                 self.forward_seconds = time.perf_counter() - t0
                 x1 = m.transfer_seconds
                 self._in_backward = True
                 (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             self._finish_backward()
+            self._close_interval()
             x2 = m.transfer_seconds
         except BaseException:
             self._abort()
@@ -358,9 +382,6 @@ class StepRunner:
         trace, self._tracing = self._tracing, None
         if trace is None:
             return None
-        if trace.points:
-            trace.points[-1].non_model_peak = self._interval_peak
-            trace.points[-1].working_set = self._interval_ws + self._interval_peak
         trace.finish()
         self.trace = trace
         self.manager.use_trace(trace)

@@ -58,3 +58,31 @@ def test_each_step_reports_exactly_the_bytes_its_copies_moved_across_live_change
     # The step that applied the margin moved optimizer state to the device: more than a
     # plain auto step copies, and all of it reported.
     assert copied[3] > copied[2]
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto", "cuda"])
+def test_the_timeline_adds_up_to_the_step_it_describes(policy):
+    """StepStats.timeline is the step interval by interval: forward then backward, named by
+    module; its copies add up to the step's (every copy under cpu happens inside an
+    interval), and its peaks are the step's."""
+    eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy=policy, device_budget="64MiB",
+                                                    simulate=True))
+    names = {name for name, _ in eng.model.named_modules()}
+    for batch in BATCHES[:3]:
+        stats = eng.step(batch)
+        timeline = stats.timeline
+        phases = [p.phase for p in timeline]
+        assert phases[0] == "forward" and phases[-1] == "backward"
+        assert phases == sorted(phases, key=lambda phase: phase == "backward")
+        assert all(p.module in names for p in timeline)
+        assert "model.decoder.layers.2.fc2" in {p.module for p in timeline}
+        assert max(p.non_model_bytes for p in timeline) == stats.memory.device_non_model_peak
+        top = max(p.model_bytes + p.non_model_bytes for p in timeline)
+        assert max(p.model_bytes for p in timeline) <= stats.memory.device_peak <= top
+        if policy == "cpu":
+            assert sum(p.bytes_h2d for p in timeline) == stats.bytes_h2d > 0
+            assert sum(p.bytes_d2h for p in timeline) == stats.bytes_d2h
+            # Chunks are copied in within the intervals of the modules that use them.
+            assert sum(p.bytes_h2d for p in timeline if p.phase == "forward") > 0
+        else:
+            assert sum(p.bytes_h2d for p in timeline) <= stats.bytes_h2d
