@@ -164,6 +164,10 @@ class TrialsTable(DataTable):
         if key in self._placed:  # the answer to a move made here, maybe a while ago
             self._placed.remove(key)
             return
+        if event.cursor_row != self.cursor_row:
+            # Stale: the cursor moved on before this message was handled (the first row's
+            # highlight can arrive after the cursor followed a new setting).
+            return
         self.following = key == row_key(self.in_force)
 
     def cell_text(self, setting: Setting, column: str) -> str:
