@@ -158,7 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("model", metavar="MODEL", help="a zoo name or a local model folder")
     for flag in PLAN:
         flag.add_to(plan)
-    plan.add_argument("--host-mem", metavar="SIZE", help="host memory (default: this machine's)")
+    plan.add_argument(
+        "--host-mem",
+        metavar="SIZE",
+        help="host budget for chunks and optimizer state; what does not fit goes to disk "
+        "(default: no budget, checked against this machine's memory)",
+    )
+    plan.add_argument(
+        "--disk", metavar="DIR", help="scratch folder for the disk tier (default: the user cache)"
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=cmd_plan)
 
@@ -383,6 +391,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         batch_size=settings.training.batch_size,
         seq_len=settings.training.seq_len,
         checkpointing=settings.training.activation_checkpointing,
+        disk_dir=args.disk,
         json=args.json,
     )
     return plan_main(checked)

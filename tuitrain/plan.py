@@ -1,7 +1,9 @@
 """`tuitrain plan`: will a run fit? Device and host memory per policy, before training.
 
 The forecast itself is engine.planning.planner.plan (no UI there); this module takes the
-machine's memory when the user gives none, and prints the plan as a table or as JSON.
+machine's memory as what the host has (the host budget, when the user gives one, is what
+the engine keeps on the host, the rest going to disk), and prints the plan as a table or as
+JSON.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ if TYPE_CHECKING:
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    """Print the plan for `args`, checked by the command line: model, device_budget and
-    host_budget (bytes, or None for this machine's), precision, batch_size, seq_len (None
-    for what a run would use), checkpointing, json.
+    """Print the plan for `args`, checked by the command line: model, device_budget (bytes,
+    or None for this machine's), host_budget (bytes, or None for none), disk_dir (None for
+    the engine's default), precision, batch_size, seq_len (None for what a run would use),
+    checkpointing, json.
 
     Raises UsageError for input the planner refuses (one line, status 2).
     """
@@ -36,7 +39,9 @@ def plan_main(args: argparse.Namespace) -> int:
         result = plan(
             args.model,
             device_mem=args.device_budget or default_device_budget(simulated),
-            host_mem=args.host_budget or default_host_budget(),
+            host_mem=default_host_budget(),
+            host_budget=args.host_budget,
+            disk_dir=args.disk_dir,
             precision=args.precision or defaults.precision_for(simulated),
             batch_size=args.batch_size or defaults.training.batch_size,
             seq_len=args.seq_len or defaults.training.seq_len,
@@ -65,14 +70,24 @@ def print_plan(result: Plan, out: TextIO) -> None:
         f"{result.parameters:,} parameters in {result.chunks} chunks; model state "
         f"{format_size(result.model_bytes)}; working set {format_size(result.working_set)} "
         f"(activations {format_size(result.non_model_peak)})",
+        *_disk_lines(result),
         "",
     ]
-    rows = [("POLICY", "DEVICE PEAK", "HOST PEAK", "COPIED/STEP", "FITS")]
+    disk = result.uses_disk
+    header = ("POLICY", "DEVICE PEAK", "HOST PEAK", "COPIED/STEP")
+    if disk:
+        header += ("HOST CHUNKS", "I/O BUFFERS", "ON DISK", "DISK READ/STEP", "DISK WRITE/STEP")
+    rows = [(*header, "FITS")]
     for name, p in result.policies.items():
         fits = "yes" if p.fits else f"no: {p.reason}"
-        copied = format_size(p.copied) if p.fits else "-"
-        rows.append((name, format_size(p.device_peak), format_size(p.host_peak), copied, fits))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        per_step = (p.copied, p.disk_read, p.disk_written)
+        copied, read, written = (format_size(n) if p.fits else "-" for n in per_step)
+        row = (name, format_size(p.device_peak), format_size(p.host_peak), copied)
+        if disk:
+            row += (format_size(p.host_model), format_size(p.io_buffers),
+                    format_size(p.disk_bytes), read, written)
+        rows.append((*row, fits))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for name, *sizes, fits in rows:
         cells = [name.ljust(widths[0])] + [
             s.rjust(w) for s, w in zip(sizes, widths[1:], strict=True)
@@ -87,3 +102,18 @@ def print_plan(result: Plan, out: TextIO) -> None:
             f"recommended: --policy {rec.policy} --margin {rec.margin_ratio:g} ({rec.why})"
         )
     out.write("\n".join(lines) + "\n")
+
+
+def _disk_lines(result: Plan) -> list[str]:
+    """What the host budget sends to disk, and whether the scratch folder has room."""
+    if result.host_budget is None:
+        return []
+    budget = f"host budget {format_size(result.host_budget)}"
+    if not result.uses_disk:
+        return [f"{budget}: holds every chunk, nothing goes to disk"]
+    room = "enough" if result.disk_needed <= result.disk_free else "NOT enough"
+    return [
+        f"{budget} (chunks and disk I/O buffers on the host): the rest goes to disk, "
+        f"up to {format_size(result.disk_needed)} in {result.disk_dir}; "
+        f"{format_size(result.disk_free)} free there, {room}"
+    ]

@@ -2,6 +2,13 @@
 
     p = plan("opt-1.3b", device_mem=6 * 2**30, host_mem=32 * 2**30, precision="bf16")
     p.cpu.device_peak, p.cpu.host_peak, p.cpu.fits, p.recommended.policy
+    p = plan("opt-1.3b", device_mem=6 * 2**30, host_mem=24 * 2**30, host_budget=8 * 2**30)
+    p.cpu.disk_bytes, p.cpu.disk_read, p.disk_needed, p.disk_free
+
+With a host budget (EngineConfig.host_budget) the chunk bytes on the host and the disk
+tier's I/O buffers stay within it and the rest goes to the scratch folder, as the engine's
+placement rules decide (engine.planning.disk replays them); the host peak is then checked
+against `host_mem`, the memory the machine has.
 
 Nothing is allocated. The step is run once on the meta device (shapes and dtypes, no data)
 through the engine's own hooks, which records what the engine would see:
@@ -22,18 +29,22 @@ the bytes into a Plan.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from engine.config import PRECISIONS, format_size, parse_size
 from engine.devices.cuda import DEFAULT_STAGING
+from engine.devices.disk import default_disk_dir
 from engine.models.zoo import meta_model, model_config
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace
+from engine.planning import disk
 from engine.planning.recording import Event, record_step
 from engine.planning.replay import (
     ChunkBytes,
+    DiskPayloads,
     Layout,
     OutOfMemory,
     StepReplay,
@@ -84,6 +95,13 @@ class PolicyPlan:
     copied: int  # bytes copied between host and device per step (bytes_h2d + bytes_d2h)
     fits: bool
     reason: str = ""  # why it does not fit, with the numbers; empty when it fits
+    # The disk tier (a host budget): the I/O buffers the host budget holds beside host_model
+    # (MemorySnapshot.host_io_buffers), the chunk bytes in the scratch folder
+    # (MemorySnapshot.disk_model), and what a steady step reads and writes there.
+    io_buffers: int = 0
+    disk_bytes: int = 0
+    disk_read: int = 0
+    disk_written: int = 0
 
 
 @dataclass
@@ -103,7 +121,7 @@ class Plan:
     seq_len: int
     checkpointing: bool
     device_mem: int
-    host_mem: int
+    host_mem: int  # the memory the machine has: what host_peak must stay within
     simulated: bool  # the device lives in host memory, so device bytes count towards host_peak
     parameters: int
     chunk_size: int  # elements per chunk (searched like the engine does)
@@ -115,6 +133,16 @@ class Plan:
     cpu: PolicyPlan
     auto: PolicyPlan
     recommended: Recommendation
+    host_budget: int | None = None  # chunk bytes + I/O buffers on the host; None: no limit
+    disk_dir: str | None = None  # where the scratch folder goes (with a host budget)
+    # Bytes the scratch folder may need (every chunk on the host: what the engine checks
+    # before it starts, whatever the policy); 0 when the host budget holds everything.
+    disk_needed: int = 0
+    disk_free: int | None = None  # free bytes where the scratch folder goes; None: not asked
+
+    @property
+    def uses_disk(self) -> bool:
+        return self.disk_needed > 0
 
     @property
     def policies(self) -> dict[str, PolicyPlan]:
@@ -130,6 +158,10 @@ class Plan:
                 "reason": p.reason,
                 "host_model": p.host_model,
                 "copied": p.copied,
+                "io_buffers": p.io_buffers,
+                "disk_bytes": p.disk_bytes,
+                "disk_read": p.disk_read,
+                "disk_written": p.disk_written,
             }
             for name, p in self.policies.items()
         }
@@ -149,6 +181,10 @@ class Plan:
             "model_bytes",
             "working_set",
             "non_model_peak",
+            "host_budget",
+            "disk_dir",
+            "disk_needed",
+            "disk_free",
         ):
             out[key] = getattr(self, key)
         return out
@@ -178,9 +214,21 @@ class _Planner:
         device_mem: int,
         host_mem: int,
         simulated: bool,
+        host_budget: int | None = None,
+        disk_dir: Path | None = None,
     ) -> None:
         self.lay, self.events, self.cost = lay, events, cost
         self.device_mem, self.host_mem, self.simulated = device_mem, host_mem, simulated
+        self.host_budget, self.disk_dir = host_budget, disk_dir
+        self.disk_costs = disk.chunk_costs(lay.numel, cost.itemsize)
+        self._placements: dict[frozenset[int], rules.DiskPlacement] = {}
+        # The engine places every chunk on the host first (ChunkManager.use_host_budget):
+        # a budget too small for that is refused before anything runs, whatever the policy
+        # (rules.HostBudgetTooSmall), and so is a scratch folder without room for it.
+        worst = self.placement(set())
+        self.disk_needed = worst.disk_bytes if worst.state else 0
+        self.disk_free = (disk.free_space(disk_dir) if self.disk_needed and disk_dir is not None
+                          else None)
         self.runtime = RUNTIME_BYTES + (0 if simulated else CUDA_CONTEXT + PINNED_STAGING)
         self.capacity = device_mem
         self.slack = self._allocator_slack()
@@ -223,6 +271,7 @@ class _Planner:
             capacity=capacity,
             resident=resident,
             trace=trace,
+            disk=self.disk_payloads(resident),
         )
         try:
             step.run(self.events)
@@ -255,26 +304,68 @@ class _Planner:
     def device_peak(self, step: StepReplay) -> int:
         return step.peak + (0 if self.simulated else self.slack)
 
+    def placement(self, resident: set[int]) -> rules.DiskPlacement:
+        """Where the parts of the chunks not in `resident` are under the host budget."""
+        key = frozenset(resident)
+        if key not in self._placements:
+            self._placements[key] = disk.placement(self.disk_costs, key, self.host_budget)
+        return self._placements[key]
+
+    def disk_payloads(self, resident: set[int]) -> DiskPayloads:
+        """The payloads on disk when `resident` stay on the device, as the read-ahead sees
+        them: half the payload buffers may hold pieces read ahead (Spill.read_ahead)."""
+        where = self.placement(resident)
+        slots = rules.payload_buffers(where.aliased) // 2 if where.payload else 0
+        return DiskPayloads(where.payload, [c.pieces for c in self.disk_costs], slots)
+
     def host_model(self, resident: set[int]) -> int:
-        return sum(self.cost.host(n) for c, n in enumerate(self.lay.numel) if c not in resident)
+        """Chunk bytes on the host between steps (those on disk not counted)."""
+        return self.placement(resident).host_bytes
+
+    def built(self, outcome: _Outcome) -> int:
+        """Host bytes while the engine builds: every chunk's host state at once, whatever
+        the policy (resident chunks move to the device, parts go to disk, afterwards),
+        beside the disk tier's I/O buffers that carry them there."""
+        everything = sum(self.cost.host(n) for n in self.lay.numel)
+        return everything + self.placement(outcome.resident).buffer_bytes
+
+    def during(self, outcome: _Outcome) -> int:
+        """Host bytes during a steady step, the runtime aside.
+
+        The host holds the non-resident chunks' parts that are not on disk and the disk
+        tier's I/O buffers and, when the device is simulated, the device's bytes and the
+        allocator's slack too. The update of a chunk in a 16-bit precision reads its
+        gradients as fp32, one chunk at a time.
+        """
+        chunks = self.placement(outcome.resident).host_total
+        update = 0 if self.cost.aliased else 4 * max(self.lay.numel, default=0)
+        during = chunks + update
+        if self.simulated:
+            during = max(during, chunks + outcome.step.peak + self.slack)
+        return during
 
     def host_peak(self, outcome: _Outcome) -> int:
-        """Resident bytes of the training process at its peak.
+        """Resident bytes of the training process at its peak."""
+        return self.runtime + max(self.built(outcome), self.during(outcome))
 
-        Building the chunks holds every chunk's host state at once, whatever the policy
-        (resident chunks move to the device afterwards). During a step the host holds the
-        non-resident chunks and, when the device is simulated, the device's bytes and the
-        allocator's slack too. The update of a chunk in a 16-bit precision reads its gradients
-        as fp32, one chunk at a time.
-        """
-        built = self.host_model(set())
-        update = 0 if self.cost.aliased else 4 * max(self.lay.numel, default=0)
-        during = self.host_model(outcome.resident) + update
-        if self.simulated:
-            during = max(
-                during, self.host_model(outcome.resident) + outcome.step.peak + self.slack
-            )
-        return self.runtime + max(built, during)
+    def disk_traffic(self, outcome: _Outcome) -> disk.DiskTraffic:
+        step = outcome.step
+        return disk.traffic(self.placement(outcome.resident), self.disk_costs, self.lay.numel,
+                            fetches=step.fetches, updated=step.home, unused=step.unused_reads)
+
+    def _disk_reason(self) -> str:
+        """Why the scratch folder cannot take what the host budget sends it, or ""."""
+        if self.disk_free is None:
+            return ""
+        if problem := disk.folder_problem(self.disk_dir):
+            return problem
+        if self.disk_needed <= self.disk_free:
+            return ""
+        return (
+            f"the host budget {format_size(self.host_budget)} needs "
+            f"{format_size(self.disk_needed)} on disk, but {self.disk_dir} has "
+            f"{format_size(self.disk_free)} free"
+        )
 
     def policy_plan(self, policy: Policy, margin_ratio: float) -> tuple[PolicyPlan, _Outcome]:
         outcome = self.run(policy, self.capacity, margin_ratio)
@@ -302,6 +393,8 @@ class _Planner:
                 f"needs {format_size(host_peak)} of host memory "
                 f"({self._host_parts(outcome)}), have {format_size(self.host_mem)}"
             )
+        reason = reason or self._disk_reason()
+        where, io = self.placement(outcome.resident), self.disk_traffic(outcome)
         row = PolicyPlan(
             policy=policy.value,
             device_peak=int(device_peak),
@@ -310,6 +403,10 @@ class _Planner:
             copied=outcome.step.copied,
             fits=not reason,
             reason=reason,
+            io_buffers=where.buffer_bytes,
+            disk_bytes=where.disk_bytes,
+            disk_read=io.read,
+            disk_written=io.written,
         )
         return row, outcome
 
@@ -334,7 +431,13 @@ class _Planner:
         return model_data, trace.non_model_peak + (0 if self.simulated else self.slack)
 
     def _host_parts(self, outcome: _Outcome) -> str:
-        parts = [f"chunks {format_size(self.host_model(outcome.resident))}"]
+        if self.built(outcome) > self.during(outcome):
+            return (f"building the chunks holds all of them at once, "
+                    f"{format_size(self.built(outcome))} + runtime {format_size(self.runtime)}")
+        where = self.placement(outcome.resident)
+        parts = [f"chunks {format_size(where.host_bytes)}"]
+        if where.buffer_bytes:
+            parts.append(f"disk I/O buffers {format_size(where.buffer_bytes)}")
         if self.simulated:
             parts.append(f"simulated device {format_size(outcome.step.peak)}")
             parts.append(f"allocator slack {format_size(self.slack)}")
@@ -408,13 +511,16 @@ def plan(
     simulated: bool | None = None,
     chunk_size: int | None = None,
     margin_ratio: float = 0.0,
+    host_budget: int | str | None = None,
+    disk_dir: str | Path | None = None,
 ) -> Plan:
     """Forecast a training step's device and host memory under each policy.
 
     Args:
         model_name_or_path: a zoo name or a local model folder (only its config is read).
         device_mem: device memory in bytes or as text ("6GiB"): the budget the engine gets.
-        host_mem: host memory in bytes or as text.
+        host_mem: host memory in bytes or as text: what the machine has, which the training
+            process's peak (runtime, chunks, a simulated device) must stay within.
         precision: compute dtype of the chunks, "fp32", "bf16" or "fp16".
         batch_size, seq_len: the batch shape; activations scale with both.
         checkpointing: whether the model recomputes its layers in backward.
@@ -423,6 +529,11 @@ def plan(
         chunk_size: elements per chunk; None searches it as the engine does.
         margin_ratio: the margin the cpu and auto rows are planned with (the recommendation
             picks its own).
+        host_budget: the engine's host budget (EngineConfig.host_budget): chunk bytes and
+            the disk tier's I/O buffers on the host; what does not fit goes to disk. None:
+            no budget, nothing on disk.
+        disk_dir: where the scratch folder would go (EngineConfig.disk_dir); None means the
+            engine's default. Only its free space is read.
 
     Nothing is allocated: the model only ever exists on the meta device.
 
@@ -430,6 +541,8 @@ def plan(
         engine.models.zoo.UnknownModel, engine.models.zoo.BadCheckpoint: the model cannot
             be found or read.
         ValueError: a size, precision or batch shape that makes no sense.
+        engine.placement.rules.HostBudgetTooSmall: a host budget below what the host needs
+            with every part that may go to disk on disk (a ValueError, with the numbers).
     """
     from engine.config import check_margin
     from engine.step.engine import DTYPES
@@ -440,6 +553,12 @@ def plan(
     device_bytes, host_bytes = parse_size(device_mem), parse_size(host_mem)
     if device_bytes <= 0 or host_bytes <= 0:
         raise ValueError("device and host memory must be positive")
+    budget = parse_size(host_budget) if host_budget is not None else None
+    if budget is not None and budget <= 0:
+        raise ValueError("host_budget must be positive")
+    folder = None
+    if budget is not None:
+        folder = Path(disk_dir).expanduser() if disk_dir is not None else default_disk_dir()
     if batch_size < 1 or seq_len < 2:
         raise ValueError(
             f"batch_size must be at least 1 and seq_len at least 2, not {batch_size} and {seq_len}"
@@ -468,6 +587,8 @@ def plan(
         device_mem=device_bytes,
         host_mem=host_bytes,
         simulated=simulated,
+        host_budget=budget,
+        disk_dir=folder,
     )
     plans, outcomes = {}, {}
     for policy in Policy:
@@ -485,11 +606,15 @@ def plan(
         parameters=sum(lay.sizes.values()),
         chunk_size=lay.chunk_size,
         chunks=len(lay.numel),
-        model_bytes=planner.host_model(set()),
+        model_bytes=sum(planner.cost.host(n) for n in lay.numel),
         working_set=planner.working_set(trace),
         non_model_peak=trace.non_model_peak,
         cuda=plans["cuda"],
         cpu=plans["cpu"],
         auto=plans["auto"],
         recommended=planner.recommend(plans, outcomes["auto"]),
+        host_budget=budget,
+        disk_dir=str(folder) if folder is not None else None,
+        disk_needed=planner.disk_needed,
+        disk_free=planner.disk_free,
     )

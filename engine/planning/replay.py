@@ -12,7 +12,9 @@ the engine's own bookkeeping of which parameter is in which TensorState.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +28,7 @@ from engine.planning.recording import Event
 
 __all__ = [
     "ChunkBytes",
+    "DiskPayloads",
     "Layout",
     "OutOfMemory",
     "StepReplay",
@@ -116,11 +119,22 @@ class ChunkBytes:
         return rules.resident_cost(numel, self.itemsize)
 
 
+@dataclass(frozen=True)
+class DiskPayloads:
+    """Chunks whose payload is in the scratch folder, as the step's read-ahead sees them."""
+
+    chunks: frozenset[int] = frozenset()
+    pieces: Sequence[int] = field(default_factory=tuple)  # pieces per chunk (rules.disk_cost)
+    slots: int = 0  # payload pieces that may be read ahead at once
+
+
 class StepReplay:
     """One engine step replayed in bytes: the StepRunner's sampling and the placement rules.
 
     Without a trace it is the warm-up step (no forecast, least recently used eviction, an
-    overrun is noted rather than raised); with one it is every later step.
+    overrun is noted rather than raised); with one it is every later step. With payloads on
+    disk (`disk`), a chunk is prefetched only once its pieces have been read ahead
+    (rules.disk_read_ahead, each read taken as done by the next module).
     """
 
     def __init__(
@@ -132,8 +146,14 @@ class StepReplay:
         capacity: float,
         resident: set[int],
         trace: Trace | None = None,
+        disk: DiskPayloads | None = None,
     ) -> None:
         self.lay, self.policy, self.capacity, self.trace = lay, policy, capacity, trace
+        self.disk = disk or DiskPayloads()
+        self.ahead: dict[int, int] = {}  # chunk -> payload pieces read ahead, not yet used
+        # Pieces read ahead and then not used (ChunkManager.release_all, land_grads): the
+        # tier read them all the same. Chunk -> pieces.
+        self.unused_reads: dict[int, int] = {}
         self.rules = rules.rules_for(policy)
         self.itemsize = cost.itemsize
         self.nbytes = [n * cost.itemsize for n in lay.numel]
@@ -159,6 +179,9 @@ class StepReplay:
         self.evicting = False
         self.overrun = 0
         self.copied = 0  # payload bytes copied between host and device (fetches, gradients)
+        # Every payload copied to the device, as (chunk, from the master: its gradients are
+        # home, so the weights are in the fp32 master): what the disk tier reads for them.
+        self.fetches: list[tuple[int, bool]] = []
         self.stale: set[int] = set()  # on the device, but its gradients have gone home
         self.home: set[int] = set()  # gradients gone home (Chunk.holds_grads)
         self.got: set[str] = set()  # parameters whose gradient arrived
@@ -233,14 +256,19 @@ class StepReplay:
             if chunk in self.stale:
                 self.stale.discard(chunk)
                 self.copied += self.nbytes[chunk]
+                self.fetches.append((chunk, chunk in self.home))
             return
         self._make_room(self.nbytes[chunk], protect + (chunk,))
         self.on_device.add(chunk)
         self.device_bytes += self.nbytes[chunk]
         self.copied += self.nbytes[chunk]
+        self.fetches.append((chunk, chunk in self.home))
+        if chunk not in self.home:
+            self.ahead.pop(chunk, None)  # Spill.fetch takes what was read ahead
         self._sample()
 
     def _finish_grads(self, chunk: int) -> None:
+        self._drop_ahead(chunk)  # Spill.land_grads: the payload's region gets gradients
         self.copied += self.nbytes[chunk]
         self.home.add(chunk)
         if chunk in self.on_device:
@@ -264,6 +292,7 @@ class StepReplay:
         for chunk in chunks:
             self._materialise(chunk, chunks)
         self._prefetch("backward" if self.in_backward else phase)
+        self._read_ahead()
         for param in self.lay.module_params[module]:
             if phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD:
                 self._set(param, S.COMPUTE)
@@ -281,12 +310,38 @@ class StepReplay:
         chosen = rules.prefetches(
             trace.points[pos + 1].chunks, nbytes=self.nbytes.__getitem__,
             free=self.capacity - self.device_bytes - self.nm - forecast,
-            skip=lambda c: c in self.on_device or c in self.home)
+            skip=lambda c: c in self.on_device or c in self.home or (
+                c in self.disk.chunks and self.ahead.get(c, 0) < self.disk.pieces[c]))
         for chunk in chosen:
             self.on_device.add(chunk)
             self.device_bytes += self.nbytes[chunk]
             self.copied += self.nbytes[chunk]
+            self.fetches.append((chunk, False))
+            self.ahead.pop(chunk, None)
             self._sample()
+
+    def _read_ahead(self) -> None:
+        """ChunkManager.read_ahead: payload pieces of the next chunks on disk to be fetched,
+        into at most `disk.slots` buffers (rules.disk_read_ahead)."""
+        trace, disk = self.trace, self.disk
+        if trace is None or not disk.chunks:
+            return
+        slots = disk.slots - sum(self.ahead.values())
+        if slots <= 0:
+            return
+        upcoming = itertools.chain.from_iterable(
+            p.chunks for p in itertools.islice(trace.points, self.pos + 1, None))
+        chosen = rules.disk_read_ahead(
+            upcoming, slots=slots,
+            wanted=lambda c: (c in disk.chunks and c not in self.home
+                              and c not in self.on_device),
+            pieces=lambda c: range(self.ahead.get(c, 0), disk.pieces[c]))
+        for chunk, _ in chosen:
+            self.ahead[chunk] = self.ahead.get(chunk, 0) + 1
+
+    def _drop_ahead(self, chunk: int) -> None:
+        if pieces := self.ahead.pop(chunk, 0):
+            self.unused_reads[chunk] = self.unused_reads.get(chunk, 0) + pieces
 
     def post(self, module: str) -> None:
         for param in self.lay.module_params[module]:
@@ -357,6 +412,8 @@ class StepReplay:
                 self.in_backward = True
         for chunk in sorted(self.opened):
             self._close(chunk)
+        for chunk in list(self.ahead):  # ChunkManager.release_all at the step's end
+            self._drop_ahead(chunk)
 
     def trace_of(self) -> Trace:
         self.recorded.finish()

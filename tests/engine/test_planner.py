@@ -9,6 +9,7 @@ in seconds without allocating anything.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -16,10 +17,12 @@ import time
 import psutil
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from engine import Engine, EngineConfig, StepStats, format_size
+from engine.chunks.spill import ScratchTooSmall
 from engine.models.zoo import BadCheckpoint, UnknownModel, build_model
+from engine.placement import rules
 from engine.planning import planner as planner_module
 from engine.planning.planner import RUNTIME_BYTES, plan
 from engine.step.engine import BudgetTooSmall
@@ -346,3 +349,180 @@ def test_the_host_peak_is_the_peak_resident_memory_of_a_fresh_training_process()
     )
     peak = json.loads(done.stdout.splitlines()[-1])["peak_rss"]
     assert forecast.auto.host_peak == pytest.approx(peak, rel=0.10)
+
+
+# --- the disk tier: a host budget ------------------------------------------------------------
+
+# Elements per piece of disk I/O for tiny: small enough that its I/O buffers leave room for
+# a host budget below its chunks (at the default 4M elements they alone outweigh tiny),
+# and that its chunks go in several pieces.
+TINY_PIECE = 2**14
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(rules, "DISK_PIECE", TINY_PIECE)
+    return TINY_PIECE
+
+
+def host_state(model: str, precision: str) -> int:
+    """Chunk bytes on the host with no budget and nothing resident."""
+    return plan(model, device_mem="6GiB", host_mem="64GiB", precision=precision,
+                simulated=True, **SHAPE).model_bytes
+
+
+def disk_steps(model: torch.nn.Module, *, policy: str, precision: str, budget: int | str,
+               host_budget: int, disk_dir, margin: float = 0.0, steps: int = 3
+               ) -> tuple[StepStats, Engine, tuple[int, int]]:
+    """Like engine_steps, under a host budget; also the bytes the disk tier read and wrote
+    in the last step, counted on the tier once its update is done (a step's own counters
+    miss what an update overlapping the next step issues between the two)."""
+    engine = Engine(model, EngineConfig(
+        policy=policy, margin_ratio=margin, device_budget=budget, precision=precision,
+        host_budget=host_budget, disk_dir=disk_dir, simulate=True))
+    tier = engine.manager.spill.tier
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size,
+                            (SHAPE["batch_size"], SHAPE["seq_len"]), generator=g)
+        before = tier.bytes_read, tier.bytes_written
+        stats = engine.step({"input_ids": ids, "labels": ids})
+        engine.manager.flight.wait()
+    return stats, engine, (tier.bytes_read - before[0], tier.bytes_written - before[1])
+
+
+def levels(engine: Engine) -> set[int]:
+    return {c.disk_level for c in engine.chunks}
+
+
+# Host budgets as a share of the chunks' host bytes: "state" sends optimizer state of some
+# chunks to disk, "payload" every chunk's state and some payloads too (the state is 8 of
+# fp32's 16 B/param, 12 of bf16's 14).
+SHARE = {"state": 0.8, "payload": 0.12}
+
+
+@pytest.mark.parametrize(
+    ("precision", "policy", "level", "device", "margin"),
+    [
+        ("fp32", "cpu", "state", "6GiB", 0.0),
+        ("fp32", "cpu", "payload", "6GiB", 0.0),
+        ("bf16", "cpu", "state", "6GiB", 0.0),
+        ("bf16", "cpu", "payload", "6GiB", 0.0),
+        ("bf16", "auto", "payload", 20 * MiB, 0.0),  # evictions, prefetches from disk
+        ("fp32", "auto", "payload", 20 * MiB, 0.5),  # the margin keeps some chunks resident
+        ("fp32", "cuda", "payload", "6GiB", 0.0),  # nothing on the host, nothing on disk
+    ],
+)
+def test_the_disk_tier_is_forecast_byte_for_byte(small_pieces, tmp_path, precision, policy,
+                                                 level, device, margin):
+    host_budget = int(SHARE[level] * host_state("tiny", precision))
+    forecast = plan("tiny", device_mem=device, host_mem="64GiB", precision=precision,
+                    simulated=True, margin_ratio=margin, host_budget=host_budget,
+                    disk_dir=tmp_path, **SHAPE)
+    stats, engine, (read, written) = disk_steps(
+        build_model("tiny"), policy=policy, precision=precision, budget=device,
+        host_budget=host_budget, disk_dir=tmp_path, margin=margin)
+    if policy != "cuda":
+        if level == "state":
+            assert 1 in levels(engine) and 2 not in levels(engine)
+        else:
+            assert 2 in levels(engine)
+    row, memory = forecast.policies[policy], stats.memory
+    assert row.fits, row.reason
+    assert row.disk_bytes == memory.disk_model  # what the scratch folder holds, exactly
+    assert row.host_model == memory.host_model
+    assert row.io_buffers == memory.host_io_buffers
+    assert row.host_model + row.io_buffers <= host_budget
+    assert (row.disk_read, row.disk_written) == (read, written)
+    assert row.copied == stats.bytes_h2d + stats.bytes_d2h
+    assert row.device_peak == pytest.approx(memory.device_peak, rel=EXACT)
+    # What the engine checks the folder's free space against, whatever the policy.
+    assert forecast.disk_needed == engine.manager.disk_placement(set()).disk_bytes > 0
+    assert forecast.disk_free > forecast.disk_needed
+    if policy == "cuda":
+        assert row.disk_bytes == row.disk_read == row.disk_written == 0
+    else:
+        assert row.disk_bytes > 0 and row.disk_read > 0 and row.disk_written > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("level", ["state", "payload"])
+def test_a_small_opt_model_folder_is_forecast_byte_for_byte_under_a_host_budget(
+        small_pieces, tmp_path, level):
+    config = OPTConfig(vocab_size=256, hidden_size=128, num_hidden_layers=8,
+                       num_attention_heads=4, ffn_dim=512, max_position_embeddings=128,
+                       word_embed_proj_dim=128, dropout=0.0, attention_dropout=0.0)
+    folder = tmp_path / "opt-small"
+    config.save_pretrained(folder)
+    host_budget = int(SHARE[level] * host_state(str(folder), "fp32"))
+    forecast = plan(str(folder), device_mem="6GiB", host_mem="64GiB", precision="fp32",
+                    simulated=True, host_budget=host_budget, disk_dir=tmp_path / "scratch",
+                    **SHAPE)
+    torch.manual_seed(0)
+    stats, engine, (read, written) = disk_steps(
+        OPTForCausalLM(config), policy="cpu", precision="fp32", budget="6GiB",
+        host_budget=host_budget, disk_dir=tmp_path / "scratch")
+    row = forecast.cpu
+    assert row.fits, row.reason
+    assert (row.disk_bytes, row.host_model, row.io_buffers) == (
+        stats.memory.disk_model, stats.memory.host_model, stats.memory.host_io_buffers)
+    assert (row.disk_read, row.disk_written) == (read, written)
+    assert row.device_peak == pytest.approx(stats.memory.device_peak, rel=EXACT)
+    engine.close()
+
+
+def test_a_host_budget_that_holds_every_chunk_sends_nothing_to_disk(tmp_path):
+    forecast = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16",
+                    simulated=True, host_budget="1GiB", disk_dir=tmp_path, **SHAPE)
+    plain = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16",
+                 simulated=True, **SHAPE)
+    assert not forecast.uses_disk and forecast.disk_free is None
+    for name, row in forecast.policies.items():
+        assert (row.disk_bytes, row.io_buffers, row.disk_read, row.disk_written) == (0, 0, 0, 0)
+        assert row.host_peak == plain.policies[name].host_peak
+    assert not tmp_path.joinpath("scratch").exists() and not any(tmp_path.iterdir())
+
+
+def test_a_host_budget_below_the_minimum_is_refused_like_the_engine_refuses_it(tmp_path):
+    with pytest.raises(rules.HostBudgetTooSmall, match=r"host budget 1\.0 MiB is below") as e:
+        plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16", simulated=True,
+             host_budget="1MiB", disk_dir=tmp_path, **SHAPE)
+    with pytest.raises(rules.HostBudgetTooSmall) as engine_error:
+        Engine(build_model("tiny"), EngineConfig(
+            policy="cpu", device_budget="6GiB", precision="bf16", host_budget="1MiB",
+            disk_dir=tmp_path, simulate=True))
+    assert str(e.value) == str(engine_error.value)  # the same rule, the same numbers
+
+
+def test_a_scratch_folder_without_room_fits_no_policy_and_says_needed_and_free(
+        small_pieces, tmp_path, monkeypatch):
+    host_budget = int(0.3 * host_state("tiny", "bf16"))
+    usage = shutil.disk_usage(tmp_path)
+    free = 2 * MiB  # below what the budget sends to disk
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free))
+    forecast = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16",
+                    simulated=True, host_budget=host_budget, disk_dir=tmp_path, **SHAPE)
+    assert forecast.disk_free == free < forecast.disk_needed
+    for row in forecast.policies.values():
+        assert not row.fits
+        assert format_size(forecast.disk_needed) in row.reason and "2.0 MiB free" in row.reason
+    assert forecast.recommended.policy is None
+    with pytest.raises(ScratchTooSmall):  # and the engine refuses it before the first step
+        Engine(build_model("tiny"), EngineConfig(
+            policy="cpu", device_budget="6GiB", precision="bf16", host_budget=host_budget,
+            disk_dir=tmp_path, simulate=True))
+
+
+def test_a_scratch_folder_that_cannot_be_made_fits_no_policy(small_pieces, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    host_budget = int(0.3 * host_state("tiny", "bf16"))
+    forecast = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16",
+                    simulated=True, host_budget=host_budget, disk_dir=blocker / "scratch",
+                    **SHAPE)
+    for row in forecast.policies.values():
+        assert not row.fits and "cannot be created" in row.reason
+    with pytest.raises(ValueError, match="cannot be created"):
+        Engine(build_model("tiny"), EngineConfig(
+            policy="cpu", device_budget="6GiB", precision="bf16", host_budget=host_budget,
+            disk_dir=blocker / "scratch", simulate=True))

@@ -13,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from engine.config import format_size
+from engine.placement import rules
 from engine.planning.planner import plan
 from tuitrain.cli import main
 from tuitrain.errors import UsageError
@@ -32,6 +34,7 @@ def namespace(**overrides: object) -> argparse.Namespace:
         "batch_size": 2,
         "seq_len": 64,
         "checkpointing": False,
+        "disk_dir": None,
         "json": False,
     }
     return argparse.Namespace(**{**fields, **overrides})
@@ -83,8 +86,17 @@ def test_memory_defaults_to_this_machine(capsys):
     assert plan_main(namespace(device_budget=None, host_budget=None, json=True)) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["host_mem"] == psutil.virtual_memory().total
+    assert data["host_budget"] is None and data["disk_needed"] == 0
     if data["simulated"]:
         assert data["device_mem"] == Settings().device_budget_for(simulated=True)
+
+
+def test_host_mem_is_a_host_budget_checked_against_this_machines_memory(capsys):
+    assert plan_main(namespace(host_budget=2**30, json=True)) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["host_budget"] == 2**30  # tiny's chunks fit in it: nothing goes to disk
+    assert data["host_mem"] == psutil.virtual_memory().total
+    assert data["disk_needed"] == 0 and data["cpu"]["disk_bytes"] == 0
 
 
 def test_unspecified_precision_is_the_one_a_run_would_use(capsys):
@@ -161,3 +173,76 @@ def test_opt_30b_answers_quickly_with_plausible_figures_and_little_memory(tmp_pa
     assert elapsed < 60, f"{elapsed:.1f} s"
     assert result["peak_rss"] < 2 * 2**30  # meta tensors only: no 60 GB of weights
 
+
+
+# --- the disk tier ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of disk I/O small enough that tiny's I/O buffers leave room for a host budget
+    below its chunks."""
+    monkeypatch.setattr(rules, "DISK_PIECE", 2**14)
+
+
+def tiny_state() -> int:
+    return plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16", batch_size=2,
+                seq_len=64).model_bytes
+
+
+def test_a_host_budget_that_needs_the_disk_says_how_much_and_where(small_pieces, tmp_path,
+                                                                   capsys):
+    budget = tiny_state() // 4
+    argv = ["plan", "tiny", "--device-mem", "20MiB", "--host-mem", str(budget),
+            "--disk", str(tmp_path), *SMALL]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    expected = plan("tiny", device_mem="20MiB", host_mem=psutil.virtual_memory().total,
+                    precision="bf16", batch_size=2, seq_len=64, host_budget=budget,
+                    disk_dir=tmp_path)
+    assert expected.uses_disk and expected.cpu.disk_bytes > 0
+    lines = out.splitlines()
+    budget_line = next(line for line in lines if line.startswith("host budget"))
+    assert format_size(expected.disk_needed) in budget_line and str(tmp_path) in budget_line
+    assert format_size(expected.disk_free) in budget_line
+    assert budget_line.endswith("free there, enough")
+    header = next(i for i, line in enumerate(lines) if line.startswith("POLICY"))
+    assert "ON DISK" in lines[header] and "DISK READ" in lines[header]
+    cpu = next(line for line in lines[header:] if line.startswith("cpu"))
+    for size in (expected.cpu.disk_bytes, expected.cpu.disk_read, expected.cpu.disk_written,
+                 expected.cpu.io_buffers):
+        assert format_size(size) in cpu
+    assert cpu.endswith("yes")
+    assert not any(line.startswith("tuitrain") for line in lines)
+
+
+def test_json_carries_the_disk_figures(small_pieces, tmp_path, capsys):
+    budget = tiny_state() // 4
+    argv = ["plan", "tiny", "--device-mem", "20MiB", "--host-mem", str(budget),
+            "--disk", str(tmp_path), "--json", *SMALL]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    expected = plan("tiny", device_mem="20MiB", host_mem=psutil.virtual_memory().total,
+                    precision="bf16", batch_size=2, seq_len=64, host_budget=budget,
+                    disk_dir=tmp_path)
+    assert data["host_budget"] == budget and data["disk_dir"] == str(tmp_path)
+    assert data["disk_needed"] == expected.disk_needed > 0
+    for name, row in expected.policies.items():
+        for key in ("host_model", "io_buffers", "disk_bytes", "disk_read", "disk_written"):
+            assert data[name][key] == getattr(row, key)
+
+
+def test_a_host_budget_below_the_minimum_is_one_line_and_status_2(capsys):
+    assert main(["plan", "tiny", "--device-mem", "6GiB", "--host-mem", "1MiB", *SMALL]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1
+    assert captured.err.startswith("tuitrain: error: host budget 1.0 MiB is below the ")
+
+
+def test_a_host_budget_that_holds_everything_says_so_and_keeps_the_plain_table(capsys):
+    assert main(["plan", "tiny", "--device-mem", "20MiB", "--host-mem", "1GiB", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "host budget 1.0 GiB: holds every chunk, nothing goes to disk" in out
+    header = next(line for line in out.splitlines() if line.startswith("POLICY"))
+    assert "DISK" not in header

@@ -1,0 +1,122 @@
+"""The disk tier in bytes: what the placement rules put in the scratch folder under a host
+budget, and what a step then reads and writes there.
+
+Where each chunk's parts go is rules.disk_placement's, asked with the costs the chunk
+manager asks it with (rules.disk_cost at the disk's block size and rules.DISK_PIECE) and the
+same chunks on the host (every chunk not resident on the device). What the step reads and
+writes follows from the spill's mechanics (engine.chunks.spill, engine.chunks.update_walk),
+counted here from the replayed step's fetches and the chunks it updates on the host:
+
+- a payload on disk is read, piece by piece, each time it is copied to the device (and
+  pieces read ahead for a copy that does not come are read all the same); one whose
+  gradients are home already is copied from the fp32 master (bf16/fp16: the first
+  4 B/element of each state piece);
+- the gradients of a chunk whose payload is on disk go to disk as they land (bf16/fp16: in
+  the payload's region; fp32: a region of their own);
+- the update of a chunk with state on disk reads the state (and, with its payload on disk,
+  the payload and fp32's gradients) and writes the state (and the payload) back.
+
+Counts are of a steady step; writes are counted when issued, as the tier counts them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.devices.disk import ALIGN, aligned
+from engine.placement import rules
+
+__all__ = ["DiskTraffic", "chunk_costs", "folder_problem", "free_space", "placement",
+           "traffic"]
+
+
+def chunk_costs(numel: list[int], itemsize: int) -> list[rules.DiskCost]:
+    """Each chunk's DiskCost, as ChunkManager.disk_placement asks for it."""
+    return [rules.disk_cost(n, itemsize, ALIGN, rules.DISK_PIECE) for n in numel]
+
+
+def placement(costs: list[rules.DiskCost], resident: Iterable[int],
+              host_budget: int | None) -> rules.DiskPlacement:
+    """rules.disk_placement for the chunks not in `resident` (HostBudgetTooSmall when even
+    all of them on disk do not fit)."""
+    keep = set(resident)
+    return rules.disk_placement(costs, on_host=[c for c in range(len(costs)) if c not in keep],
+                                host_budget=host_budget, block=ALIGN)
+
+
+@dataclass(frozen=True)
+class DiskTraffic:
+    """Bytes the disk tier reads and writes in one step."""
+
+    read: int = 0
+    written: int = 0
+
+
+def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list[int], *,
+            fetches: Iterable[tuple[int, bool]], updated: Iterable[int],
+            unused: dict[int, int] | None = None) -> DiskTraffic:
+    """What a step reads and writes in the scratch folder.
+
+    Args:
+        where: the placement in force.
+        costs: each chunk's DiskCost (chunk_costs).
+        numel: elements per chunk.
+        fetches: every copy of a payload to the device in the step, as (chunk, from the
+            master): whether its gradients were home already (StepReplay.fetches).
+        updated: the non-resident chunks whose gradients came home (updated on the host).
+        unused: payload pieces read ahead and then not used, per chunk (read all the same).
+    """
+    read = written = 0
+    for chunk, pieces in (unused or {}).items():
+        read += pieces * costs[chunk].payload_piece
+    for chunk, from_master in fetches:
+        cost = costs[chunk]
+        if from_master and not cost.aliased and chunk in where.state:
+            read += sum(aligned(4 * n) for n in _pieces(numel[chunk]))
+        elif chunk in where.payload:
+            read += cost.pieces * cost.payload_piece
+    for chunk in updated:
+        cost = costs[chunk]
+        if chunk in where.payload:
+            # Gradients landing, then the update: state, payload (fp32: and the gradients).
+            written += cost.pieces * (cost.grad_piece or cost.payload_piece)
+            read += cost.state_region + cost.payload_region
+            written += cost.state_region + cost.pieces * cost.payload_piece
+        elif chunk in where.state:
+            read += cost.state_region
+            written += cost.state_region
+    return DiskTraffic(read, written)
+
+
+def _pieces(numel: int) -> list[int]:
+    """Elements of each piece of a chunk of `numel` elements (Spill.spans)."""
+    step = min(numel, rules.DISK_PIECE)
+    return [min(step, numel - lo) for lo in range(0, numel, step)]
+
+
+def _existing(folder: Path) -> Path:
+    """`folder`, or the nearest folder above it that exists (the plan creates nothing)."""
+    here = folder.expanduser().absolute()
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    return here
+
+
+def free_space(folder: Path) -> int:
+    """Bytes free on the filesystem that would hold `folder`, which need not exist yet."""
+    return shutil.disk_usage(_existing(folder)).free
+
+
+def folder_problem(folder: Path) -> str:
+    """Why the engine could not make its scratch folder under `folder` (ScratchFolder), or
+    "" when it could, as far as can be told without writing anything."""
+    here = _existing(folder)
+    if not here.is_dir():
+        return f"scratch folder {folder} cannot be created: {here} is not a folder"
+    if not os.access(here, os.W_OK | os.X_OK):
+        return f"scratch folder {folder} is not writable"
+    return ""
