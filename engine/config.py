@@ -80,6 +80,14 @@ class EngineConfig:
     chunk_size: int | None = None  # elements per chunk; None = searched to waste little
     initial_loss_scale: float = 2.0**16  # fp16 only: dynamic loss scaling starts here
     simulate: bool | None = None  # None = simulate when there is no CUDA
+    # Data parallel over torch.distributed (engine.distributed): None = shard the chunks
+    # over the ranks whenever torch.distributed is initialized with more than one (torchrun
+    # then init_process_group), so the same script runs on one process or many; True =
+    # require that; False = never (each process trains a whole model of its own).
+    data_parallel: bool | None = None
+    # Seconds any one collective may take before it is an error naming the rank and chunk
+    # (a dead rank, or ranks that ran different modules), rather than a hang.
+    collective_timeout: float = 600.0
     extra: dict = field(default_factory=dict)  # room for callers; never read by the engine
 
     def __post_init__(self) -> None:
@@ -102,6 +110,9 @@ class EngineConfig:
             raise ValueError(f"grad_accum must be at least 1, not {self.grad_accum}")
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
+        if not self.collective_timeout > 0:
+            raise ValueError(f"collective_timeout must be positive, not "
+                             f"{self.collective_timeout}")
         if self.lr_schedule not in ("constant", "cosine", "linear"):
             raise ValueError(f"lr_schedule must be constant, cosine or linear, "
                              f"not {self.lr_schedule!r}")

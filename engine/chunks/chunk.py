@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.chunks.state import ACTIVITY, IllegalTransition, TensorState, check_transition
+from engine.distributed.shards import Shard
 
 if TYPE_CHECKING:
     from engine.chunks.spill import Spill
@@ -160,6 +161,27 @@ class Chunk:
     payload_on_disk: bool = False  # the payload too (fp32: it is the master; and gradients)
     grad_sq: float | None = None  # squared norm of gradients that went to disk as they landed
     spill: Spill | None = None  # the disk tier's side of this chunk, when there is one
+    # Data parallel (engine.distributed): this rank's shard. Then `numel` is the padded
+    # whole chunk, which `device_payload` and the gradient buffer hold while gathered, and
+    # the home tensors (payload, master, moments, host_grad) hold the shard only, on the
+    # host or, resident, on the device. The whole chunk is gathered for each use even when
+    # resident: residency places the shard and its optimizer update.
+    shard: Shard | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard is not None
+
+    @property
+    def home_numel(self) -> int:
+        """Elements of the home tensors: the shard's, or the whole chunk's."""
+        return self.shard.size if self.shard is not None else self.numel
+
+    @property
+    def copy_is_home(self) -> bool:
+        """The device copy is the payload itself (a resident, unsharded chunk): it is never
+        released while the chunk stays resident."""
+        return self.resident and self.shard is None
 
     @property
     def on_device(self) -> bool:

@@ -28,8 +28,10 @@ class Span:
 
     @classmethod
     def whole(cls, chunk: Chunk) -> Span:
-        """The whole chunk, from its own tensors (nothing of it on disk)."""
-        return cls(0, chunk.numel, chunk.master, chunk.exp_avg, chunk.exp_avg_sq,
+        """The whole chunk, from its own tensors (nothing of it on disk); sharded, this
+        rank's shard of it, whose elements are lo..hi of the chunk."""
+        lo, hi = (chunk.shard.lo, chunk.shard.hi) if chunk.shard else (0, chunk.numel)
+        return cls(lo, hi, chunk.master, chunk.exp_avg, chunk.exp_avg_sq,
                    chunk.host_grad if chunk.aliased else chunk.payload,
                    None if chunk.aliased else chunk.payload)
 

@@ -33,7 +33,7 @@ def _flat_grad(chunk: Chunk) -> torch.Tensor:
 
 
 def grad_norm_squared(chunk: Chunk) -> float:
-    if chunk.resident:
+    if chunk.copy_is_home:
         grads = [g for _, g in chunk.slot_grads.values()]
     elif chunk.payload_on_disk:
         return chunk.grad_sq  # taken as they landed, before they went to disk
@@ -69,7 +69,7 @@ def adamw_update(chunk: Chunk, *, lr: float, betas: tuple[float, float], eps: fl
         slot.steps += 1
     hyper = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "weight_decay": weight_decay,
              "eps": eps}
-    if chunk.resident:
+    if chunk.copy_is_home:
         # One view per parameter, autograd's own gradient tensors: no copy of them.
         picked = [chunk.slot_grads[offset] for offset in sorted(chunk.slot_grads)]
         if not picked:
@@ -150,7 +150,7 @@ def restore_params(chunk: Chunk) -> None:
         chunk.spill.flight.wait(chunk)  # the last step's update of it may be running still
         if not chunk.holds_grads:
             return
-    if not chunk.resident and not chunk.aliased:
+    if not chunk.copy_is_home and not chunk.aliased:
         if chunk.disk_level:
             chunk.spill.restore_payload(chunk)
         else:
@@ -175,6 +175,15 @@ class ChunkAdamW:
             restore_params(chunk)
         self.manager.drop_slot_grads(chunk)
 
+    def _global_grad_norm(self, chunks: list[Chunk]) -> float:
+        """global_grad_norm; data parallel, over every rank's shards (an all-reduce of the
+        squared norm, so every rank clips, and skips an fp16 overflow, alike)."""
+        sharding = self.manager.sharding
+        if sharding is None:
+            return global_grad_norm(chunks)
+        total = sharding.collectives.sum_floats([sum(grad_norm_squared(c) for c in chunks)])[0]
+        return math.sqrt(total) if math.isfinite(total) else total
+
     def step(self, chunks: list[Chunk], step: int) -> tuple[bool, float | None]:
         """Update every chunk holding gradients as optimizer step `step` (counted from 1).
 
@@ -189,7 +198,7 @@ class ChunkAdamW:
             scale = 1.0 / self.loss_scale
             grad_norm = None
             if cfg.max_grad_norm is not None or cfg.precision == "fp16":
-                grad_norm = global_grad_norm(with_grads) * scale
+                grad_norm = self._global_grad_norm(with_grads) * scale
                 if not math.isfinite(grad_norm):
                     pipeline.cancel()
                     for chunk in with_grads:
@@ -202,7 +211,7 @@ class ChunkAdamW:
             hyper = {"lr": cfg.lr_at(step), "betas": cfg.betas, "eps": cfg.eps,
                      "weight_decay": cfg.weight_decay, "grad_scale": scale}
             for chunk in with_grads:
-                if chunk.resident:  # on the device, now
+                if chunk.copy_is_home:  # on the device, now
                     adamw_update(chunk, **hyper)
                     self.manager.drop_slot_grads(chunk)
         except BaseException:
@@ -211,7 +220,7 @@ class ChunkAdamW:
         # Host chunks in one walk: in a thread of its own that overlaps the next step's
         # forward when their state is on disk (engine.chunks.flight), else right here.
         on_host = [(c, [s for s in c.slots if s.got_grad]) for c in with_grads
-                   if not c.resident]
+                   if not c.copy_is_home]
 
         def walk(done: Callable[[Chunk], None]) -> None:
             try:

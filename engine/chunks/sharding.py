@@ -1,0 +1,206 @@
+"""Sharded chunks in a step: when to gather them and when to reduce-scatter their gradients.
+
+Collectives pair up across ranks by the order they are issued in, so every rank must issue
+the same ones in the same order, yet what a rank *needs* differs: the auto policy evicts by
+the bytes this rank measures, and a parameter unused on one rank (a branch its batch does
+not take) leaves that rank's chunk waiting for a gradient that never comes. Deciding from
+local state alone would desynchronise the ranks (Gemini's "ZERO DDP error" reports).
+
+So the ranks agree at every module boundary, in one small all-reduce that every rank
+issues at the same point (the modules run in the same order everywhere):
+
+- which of the module's chunks to gather: those that any rank lacks. A rank that still has
+  a fresh copy takes part all the same (it gathers what it has); placement stays a local
+  choice and never changes which collectives run;
+- which chunks' gradients are complete on every rank: those are reduce-scattered now, in
+  descending chunk order, while backward goes on; the ones issued at an earlier boundary
+  are waited for and land in their shard's home (divided by the world size: SUM, then
+  divide).
+
+At the end of backward every chunk with trainable parameters that is still waiting is
+reduce-scattered, a missing gradient counting as zeros (as DDP's find_unused_parameters
+does), so no rank waits for a gradient another rank never computes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.chunks.chunk import Chunk
+from engine.distributed.collectives import CollectiveError, Collectives, Pending
+from engine.placement.trace import Trace
+
+if TYPE_CHECKING:
+    from engine.chunks.manager import ChunkManager
+
+
+class ShardedChunks:
+    """The data-parallel side of a ChunkManager: gathers and gradient reduction."""
+
+    def __init__(self, manager: ChunkManager, collectives: Collectives) -> None:
+        self.manager = manager
+        self.collectives = collectives
+        self.rank = collectives.rank
+        self.world = collectives.world
+        self._ready: set[int] = set()  # gradients complete on this rank this backward
+        self._issued: set[int] = set()  # reduce-scatters issued this backward
+        self._pending: list[tuple[Chunk, torch.Tensor, Pending]] = []
+        # Gradient buffers complete here and not reduced yet, or being reduced: bytes a
+        # single process would have sent home already (id(buffer) -> bytes).
+        self._held: dict[int, int] = {}
+        self.held_bytes = 0
+        self.bytes_gathered = 0  # this step: bytes received by all-gathers
+        self.bytes_reduced = 0  # this step: bytes sent into reduce-scatters
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.manager.chunks
+
+    def reset_counters(self) -> None:
+        self.bytes_gathered = self.bytes_reduced = 0
+
+    # --- the step's frame -------------------------------------------------------------
+
+    def begin(self) -> None:
+        """A forward and backward starts: no gradient is complete yet."""
+        self._ready.clear()
+        self._issued.clear()
+
+    def ready(self, chunk: Chunk) -> None:
+        """Every gradient of `chunk` this rank will compute in this backward is in."""
+        self._ready.add(chunk.index)
+        if chunk.grad is not None:
+            self._hold(chunk.grad)
+
+    def _hold(self, buffer: torch.Tensor) -> None:
+        if id(buffer) not in self._held:
+            self._held[id(buffer)] = buffer.nbytes
+            self.held_bytes += buffer.nbytes
+
+    def _let_go(self, buffer: torch.Tensor) -> None:
+        self.held_bytes -= self._held.pop(id(buffer), 0)
+
+    def _waiting(self) -> list[int]:
+        return [c.index for c in self.chunks
+                if c.index not in self._issued and _trainable(c)]
+
+    def agree_trace(self, trace: Trace, overrun: int) -> int:
+        """Make `trace` every rank's: each point's peaks become the largest any rank
+        measured, so that all forecast and place alike. Returns the largest overrun."""
+        points = trace.points
+        n = len(points)
+        low, high = self.collectives.max_ints([-n, n])
+        if -low != n or high != n:
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world}: the ranks traced different steps ({n} "
+                f"module boundaries here, {-low} to {high} across the ranks); every rank "
+                f"must run the same modules in the same order")
+        agreed = self.collectives.max_ints(
+            [overrun] + [p.non_model_peak for p in points] + [p.working_set for p in points])
+        for i, point in enumerate(points):
+            point.non_model_peak, point.working_set = agreed[1 + i], agreed[1 + n + i]
+        return agreed[0]
+
+    # --- module boundaries ------------------------------------------------------------
+
+    def boundary(self, needed: tuple[Chunk, ...]) -> set[int]:
+        """The agreement at a module boundary (see the module docstring). Returns the
+        indices of `needed` to gather now; reduce-scatters what is complete everywhere."""
+        count = len(self.chunks)
+        want = [0] * (2 * count)
+        for chunk in needed:
+            if not chunk.on_device or chunk.stale:
+                want[chunk.index] = 1
+        for index in self._waiting():
+            if index not in self._ready:
+                want[count + index] = 1  # still waiting here
+        agreed = self.collectives.max_ints(want)
+        self._land_all()
+        complete = [i for i in self._waiting() if not agreed[count + i]]
+        for index in sorted(complete, reverse=True):
+            self._issue(self.chunks[index])
+        return {i for i in range(count) if agreed[i]}
+
+    def gather(self, chunk: Chunk) -> None:
+        """The whole chunk into its device payload, whose own shard is already in place."""
+        self.collectives.gather(chunk.device_payload, chunk.index)
+        self.bytes_gathered += chunk.nbytes - chunk.shard.size * chunk.itemsize
+
+    # --- gradients ----------------------------------------------------------------------
+
+    def _issue(self, chunk: Chunk) -> None:
+        """Start reducing `chunk`'s gradient buffer (opened zeroed when this rank got no
+        gradient for it: it adds nothing to the sum)."""
+        m = self.manager
+        buffer = chunk.grad if chunk.grad is not None else m.grad_buffer(chunk, -1)
+        chunk.grad = None  # a later gradient for it (a module used twice) opens a new one
+        self._hold(buffer)
+        self._issued.add(chunk.index)
+        self._pending.append((chunk, buffer, self.collectives.reduce_scatter(buffer, chunk.index)))
+        self.bytes_reduced += buffer.nbytes
+
+    def _land_all(self) -> None:
+        pending, self._pending = self._pending, []
+        for chunk, buffer, work in pending:
+            self.collectives.wait(work)
+            self._land(chunk, buffer)
+
+    def _land(self, chunk: Chunk, buffer: torch.Tensor) -> None:
+        """The reduced shard, averaged, into the shard's home; the buffer is freed."""
+        m = self.manager
+        shard = buffer[chunk.shard.lo:chunk.shard.hi]
+        shard.div_(self.world)
+        home = m.grad_home(chunk)
+        direction = "" if chunk.resident else "d2h"
+        if chunk.holds_grads:  # a later micro-batch, or a module used twice
+            arrived = m.device.host_empty(shard.numel(), shard.dtype) if direction else shard
+            if direction:
+                m._copy(arrived, shard, direction)
+            home.add_(arrived.to(home.dtype))
+        else:
+            m._copy(home, shard, direction)
+        self._let_go(buffer)
+        m.free_grad_buffer(buffer)
+        chunk.mark_stale()  # the update will change the parameters
+        chunk.holds_grads = True
+
+    def finish(self) -> None:
+        """The end of backward: reduce every chunk still waiting (missing gradients count
+        as zeros), and any gradient that arrived after its chunk was reduced, then land
+        them all. The same collectives on every rank, in descending chunk order."""
+        self._land_all()
+        for index in sorted(self._waiting(), reverse=True):
+            self._issue(self.chunks[index])
+        for chunk in sorted(self.chunks, key=lambda c: -c.index):
+            if chunk.grad is not None and chunk.index in self._issued:
+                self._issue(chunk)
+        self._land_all()
+        self._ready.clear()
+
+    def drop(self) -> None:
+        """Forget the reductions in flight (a failed step): their buffers are freed."""
+        pending, self._pending = self._pending, []
+        for _chunk, buffer, _work in pending:
+            self.manager.free_grad_buffer(buffer)
+        self._held.clear()
+        self.held_bytes = 0
+        self._ready.clear()
+        self._issued.clear()
+
+    # --- whole tensors --------------------------------------------------------------------
+
+    def whole(self, chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard` of a home tensor of `chunk` (master, a moment), gathered
+        into one CPU fp32 tensor of the whole chunk. A collective: every rank calls it for
+        the same chunks in the same order (checkpoints, model weights, close)."""
+        device = self.collectives.device
+        full = torch.empty(chunk.numel, dtype=torch.float32, device=device)
+        full[chunk.shard.lo:chunk.shard.hi].copy_(shard)
+        self.collectives.gather(full, chunk.index)
+        return full.cpu()
+
+
+def _trainable(chunk: Chunk) -> bool:
+    return any(s.param.requires_grad for s in chunk.slots)
