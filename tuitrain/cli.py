@@ -61,6 +61,12 @@ RUN: tuple[Flag, ...] = (
          number=True),
     Flag("--device-mem", "engine.device_budget", "SIZE",
          "device budget, e.g. 6GiB (default: the whole GPU; 6GiB when simulated)"),
+    Flag("--host-mem", "engine.host_budget", "SIZE",
+         "host budget for chunks and optimizer state, e.g. 8GiB; what does not fit goes to "
+         "disk (default: what this machine's memory holds beside the rest)"),
+    Flag("--disk", "engine.disk_dir", "DIR",
+         "folder for training state that does not fit the host budget (default: under the "
+         "user cache folder)"),
     Flag("--precision", "engine.precision", "P",
          "fp32, bf16 or fp16 (default: bf16 on GPU, fp32 simulated)"),
     Flag("--batch-size", "training.batch_size", "N",
@@ -296,6 +302,13 @@ def check_runnable(settings: Settings) -> None:
             raise UsageError(f"metrics file is a folder: {metrics}")
         if not metrics_path.parent.is_dir():
             raise UsageError(f"folder for the metrics file not found: {metrics_path.parent}")
+    if settings.engine.disk_dir is not None:
+        from engine.devices.disk.scratch import ScratchFolder
+
+        try:  # made and removed at once: the run's own is made when its engine starts
+            ScratchFolder(settings.engine.disk_dir).remove()
+        except ValueError as error:
+            raise UsageError(f"--disk: {error}") from None
     checkpoint = settings.checkpoint
     if checkpoint.every is not None and checkpoint.dir is None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")

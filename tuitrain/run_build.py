@@ -74,6 +74,8 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
             policy=s.engine.policy,
             margin_ratio=s.engine.margin_ratio,
             device_budget=device_budget,
+            host_budget=s.engine.host_budget.nbytes if s.engine.host_budget else None,
+            disk_dir=s.engine.disk_dir,
             precision=precision,
             lr=s.training.lr,
             weight_decay=s.training.weight_decay,

@@ -88,6 +88,11 @@ class EngineSettings(_Strict):
     margin_ratio: float = Field(0.0, ge=MARGIN_RATIO_MIN, le=MARGIN_RATIO_MAX)
     # None: the whole GPU on CUDA, SIMULATED_DEVICE_BUDGET on the simulated device.
     device_budget: Size | None = None
+    # The host's share of chunk bytes and disk I/O buffers; what does not fit goes to a
+    # scratch folder under disk_dir (optimizer state first, then payloads). None: no limit
+    # unless the state would not fit this machine's memory (then the run says what it chose).
+    host_budget: Size | None = None
+    disk_dir: str | None = None  # None: a folder under the user cache folder
     # None: bf16 on a GPU that has it, fp16 on older GPUs, fp32 on the simulated device
     # (CPUs without bf16 units run bf16 matmuls several times slower than fp32).
     precision: Literal["fp32", "bf16", "fp16"] | None = None

@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from engine.chunks import weights
-from engine.chunks.packing import build_chunks, first_use_order, first_uses
+from engine.chunks.packing import build_chunks, fill, first_use_order, first_uses
 from engine.chunks.state import TensorState
 from engine.config import EngineConfig, LiveSettings, describe_setting, format_size
 from engine.devices.device import ComputeDevice, make_device
@@ -85,15 +85,20 @@ class Engine:
         self.closed = False
 
         uses = first_uses(model)
+        # Under a host budget the chunks are filled one at a time and placed (parts on disk)
+        # before the next, so that building never needs the whole state in host memory.
+        budgeted = config.host_budget is not None
         self.chunk_size, self.chunks = build_chunks(model, dtype=self.dtype, device=self.device,
                                                     chunk_size=config.chunk_size,
-                                                    order=uses.order)
+                                                    order=uses.order, filled=not budgeted)
         self.runner = StepRunner(model, self.chunks, self.device, borrowed=uses.borrowed)
         self.manager = self.runner.manager
         self.manager.set_policy(self.settings.policy)
-        self.manager.count_host(self.chunks)
-        if config.host_budget is not None:
-            self.manager.use_host_budget(config.host_budget, config.disk_dir or default_disk_dir())
+        if budgeted:
+            self.manager.use_host_budget(config.host_budget, config.disk_dir or default_disk_dir(),
+                                         fill=lambda chunk: fill(chunk, self.device))
+        else:
+            self.manager.count_host(self.chunks)
         self.optimizer = ChunkAdamW(config, self.manager)
         self._move_buffers()
         self._check_budget(self.settings.device_budget, self.settings.policy)

@@ -203,6 +203,39 @@ def test_the_host_budget_holds_during_the_step_too(disk_dir):
     eng.close()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_building_holds_the_host_budget_but_for_the_one_chunk_being_placed(
+        disk_dir, monkeypatch, precision):
+    """Chunks are filled one at a time and placed before the next: the host never holds
+    the whole state at once (before, it held all of it, then spilled), and what was built
+    is exactly what a build without a budget gives."""
+    from engine.chunks.manager import ChunkManager
+
+    full = host_state(precision)
+    peak = [0]
+    count_host = ChunkManager.count_host
+
+    def counted(self, chunks):
+        count_host(self, chunks)
+        peak[0] = max(peak[0], self.host_bytes + self.io_buffer_bytes)
+
+    monkeypatch.setattr(ChunkManager, "count_host", counted)
+    eng = engine(disk_dir, policy="cpu", host="payload", precision=precision)
+    full_chunk = max(rules.disk_cost(c.numel, c.itemsize, 4096).host_state
+                     + rules.disk_cost(c.numel, c.itemsize, 4096).host_payload
+                     for c in eng.chunks)
+    budget = eng.config.host_budget
+    assert full_chunk < budget < full
+    assert 0 < peak[0] <= budget + full_chunk
+    assert within_host_budget(eng) and any(levels(eng))
+    plain = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE,
+                                                      precision=precision))
+    for name, weight in plain.model_state_dict().items():
+        assert torch.equal(eng.model_state_dict()[name], weight), name
+    plain.close()
+    eng.close()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("host", ["state", "payload"])
 def test_half_precision_with_the_disk_gives_the_same_bits_as_without(disk_dir, precision, host):

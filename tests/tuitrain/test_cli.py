@@ -279,13 +279,15 @@ def test_every_flag_reaches_its_setting(tmp_path):
             "--precision", "fp16", "--steps", "9", "--batch-size", "3", "--seq-len", "64",
             "--lr", "1e-4", "--seed", "5", "--checkpointing", "--data", str(data),
             "--metrics", "m.jsonl", "--checkpoint-dir", "ck", "--checkpoint-every", "4",
-            "--resume", "old",
+            "--resume", "old", "--host-mem", "8GiB", "--disk", str(tmp_path / "scratch"),
         ]
     )  # fmt: skip
     assert settings.engine.model_dump() == {
         "policy": "cpu", "margin_ratio": 0.25, "device_budget": "512MiB",
+        "host_budget": "8GiB", "disk_dir": str(tmp_path / "scratch"),
         "precision": "fp16", "chunk_size": None,
     }  # fmt: skip
+    assert settings.engine.host_budget.nbytes == 8 * 2**30
     t = settings.training
     assert (t.steps, t.batch_size, t.seq_len, t.lr, t.seed) == (9, 3, 64, 1e-4, 5)
     assert t.activation_checkpointing is True
@@ -405,6 +407,16 @@ def test_each_shipped_preset_runs_a_step_of_tiny(capsys, tmp_path, name):
         header = [line for line in saved.read_text().splitlines() if line.startswith("#")]
         assert f"# reproduce: tuitrain run --preset {saved} --headless" in header
         assert any(line.startswith("# measured at step 1: device peak ") for line in header)
+
+
+def test_a_disk_folder_that_cannot_be_made_is_one_line_before_anything_runs(capsys, tmp_path):
+    a_file = write(tmp_path, "not a folder", "f.txt")
+    line = refused(capsys, ["run", "tiny", "--headless", "--disk", str(a_file / "scratch")])
+    assert line.startswith("tuitrain: error: --disk: scratch folder ")
+    assert "cannot be created" in line
+    assert refused(capsys, ["run", "tiny", "--headless", "--host-mem", "lots"]).startswith(
+        "tuitrain: error: --host-mem: ")
+    assert sorted(os.listdir(tmp_path)) == ["f.txt"]
 
 
 @pytest.mark.slow
