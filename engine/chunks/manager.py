@@ -21,11 +21,13 @@ import torch
 from engine.chunks import spill as disk
 from engine.chunks.chunk import Chunk, DeviceCopy, Slot
 from engine.chunks.flight import UpdateInFlight
+from engine.chunks.sharding import ShardedChunks
 from engine.chunks.state import TensorState
 from engine.chunks.update_walk import NoDisk, UpdatePipeline
 from engine.config import format_size
 from engine.devices.device import ComputeDevice, DeviceOutOfMemory
 from engine.devices.disk import ALIGN
+from engine.distributed.collectives import CollectiveError, Collectives
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace
@@ -57,6 +59,16 @@ class ChunkManager:
         self.spill: disk.Spill | None = None  # the disk tier, when the host budget needs it
         self._disk_base = (0, 0, 0.0)  # the tier's counters at the step's start
         self.flight = UpdateInFlight()  # the last step's update, while the next forward runs
+        self.sharding: ShardedChunks | None = None  # data parallel: gathers and reductions
+
+    def use_sharding(self, collectives: Collectives) -> None:
+        """Data parallel: the chunks are sharded (packing.build_chunks with `ranks`), and
+        gathers and gradient reductions go through `collectives` (engine.chunks.sharding).
+        The disk tier does not shard yet: no host budget with it."""
+        if self.spill is not None:
+            raise ValueError("a host budget (the disk tier) does not work with data "
+                             "parallel yet")
+        self.sharding = ShardedChunks(self, collectives)
 
     # --- the step's frame -------------------------------------------------------------
 
@@ -69,6 +81,8 @@ class ChunkManager:
         moves a byte, so that the step reports every copy made for it."""
         self.bytes_h2d = self.bytes_d2h = 0
         self.transfer_seconds = 0.0
+        if self.sharding is not None:
+            self.sharding.reset_counters()
         if self.spill is not None:
             tier = self.spill.tier
             self._disk_base = (tier.bytes_read, tier.bytes_written,
@@ -80,11 +94,23 @@ class ChunkManager:
         if tracing:
             self.strict = False
             self.overrun = 0
+        if self.sharding is not None:
+            self.sharding.begin()
 
     def end_step(self) -> None:
         self.strict = True
 
+    def end_backward(self) -> None:
+        """Every gradient of this backward is in. Sharded: reduce what is still waiting."""
+        if self.sharding is not None:
+            self.sharding.finish()
+
     def use_trace(self, trace: Trace | None) -> None:
+        """Forecast from `trace`. Data parallel: every rank forecasts from the same numbers
+        (each point's peaks and the overrun, the largest any rank measured), so that they
+        all place alike."""
+        if trace is not None and self.sharding is not None:
+            self.overrun = self.sharding.agree_trace(trace, self.overrun)
         self.trace = trace
 
     # --- accounting -------------------------------------------------------------------
@@ -121,7 +147,10 @@ class ChunkManager:
         self.on_change()
 
     def drop_grad(self, chunk: Chunk) -> None:
-        """Free a chunk's device gradient buffer without using it (an aborted step)."""
+        """Free a chunk's device gradient buffer without using it (an aborted step), and
+        any reduction still in flight."""
+        if self.sharding is not None:
+            self.sharding.drop()
         if chunk.grad is not None:
             self.grad_bytes -= chunk.nbytes
             self._free("device", chunk.grad)
@@ -154,12 +183,17 @@ class ChunkManager:
         self.device_bytes += chunk.nbytes if on else -chunk.nbytes
         self.on_change()
 
-    def materialise(self, chunk: Chunk, pos: int, protect: tuple[Chunk, ...] = ()) -> None:
-        """Make sure the chunk's parameters are on the device (HOLD or better)."""
+    def materialise(self, chunk: Chunk, pos: int, protect: tuple[Chunk, ...] = (),
+                    gather: bool = False) -> None:
+        """Make sure the chunk's parameters are on the device (HOLD or better).
+
+        Sharded: the whole chunk is gathered when the ranks agreed to (`gather`), which
+        they do whenever any of them lacks it (engine.chunks.sharding); a fresh copy is
+        gathered again then, its bytes unchanged."""
         self.flight.wait(chunk)  # its update from the last step, if that is still running
         self._last_use[chunk.index] = pos
         self.settle(chunk)
-        if chunk.on_device and not chunk.stale:
+        if chunk.on_device and not chunk.stale and not gather:
             return
         if not chunk.on_device:
             self.make_room(chunk.nbytes, pos, protect + (chunk,))
@@ -167,7 +201,12 @@ class ChunkManager:
         # A payload that holds gradients (every trainable parameter's is in, and a frozen
         # one is still to be used) has the weights in the master only.
         master = chunk.holds_grads and not chunk.aliased
-        if chunk.payload_on_disk or (master and chunk.state_on_disk):
+        if chunk.sharded:
+            own = chunk.device_payload[chunk.shard.lo:chunk.shard.hi]
+            self._copy(own, chunk.master if master else chunk.payload,
+                        "" if chunk.resident else "h2d")
+            self.sharding.gather(chunk)
+        elif chunk.payload_on_disk or (master and chunk.state_on_disk):
             for source, lo, hi in self.spill.fetch(chunk):
                 self._copy(chunk.device_payload[lo:hi], source, "h2d")
         else:
@@ -230,7 +269,7 @@ class ChunkManager:
 
     def release(self, chunk: Chunk) -> bool:
         """Drop the device copy of an idle, non-resident chunk. Returns whether it did."""
-        if chunk.resident or not chunk.on_device or chunk.in_use():
+        if chunk.copy_is_home or not chunk.on_device or chunk.in_use():
             return False
         self.settle(chunk)
         self._storage_resize(chunk, False)
@@ -254,7 +293,7 @@ class ChunkManager:
         """Evict idle chunks (rules.evictions) until `nbytes` and the forecast fit."""
         forecast = self.rules.forecast(self.trace, pos, self.non_model_now())
         free = self.free_bytes(forecast)
-        idle = [c.index for c in self.chunks if c.on_device and not c.resident
+        idle = [c.index for c in self.chunks if c.on_device and not c.copy_is_home
                 and not c.in_use() and c not in protect]
         victims, short = rules.evictions(nbytes, free, idle, lambda i: self.chunks[i].nbytes,
                                          pos=pos, trace=self.trace, last_use=self._last_use)
@@ -276,6 +315,13 @@ class ChunkManager:
         on_device = [c.index for c in self.chunks if c.on_device]
         for index in self.rules.release_before_use(on_device, [c.index for c in needed]):
             self.release(self.chunks[index])
+        if self.sharding is not None:
+            # Gathers at agreed points only; a gather ahead of use would need a second
+            # agreement per module, so sharded chunks are not prefetched yet.
+            gather = self.sharding.boundary(needed)
+            for chunk in needed:
+                self.materialise(chunk, pos, needed, gather=chunk.index in gather)
+            return
         for chunk in needed:
             self.materialise(chunk, pos, needed)
         if phase:
@@ -289,8 +335,9 @@ class ChunkManager:
         on_device = [c.index for c in self.chunks if c.on_device]
         for index in rules.CpuRules.release_before_use(on_device, [c.index for c in needed]):
             self.release(self.chunks[index])
+        gather = self.sharding.boundary(needed) if self.sharding is not None else set()
         for chunk in needed:
-            self.materialise(chunk, -1, needed)
+            self.materialise(chunk, -1, needed, gather=chunk.index in gather)
 
     # --- gradients ------------------------------------------------------------------------
 
@@ -302,7 +349,28 @@ class ChunkManager:
             # Not zeroed: every gradient that arrives overwrites its slot, and finish_grads
             # zeroes what none wrote (a chunk-sized memset per chunk per step, saved).
             chunk.grad = self._alloc("device", chunk.numel, chunk.dtype)
+            if chunk.sharded:
+                # Gradients add up in it (one may come after its chunk was reduced), and
+                # the padding and unused parameters are zeros in the sum over the ranks.
+                chunk.grad.zero_()
         return chunk.grad
+
+    def add_shard_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
+        """Sharded: a parameter's gradient into its chunk's (whole, zeroed) device buffer,
+        resident or not; the buffer is reduce-scattered once every rank's is complete."""
+        buffer = self.grad_buffer(chunk, pos)
+        buffer[slot.offset:slot.offset + slot.numel].add_(grad)
+
+    @property
+    def held_grad_bytes(self) -> int:
+        """Sharded: gradient buffers complete on this rank that wait for, or are in, their
+        reduction (a single process sends them home at once); 0 unsharded."""
+        return self.sharding.held_bytes if self.sharding is not None else 0
+
+    def free_grad_buffer(self, buffer: torch.Tensor) -> None:
+        """A gradient buffer no chunk points to any more (reduced, or dropped)."""
+        self.grad_bytes -= buffer.nbytes
+        self._free("device", buffer)
 
     def grad_home(self, chunk: Chunk) -> torch.Tensor:
         """Where a non-resident chunk's gradients land on the host.
@@ -316,7 +384,12 @@ class ChunkManager:
         return chunk.host_grad if chunk.aliased else chunk.payload
 
     def finish_grads(self, chunk: Chunk) -> None:
-        """Every gradient of a non-resident chunk is in: move them to the host."""
+        """Every gradient of a non-resident chunk is in: move them to the host. Sharded:
+        every gradient this rank computes for the chunk is in (resident or not); it is
+        reduced once the ranks agree (engine.chunks.sharding)."""
+        if self.sharding is not None:
+            self.sharding.ready(chunk)
+            return
         if chunk.grad is None:
             return
         self.settle(chunk)  # the home may be the payload a prefetch reads
@@ -359,6 +432,10 @@ class ChunkManager:
         if chunk.resident == resident:
             return
         self.settle(chunk)
+        if chunk.sharded:
+            self._move_shard(chunk, "device" if resident else "host")
+            chunk.resident = resident
+            return
         if resident:
             fresh = chunk.copy == DeviceCopy.FRESH
             if not chunk.on_device:
@@ -394,9 +471,24 @@ class ChunkManager:
             chunk.resident = False
             self.release(chunk)
 
+    def _move_shard(self, chunk: Chunk, to: str) -> None:
+        """A sharded chunk's home tensors (its shard: payload, master, moments, gradient
+        landing place) to `to`; the gathered copy is another matter (placement's)."""
+        if chunk.aliased:
+            chunk.master = chunk.payload = self._move(chunk.master, to)
+            # Between steps its contents are spent: a new one, not a copy.
+            self._free("host" if to == "device" else "device", chunk.host_grad)
+            chunk.host_grad = self._alloc(to, chunk.home_numel, torch.float32)
+        else:
+            chunk.master = self._move(chunk.master, to)
+            chunk.payload = self._move(chunk.payload, to)
+        chunk.exp_avg = self._move(chunk.exp_avg, to)
+        chunk.exp_avg_sq = self._move(chunk.exp_avg_sq, to)
+
     def resident_cost(self, chunk: Chunk) -> int:
-        """Device bytes a chunk needs to be resident (rules.resident_cost)."""
-        return rules.resident_cost(chunk.numel, chunk.itemsize)
+        """Device bytes a chunk needs to be resident (rules.resident_cost); sharded, its
+        shard's (its gathered copy comes and goes as a non-resident chunk's does)."""
+        return rules.resident_cost(chunk.home_numel, chunk.itemsize)
 
     def apply_residency(self, want: set[int]) -> None:
         """Move chunks to match `want`: leavers first, so their bytes make room for joiners.
@@ -442,6 +534,9 @@ class ChunkManager:
 
         Raises ValueError (rules.HostBudgetTooSmall, ScratchTooSmall, or naming a folder
         that cannot be written) before anything moves."""
+        if self.sharding is not None:
+            raise ValueError("a host budget (the disk tier) does not work with data "
+                             "parallel yet")
         self.host_budget = host_budget
         self.disk_piece = rules.DISK_PIECE
         worst = self.disk_placement(set())
@@ -546,6 +641,11 @@ class ChunkManager:
                 tier.wait_seconds + self.flight.waited - s)
 
 
+    def whole(self, chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
+        """A sharded chunk's home tensor `shard` (master, a moment) gathered whole on the
+        CPU, in fp32; a collective (engine.chunks.sharding.ShardedChunks.whole)."""
+        return self.sharding.whole(chunk, shard)
+
     # --- the end ------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -556,8 +656,17 @@ class ChunkManager:
         for chunk in self.chunks:
             self.settle(chunk)
             with self.opened(chunk):
+                master = chunk.master
+                if chunk.sharded:
+                    try:
+                        master = self.whole(chunk, chunk.master)
+                    except CollectiveError:
+                        master = None  # another rank is gone: no whole weights to give
                 for slot in chunk.slots:
-                    weights = chunk.master[slot.offset:slot.offset + slot.numel]
+                    if master is None:
+                        slot.param.data = torch.empty(0, dtype=chunk.dtype)
+                        continue
+                    weights = master[slot.offset:slot.offset + slot.numel]
                     slot.param.data = weights.to("cpu", chunk.dtype, copy=True).view(slot.shape)
                     slot.param.grad = None
             chunk.payload = chunk.device_payload = chunk.grad = chunk.host_grad = None

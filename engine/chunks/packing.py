@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine.chunks.chunk import Chunk, Slot, chunk_numel, layout
 from engine.devices.device import ComputeDevice
+from engine.distributed.shards import Shard, overlap, padded_numel
 
 
 @dataclass
@@ -98,9 +99,14 @@ def first_use_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def build_chunks(model: torch.nn.Module, *, dtype: torch.dtype, device: ComputeDevice,
                  chunk_size: int | None = None, order: list[torch.nn.Parameter] | None = None,
-                 filled: bool = True) -> tuple[int, list[Chunk]]:
+                 ranks: tuple[int, int] | None = None, filled: bool = True
+                 ) -> tuple[int, list[Chunk]]:
     """(chunk size, chunks) holding every unique parameter of `model`, in first-use order
-    (`order`, found with a dry forward pass when not given)."""
+    (`order`, found with a dry forward pass when not given).
+
+    `ranks` (rank, world size): data parallel; each chunk is padded to a multiple of the
+    world size and this rank keeps only its shard (engine.distributed.shards). Every rank
+    must start from the same weights: the layout is the same everywhere by construction."""
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
@@ -114,7 +120,12 @@ def build_chunks(model: torch.nn.Module, *, dtype: torch.dtype, device: ComputeD
             p = params[i]
             slots.append(Slot(names[id(p)], p, offset, p.numel(), p.shape))
             offset += chunk_numel(sizes, [i])
-        chunk = Chunk(index, chunk_numel(sizes, members), dtype, slots)
+        numel = chunk_numel(sizes, members)
+        shard = None
+        if ranks is not None:
+            numel = padded_numel(numel, ranks[1])
+            shard = Shard(ranks[0], ranks[1], numel)
+        chunk = Chunk(index, numel, dtype, slots, shard=shard)
         if filled:  # else the caller fills each chunk (`fill`), placing it before the next
             fill(chunk, device)
         chunks.append(chunk)
@@ -122,20 +133,25 @@ def build_chunks(model: torch.nn.Module, *, dtype: torch.dtype, device: ComputeD
 
 
 def fill(chunk: Chunk, dev: ComputeDevice) -> None:
-    """Copy the chunk's parameters in, then free their original storage one by one."""
-    chunk.master = dev.host_empty(chunk.numel, torch.float32).zero_()
+    """Copy the chunk's parameters in (a sharded chunk: the part in its shard), then free
+    their original storage one by one."""
+    home = chunk.home_numel
+    lo, hi = (chunk.shard.lo, chunk.shard.hi) if chunk.shard else (0, chunk.numel)
+    chunk.master = dev.host_empty(home, torch.float32).zero_()
     for slot in chunk.slots:
-        src = slot.param.detach().reshape(-1)
-        chunk.master[slot.offset:slot.offset + slot.numel].copy_(src)
+        part = overlap(slot.offset, slot.numel, lo, hi)
+        if part is not None:
+            src = slot.param.detach().reshape(-1)[part[0] - slot.offset:part[1] - slot.offset]
+            chunk.master[part[0] - lo:part[1] - lo].copy_(src)
         slot.param.data = torch.empty(0, dtype=chunk.dtype, device=dev.torch_device)
     if chunk.aliased:
         chunk.payload = chunk.master
-        chunk.host_grad = dev.host_empty(chunk.numel, torch.float32)
+        chunk.host_grad = dev.host_empty(home, torch.float32)
     else:
-        chunk.payload = dev.host_empty(chunk.numel, chunk.dtype)
+        chunk.payload = dev.host_empty(home, chunk.dtype)
         chunk.payload.copy_(chunk.master)
-    chunk.exp_avg = dev.host_empty(chunk.numel, torch.float32).zero_()
-    chunk.exp_avg_sq = dev.host_empty(chunk.numel, torch.float32).zero_()
+    chunk.exp_avg = dev.host_empty(home, torch.float32).zero_()
+    chunk.exp_avg_sq = dev.host_empty(home, torch.float32).zero_()
     chunk.device_payload = dev.empty(chunk.numel, chunk.dtype)
     chunk.bind_params()  # views first: a view cannot be made of empty storage
     chunk.device_payload.untyped_storage().resize_(0)
