@@ -7,7 +7,7 @@ a screen drawn from it is the same on every run.
 
 The helpers `fake_stats`, `fake_started` and `fake_run` make plausible telemetry (memory
 split by policy, chunk placement, the step interval by interval, time split, a decaying
-loss) for screens and demos.
+loss; under a host budget, the disk tier's bytes and I/O) for screens and demos.
 """
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ _TRANSIENT_CHUNKS = 3
 _DEVICE_FLOPS = 5e12
 _HOST_ADAM_BYTES_PER_S = 20e9
 _PCIE_BYTES_PER_S = 12e9
+# The disk tier of a laptop's NVMe: its I/O buffers (three state pieces of 4M elements'
+# fp32 master and moments, four bf16 payload pieces) and its speed. Its I/O overlaps the
+# compute and the update; the step waits for the rest.
+_STATE_BUFFERS = 3 * 48 * MiB
+_PAYLOAD_BUFFERS = 4 * 8 * MiB
+_DISK_BYTES_PER_S = 2.5e9
 
 
 class FakeWorker:
@@ -277,12 +283,15 @@ def fake_stats(
     parameters: int = 125_239_296,
     tokens: int = 256,
     non_model: int | None = None,
+    host_budget: int | None = None,
 ) -> StepStats:
     """Plausible StepStats for step `step` of a bf16 run under the given settings.
 
     Deterministic in its arguments. Memory follows the policy (cuda keeps everything on the
     device, cpu keeps one chunk there, auto fills the budget); the margin brings optimizer
-    state onto the device; the loss decays with a small wobble.
+    state onto the device; under `host_budget` what the host cannot hold goes to disk (the
+    optimizer state of the last chunks first, then their payloads: see fake_disk); the loss
+    decays with a small wobble.
     """
     chunks, states = fake_chunks(
         step,
@@ -312,6 +321,9 @@ def fake_stats(
         device_optimizer = min(optimizer_bytes, int(margin_ratio * spare))
     device_model = device_chunk_bytes + device_optimizer
     host_model = host_chunk_bytes + optimizer_bytes - device_optimizer
+    disk = fake_disk(chunks, states, host_model=host_model, host_budget=host_budget,
+                     state_bytes=(optimizer_bytes - device_optimizer) // n_chunks)
+    chunks, states, host_model = disk.chunks, disk.states, disk.host_model
     timeline = fake_timeline(
         [c.nbytes for c in chunks],
         resident=on_device,
@@ -328,7 +340,9 @@ def fake_stats(
     transfer = (moved_h2d + moved_d2h) / _PCIE_BYTES_PER_S
     wobble = 1.0 + 0.03 * math.sin(step * 1.3)
     forward, backward = compute / 3 * wobble, compute * 2 / 3 * wobble
-    seconds = forward + backward + optimizer + transfer
+    disk_io = (disk.read + disk.written) / _DISK_BYTES_PER_S
+    disk_wait = max(0.0, disk_io - (forward + backward + optimizer))
+    seconds = forward + backward + optimizer + transfer + disk_wait
     memory = MemorySnapshot(
         device_capacity=device_budget,
         device_model=device_model,
@@ -336,9 +350,11 @@ def fake_stats(
         device_peak=max(p.model_bytes + p.non_model_bytes for p in timeline),
         host_model=host_model,
         # The simulated device its Started event names lives in this process too.
-        process_rss=host_model + device_model + int(1.4 * GiB),
+        process_rss=host_model + disk.io_buffers + device_model + int(1.4 * GiB),
         states=states,
         chunks=chunks,
+        disk_model=disk.disk_model,
+        host_io_buffers=disk.io_buffers,
     )
     return StepStats(
         step=step,
@@ -357,7 +373,66 @@ def fake_stats(
         memory=memory,
         lr=3e-4,
         timeline=timeline,
+        bytes_disk_read=disk.read,
+        bytes_disk_written=disk.written,
+        disk_wait=disk_wait,
     )
+
+
+@dataclasses.dataclass
+class FakeDisk:
+    """What fake_disk sent to disk: the chunks and state counts as they are after it, the
+    bytes left on the host, and the disk tier's own figures."""
+
+    chunks: list[ChunkInfo]
+    states: dict[str, dict[str, int]]
+    host_model: int
+    disk_model: int = 0
+    io_buffers: int = 0
+    read: int = 0  # bytes per step
+    written: int = 0
+
+
+def fake_disk(
+    chunks: list[ChunkInfo],
+    states: dict[str, dict[str, int]],
+    *,
+    host_model: int,
+    host_budget: int | None,
+    state_bytes: int,
+) -> FakeDisk:
+    """The disk tier under `host_budget`, in the engine's order: the optimizer state on the
+    host (`state_bytes` per chunk), the last chunk's first, until the host holds its chunk
+    bytes and the I/O buffers; then, if still needed, the payloads of chunks on the host
+    (those are then located on "disk"). A budget too small even then is not refused here,
+    as the engine would refuse it: the host keeps what is left. Each step reads a state on
+    disk for the update and writes it back; a payload on disk is read for the forward, the
+    backward and the update, and written with its gradients and after the update."""
+    if host_budget is None or host_model <= host_budget:
+        return FakeDisk(chunks, states, host_model)
+    chunks = list(chunks)
+    states = {loc: dict(counts) for loc, counts in states.items()}
+    states["disk"] = dict.fromkeys((s.value for s in TensorState), 0)
+    on_host = [i for i in reversed(range(len(chunks))) if chunks[i].location == "host"]
+    state = payload = 0
+    buffers = _STATE_BUFFERS
+    for _ in chunks:
+        if host_model + buffers <= host_budget:
+            break
+        host_model -= state_bytes
+        state += state_bytes
+    else:
+        buffers += _PAYLOAD_BUFFERS
+        for i in on_host:
+            if host_model + buffers <= host_budget:
+                break
+            host_model -= chunks[i].nbytes
+            payload += chunks[i].nbytes
+            chunks[i] = dataclasses.replace(chunks[i], location="disk")
+            states["host"][chunks[i].state] -= TENSORS_PER_CHUNK
+            states["disk"][chunks[i].state] += TENSORS_PER_CHUNK
+    return FakeDisk(chunks, states, max(0, host_model), disk_model=state + payload,
+                    io_buffers=buffers, read=state + 3 * payload, written=state + 2 * payload)
 
 
 def follow_settings(**run: object) -> Callable[[StepStats, dict[str, object]], StepStats]:
@@ -474,6 +549,7 @@ def fake_run(
     parameters: int = 125_239_296,
     tokens: int = 256,
     first_step: int = 1,
+    host_budget: int | None = None,
 ) -> list[Event]:
     """A Started event followed by `steps` Step events: a whole scripted run."""
     events: list[Event] = [
@@ -494,6 +570,7 @@ def fake_run(
             n_chunks=n_chunks,
             parameters=parameters,
             tokens=tokens,
+            host_budget=host_budget,
         )
         events.append(Step(stats))
     return events

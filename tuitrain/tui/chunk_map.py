@@ -1,4 +1,5 @@
-"""ChunkMap: one cell per chunk, showing where it lives and whether it is in use right now."""
+"""ChunkMap: one cell per chunk, showing where it lives (the device, the host, or the disk
+under a host budget) and whether it is in use right now."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ from textual.widgets import Static
 
 from engine.chunks.state import TensorState
 from engine.telemetry import ChunkInfo
+from tuitrain.tui.fitting import KEEP, Item, fit_line
 
 # Glyphs differ as well as colours, so the map reads without colour too.
 DEVICE = ("■", "green")
 HOST = ("□", "dodger_blue2")
+DISK = ("▤", "tan")  # its payload is in the scratch folder
 IN_USE = ("◆", "bold yellow")
+LOCATED = {"device": DEVICE, "host": HOST, "disk": DISK}
 
 
 def cell_for(chunk: ChunkInfo) -> tuple[str, str]:
     if chunk.state == TensorState.COMPUTE.value:
         return IN_USE
-    return DEVICE if chunk.location == "device" else HOST
+    return LOCATED.get(chunk.location, HOST)
 
 
 class ChunkMap(VerticalScroll):
@@ -68,7 +72,7 @@ class ChunkMap(VerticalScroll):
     @property
     def cell_count(self) -> int:
         """Cells drawn, one per chunk."""
-        return sum(self.cells_text.count(glyph) for glyph, _ in (DEVICE, HOST, IN_USE))
+        return sum(self.cells_text.count(glyph) for glyph, _ in (DEVICE, HOST, DISK, IN_USE))
 
     @property
     def cells_text(self) -> str:
@@ -79,16 +83,27 @@ class ChunkMap(VerticalScroll):
         self.query_one("#chunk-cells", Static).update(self._cells())
 
     def _legend(self) -> Text:
-        on_device = sum(c.location == "device" for c in self.chunks)
+        """Chunks per location (the disk only when some are there), and those in use."""
+        count = {loc: sum(c.location == loc for c in self.chunks) for loc in ("device", "disk")}
+        host = len(self.chunks) - count["device"] - count["disk"]
         in_use = sum(cell_for(c) == IN_USE for c in self.chunks)
+        total = f"· {len(self.chunks)} chunks"
+        if count["disk"]:
+            # A fourth key: the total goes first when the panel is too narrow for it.
+            items = [Item(((glyph, style), (f" {label}", "")), rank=KEEP)
+                     for (glyph, style), label in (
+                         (DEVICE, f"device {count['device']}"), (HOST, f"host {host}"),
+                         (DISK, f"disk {count['disk']}"), (IN_USE, f"in use {in_use}"))]
+            items.append(Item(((total, "dim"),), rank=1))
+            return fit_line(items, self.scrollable_content_region.width or 40, seps=("  ", " "))
         return Text.assemble(
             (DEVICE[0], DEVICE[1]),
-            f" device {on_device}  ",
+            f" device {count['device']}  ",
             (HOST[0], HOST[1]),
-            f" host {len(self.chunks) - on_device}  ",
+            f" host {host}  ",
             (IN_USE[0], IN_USE[1]),
             f" in use {in_use}  ",
-            (f"· {len(self.chunks)} chunks", "dim"),
+            (total, "dim"),
         )
 
     def _cells(self) -> Text:

@@ -5,9 +5,10 @@ optimizer state: what the placement decides) and on top of it the peak of everyt
 (activations, workspace), against the budget line. Between steps the chunks may all be
 back on the host (cpu, or auto with no margin), so what the device held *during* the step
 is what is drawn: from the step's timeline when the engine reports one, else estimated
-from its peaks. Host: the bytes the engine keeps there (its chunks; on the simulated
-device, its device bytes too, which live in this process) and the process's RSS above
-them; the gap is memory the engine does not account for.
+from its peaks. Host: the bytes the engine keeps there (its chunks and the disk tier's
+I/O buffers; on the simulated device, its device bytes too, which live in this process) and
+the process's RSS above them; the gap is memory the engine does not account for. Under a
+host budget that sends chunks to disk, the bytes on disk are a third line there.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ OTHER = (255, 165, 0)
 BUDGET = (230, 70, 70)
 ENGINE_HOST = (90, 150, 255)
 RSS = (210, 110, 230)
+DISK = (215, 175, 135)  # tan, as the chunk map's chunks on disk
 CAPTION_SEPS = ("  ", " ")
 
 
@@ -51,6 +53,8 @@ class MemorySample(NamedTuple):
     host_model: int  # chunk bytes on the host after the step
     device_model: int  # chunk bytes on the device after the step
     process_rss: int
+    host_io_buffers: int = 0  # the disk tier's buffers on the host
+    disk_model: int = 0  # chunk bytes in the scratch folder after the step
 
 
 def chunk_peak(stats: StepStats) -> tuple[int, bool]:
@@ -134,12 +138,20 @@ class MemoryChart(Vertical):
                 host_model=mem.host_model,
                 device_model=mem.device_model,
                 process_rss=mem.process_rss,
+                host_io_buffers=mem.host_io_buffers,
+                disk_model=mem.disk_model,
             )
         )
 
     def engine_host_bytes(self, sample: MemorySample) -> int:
         """What the engine accounts for in this process's memory."""
-        return sample.host_model + (sample.device_model if self.simulated else 0)
+        own = sample.host_model + sample.host_io_buffers
+        return own + (sample.device_model if self.simulated else 0)
+
+    @property
+    def uses_disk(self) -> bool:
+        """Whether any step in the window had chunk bytes on disk."""
+        return any(s.disk_model for s in self.samples)
 
     def _width(self) -> int:
         return self.query_one("#device-caption", Static).content_region.width or 200
@@ -167,14 +179,17 @@ class MemoryChart(Vertical):
         last = self.samples[-1]
         engine = self.engine_host_bytes(last)
         untracked = max(0, last.process_rss - engine)
-        unit, _ = size_unit(max(engine, last.process_rss))
+        disk = self.uses_disk
+        unit, _ = size_unit(max(engine, last.process_rss, last.disk_model if disk else 0))
         items = [
             _plain("host  ", style="bold"),
             _plain(f"({unit})", style="dim", rank=1),
             _key(ENGINE_HOST, f"engine {format_size(engine)}"),
             _key(RSS, f"RSS {format_size(last.process_rss)}"),
-            _plain(f"untracked {format_size(untracked)}", style="bold", rank=3),
         ]
+        if disk:
+            items.append(_key(DISK, f"disk {format_size(last.disk_model)}"))
+        items.append(_plain(f"untracked {format_size(untracked)}", style="bold", rank=3))
         if self.host_total is not None:
             items.append(_plain(f"of {format_size(self.host_total)}", style="dim", rank=1))
         return fit_line(items, self._width(), seps=CAPTION_SEPS)
@@ -222,13 +237,16 @@ class MemoryChart(Vertical):
         device.refresh()
 
         engine = [self.engine_host_bytes(s) for s in samples]
-        top = max(max(engine), max(s.process_rss for s in samples), 1)
+        disk = [s.disk_model for s in samples] if self.uses_disk else []
+        top = max(max(engine), max(s.process_rss for s in samples), max(disk, default=0), 1)
         _, scale = size_unit(top)
         host = self.query_one("#host-plot", PlotextPlot)
         plt = host.plt
         plt.clear_data()
         self._series(host, steps, [v / scale for v in engine], ENGINE_HOST, fill=True)
         self._series(host, steps, [s.process_rss / scale for s in samples], RSS)
+        if disk:
+            self._series(host, steps, [v / scale for v in disk], DISK)
         plt.ylim(0, top / scale * 1.1)
         plt.xticks(ticks)
         host.refresh()

@@ -1,5 +1,5 @@
-"""StepPanel: where the last step's time went, the bytes it moved, its activation peak, and
-the loss so far."""
+"""StepPanel: where the last step's time went, the bytes it moved (to the disk and back too,
+under a host budget), its activation peak, and the loss so far."""
 
 from __future__ import annotations
 
@@ -26,9 +26,36 @@ PHASES = (
 )
 
 
+def uses_disk(stats: StepStats) -> bool:
+    """Whether the step had chunk bytes on disk or moved any there or back."""
+    return bool(stats.memory.disk_model or stats.bytes_disk_read or stats.bytes_disk_written)
+
+
+def disk_lines(stats: StepStats) -> list[Text]:
+    """The disk tier in the step: bytes read and written, the time the step waited for
+    them, and the rate they moved at over the whole step."""
+    moved = stats.bytes_disk_read + stats.bytes_disk_written
+    rate = moved / stats.seconds if stats.seconds > 0 else 0.0
+    return [
+        Text.assemble(
+            ("disk read ", "dim"),
+            (format_size(stats.bytes_disk_read), "bold"),
+            ("  write ", "dim"),
+            (format_size(stats.bytes_disk_written), "bold"),
+        ),
+        Text.assemble(
+            ("disk wait ", "dim"),
+            (format_seconds(stats.disk_wait), "bold"),
+            ("  at ", "dim"),
+            (f"{format_size(int(rate))}/s", "bold"),
+        ),
+    ]
+
+
 def step_breakdown(stats: StepStats | None) -> Text:
-    """The time split as a small table with bars, the bytes moved each way, and the peak of
-    non-model data (activations, workspace) on the device."""
+    """The time split as a small table with bars, the bytes moved each way (and to and from
+    the disk when the run has one), and the peak of non-model data (activations, workspace)
+    on the device."""
     if stats is None:
         return Text("waiting for the first step…", style="dim")
     total = stats.seconds if stats.seconds > 0 else 1.0
@@ -63,6 +90,8 @@ def step_breakdown(stats: StepStats | None) -> Text:
             (format_size(stats.bytes_d2h), "bold"),
         )
     )
+    if uses_disk(stats):
+        lines.extend(disk_lines(stats))
     lines.append(
         Text.assemble(
             ("non-model peak ", "dim"),

@@ -227,3 +227,48 @@ def test_follow_settings_redraws_each_step_under_the_settings_in_force():
         fake_stats(2, policy="cpu", **run), applied=["policy cpu"]
     )
     assert second.stats.seconds != first.stats.seconds
+
+
+# --- the disk tier ------------------------------------------------------------------------
+
+OPT_1_3B = dict(parameters=1_315_758_080, n_chunks=72, device_budget=3 * GiB)
+
+
+def test_no_host_budget_or_one_that_holds_everything_reports_no_disk():
+    for budget in (None, 64 * GiB):
+        stats = fake_stats(4, policy="cpu", host_budget=budget, **OPT_1_3B)
+        memory = stats.memory
+        assert (memory.disk_model, memory.host_io_buffers) == (0, 0)
+        assert (stats.bytes_disk_read, stats.bytes_disk_written, stats.disk_wait) == (0, 0, 0)
+        assert set(memory.states) == {"device", "host"}
+        assert stats == fake_stats(4, policy="cpu", **OPT_1_3B)
+
+
+def test_a_host_budget_sends_optimizer_state_first_then_the_last_payloads():
+    whole = fake_stats(4, policy="cpu", **OPT_1_3B).memory.host_model
+    state_only = fake_stats(4, policy="cpu", host_budget=whole * 3 // 4, **OPT_1_3B)
+    payloads = fake_stats(4, policy="cpu", host_budget=whole // 10, **OPT_1_3B)
+    for stats, budget in ((state_only, whole * 3 // 4), (payloads, whole // 10)):
+        memory = stats.memory
+        assert memory.host_model + memory.host_io_buffers <= budget
+        assert memory.host_model + memory.disk_model == whole  # nothing lost, nothing made up
+        assert "disk" in memory.states and stats.bytes_disk_read >= memory.disk_model > 0
+        assert stats.bytes_disk_written > 0 and stats.disk_wait > 0
+    assert all(c.location != "disk" for c in state_only.memory.chunks)
+    on_disk = [c.index for c in payloads.memory.chunks if c.location == "disk"]
+    on_host = [c.index for c in payloads.memory.chunks if c.location == "host"]
+    assert on_disk and min(on_disk) > max(on_host)  # the last used go first
+    disk_states = payloads.memory.states["disk"]
+    assert sum(disk_states.values()) == len(on_disk) * TENSORS_PER_CHUNK
+    counted = sum(sum(by_state.values()) for by_state in payloads.memory.states.values())
+    assert counted == 72 * TENSORS_PER_CHUNK
+    stats = payloads
+    split = stats.forward + stats.backward + stats.optimizer + stats.transfer
+    assert abs(split + stats.disk_wait - stats.seconds) < 1e-12
+
+
+def test_fake_run_carries_the_host_budget_to_every_step():
+    events = fake_run(3, policy="cpu", host_budget=2 * GiB, **OPT_1_3B)
+    steps = [e.stats for e in events if isinstance(e, Step)]
+    assert len(steps) == 3 and all(s.memory.disk_model > 0 for s in steps)
+    assert steps[-1] == fake_stats(3, policy="cpu", host_budget=2 * GiB, **OPT_1_3B)

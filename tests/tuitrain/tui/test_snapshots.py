@@ -99,3 +99,27 @@ def test_help_screen(snap_compare):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+# The same model under cpu with a 2 GiB host budget: optimizer state and the last chunks'
+# payloads on disk, so the disk shows as a third tier in every panel that has one.
+DISK_RUN = {**STATS, "policy": "cpu", "host_budget": 2 * GiB}
+
+
+def test_a_run_with_a_disk_tier(snap_compare):
+    settings = Settings(model=RUN["model"])
+    settings.engine.device_budget = "3GiB"
+    settings.engine.policy = "cpu"
+    settings.engine.margin_ratio = RUN["margin_ratio"]
+    settings.training.steps = 500
+    events = fake_run(30, model=RUN["model"], **DISK_RUN)
+    fake = FakeWorker(events, steps_per_poll=10_000)
+    app = TuitrainApp(settings, worker_factory=lambda _: fake)
+
+    async def run_before(pilot) -> None:
+        await pilot.pause()
+        app.poll_worker()
+        app.redraw()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
