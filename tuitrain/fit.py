@@ -1,5 +1,6 @@
-"""Will a run fit this machine? Its memory when the user names none, and the warning a run
-prints at its start when the planner says it will not fit.
+"""Will a run fit this machine? Its memory when the user names none, and the settings a run
+starts with: what the user left to the defaults chosen so that the plan says it fits, what
+they chose and cannot fit refused, before anything is built.
 
 The forecast itself is engine.planning.planner.plan (no UI there). Used by the worker at the
 start of a run and by the `plan` command for the machine's defaults.
@@ -7,7 +8,9 @@ start of a run and by the `plan` command for the machine's defaults.
 
 from __future__ import annotations
 
-from tuitrain.settings import Settings
+from collections.abc import Callable
+
+from tuitrain.settings import SIMULATED_DEVICE_BUDGET, Settings, Size
 
 
 def default_device_budget(simulated: bool) -> int:
@@ -51,41 +54,104 @@ def default_host_budget() -> int:
     return int(psutil.virtual_memory().total)
 
 
-def warn_if_unfit(settings: Settings) -> str | None:
-    """One line saying why the run will not fit, or None if it will.
+# Host memory left to the rest of the machine.
+HOST_RESERVE = 1024**3
+MiB = 2**20
 
-    Args:
-        settings: the run as it is built (Settings.as_used): the budget is the one the
-            engine got, which on the simulated device may be less than the one asked for.
 
-    For the start of a run (headless or the app): the plan takes a second or two and
-    allocates nothing. A model or size the planner cannot read gives None; the run reports
-    that itself.
+def host_room() -> int:
+    """Host memory this run may use: what is available now plus what this process holds
+    already (the plan counts the process's runtime), less HOST_RESERVE for the rest."""
+    import psutil
+
+    held = psutil.Process().memory_info().rss
+    return psutil.virtual_memory().available + held - HOST_RESERVE
+
+
+def settle(settings: Settings, say: Callable[[str], None]) -> Settings:
+    """The run as it will start, decided by the plan before anything is built.
+
+    What the user left to the defaults adapts until the plan says the run fits this
+    machine, and `say` hears each choice in one line: a simulated device (whose bytes live
+    in host memory) shrinks first, then a host budget sends what does not fit to disk.
+    What the user chose and cannot fit is refused: a ValueError with one line that says
+    why and what would fit. A model the planner cannot read is left to the build to report.
+
+    Returns the settings with what was chosen written in, so that the run (and a preset
+    saved from it) uses exactly that.
     """
+    from engine.config import format_size
     from engine.devices.device import uses_cuda
+    from engine.placement.rules import BudgetTooSmall, HostBudgetTooSmall
     from engine.planning.planner import plan
 
     simulated = not uses_cuda()
-    try:
+    e = settings.engine
+    room = host_room()
+
+    def forecast(device: int, host_budget: int | None):
         result = plan(
             settings.model,
-            device_mem=settings.device_budget_for(simulated) or default_device_budget(simulated),
-            host_mem=default_host_budget(),
+            device_mem=device,
+            host_mem=room,
             precision=settings.precision_for(simulated),
             batch_size=settings.training.batch_size,
             seq_len=settings.training.seq_len,
             checkpointing=settings.training.activation_checkpointing,
             simulated=simulated,
-            chunk_size=settings.engine.chunk_size,
-            margin_ratio=settings.engine.margin_ratio,
+            chunk_size=e.chunk_size,
+            margin_ratio=e.margin_ratio,
+            host_budget=host_budget,
+            disk_dir=e.disk_dir,
         )
-    except (ValueError, RuntimeError):  # a warning must never stop the run it warns about
-        return None
-    chosen = result.policies[settings.engine.policy]
-    if chosen.fits:
-        return None
-    line = f"the plan says policy {chosen.policy} will not fit: {chosen.reason}"
-    rec = result.recommended
-    if rec.policy is not None and rec.policy != chosen.policy:
-        line += f"; policy {rec.policy} would (margin {rec.margin_ratio:g})"
-    return line
+        return result, result.policies[e.policy]
+
+    device = settings.device_budget_for(simulated) or default_device_budget(simulated)
+    host_budget = e.host_budget.nbytes if e.host_budget is not None else None
+    try:
+        result, row = forecast(device, host_budget)
+    except (BudgetTooSmall, HostBudgetTooSmall):
+        raise
+    except Exception:  # the planner cannot read this model; the build will say why
+        return settings
+    chosen: dict[str, object] = {}
+    if not row.fits and simulated and e.device_budget is None and row.host_peak > room:
+        smaller = (min(device, row.device_peak) - (row.host_peak - room)) // MiB * MiB
+        if smaller >= result.working_set:
+            result, row = forecast(smaller, host_budget)
+            device = smaller
+            chosen["device_budget"] = Size.of_bytes(smaller)
+            say(f"simulated device budget {format_size(smaller)}: its bytes live in host "
+                f"memory, and the default {format_size(SIMULATED_DEVICE_BUDGET)} does not "
+                f"fit beside the host's copies")
+    if not row.fits and e.host_budget is None and row.host_peak > room:
+        # Everything but the chunks stays; the chunks get what is left, the rest on disk.
+        budget = room - (row.host_peak - row.host_model - row.io_buffers)
+        for _ in range(3):
+            budget = budget // MiB * MiB
+            if budget <= 0:
+                break
+            try:
+                result, row = forecast(device, budget)
+            except HostBudgetTooSmall:
+                break
+            if row.fits or row.host_peak <= room:
+                break
+            budget -= row.host_peak - room
+        if row.fits:
+            chosen["host_budget"] = Size.of_bytes(budget)
+            say(f"host budget {format_size(budget)}: this machine's memory holds that beside "
+                f"the rest, and {format_size(row.disk_bytes)} of training state goes to disk "
+                f"under {result.disk_dir}")
+    if not row.fits:
+        rec = result.recommended
+        if rec.policy is None:  # nothing fits: the reason says what is missing
+            raise ValueError(row.reason)
+        line = f"policy {row.policy} will not fit: {row.reason}"
+        if rec.policy != row.policy:
+            line += (f"; policy {rec.policy} would (--policy {rec.policy} "
+                     f"--margin {rec.margin_ratio:g})")
+        raise ValueError(line)
+    if not chosen:
+        return settings
+    return settings.model_copy(update={"engine": e.model_copy(update=chosen)})

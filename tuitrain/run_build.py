@@ -10,9 +10,6 @@ from typing import Any
 
 from tuitrain.settings import Settings
 
-# Host memory left to the rest of the machine when sizing the default simulated device.
-HOST_RESERVE = 1024**3
-
 
 @dataclass
 class BuiltRun:
@@ -28,7 +25,7 @@ class BuiltRun:
 def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     """Build model, data and engine; `say` hears each stage and any setting adapted."""
 
-    from engine import Engine, EngineConfig, format_size
+    from engine import Engine, EngineConfig
     from engine.data.held_out import build_run_data
     from engine.devices.device import uses_cuda
     from engine.models.zoo import build_model
@@ -61,13 +58,6 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
         eval_batch_size=t.batch_size,
     )
     precision = s.precision_for(simulated)
-    if simulated and s.engine.device_budget is None:
-        default = device_budget
-        parameters = sum(p.numel() for p in model.parameters())
-        device_budget = simulated_budget(default, parameters=parameters, precision=precision)
-        if device_budget < default:
-            say(f"simulated device budget {format_size(device_budget)} (the default "
-                f"{format_size(default)} does not fit beside the host's copies)")
     engine = Engine(
         model,
         EngineConfig(
@@ -98,34 +88,6 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
         s.as_used(precision=precision, device_budget=device_budget),
         data.eval,
     )
-
-
-def simulated_budget(default: int, *, parameters: int, precision: str) -> int:
-    """The default simulated budget, shrunk to what this machine's memory can hold.
-
-    A simulated device lives in host memory beside the host copies of the chunks, so the
-    laptop's 6 GiB cannot always be had on top of them. An explicit budget is honoured (and
-    fails as it would); the default adapts, and says so.
-    """
-    import psutil
-
-    from engine.chunks.chunk import host_bytes_per_parameter
-    from engine.config import format_size
-
-    # The model as built (fp32) is freed parameter by parameter while it is packed.
-    need = (host_bytes_per_parameter(precision) - 4) * parameters
-    room = psutil.virtual_memory().available - need - HOST_RESERVE
-    # Too small a device for the model is the engine's to refuse, with its minimum.
-    if room < 2**20:
-        total = host_bytes_per_parameter(precision) * parameters
-        raise ValueError(
-            f"{parameters / 1e9:.2f}B parameters in {precision} need about "
-            f"{format_size(total)} of host memory for their chunks and optimizer state; this "
-            f"machine has {format_size(psutil.virtual_memory().available + 4 * parameters)} "
-            f"available"
-        )
-    # Whole MiB, so the budget recorded with the run reads as a size, not a byte count.
-    return int(min(default, room)) // 2**20 * 2**20
 
 
 def describe_device(simulated: bool, device_budget: int | None) -> str:

@@ -111,11 +111,14 @@ class TrainingRun:
                 self.metrics.close()
 
     def _setup(self) -> None:
-        from tuitrain.fit import warn_if_unfit
+        from tuitrain.fit import settle
         from tuitrain.run_build import build_run
 
         s = self.settings
         print(f"tuitrain worker pid {os.getpid()} started {_now()}", flush=True)
+        # Before anything is built or written: what the user left to the defaults is chosen
+        # so that the plan says the run fits, and what they chose and cannot fit is refused.
+        s = self.settings = settle(s, self._say)
         resume = self._checkpoint_hooks()
         if s.logging.metrics:
             self.metrics = MetricsWriter(s.logging.metrics)
@@ -123,12 +126,6 @@ class TrainingRun:
         built = build_run(s, self._say)
         self.model, self.data, self.engine = built.model, built.data, built.engine
         self.eval_data = built.eval_data
-        # The planner's forecast, once the engine has accepted the settings (so a refusal is
-        # one line, not a warning and an error saying the same), and of the run as built: a
-        # default simulated budget may have shrunk to fit this machine.
-        unfit = warn_if_unfit(built.settings)
-        if unfit:
-            self._say(unfit, "warning")
         if resume is not None:
             self.next_step = int(resume(self.engine, self.model, self.data, s)) + 1
             self._say(f"resumed from {s.checkpoint.resume} after step {self.next_step - 1}")

@@ -292,7 +292,7 @@ class _Planner:
 
     def _too_small(self, trace: Trace) -> str:
         return (
-            f"device memory {format_size(self.device_mem)} is below the minimum working "
+            f"device budget {format_size(self.device_mem)} is below the minimum working "
             f"set {format_size(self.working_set(trace))} (chunks in use, gradients and "
             f"activations)"
         )
@@ -324,10 +324,25 @@ class _Planner:
 
     def built(self, outcome: _Outcome) -> int:
         """Host bytes while the engine builds: every chunk's host state at once, whatever
-        the policy (resident chunks move to the device, parts go to disk, afterwards),
-        beside the disk tier's I/O buffers that carry them there."""
-        everything = sum(self.cost.host(n) for n in self.lay.numel)
-        return everything + self.placement(outcome.resident).buffer_bytes
+        the policy (resident chunks move to the device afterwards).
+
+        Under a host budget the engine fills the chunks one at a time, last used first,
+        and sends each one's parts where the placement with nothing resident puts them
+        before the next (ChunkManager.use_host_budget): the peak is then the model's own
+        fp32 parameters not yet packed, the parts kept so far, one chunk's whole state and
+        the I/O buffers that carry them."""
+        if self.host_budget is None:
+            return sum(self.cost.host(n) for n in self.lay.numel)
+        worst = self.placement(set())
+        unpacked = 4 * sum(self.lay.numel)
+        kept = peak = 0
+        for index in reversed(range(len(self.lay.numel))):
+            numel = self.lay.numel[index]
+            unpacked -= 4 * numel
+            peak = max(peak, unpacked + kept + self.cost.host(numel))
+            level, cost = worst.level(index), self.disk_costs[index]
+            kept += (self.cost.host(numel), cost.host_payload, 0)[level]
+        return max(peak, kept) + worst.buffer_bytes
 
     def during(self, outcome: _Outcome) -> int:
         """Host bytes during a steady step, the runtime aside.
@@ -375,7 +390,7 @@ class _Planner:
             reason = outcome.failure
             if not reason and self.capacity < self.first_need:
                 reason = (
-                    f"device memory {format_size(self.device_mem)} is below the "
+                    f"device budget {format_size(self.device_mem)} is below the "
                     f"{format_size(self.first_need)} the largest module needs with its "
                     f"gradients"
                 )
@@ -432,7 +447,9 @@ class _Planner:
 
     def _host_parts(self, outcome: _Outcome) -> str:
         if self.built(outcome) > self.during(outcome):
-            return (f"building the chunks holds all of them at once, "
+            holds = ("the model's own weights until they are packed, beside the parts "
+                     "kept so far" if self.host_budget is not None else "all of them at once")
+            return (f"building the chunks holds {holds}, "
                     f"{format_size(self.built(outcome))} + runtime {format_size(self.runtime)}")
         where = self.placement(outcome.resident)
         parts = [f"chunks {format_size(where.host_bytes)}"]

@@ -1,5 +1,7 @@
-"""The warning a run prints at its start when the planner says it will not fit: why, what
-would, and planned with the budget the engine really got."""
+"""The settings a run starts with, decided by the plan before anything is built: defaults
+adapt until the run fits this machine (a simulated device shrinks, then a host budget sends
+training state to disk), each choice said in one line; what the user chose and cannot fit
+is refused in one line that says what would."""
 
 from __future__ import annotations
 
@@ -8,38 +10,93 @@ import multiprocessing
 import pytest
 import torch
 
-from tuitrain import run_build
+from engine.planning.planner import plan
+from tuitrain import fit
 from tuitrain.events import Log, Stop
-from tuitrain.fit import warn_if_unfit
-from tuitrain.settings import Settings
+from tuitrain.settings import SIMULATED_DEVICE_BUDGET, Settings
 from tuitrain.training_run import TrainingRun
 
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
+simulated_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                    reason="the simulated device's bytes live in host memory")
 
 
-def test_warn_if_unfit_says_why_and_what_would_fit():
-    tight = Settings.model_validate(
-        {
-            "model": "tiny",
-            "engine": {"policy": "cuda", "device_budget": "20MiB", "precision": "bf16"},
-            "training": {"batch_size": 2, "seq_len": 64},
-        }
-    )
-    line = warn_if_unfit(tight)
-    assert line is not None and "\n" not in line
-    assert "policy cuda will not fit" in line and "20.0 MiB" in line
-    assert "policy auto would" in line
+def settings(model: str = "tiny", **engine) -> Settings:
+    return Settings.model_validate({"model": model, "engine": {"precision": "fp32", **engine},
+                                    "training": {"batch_size": 1, "seq_len": 64}})
 
 
-def test_warn_if_unfit_is_silent_when_the_run_fits():
-    roomy = Settings.model_validate(
-        {
-            "model": "tiny",
-            "engine": {"policy": "auto", "device_budget": "1GiB", "precision": "bf16"},
-            "training": {"batch_size": 2, "seq_len": 64},
-        }
-    )
-    assert warn_if_unfit(roomy) is None
+def settled(monkeypatch, s: Settings, room: int) -> tuple[Settings, list[str]]:
+    monkeypatch.setattr(fit, "host_room", lambda: room)
+    said: list[str] = []
+    return fit.settle(s, said.append), said
+
+
+def planned(s: Settings, room: int):
+    e = s.engine
+    return plan(s.model, device_mem=s.device_budget_for(True), host_mem=room, precision="fp32",
+                batch_size=1, seq_len=64, simulated=True,
+                host_budget=e.host_budget.nbytes if e.host_budget else None,
+                disk_dir=e.disk_dir)
+
+
+def forecast(s: Settings, room: int):
+    return planned(s, room).policies[s.engine.policy]
+
+
+def test_a_run_that_fits_starts_as_asked_and_nothing_is_said(monkeypatch):
+    s = settings(policy="cuda", device_budget="256MiB")
+    assert settled(monkeypatch, s, 16 * GiB) == (s, [])
+
+
+def test_a_chosen_policy_that_cannot_fit_is_refused_naming_what_would(monkeypatch):
+    with pytest.raises(ValueError) as refused:
+        settled(monkeypatch, settings(policy="cuda", device_budget="12MiB"), 16 * GiB)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert line.startswith("policy cuda will not fit: ") and "12.0 MiB" in line
+    assert "policy auto would (--policy auto" in line
+
+
+def test_a_chosen_budget_below_the_working_set_is_refused_with_the_minimum(monkeypatch):
+    with pytest.raises(ValueError, match="minimum"):
+        settled(monkeypatch, settings(policy="cpu", device_budget="1MiB"), 16 * GiB)
+
+
+@simulated_only
+def test_the_default_simulated_device_shrinks_to_whole_mib_beside_the_host_copies(monkeypatch):
+    result = planned(settings("opt-125m", device_budget=SIMULATED_DEVICE_BUDGET), 64 * GiB)
+    # Short of half what auto holds on the simulated device beyond the working set.
+    room = result.auto.host_peak - (result.auto.device_peak - result.working_set) // 2
+    s, said = settled(monkeypatch, settings("opt-125m"), room)
+    budget = s.engine.device_budget.nbytes
+    assert budget % MiB == 0 and budget < SIMULATED_DEVICE_BUDGET
+    assert s.engine.host_budget is None  # the host holds the state: no disk
+    assert forecast(s, room).fits and forecast(s, room).host_peak <= room
+    assert len(said) == 1 and said[0].startswith(f"simulated device budget {budget // MiB}.0 MiB")
+
+
+@simulated_only
+def test_state_that_cannot_fit_the_host_goes_to_disk_under_a_chosen_host_budget(monkeypatch,
+                                                                                 tmp_path):
+    # opt-125m's fp32 state is about 1.9 GiB, and auto holds about 0.9 GiB on the simulated
+    # device; this machine "has" 2.5 GiB for the run.
+    room = 5 * GiB // 2
+    s, said = settled(monkeypatch, settings("opt-125m", disk_dir=str(tmp_path)), room)
+    chosen = forecast(s, room)
+    assert s.engine.host_budget is not None and chosen.fits and chosen.disk_bytes > 0
+    assert chosen.host_peak <= room
+    assert said[-1].startswith(f"host budget {s.engine.host_budget.nbytes / GiB:.1f} GiB")
+    assert "goes to disk under" in said[-1]
+
+
+@simulated_only
+def test_a_chosen_host_budget_is_kept_and_one_too_small_is_refused(monkeypatch, tmp_path):
+    s = settings("opt-125m", host_budget="1GiB", disk_dir=str(tmp_path))
+    assert settled(monkeypatch, s, 16 * GiB) == (s, [])
+    with pytest.raises(ValueError, match="host budget 1.0 MiB is below"):
+        settled(monkeypatch, settings("opt-125m", host_budget="1MiB", disk_dir=str(tmp_path)),
+                16 * GiB)
 
 
 class Sink(list):
@@ -47,22 +104,15 @@ class Sink(list):
         self.append(event)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the default budget shrinks when simulated")
-def test_a_run_start_warns_with_the_budget_the_engine_got_not_the_default(tmp_path, monkeypatch):
-    # A machine short of memory: the default simulated device (6 GiB, where the tiny model
-    # fits under every policy) shrinks to 16 MiB, where it fits under none.
-    monkeypatch.setattr(run_build, "simulated_budget", lambda default, **_: 16 * MiB)
+def test_a_run_that_cannot_fit_is_refused_before_its_model_is_built(tmp_path):
     commands, sender = multiprocessing.Pipe(duplex=False)
-    sender.send(Stop(id=1))  # read before the first step: the run's start is all there is
-    settings = Settings(
-        model="tiny",
-        engine={"policy": "cuda", "precision": "fp32"},
-        training={"batch_size": 2, "seq_len": 64},
-    )
+    sender.send(Stop(id=1))
+    s = settings(policy="cuda", device_budget="12MiB")
+    s.logging.metrics = str(tmp_path / "m.jsonl")
     sink = Sink()
-    run = TrainingRun(
-        settings=settings, log_path=str(tmp_path / "log"), commands=commands, outbox=sink
-    )
-    assert run.execute() == 0
-    warnings = [e.message for e in sink if isinstance(e, Log) and e.level == "warning"]
-    assert any("policy cuda will not fit" in w and "16.0 MiB" in w for w in warnings), warnings
+    run = TrainingRun(settings=s, log_path=str(tmp_path / "log"), commands=commands,
+                      outbox=sink)
+    assert run.execute() == 2
+    said = [e.message for e in sink if isinstance(e, Log)]
+    assert not any(m.startswith("building") for m in said), said
+    assert not (tmp_path / "m.jsonl").exists()  # nothing written either
