@@ -28,7 +28,7 @@ from tuitrain.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).parent / "tuitrain"
-SHIPPED = ["cpu-only", "desktop-24gb", "laptop-6gb", "v100-32gb"]
+SHIPPED = ["cpu-only", "desktop-24gb", "laptop-16gb", "laptop-6gb", "v100-32gb"]
 
 
 def one_error_line(err: str) -> str:

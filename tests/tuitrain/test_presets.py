@@ -26,7 +26,7 @@ from tuitrain.presets import (
 )
 from tuitrain.settings import InvalidSettings, Settings, validate_settings
 
-SHIPPED = {"laptop-6gb", "desktop-24gb", "v100-32gb", "cpu-only"}
+SHIPPED = {"laptop-6gb", "laptop-16gb", "desktop-24gb", "v100-32gb", "cpu-only"}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -43,7 +43,7 @@ def test_shipped_presets_live_in_the_repository_presets_folder():
     assert SHIPPED_DIR == REPO / "presets"
 
 
-def test_the_four_hardware_stories_are_shipped_each_with_a_description():
+def test_the_hardware_stories_are_shipped_each_with_a_description():
     listed = dict(list_presets())
     assert set(listed) == SHIPPED
     for name, description in listed.items():
@@ -69,6 +69,25 @@ def test_shipped_presets_fit_their_hardware_stories():
     v100 = load_preset(find_preset("v100-32gb"))
     assert v100.engine.precision == "fp16"  # Volta has no bf16
     assert load_preset(find_preset("cpu-only")).engine.precision == "fp32"
+
+
+def test_the_16_gib_laptop_sends_what_ram_cannot_hold_to_disk_and_fits():
+    from engine.planning.planner import plan
+
+    laptop = load_preset(find_preset("laptop-16gb"))
+    assert laptop.engine.host_budget.nbytes == 9 * 1024**3
+    t = laptop.training
+    # On the laptop's GPU (not simulated): 16 GiB less ~3 GiB for the system and desktop.
+    planned = plan(laptop.model, device_mem=laptop.engine.device_budget.nbytes,
+                   host_mem=13 * 1024**3, precision=laptop.engine.precision,
+                   batch_size=t.batch_size, seq_len=t.seq_len,
+                   checkpointing=t.activation_checkpointing, simulated=False,
+                   margin_ratio=laptop.engine.margin_ratio,
+                   host_budget=laptop.engine.host_budget.nbytes)
+    auto = planned.auto
+    assert auto.fits, auto.reason
+    assert 0 < auto.disk_bytes < 12 * 1024**3  # optimizer state only: payloads stay in RAM
+    assert auto.host_peak <= 13 * 1024**3
 
 
 # --- finding ----------------------------------------------------------------------------
