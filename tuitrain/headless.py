@@ -173,7 +173,9 @@ class _Report:
             f"{event.model}: {format_count(event.parameters)} parameters in {len(event.chunks)} "
             f"chunks on {event.device}",
             f"  engine    policy {e['policy']}, margin {e['margin_ratio']:.2f}, "
-            f"budget {device_budget}, precision {e['precision']}",
+            f"budget {device_budget}, precision {e['precision']}"
+            + (f", host budget {e['host_budget']} (the rest on disk under "
+               f"{e.get('disk_dir') or 'the user cache folder'})" if e.get("host_budget") else ""),
             f"  training  {t['steps']} steps of {t['batch_size'] * t.get('grad_accum', 1)} x "
             f"{t['seq_len']} tokens{accumulated}, lr {t['lr']:g} {schedule}, seed {t['seed']}",
             f"  data      {d['path'] or 'built-in corpus'}",
@@ -281,6 +283,9 @@ class _Report:
             f"policy {stats.policy}  margin {stats.margin_ratio:.2f}  "
             f"device peak {format_size(stats.memory.device_peak)}"
         )
+        if stats.bytes_disk_read or stats.bytes_disk_written:
+            text += (f"  disk read {format_size(stats.bytes_disk_read)} written "
+                     f"{format_size(stats.bytes_disk_written)} waited {stats.disk_wait:.1f} s")
         if not bar:
             return text
         done = min(BAR_WIDTH, BAR_WIDTH * stats.step // max(1, self.total))

@@ -57,7 +57,7 @@ class ChunkManager:
         self.host_budget: int | None = None  # chunk bytes + I/O buffers on the host
         self.disk_piece = rules.DISK_PIECE  # elements per piece of disk I/O
         self.spill: disk.Spill | None = None  # the disk tier, when the host budget needs it
-        self._disk_base = (0, 0, 0.0)  # the tier's counters at the step's start
+        self._disk_base = (0, 0, 0.0)  # the tier's counters when a step last reported
         self.flight = UpdateInFlight()  # the last step's update, while the next forward runs
         self.sharding: ShardedChunks | None = None  # data parallel: gathers and reductions
 
@@ -83,10 +83,6 @@ class ChunkManager:
         self.transfer_seconds = 0.0
         if self.sharding is not None:
             self.sharding.reset_counters()
-        if self.spill is not None:
-            tier = self.spill.tier
-            self._disk_base = (tier.bytes_read, tier.bytes_written,
-                               tier.wait_seconds + self.flight.waited)
 
     def begin_step(self, *, tracing: bool) -> None:
         """A traced step has no forecast to trust yet: room that cannot be made is noted as
@@ -633,12 +629,16 @@ class ChunkManager:
         return self.spill.tier.buffer_bytes if self.spill is not None else 0
 
     def disk_counters(self) -> tuple[int, int, float]:
-        """(bytes read, bytes written, seconds waited) by the disk tier this step."""
+        """(bytes read, bytes written, seconds waited) by the disk tier since the last
+        call, which a step makes once, as it reports. Every byte counts once, in the step
+        whose report follows it: an update that overlaps the next step's forward (state on
+        disk) is counted there, not lost between the two."""
         if self.spill is None:
             return 0, 0, 0.0
         tier, (r, w, s) = self.spill.tier, self._disk_base
-        return (tier.bytes_read - r, tier.bytes_written - w,
-                tier.wait_seconds + self.flight.waited - s)
+        waited = tier.wait_seconds + self.flight.waited
+        self._disk_base = (tier.bytes_read, tier.bytes_written, waited)
+        return tier.bytes_read - r, tier.bytes_written - w, waited - s
 
 
     def whole(self, chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:

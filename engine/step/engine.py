@@ -103,6 +103,7 @@ class Engine:
         self._move_buffers()
         self._check_budget(self.settings.device_budget, self.settings.policy)
         self._place()
+        self.manager.disk_counters()  # what building moved to disk is no step's
         # Packing freed the model's own storages parameter by parameter: hand the holes
         # back once, or they stay resident for the whole run (~30% of it, measured).
         release_free_host_memory()

@@ -167,3 +167,20 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return process.cmdline()
     except psutil.NoSuchProcess:
         return []
+
+
+def test_a_step_with_a_disk_tier_says_what_it_read_wrote_and_waited() -> None:
+    from tuitrain.fakeworker import GiB, fake_stats
+    from tuitrain.headless import _Report
+
+    def printed(stats) -> str:
+        out = io.StringIO()
+        report = _Report(settings=tiny_settings(), out=out, err=io.StringIO(), log_path="w.log")
+        report.step(stats)
+        return out.getvalue()
+
+    line = printed(fake_stats(3, policy="cpu", host_budget=1 * GiB))
+    assert re.search(r"step 3/200 .* disk read \d+(\.\d)? [KMG]iB written \d+(\.\d)? [KMG]iB "
+                     r"waited \d+\.\d s", line), line
+    without = printed(fake_stats(3, policy="cpu"))  # no disk: nothing said of it
+    assert "step 3/200" in without and "disk" not in without
