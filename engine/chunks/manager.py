@@ -356,6 +356,7 @@ class ChunkManager:
         resident or not; the buffer is reduce-scattered once every rank's is complete."""
         buffer = self.grad_buffer(chunk, pos)
         buffer[slot.offset:slot.offset + slot.numel].add_(grad)
+        self.sharding.arrived(chunk, slot.offset)
 
     @property
     def held_grad_bytes(self) -> int:

@@ -45,6 +45,7 @@ class ShardedChunks:
         self.rank = collectives.rank
         self.world = collectives.world
         self._ready: set[int] = set()  # gradients complete on this rank this backward
+        self._arrived: dict[int, set[int]] = {}  # chunk -> slots with a gradient, this backward
         self._issued: set[int] = set()  # reduce-scatters issued this backward
         self._pending: list[tuple[Chunk, torch.Tensor, Pending]] = []
         # Gradient buffers complete here and not reduced yet, or being reduced: bytes a
@@ -67,6 +68,16 @@ class ShardedChunks:
         """A forward and backward starts: no gradient is complete yet."""
         self._ready.clear()
         self._issued.clear()
+        self._arrived.clear()
+
+    def arrived(self, chunk: Chunk, offset: int) -> None:
+        """The gradient of the parameter at `offset` is in: once every trainable parameter
+        of the chunk has one, it is ready. Counted per backward, as a later micro-batch
+        of the same step needs its own reduction."""
+        got = self._arrived.setdefault(chunk.index, set())
+        got.add(offset)
+        if len(got) == sum(s.param.requires_grad for s in chunk.slots):
+            self.ready(chunk)
 
     def ready(self, chunk: Chunk) -> None:
         """Every gradient of `chunk` this rank will compute in this backward is in."""

@@ -6,6 +6,11 @@
 
 Placement changes where bytes live, never the math: in fp32 every policy, budget and margin
 gives the losses and weights of torch.optim.AdamW(fused=True) on the same batches.
+
+Data parallel: launched by torchrun, after `torch.distributed.init_process_group`, the same
+code shards every chunk over the ranks (EngineConfig.data_parallel, on by default then).
+Each rank passes its own slice of the global batch to `step`; the step's loss and tokens
+are the whole batch's, and the weights those of one process on the global batch.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from engine.config import EngineConfig, LiveSettings, describe_setting, format_s
 from engine.devices.device import ComputeDevice, make_device
 from engine.devices.disk import DiskTierError, default_disk_dir
 from engine.devices.host_memory import release_free_host_memory
+from engine.distributed import join
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
@@ -67,6 +73,16 @@ class Engine:
     The facade: settings, the optimizer, telemetry and state. What happens inside forward
     and backward is the StepRunner's (engine.step.runner); which chunk goes where is the
     placement rules' (engine.placement.rules), carried out by the ChunkManager.
+
+    Data parallel (ZeRO-3 style): when torch.distributed is initialized with more than one
+    rank (or `data_parallel=True`), each rank keeps one shard of every chunk (payload,
+    fp32 master, moments, gradient), gathers a chunk whole for each use and reduce-scatters
+    its gradients; policy, margin and budgets apply per rank to its shards and to the
+    chunks it gathers. Every rank must then create the engine, step, and call
+    model_state_dict/state_dict/load_state_dict/close at the same points, with batches of
+    the same shape, and run the same modules in the same order (a parameter left unused
+    on some rank is fine: its gradient counts as zeros there, as with DDP's
+    find_unused_parameters). The disk tier (host_budget) does not shard yet.
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *,
@@ -85,14 +101,19 @@ class Engine:
         self.closed = False
 
         uses = first_uses(model)
+        self.collectives = join(config.data_parallel, timeout=config.collective_timeout)
+        ranks = (self.collectives.rank, self.collectives.world) if self.collectives else None
         # Under a host budget the chunks are filled one at a time and placed (parts on disk)
         # before the next, so that building never needs the whole state in host memory.
         budgeted = config.host_budget is not None
         self.chunk_size, self.chunks = build_chunks(model, dtype=self.dtype, device=self.device,
                                                     chunk_size=config.chunk_size,
-                                                    order=uses.order, filled=not budgeted)
+                                                    order=uses.order, ranks=ranks,
+                                                    filled=not budgeted)
         self.runner = StepRunner(model, self.chunks, self.device, borrowed=uses.borrowed)
         self.manager = self.runner.manager
+        if self.collectives is not None:
+            self.manager.use_sharding(self.collectives)
         self.manager.set_policy(self.settings.policy)
         if budgeted:
             self.manager.use_host_budget(config.host_budget, config.disk_dir or default_disk_dir(),
@@ -141,9 +162,15 @@ class Engine:
     def _check_budget(self, budget: int, policy: Policy) -> None:
         if not self.device.simulated:
             budget = min(budget, self.device.capacity())
-        rules.check_budget(
-            budget, policy, trace=self.runner.trace, module_bytes=self._module_bytes(),
-            resident_costs=[self.manager.resident_cost(c) for c in self.chunks])
+        costs = [self.manager.resident_cost(c) for c in self.chunks]
+        trace = self.runner.trace
+        if self.collectives is not None and trace is not None:
+            # Sharded, only the shards are resident: the chunks gathered for each use and
+            # their gradient buffers (the traced working set beside the activations) come
+            # on top, under cuda too.
+            costs.append(trace.working_set - trace.non_model_peak)
+        rules.check_budget(budget, policy, trace=trace, module_bytes=self._module_bytes(),
+                           resident_costs=costs)
 
     def _module_bytes(self) -> list[int]:
         return [sum(c.nbytes for c in cs) for cs in self.runner.module_chunks.values()]
@@ -223,7 +250,10 @@ class Engine:
             non_model_peak = max(non_model_peak, self.runner.non_model_peak)
         t2 = time.perf_counter()
         loss_value = sum(losses) / len(losses)
+        tokens = int(batch["input_ids"].numel())
         try:
+            if self.collectives is not None:
+                loss_value, tokens = self._agree_step(loss_value, tokens)
             self._settle_update()  # the last step's, if it overlapped this forward
         except BaseException:
             for chunk in self.chunks:
@@ -243,7 +273,7 @@ class Engine:
         self._last_peak = allocator_peak if allocator_peak is not None else peak
         self._last_non_model_peak = non_model_peak
         return StepStats(
-            step=self.step_count, loss=loss_value, tokens=int(batch["input_ids"].numel()),
+            step=self.step_count, loss=loss_value, tokens=tokens,
             micro_batches=len(parts), micro_losses=losses,
             seconds=t3 - t_start, forward=forward - fwd_transfer,
             backward=(t2 - t0 - forward) - bwd_transfer, optimizer=t3 - t2,
@@ -254,6 +284,17 @@ class Engine:
             lr=self.config.lr_at(self.step_count), applied=applied,
             timeline=self.runner.timeline,
             bytes_disk_read=disk_read, bytes_disk_written=disk_written, disk_wait=disk_wait)
+
+    def _agree_step(self, loss: float, tokens: int) -> tuple[float, int]:
+        """Data parallel: the whole batch's loss and tokens, and which parameters got a
+        gradient on some rank (those are updated everywhere, as DDP would); raises if the
+        ranks issued different collectives this step."""
+        slots = [s for c in self.chunks for s in c.slots]
+        loss, tokens, used = self.collectives.agree_step(loss, tokens,
+                                                         [s.got_grad for s in slots])
+        for slot, got in zip(slots, used, strict=True):
+            slot.got_grad = got
+        return loss, tokens
 
     def _settle_update(self) -> None:
         """Wait for the update still running from the last step, if any (it overlaps the
@@ -276,7 +317,10 @@ class Engine:
     def evaluate(self, batch: dict[str, torch.Tensor]) -> float:
         """The loss on `batch` (input_ids, labels) with no gradient and no update, the model
         in eval mode; chunks are fetched as the cpu policy fetches them, so evaluation fits
-        in any budget the training step fits in. Pending setting changes stay pending."""
+        in any budget the training step fits in. Pending setting changes stay pending.
+
+        Data parallel: every rank calls it alike (it gathers chunks), each with a batch of
+        its own; the loss is this rank's."""
         if self.closed:
             raise RuntimeError("this engine is closed")
         self.manager.flight.wait()
@@ -293,8 +337,8 @@ class Engine:
 
     def _end_trace(self) -> bool:
         """Close this step's trace, if it recorded one; refuse a budget it overran."""
-        overrun = self.manager.overrun
         trace = self.runner.end_trace()
+        overrun = self.manager.overrun  # data parallel: every rank's, once the trace is
         if trace is None:
             return False
         if overrun > 0 or trace.working_set > self.device.capacity():
@@ -374,7 +418,7 @@ class Engine:
         tier's I/O buffers are all the memory this takes."""
         self.manager.flight.wait()
         if self.manager.spill is None:
-            return weights.model_state_dict(self.model, self.runner.slot_of)
+            return weights.model_state_dict(self.model, self.runner.slot_of, self._whole)
         entries = self.model.state_dict(keep_vars=True)
         slot_of = self.runner.slot_of
         out = weights.model_state_dict(
@@ -386,6 +430,11 @@ class Engine:
                     _Entries({k: v for k, v in entries.items() if id(v) in mine}), mine))
         return {name: out[name] for name in entries}
 
+    @property
+    def _whole(self) -> weights.Whole | None:
+        """How a sharded chunk's tensor is gathered whole (None unsharded)."""
+        return self.manager.whole if self.manager.sharding is not None else None
+
     def state_dict(self) -> dict:
         """Everything to resume exactly: fp32 master, moments and step counts by parameter
         name (plain CPU tensors, safetensors-ready), the loss scale and the settings.
@@ -396,7 +445,7 @@ class Engine:
         tensors: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
             with self.manager.opened(chunk):
-                tensors.update(weights.optimizer_tensors([chunk]))
+                tensors.update(weights.optimizer_tensors([chunk], self._whole))
         meta = {"step": self.step_count, "loss_scale": self.optimizer.loss_scale,
                 "good_steps": self.optimizer.good_steps, "policy": self.settings.policy.value,
                 "margin_ratio": self.settings.margin_ratio,

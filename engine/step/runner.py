@@ -140,7 +140,8 @@ class StepRunner:
         # chunk bytes it holds (in use, and gradient buffers opening) beside its whole
         # non-model peak, which they reserve from its start on (rules.forecast). This part
         # is the chunk bytes; the interval adds its non-model peak when it closes.
-        self._interval_ws = max(self._interval_ws, self._pinned + self._opening_bytes)
+        self._interval_ws = max(self._interval_ws, self._pinned + self._opening_bytes
+                                + self.manager.held_grad_bytes)
         model = self.manager.device_bytes
         self._interval_model = max(self._interval_model, model)
         self.peak = max(self.peak, model + non_model)
@@ -245,7 +246,9 @@ class StepRunner:
             self._opening.add(chunk.index)
             self._opening_bytes += chunk.nbytes
         grad = param.grad.reshape(-1)
-        if chunk.resident:
+        if chunk.sharded:
+            self.manager.add_shard_grad(chunk, slot, grad, self.pos)
+        elif chunk.resident:
             self.manager.keep_slot_grad(chunk, slot, grad, self.pos)
         elif chunk.holds_grads:
             self.device.settle_host()  # the gradients sent home may still be in flight
@@ -264,7 +267,7 @@ class StepRunner:
         if chunk.grads_pending == 0:
             self._opening.discard(chunk.index)
             self._opening_bytes -= chunk.nbytes
-            if chunk.resident:
+            if chunk.copy_is_home:
                 chunk.holds_grads = True
             else:
                 self.manager.finish_grads(chunk)
@@ -353,6 +356,7 @@ class StepRunner:
             for slot in chunk.slots:
                 if slot.state in (S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
                     chunk.set_state(slot, S.HOLD)
+        m.end_backward()  # data parallel: the gradient reductions still waiting
         m.release_all()  # device copies are outdated by the update that follows
         # Gradients sent home land before the optimizer reads them.
         m.transfer_seconds += self.device.settle_host()

@@ -1,0 +1,113 @@
+"""What each rank runs in the data-parallel tests (dp_harness.run_ranks targets).
+
+Every function here runs on every rank, with the same arguments; ranks differ only in the
+slice of each global batch they train on (and, where a test says so, in which branches
+their batches take).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from dp_harness import COLLECTIVE_TIMEOUT, GatedLM, build, global_batches, rank_slice
+
+from engine import Engine, EngineConfig
+
+
+def _engine(model: torch.nn.Module, **config) -> Engine:
+    return Engine(copy.deepcopy(model), EngineConfig(
+        precision="fp32", collective_timeout=COLLECTIVE_TIMEOUT, **config))
+
+
+def _budgets(model: torch.nn.Module, batch: dict) -> dict[str, int]:
+    """Per-rank budgets from one step with room to spare: `tight` is 5% over the working
+    set; `cuda` 5% over what the cuda policy needs: this rank's shards resident, and the
+    working set (the chunks it gathers, their gradients, activations) beside them."""
+    eng = _engine(model, policy="auto", device_budget="256MiB")
+    eng.step(batch)
+    trace = eng.trace
+    resident = sum(eng.manager.resident_cost(c) for c in eng.chunks)
+    budgets = {"ample": 64 * 2**20, "tight": int(trace.working_set * 1.05),
+               "cuda": int((resident + trace.working_set) * 1.05),
+               "resident_shards": resident}
+    eng.close()
+    return budgets
+
+
+def _run(eng: Engine, batches: list[dict], changes: list[list[tuple[str, object]]]
+         ) -> dict:
+    losses, applied, peaks_ok = [], [], True
+    for i, batch in enumerate(batches):
+        for kind, value in changes[i] if i < len(changes) else ():
+            getattr(eng, f"set_{kind}")(value)
+        stats = eng.step(batch)
+        losses.append(stats.loss)
+        applied.append(stats.applied)
+        peaks_ok &= stats.memory.device_peak <= stats.device_budget
+    snap = eng.snapshot()
+    return {"losses": losses, "applied": applied, "peaks_within_budget": peaks_ok,
+            "host_model": snap.host_model, "device_model": snap.device_model,
+            "tokens": stats.tokens}
+
+
+def matches(rank: int, world: int, *, steps: int, per_rank: int,
+            scenarios: list[dict]) -> dict:
+    """Each scenario (policy, budget name, margin, live changes by step, clipping) on a
+    tiny OPT; returns per scenario the losses, memory figures and, from rank 0, the final
+    weights (model_state_dict, which every rank calls)."""
+    model = build()
+    batches = [rank_slice(b, rank, world)
+               for b in global_batches(steps, batch_size=per_rank * world)]
+    budgets = _budgets(model, batches[0])
+    out: dict = {"budgets": budgets}
+    for sc in scenarios:
+        changes = [[(k, budgets[v] if k == "budget" else v) for k, v in step]
+                   for step in sc.get("changes", [])]
+        eng = _engine(model, policy=sc["policy"], device_budget=budgets[sc["budget"]],
+                      margin_ratio=sc.get("margin", 0.0),
+                      max_grad_norm=sc.get("max_grad_norm"), grad_accum=sc.get("grad_accum", 1))
+        result = _run(eng, batches, changes)
+        weights = eng.model_state_dict()
+        result["weights"] = weights if rank == 0 else None
+        result["chunk_numels"] = [c.numel for c in eng.chunks]
+        result["shard_numels"] = [c.home_numel for c in eng.chunks]
+        eng.close()
+        out[sc["name"]] = result
+    return out
+
+
+def unused(rank: int, world: int, *, steps: int, per_rank: int,
+           gates: list[list[tuple[bool, ...]]], policy: str) -> dict:
+    """GatedLM where rank r's batches at step i use the gates gates[i][r]."""
+    model = GatedLM()
+    batches = []
+    for i, b in enumerate(global_batches(steps, batch_size=per_rank * world)):
+        part = rank_slice(b, rank, world)
+        part["gates"] = gates[i][rank]
+        batches.append(part)
+    eng = _engine(model, policy=policy, device_budget="64MiB", chunk_size=4096)
+    result = _run(eng, batches, [])
+    result["weights"] = eng.model_state_dict()
+    result["steps"] = {s.name: s.steps for c in eng.chunks for s in c.slots}
+    eng.close()
+    return result
+
+
+def diverging(rank: int, world: int, *, per_rank: int) -> dict:
+    """Rank 1 skips a whole block on the second step (a module the others run): the
+    ranks issue different collectives, which must be an error naming a rank, not a hang."""
+    model = GatedLM(blocks=3)
+    batches = [rank_slice(b, rank, world)
+               for b in global_batches(2, batch_size=per_rank * world)]
+    eng = Engine(copy.deepcopy(model), EngineConfig(
+        precision="fp32", policy="cpu", device_budget="64MiB", chunk_size=4096,
+        collective_timeout=2.0))
+    eng.step(batches[0])
+    if rank == 1:
+        batches[1]["skip"] = 1
+    try:
+        eng.step(batches[1])
+    except Exception as error:  # noqa: BLE001 - the test reads what was raised
+        return {"raised": type(error).__name__, "message": str(error)}
+    return {"raised": None, "message": ""}

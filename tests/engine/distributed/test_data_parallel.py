@@ -1,0 +1,166 @@
+"""Data parallel with sharded chunks: N gloo ranks with b sequences each train as one
+process on the global batch of N x b with torch.optim.AdamW(fused=True).
+
+Not bit for bit: the reduce-scatter sums the ranks' gradients in another order than one
+backward over the whole batch, so losses are compared within 1e-5 relative and weights as
+one vector (see dp_harness.whole_model_relative_difference). Three ranks exercise uneven
+padding (chunk sizes that are no multiple of three).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dp_harness import (
+    GatedLM,
+    build,
+    global_batches,
+    rank_slice,
+    reference_run,
+    run_ranks,
+    whole_model_relative_difference,
+)
+
+from engine import Engine, EngineConfig
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 5
+PER_RANK = 2
+TOL = 1e-5
+
+SCENARIOS = [
+    {"name": "cpu", "policy": "cpu", "budget": "tight"},
+    {"name": "auto", "policy": "auto", "budget": "tight", "margin": 0.5},
+    {"name": "cuda", "policy": "cuda", "budget": "cuda"},
+    {"name": "live", "policy": "auto", "budget": "tight", "changes": [
+        [], [("policy", "cpu")], [("margin", 0.5)],
+        [("budget", "cuda"), ("policy", "cuda")], [("policy", "auto"), ("margin", 1.0)]]},
+    {"name": "clipped", "policy": "cpu", "budget": "tight", "max_grad_norm": 0.5},
+    # Each rank's part in two micro-batches: gradients add up in the shards between them.
+    {"name": "accumulated", "policy": "auto", "budget": "tight", "margin": 0.5,
+     "grad_accum": 2},
+]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+def ranks(request, tmp_path_factory):
+    world = request.param
+    results = run_ranks(world, "dp_scenarios.matches", tmp_path_factory.mktemp(f"dp{world}"),
+                        steps=STEPS, per_rank=PER_RANK, scenarios=SCENARIOS)
+    return world, results
+
+
+def _reference(world: int, **kw):
+    return reference_run(build(), global_batches(STEPS, batch_size=PER_RANK * world), **kw)
+
+
+@pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
+def test_ranks_train_as_one_process_on_the_global_batch(ranks, name):
+    world, results = ranks
+    clip = next(s for s in SCENARIOS if s["name"] == name).get("max_grad_norm")
+    ref_losses, ref_weights = _reference(world, max_grad_norm=clip)
+    for rank, result in enumerate(results):
+        got = result[name]
+        assert got["losses"] == pytest.approx(ref_losses, rel=TOL), f"rank {rank}"
+        assert got["peaks_within_budget"], f"rank {rank} went over its budget"
+        assert got["tokens"] == PER_RANK * world * 16  # the global batch's
+        assert got["applied"] == results[0][name]["applied"]  # the same step everywhere
+    assert whole_model_relative_difference(results[0][name]["weights"], ref_weights) <= TOL
+
+
+def test_live_changes_take_effect_at_the_step_they_were_made_for(ranks):
+    _, results = ranks
+    applied = results[0]["live"]["applied"]
+    assert "policy cpu" in applied[1] and "margin_ratio 0.5" in applied[2]
+    assert "policy cuda" in applied[3] and "policy auto" in applied[4]
+
+
+def test_each_rank_holds_its_shard_of_the_chunk_state(ranks):
+    world, results = ranks
+    single = Engine(build(), EngineConfig(policy="cpu", device_budget="64MiB",
+                                          data_parallel=False))
+    whole = single.snapshot().host_model  # fp32: 16 bytes per element on the host
+    unsharded_resident = sum(single.manager.resident_cost(c) for c in single.chunks)
+    single.close()
+    for rank, result in enumerate(results):
+        cpu = result["cpu"]
+        # Every chunk padded to a multiple of the world size, split evenly.
+        assert all(n % world == 0 for n in cpu["chunk_numels"])
+        assert cpu["shard_numels"] == [n // world for n in cpu["chunk_numels"]]
+        # The cpu policy keeps no chunk on the device between steps: the host holds the
+        # shard's master, moments and gradient, 1/N of one process's (plus padding).
+        assert cpu["host_model"] == 16 * sum(cpu["shard_numels"])
+        assert whole / world <= cpu["host_model"] <= 1.02 * whole / world
+        assert cpu["device_model"] == 0
+        # Under cuda every shard is resident: 1/N of the state on the device, none on the
+        # host, in a budget too small for one process's whole model under cuda.
+        cuda = result["cuda"]
+        assert cuda["host_model"] == 0
+        assert cuda["device_model"] == result["budgets"]["resident_shards"]
+        assert result["budgets"]["cuda"] < unsharded_resident
+        assert cuda["device_model"] <= 1.02 * unsharded_resident / world, f"rank {rank}"
+
+
+# --- a parameter unused on some rank ---------------------------------------------------------
+
+GATES = [  # per step, per rank: which of the three blocks use their gate
+    [(True, True, True), (True, True, True)],
+    [(True, True, True), (True, False, True)],  # rank 1 leaves block 1's gate unused
+    [(True, True, False), (True, True, False)],  # no rank uses block 2's gate
+    [(False, True, True), (True, True, True)],  # rank 0 leaves block 0's gate unused
+]
+
+
+def _ddp_loss(world: int, step_of: dict):
+    """The loss whose gradient DDP (find_unused_parameters=True) averages: each rank's
+    loss on its slice with its own branches, averaged over the ranks."""
+    def loss_of(model, batch):
+        i = step_of[id(batch)]
+        parts = [model(**rank_slice(batch, r, world), gates=GATES[i][r]).loss
+                 for r in range(world)]
+        return sum(parts) / world
+    return loss_of
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_a_parameter_unused_on_one_rank_gives_ddps_result(policy, tmp_path):
+    world = 2
+    results = run_ranks(world, "dp_scenarios.unused", tmp_path, steps=len(GATES),
+                        per_rank=PER_RANK, gates=GATES, policy=policy)
+    batches = global_batches(len(GATES), batch_size=PER_RANK * world)
+    ref_losses, ref_weights = reference_run(
+        GatedLM(), batches, loss_of=_ddp_loss(world, {id(b): i for i, b in enumerate(batches)}))
+    for result in results:
+        assert result["losses"] == pytest.approx(ref_losses, rel=TOL)
+        assert whole_model_relative_difference(result["weights"], ref_weights) <= TOL
+        # A gate no rank used at a step missed that update, as torch.optim.AdamW skips a
+        # parameter whose .grad is None; one some rank used was updated everywhere.
+        steps = result["steps"]
+        assert steps["blocks.2.gate"] == len(GATES) - 1
+        assert steps["blocks.0.gate"] == steps["blocks.1.gate"] == len(GATES)
+    # Where the gradient is exactly zero on one rank, the weights still agree per tensor.
+    for name in ("blocks.0.gate", "blocks.1.gate", "blocks.2.gate"):
+        ours, theirs = results[0]["weights"][name], ref_weights[name]
+        assert float((ours - theirs).norm() / theirs.norm()) <= TOL
+
+
+def test_ranks_that_run_different_modules_fail_with_a_message_not_a_hang(tmp_path):
+    results = run_ranks(2, "dp_scenarios.diverging", tmp_path, per_rank=PER_RANK,
+                        deadline=60.0)
+    for rank, result in enumerate(results):
+        assert result["raised"] == "CollectiveError", (rank, result)
+        assert f"rank {rank} of 2" in result["message"]
+
+
+def test_without_torch_distributed_the_engine_trains_alone():
+    model = build()
+    eng = Engine(copy.deepcopy(model), EngineConfig(policy="cpu", device_budget="64MiB"))
+    assert eng.collectives is None and not any(c.sharded for c in eng.chunks)
+    eng.close()
+    with pytest.raises(ValueError, match="data_parallel=True needs torch.distributed"):
+        Engine(copy.deepcopy(model), EngineConfig(policy="cpu", device_budget="64MiB",
+                                                  data_parallel=True))
+    assert not torch.distributed.is_initialized()
