@@ -38,8 +38,10 @@ class TimelinePoint:
 
     phase: str  # "forward" | "backward"
     module: str  # qualified name of the module about to run
-    model_bytes: int  # peak chunk bytes on the device in the interval (payloads, grads, state)
-    non_model_bytes: int  # peak of everything else on the device in the interval
+    # At the interval's peak of device bytes: chunk bytes (payloads, grads, state) and
+    # everything else. Their sum is that peak; the step's device_peak is the largest sum.
+    model_bytes: int
+    non_model_bytes: int
     bytes_h2d: int  # copied to the device in the interval
     bytes_d2h: int  # copied to the host in the interval
 

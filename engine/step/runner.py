@@ -57,7 +57,9 @@ class StepRunner:
         self.peak = 0  # peak device bytes this step
         self._interval_peak = 0
         self._interval_ws = 0
-        self._interval_model = 0
+        # The interval's peak of all device bytes, and its split into chunk bytes and the
+        # rest at that moment (the timeline's bars: their top is the peak the step reached).
+        self._interval_top = (0, 0)
         # The latest forward and backward interval by interval (StepStats.timeline), and the
         # copy counters where the open interval began.
         self.timeline: list[TimelinePoint] = []
@@ -143,7 +145,8 @@ class StepRunner:
         self._interval_ws = max(self._interval_ws, self._pinned + self._opening_bytes
                                 + self.manager.held_grad_bytes)
         model = self.manager.device_bytes
-        self._interval_model = max(self._interval_model, model)
+        if model + non_model > sum(self._interval_top):
+            self._interval_top = (model, non_model)
         self.peak = max(self.peak, model + non_model)
         self.non_model_peak = max(self.non_model_peak, non_model)
         if self.device.simulated:
@@ -182,7 +185,7 @@ class StepRunner:
         pinned = tuple(c for c in self.chunks if c.in_use() or c in chunks)
         self._pinned = sum(c.nbytes for c in pinned)
         self._interval_peak = self._interval_ws = 0
-        self._interval_model = m.device_bytes
+        self._interval_top = (0, 0)
         self._keep_room(lambda: pinned)  # before the module's first allocation, not after
 
     def _close_interval(self) -> None:
@@ -194,7 +197,7 @@ class StepRunner:
             last.working_set = self._interval_ws + self._interval_peak
         if self.timeline:
             point, m = self.timeline[-1], self.manager
-            point.model_bytes, point.non_model_bytes = self._interval_model, self._interval_peak
+            point.model_bytes, point.non_model_bytes = self._interval_top
             point.bytes_h2d = m.bytes_h2d - self._copied_at[0]
             point.bytes_d2h = m.bytes_d2h - self._copied_at[1]
 

@@ -45,7 +45,7 @@ CAPTION_SEPS = ("  ", " ")
 
 class MemorySample(NamedTuple):
     step: int
-    chunk_peak: int  # chunk bytes on the device at their highest in the step
+    chunk_peak: int  # chunk bytes on the device at the step's peak
     non_model_peak: int  # everything else on the device at its highest in the step
     device_peak: int  # all device bytes at their highest (not always the sum of the two)
     device_capacity: int
@@ -58,12 +58,14 @@ class MemorySample(NamedTuple):
 
 
 def chunk_peak(stats: StepStats) -> tuple[int, bool]:
-    """The highest chunk bytes on the device during the step, and whether it is estimated.
+    """The chunk bytes on the device at the step's peak, and whether it is estimated.
 
-    From the timeline when there is one; else the more of what stayed on the device after
-    the step and what the total peak leaves beside the non-model peak (a lower bound)."""
+    From the timeline when there is one: its highest interval's split, so that chunks and
+    everything else stack up to the device peak. Else the more of what stayed on the device
+    after the step and what the total peak leaves beside the non-model peak."""
     if stats.timeline:
-        return max(p.model_bytes for p in stats.timeline), False
+        top = max(stats.timeline, key=lambda p: p.model_bytes + p.non_model_bytes)
+        return top.model_bytes, False
     memory = stats.memory
     estimate = max(memory.device_model, memory.device_peak - memory.device_non_model_peak)
     return max(0, estimate), True
