@@ -17,12 +17,14 @@ from contextlib import contextmanager
 from typing import TextIO
 
 from engine.telemetry import StepStats
+from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
 from tuitrain.formatting import format_count, format_rate, format_size
 from tuitrain.settings import Settings
 from tuitrain.trials import TrialBook, append_summary, summary_lines
 from tuitrain.worker import ProcessWorker
+from tuitrain.worker_log import default_log_path
 
 WAIT_SECONDS = 0.1  # longest sleep between looks at the worker
 REDRAW_SECONDS = 0.1  # a terminal progress line is redrawn at most this often
@@ -32,6 +34,9 @@ PLAIN_EVERY_STEP = 50  # runs this short print every step
 INTERRUPT_WAIT_SECONDS = 30.0
 STOP_SECONDS = 10.0  # once the run has ended, how long the worker gets to exit by itself
 BAR_WIDTH = 24
+# Under torchrun, a rank other than 0 that found bad input waits this long before it ends,
+# so that rank 0 (whose line it is to print) is not stopped before it has printed it.
+QUIET_RANK_GRACE_SECONDS = 2.0
 
 
 def run_headless(
@@ -52,7 +57,25 @@ def run_headless(
     Returns 0 when training finished, 1 when it failed (the reason and the log are named on
     `err`), 2 for bad input found by the worker (one line), 130 after Ctrl-C (the worker is
     stopped cleanly first; a second Ctrl-C stops it at once).
+
+    Under torchrun (tuitrain.ranks) every rank runs this: rank 0 prints the progress and
+    the summary and writes the metrics; the others print only their failures, each line
+    starting with their rank, and every rank's worker logs to a file named after its rank.
     """
+    try:
+        place = ranks.from_environment()
+    except ValueError as error:
+        err.write(f"tuitrain: error: {error}\n")
+        return EXIT_BAD_INPUT
+    if place.parallel:
+        if log_path is None:
+            default = default_log_path()
+            log_path = str(default.with_name(f"rank{place.rank}-{default.name}"))
+        if not place.leader:
+            from tuitrain.presets import merge
+
+            settings = merge(settings, {"logging.metrics": None})  # rank 0's to write
+            out, err = _Discard(), _Prefixed(err, f"rank {place.rank}: ")
     worker = ProcessWorker(settings=settings, log_path=log_path)
     report = _Report(settings=settings, out=out, err=err, log_path=str(worker.log_path))
     interrupts = _Interrupts()
@@ -254,6 +277,11 @@ class _Report:
         self.say("\n".join(lines))
 
     def failed(self, event: Failed) -> int:
+        if event.exitcode == EXIT_BAD_INPUT and isinstance(self.err, _Prefixed):
+            # Every rank checks the same input: rank 0 says it, once. This rank waits a
+            # moment before it ends, as the launcher stops every rank when one ends badly.
+            time.sleep(QUIET_RANK_GRACE_SECONDS)
+            return EXIT_BAD_INPUT
         if event.exitcode == EXIT_BAD_INPUT:
             self.say_err(f"tuitrain: error: {event.reason}")
             return EXIT_BAD_INPUT
@@ -307,6 +335,35 @@ class _Report:
         self.close_line()
         self.err.write(text + "\n")
         self.err.flush()
+
+
+class _Discard:
+    """Output nobody reads: a rank other than 0 keeps its progress to itself."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+class _Prefixed:
+    """`stream` with every line starting with `prefix` (a rank's failures, under torchrun,
+    where the ranks' output is interleaved)."""
+
+    def __init__(self, stream: TextIO, prefix: str) -> None:
+        self.stream, self.prefix = stream, prefix
+
+    def write(self, text: str) -> int:
+        lines = text.split("\n")
+        body = "\n".join(self.prefix + line if line else line for line in lines)
+        return self.stream.write(body)
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def _width(stream: TextIO) -> int:

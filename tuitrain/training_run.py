@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from tuitrain.events import (
     Applied,
@@ -85,6 +86,7 @@ class TrainingRun:
         self.eval_data: Any = None  # fixed held-out batches, when the run evaluates
         self.last_eval: Eval | None = None
         self.checkpointed = 0  # the step of the latest checkpoint this run saved
+        self.ranks = ranks.Ranks()  # data parallel under torchrun (tuitrain.ranks)
 
     # --- the run -----------------------------------------------------------------------
 
@@ -111,16 +113,22 @@ class TrainingRun:
                 self.metrics.close()
 
     def _setup(self) -> None:
+        from engine.devices.device import uses_cuda
         from tuitrain.fit import settle
         from tuitrain.run_build import build_run
 
         s = self.settings
         print(f"tuitrain worker pid {os.getpid()} started {_now()}", flush=True)
+        self.ranks = ranks.from_environment()
+        backend = ranks.join(self.ranks, cuda=uses_cuda())
+        if backend:
+            print(f"joined as {self.ranks.label()} ({backend})", flush=True)
+        self.ranks.check_batch(s.training.batch_size)
         # Before anything is built or written: what the user left to the defaults is chosen
         # so that the plan says the run fits, and what they chose and cannot fit is refused.
         s = self.settings = settle(s, self._say)
         resume = self._checkpoint_hooks()
-        if s.logging.metrics:
+        if s.logging.metrics and self.ranks.leader:
             self.metrics = MetricsWriter(s.logging.metrics)
 
         built = build_run(s, self._say)
@@ -131,6 +139,8 @@ class TrainingRun:
             self._say(f"resumed from {s.checkpoint.resume} after step {self.next_step - 1}")
 
         device, used = built.device, built.settings.model_dump(mode="json")
+        if self.ranks.parallel:
+            device += f" per rank, {self.ranks.world} ranks ({backend})"
         started = Started(
             model=s.model,
             parameters=self.engine.num_parameters,
@@ -153,8 +163,10 @@ class TrainingRun:
             self.metrics.write(header)
 
     def interrupt(self) -> None:
-        """Cut the running step short (a Stop is on its way); called from a signal handler."""
-        if self.engine is not None:
+        """Cut the running step short (a Stop is on its way); called from a signal handler.
+        Not with several ranks: one rank's step cut short would leave the others waiting in
+        its collectives, so the Stop takes effect at the boundary the ranks agree on."""
+        if self.engine is not None and not self.ranks.parallel:
             self.engine.interrupt()
 
     def _train(self) -> None:
@@ -166,6 +178,7 @@ class TrainingRun:
             self._drain_commands()
             while self.paused and not self.stopping:
                 self._wait_for_command(PAUSE_WAIT_SECONDS)
+            self.stopping = ranks.any_rank(self.ranks, self.stopping)  # every rank, one step
             if self.stopping:
                 break
             # What an interrupted step must give back, so a checkpoint written after it (or
@@ -207,7 +220,7 @@ class TrainingRun:
             empty = True
             for batch in self.data:
                 empty = False
-                yield batch
+                yield self.ranks.slice(batch)  # a global batch; each rank trains on its part
             if empty:
                 raise ValueError("the data yields no batches")
 
@@ -240,12 +253,16 @@ class TrainingRun:
         total = weight = 0.0
         for batch in self.eval_data.batches:
             self._drain_commands()
-            if self.stopping:
+            # With several ranks every one finishes it: a Stop waits for the step boundary.
+            if self.stopping and not self.ranks.parallel:
                 self._say(f"evaluation after step {step} left unfinished: stopping")
                 return
             rows, columns = batch["input_ids"].shape
             predicted = rows * (columns - 1)  # the model predicts each token from the ones before
-            total += self.engine.evaluate(batch) * predicted
+            # Data parallel: each rank scores its part; the parts' losses add up by weight.
+            part, counted = self.ranks.eval_part(batch)
+            loss = self.engine.evaluate(part)
+            total += ranks.sum_over_ranks(self.ranks, loss * counted * (columns - 1))
             weight += predicted
         loss = total / weight
         result = Eval(
@@ -416,7 +433,8 @@ class TrainingRun:
 
         c = self.settings.checkpoint
         if c.dir:
-            self.save_checkpoint = checkpoint.save_checkpoint
+            self.save_checkpoint = (checkpoint.save_checkpoint if self.ranks.leader
+                                    else ranks.take_part_in_checkpoint)
         return checkpoint.load_checkpoint if c.resume else None
 
     # --- output ------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""Data parallel runs: what each rank of a `torchrun` launch does differently.
+
+    torchrun --nproc-per-node 2 -m tuitrain run tiny --headless --steps 5
+
+starts one `tuitrain run` per rank; each starts its worker as a single run would, and the
+worker joins the others through torch.distributed (gloo on CPUs, NCCL on GPUs) before it
+builds the engine, which then shards its chunks over the ranks (engine.distributed).
+
+- Batches: `batch_size` is the global batch. Every rank reads the same stream of global
+  batches (so a run's batches depend on the seed and the global batch size, never on the
+  world size) and trains on its own contiguous slice of each.
+- Outputs: rank 0 alone writes the metrics file, the summary and the checkpoints; the other
+  ranks take part in the collectives a checkpoint needs and write nothing. Every rank's
+  worker logs to a file of its own (its rank in the name).
+- Ending: a rank that is asked to stop (Ctrl-C reaches every rank, not always in the same
+  step) stops at a step boundary the ranks agree on, so none waits for the others forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# torchrun's environment (torch.distributed.run), read once where a run starts.
+WORLD_ENV, RANK_ENV, LOCAL_RANK_ENV = "WORLD_SIZE", "RANK", "LOCAL_RANK"
+# Seconds a collective of the app's own (the stop agreement, at step boundaries) may wait
+# for the other ranks, which may still be finishing a step or writing a checkpoint.
+AGREEMENT_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the launch: rank `rank` of `world`, `local` on its node."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.world > 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one that writes the run's files and prints its progress."""
+        return self.rank == 0
+
+    def label(self) -> str:
+        """"rank 1 of 2", for messages; empty for a single process."""
+        return f"rank {self.rank} of {self.world}" if self.parallel else ""
+
+    def slice(self, batch: dict) -> dict:
+        """This rank's contiguous part of a global batch (every tensor along its first
+        dimension; the batch size is a multiple of the world size, see check_batch)."""
+        if not self.parallel:
+            return batch
+        size = batch["input_ids"].shape[0] // self.world
+        lo = self.rank * size
+        return {k: v[lo:lo + size] if hasattr(v, "shape") else v for k, v in batch.items()}
+
+    def eval_part(self, batch: dict) -> tuple[dict, int]:
+        """(the rows this rank scores of a held-out batch, how many of them count). Held-out
+        batches need not split evenly (the last is often short): the first ranks take one
+        row more; a rank left without a row scores the first one, which counts for nothing,
+        so that it still takes part in the engine's collectives."""
+        rows = batch["input_ids"].shape[0]
+        if not self.parallel:
+            return batch, rows
+        base, extra = divmod(rows, self.world)
+        count = base + (self.rank < extra)
+        lo = self.rank * base + min(self.rank, extra)
+        if count == 0:
+            lo, count, counted = 0, 1, 0
+        else:
+            counted = count
+        part = {k: v[lo:lo + count] if hasattr(v, "shape") else v for k, v in batch.items()}
+        return part, counted
+
+    def check_batch(self, batch_size: int) -> None:
+        """ValueError (bad input) when the global batch does not split evenly."""
+        if self.parallel and batch_size % self.world:
+            raise ValueError(f"batch_size {batch_size} does not split evenly over "
+                             f"{self.world} ranks; use a multiple of {self.world}")
+
+
+def from_environment(env: dict[str, str] | None = None) -> Ranks:
+    """The ranks torchrun describes in the environment; one process without it. Raises
+    ValueError for values torchrun would never set."""
+    env = os.environ if env is None else env
+    try:
+        world = int(env.get(WORLD_ENV, "1"))
+        rank = int(env.get(RANK_ENV, "0"))
+        local = int(env.get(LOCAL_RANK_ENV, str(rank)))
+    except ValueError:
+        raise ValueError(f"{WORLD_ENV}, {RANK_ENV} and {LOCAL_RANK_ENV} must be whole "
+                         f"numbers") from None
+    if world < 1 or not 0 <= rank < world or local < 0:
+        raise ValueError(f"{RANK_ENV}={rank} is not a rank of {WORLD_ENV}={world}")
+    return Ranks(rank, world, local)
+
+
+def join(ranks: Ranks, *, cuda: bool) -> str | None:
+    """Join the other ranks (torchrun's rendezvous in the environment) before the engine is
+    built; returns the backend, None for a single process. On a GPU each rank takes the
+    GPU of its local rank."""
+    if not ranks.parallel:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(ranks.local)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world,
+                                timeout=datetime.timedelta(seconds=AGREEMENT_TIMEOUT))
+    return backend
+
+
+def any_rank(ranks: Ranks, flag: bool) -> bool:
+    """Whether `flag` holds on some rank: every rank calls this at the same point."""
+    if not ranks.parallel:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def sum_over_ranks(ranks: Ranks, value: float) -> float:
+    """`value` summed over the ranks: every rank calls this at the same point."""
+    if not ranks.parallel:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return float(total.item())
+
+
+def take_part_in_checkpoint(engine: Any, model: Any, data: Any, settings: Any,
+                            step: int) -> str:
+    """A rank other than 0 at a checkpoint: it gathers what rank 0 writes (the engine's
+    collectives, in the order tuitrain.checkpoint asks for them) and writes nothing."""
+    engine.model_state_dict()
+    engine.state_dict()
+    return "written by rank 0"
+
+
+def leave(ranks: Ranks) -> None:
+    """Leave the process group at the end of a run (nothing for a single process)."""
+    if not ranks.parallel:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
