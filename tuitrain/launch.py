@@ -28,23 +28,29 @@ def check_nproc(nproc: int) -> int:
     return nproc
 
 
-def without_nproc(argv: Sequence[str]) -> list[str]:
-    """`tuitrain run`'s arguments less `--nproc N` (or `--nproc=N`): what each rank runs."""
+# Options of `tuitrain run` that are the launcher's, not the ranks': --nproc itself, and
+# --save-preset, which the launching process saves once every rank has ended.
+_LAUNCHER_OPTIONS = ("--nproc", "--save-preset")
+
+
+def rank_arguments(argv: Sequence[str]) -> list[str]:
+    """`tuitrain run`'s arguments as each rank gets them: less --nproc and --save-preset
+    (with their values, given as `--opt V` or `--opt=V`)."""
     out: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--nproc":
+        elif arg in _LAUNCHER_OPTIONS:
             skip = True
-        elif not arg.startswith("--nproc="):
+        elif not arg.startswith(tuple(f"{o}=" for o in _LAUNCHER_OPTIONS)):
             out.append(arg)
     return out
 
 
 def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
            err: TextIO = sys.stderr) -> int:
-    """Run `tuitrain run <argv>` (the command line without --nproc) on `nproc` ranks and
+    """Run `tuitrain run <argv>` (see rank_arguments) on `nproc` ranks and
     wait for them; returns 0 when every rank finished, else the exit status of the rank
     that failed first, named on `err` (its own report names its log). `batch_size`, the
     run's global batch, is checked first (ValueError: it must split over the ranks)."""

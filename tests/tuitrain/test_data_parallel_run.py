@@ -137,10 +137,11 @@ def test_torchruns_environment_names_the_rank():
 
 
 def test_the_launcher_refuses_what_cannot_run_before_starting_a_rank():
-    from tuitrain.launch import check_nproc, launch, without_nproc
+    from tuitrain.launch import check_nproc, launch, rank_arguments
 
-    assert without_nproc(["tiny", "--nproc", "2", "--headless", "--nproc=3", "--steps", "5"]) \
-        == ["tiny", "--headless", "--steps", "5"]
+    argv = ["tiny", "--nproc", "2", "--headless", "--save-preset", "p.yaml", "--steps", "5",
+            "--nproc=3", "--save-preset=q.yaml", "--force"]
+    assert rank_arguments(argv) == ["tiny", "--headless", "--steps", "5", "--force"]
 
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="--nproc must be a whole number of ranks"):
