@@ -317,13 +317,8 @@ def test_a_folder_whose_config_is_not_a_language_model_is_a_bad_checkpoint(tmp_p
 
 # --- host memory of a real process -----------------------------------------------------------
 
-PEAK_RSS_SCRIPT = """
-import json, sys, torch
-from engine import Engine, EngineConfig
-from engine.models.zoo import build_model
-model = build_model("tiny")
-engine = Engine(model, EngineConfig(policy=sys.argv[1], device_budget="6GiB",
-                                    precision="bf16", simulate=True))
+# Three steps, then the process's peak resident memory, for the scripts below.
+STEPS_THEN_PEAK = """
 g = torch.Generator().manual_seed(0)
 for _ in range(3):
     ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=g)
@@ -332,6 +327,15 @@ for line in open("/proc/self/status"):
     if line.startswith("VmHWM"):
         print(json.dumps({"peak_rss": int(line.split()[1]) * 1024}))
 """
+# A zoo model (argv 1) under a policy (argv 2) in a precision (argv 3), as the worker runs it.
+PEAK_RSS_SCRIPT = """
+import json, sys, torch
+from engine import Engine, EngineConfig
+from engine.models.zoo import build_model
+model = build_model(sys.argv[1])
+engine = Engine(model, EngineConfig(policy=sys.argv[2], device_budget="6GiB",
+                                    precision=sys.argv[3], simulate=True))
+""" + STEPS_THEN_PEAK
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -341,7 +345,7 @@ def test_the_host_peak_is_the_peak_resident_memory_of_a_fresh_training_process()
         "tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16", simulated=True, **SHAPE
     )
     done = subprocess.run(
-        [sys.executable, "-c", PEAK_RSS_SCRIPT, "auto"],
+        [sys.executable, "-c", PEAK_RSS_SCRIPT, "tiny", "auto", "bf16"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -349,23 +353,6 @@ def test_the_host_peak_is_the_peak_resident_memory_of_a_fresh_training_process()
     )
     peak = json.loads(done.stdout.splitlines()[-1])["peak_rss"]
     assert forecast.auto.host_peak == pytest.approx(peak, rel=0.10)
-
-
-FRESH_RUN_SCRIPT = """
-import json, sys, torch
-from engine import Engine, EngineConfig
-from engine.models.zoo import build_model
-model = build_model(sys.argv[1])
-engine = Engine(model, EngineConfig(policy=sys.argv[2], device_budget="6GiB", precision="fp32",
-                                    simulate=True))
-g = torch.Generator().manual_seed(0)
-for _ in range(3):
-    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=g)
-    engine.step({"input_ids": ids, "labels": ids})
-for line in open("/proc/self/status"):
-    if line.startswith("VmHWM"):
-        print(json.dumps({"peak_rss": int(line.split()[1]) * 1024}))
-"""
 
 
 @pytest.mark.slow
@@ -376,7 +363,7 @@ def test_the_host_peak_of_opt_125m_is_within_5_percent_of_a_fresh_process(policy
     state), built from its config as the worker builds it."""
     forecast = plan("opt-125m", device_mem="6GiB", host_mem="64GiB", precision="fp32",
                     simulated=True, **SHAPE).policies[policy]
-    done = subprocess.run([sys.executable, "-c", FRESH_RUN_SCRIPT, "opt-125m", policy],
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS_SCRIPT, "opt-125m", policy, "fp32"],
                           capture_output=True, text=True, timeout=600, check=True)
     peak = json.loads(done.stdout.splitlines()[-1])["peak_rss"]
     assert forecast.host_peak == pytest.approx(peak, rel=0.05)
@@ -573,14 +560,7 @@ model = OPTForCausalLM(OPTConfig.from_pretrained(folder))
 engine = Engine(model, EngineConfig(policy="cpu", device_budget="1GiB", precision="fp32",
                                     simulate=True, disk_dir=scratch,
                                     host_budget=None if budget == "none" else int(budget)))
-g = torch.Generator().manual_seed(0)
-for _ in range(3):
-    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=g)
-    engine.step({"input_ids": ids, "labels": ids})
-for line in open("/proc/self/status"):
-    if line.startswith("VmHWM"):
-        print(json.dumps({"peak_rss": int(line.split()[1]) * 1024}))
-"""
+""" + STEPS_THEN_PEAK
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
