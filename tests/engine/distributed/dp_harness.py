@@ -158,12 +158,12 @@ def _rank_main(rank: int, world: int, store: str, out: str, target: str, args: d
         os._exit(0)
 
 
-def run_ranks(world: int, target: str, tmp: Path, *, deadline: float = 120.0, **args
-              ) -> list[dict]:
+def run_ranks(world: int, target: str, tmp: Path, *, deadline: float = 120.0,
+              may_die: tuple[int, ...] = (), **args) -> list[dict | None]:
     """Run `target(rank, world, **args)` (a function named module.name, importable from
-    this folder) on `world` gloo ranks; returns each rank's result, in rank order.
-    Fails with every rank's traceback if any rank raised, and kills them all past
-    `deadline` seconds."""
+    this folder) on `world` gloo ranks; returns each rank's result, in rank order (None
+    for a rank in `may_die` that wrote none). Fails with every rank's traceback if any
+    rank raised, and kills them all past `deadline` seconds."""
     tmp.mkdir(parents=True, exist_ok=True)
     store = tmp / "store"
     store.unlink(missing_ok=True)
@@ -188,7 +188,10 @@ def run_ranks(world: int, target: str, tmp: Path, *, deadline: float = 120.0, **
     for r in range(world):
         path = tmp / f"rank{r}.pt"
         if not path.exists():
-            errors.append(f"rank {r} wrote nothing (exit code {procs[r].exitcode})")
+            if r in may_die:
+                results.append(None)
+            else:
+                errors.append(f"rank {r} wrote nothing (exit code {procs[r].exitcode})")
             continue
         got = torch.load(path, weights_only=False)
         if got["ok"]:

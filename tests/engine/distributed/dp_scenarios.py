@@ -8,6 +8,8 @@ their batches take).
 from __future__ import annotations
 
 import copy
+import os
+import time
 
 import torch
 from dp_harness import COLLECTIVE_TIMEOUT, GatedLM, build, global_batches, rank_slice
@@ -111,3 +113,22 @@ def diverging(rank: int, world: int, *, per_rank: int) -> dict:
     except Exception as error:  # noqa: BLE001 - the test reads what was raised
         return {"raised": type(error).__name__, "message": str(error)}
     return {"raised": None, "message": ""}
+
+
+def dying(rank: int, world: int, *, per_rank: int) -> dict:
+    """Rank 1 dies (an abrupt exit, as kill -9 would end it) before the second step; the
+    others' second step must fail, naming their rank, well within the timeout."""
+    model = build()
+    batches = [rank_slice(b, rank, world)
+               for b in global_batches(2, batch_size=per_rank * world)]
+    eng = _engine(model, policy="auto", device_budget="64MiB")
+    eng.step(batches[0])
+    if rank == 1:
+        os._exit(1)
+    start = time.perf_counter()
+    try:
+        eng.step(batches[1])
+    except Exception as error:  # noqa: BLE001 - the test reads what was raised
+        return {"raised": type(error).__name__, "message": str(error),
+                "seconds": time.perf_counter() - start}
+    return {"raised": None, "message": "", "seconds": time.perf_counter() - start}

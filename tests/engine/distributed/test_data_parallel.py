@@ -155,6 +155,17 @@ def test_ranks_that_run_different_modules_fail_with_a_message_not_a_hang(tmp_pat
         assert f"rank {rank} of 2" in result["message"]
 
 
+def test_a_rank_that_dies_is_an_error_on_the_others_within_the_timeout(tmp_path):
+    from dp_harness import COLLECTIVE_TIMEOUT
+
+    survivor, dead = run_ranks(2, "dp_scenarios.dying", tmp_path, per_rank=PER_RANK,
+                               may_die=(1,), deadline=60.0)
+    assert dead is None
+    assert survivor["raised"] == "CollectiveError", survivor
+    assert survivor["message"].startswith("rank 0 of 2: ")
+    assert survivor["seconds"] < COLLECTIVE_TIMEOUT
+
+
 def test_without_torch_distributed_the_engine_trains_alone():
     model = build()
     eng = Engine(copy.deepcopy(model), EngineConfig(policy="cpu", device_budget="64MiB"))
