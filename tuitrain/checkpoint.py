@@ -2,9 +2,11 @@
 
 A checkpoint is a folder `DIR/step-NNNNNN/`:
 
-    model/                 a Hugging Face model folder (config + safetensors + tokenizer):
+    model/                 a Hugging Face model folder (config, sharded safetensors, tokenizer):
                            `AutoModelForCausalLM.from_pretrained` loads it as is
-    optimizer.safetensors  fp32 master weights, AdamW moments and step counts by name
+    optimizer*.safetensors fp32 master weights, AdamW moments and step counts by name, in
+                           the same sharded layout (tuitrain.shard_files): one file, or
+                           shards and optimizer.safetensors.index.json
     state.json             engine and training settings, data position, step, loss scale
     rng.safetensors        the random number generator states
     manifest.json          every file above with its size and SHA-256; written last
@@ -12,10 +14,16 @@ A checkpoint is a folder `DIR/step-NNNNNN/`:
 It is written to a hidden temporary folder beside it, synced, then renamed into place, so a
 crash mid-write leaves the previous checkpoint intact and nothing `--resume` would pick.
 Loading reads safetensors and JSON only: nothing is unpickled, no code runs.
+
+Neither saving nor loading holds the model or its state whole in memory: saving fills one
+shard at a time from the engine's chunks as they come (chunks on disk are read back one at
+a time), and loading reads tensor by tensor as each chunk is filled. So a checkpoint of a
+model larger than the host budget stays within it, give or take one shard and one chunk.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -26,6 +34,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from tuitrain.shard_files import SHARD_BYTES, ShardedTensors, ShardWriter
 
 FORMAT = 1
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -64,9 +74,11 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: Any,
-                    step: int) -> Path:
+                    step: int, *, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write the checkpoint after `step` under `settings.checkpoint.dir`; returns its folder.
 
+    Weights and optimizer state go in shards of at most `shard_bytes` (a tensor larger than
+    that gets one of its own), which bounds the memory saving takes beyond the engine's.
     On any failure (a full disk, say) the temporary folder is removed and the error raised;
     checkpoints already there are untouched, and training can go on.
     """
@@ -77,7 +89,7 @@ def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        _write(tmp, engine, model, data, settings, step)
+        _write(tmp, engine, model, data, settings, step, shard_bytes)
         _fsync_tree(tmp)
         if final.exists():  # saving the same step again: replace it whole
             old = root / f".{final.name}.old-{os.getpid()}"
@@ -94,19 +106,20 @@ def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
 
 
 def _write(folder: Path, engine: Any, model: torch.nn.Module, data: Any, settings: Any,
-           step: int) -> None:
+           step: int, shard_bytes: int) -> None:
     model_dir = folder / "model"
-    model.save_pretrained(model_dir, state_dict=engine.model_state_dict(),
-                          safe_serialization=True)
+    _write_model(model_dir, engine, model, shard_bytes)
     tokenizer = getattr(data, "tokenizer", None)
     if tokenizer is not None:
         from engine.data.tokenizer import save_tokenizer
 
         save_tokenizer(tokenizer, model_dir)
-    state = engine.state_dict()
-    save_file(state["tensors"], folder / "optimizer.safetensors")
+    optimizer = ShardWriter(folder, "optimizer", shard_bytes)
+    for name, tensor in engine.iter_optimizer_state():
+        optimizer.add(name, tensor)
+    optimizer.close()
     save_file(rng_states(), folder / "rng.safetensors")
-    record = {"format": FORMAT, "step": step, "engine": state["meta"],
+    record = {"format": FORMAT, "step": step, "engine": engine.state_meta(),
               "settings": settings.model_dump(),
               "data": data.state_dict() if hasattr(data, "state_dict") else None}
     (folder / "state.json").write_text(json.dumps(record, indent=2))
@@ -114,6 +127,46 @@ def _write(folder: Path, engine: Any, model: torch.nn.Module, data: Any, setting
     manifest = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                 for p in files}
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": manifest}, indent=2))
+
+
+def _write_model(model_dir: Path, engine: Any, model: torch.nn.Module,
+                 shard_bytes: int) -> None:
+    """What `model.save_pretrained(model_dir, state_dict=engine.model_state_dict())` writes,
+    with the weights streamed from the engine into shards rather than gathered first."""
+    model_dir.mkdir()
+    config = copy.deepcopy(model.config)  # save_pretrained's additions, on a copy
+    config.dtype = str(model.dtype).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(model_dir)
+    if model.can_generate():
+        model.generation_config.save_pretrained(model_dir)
+    copies = tied_copies(model)
+    shards = ShardWriter(model_dir, "model", shard_bytes)
+    for name, tensor in engine.iter_model_state():
+        if name not in copies:
+            shards.add(name, tensor)
+    shards.close()
+
+
+def tied_copies(model: torch.nn.Module) -> set[str]:
+    """Names of tied weights that save_pretrained leaves out (safetensors holds a tensor
+    once): of the names one parameter goes by, those the model declares tied
+    (`_tied_weights_keys`, a pattern per name) in sorted order, never all of them, so one
+    name always stays. from_pretrained ties them again."""
+    patterns = []
+    for prefix, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or ()
+        patterns += [f"{prefix}.{key}" if prefix else key for key in tied]
+    groups: dict[int, list[str]] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(value), []).append(name)
+    left_out: set[str] = set()
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        matched = [n for n in sorted(names) if any(re.search(p, n) for p in patterns)]
+        left_out.update(matched[:len(names) - 1])
+    return left_out
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
@@ -166,11 +219,13 @@ def load_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
     folder = find_checkpoint(settings.checkpoint.resume)
     state = verify(folder)
     try:
-        tensors = load_file(folder / "optimizer.safetensors")
+        tensors = ShardedTensors(folder, "optimizer")  # the headers; tensors as chunks ask
         rng = load_file(folder / "rng.safetensors")
     except Exception as err:  # safetensors raises its own error types
         raise CheckpointError(f"{folder}: unreadable tensors: {err}") from None
-    engine.load_state_dict({"tensors": tensors, "meta": state["engine"]})
+    with tensors:
+        engine.load_state_dict({"tensors": tensors, "numels": tensors.numels,
+                                "meta": state["engine"]})
     if state.get("data") is not None and hasattr(data, "load_state_dict"):
         data.load_state_dict(state["data"])
     set_rng_states(rng)

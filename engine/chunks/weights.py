@@ -8,7 +8,7 @@ safetensors, never unpickling anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -41,20 +41,31 @@ def _whole_of(whole: Whole | None) -> Callable[[Chunk, str], torch.Tensor]:
     return get
 
 
-def model_state_dict(model: torch.nn.Module, slot_of: dict[int, tuple[Chunk, Slot]],
-                     whole: Whole | None = None) -> dict[str, torch.Tensor]:
-    """Full-precision weights on the CPU under the model's own names (tied names too).
-    Sharded chunks need `whole`, and every rank calls this alike."""
-    get = _whole_of(whole)
-    out: dict[str, torch.Tensor] = {}
+def names_and_buffers(model: torch.nn.Module, slot_of: dict[int, tuple[Chunk, Slot]]
+                      ) -> tuple[dict[int, list[str]], list[tuple[str, torch.Tensor]]]:
+    """(id of each chunked parameter -> its names in the model's state_dict, tied names
+    too; every entry that is not in a chunk, a buffer, as a CPU copy)."""
+    names: dict[int, list[str]] = {}
+    buffers: list[tuple[str, torch.Tensor]] = []
     for name, value in model.state_dict(keep_vars=True).items():
-        hit = slot_of.get(id(value))
-        if hit is None:  # a buffer
-            out[name] = value.detach().cpu().clone()
+        if id(value) in slot_of:
+            names.setdefault(id(value), []).append(name)
         else:
-            chunk, slot = hit
-            flat = get(chunk, "master")[slot.offset:slot.offset + slot.numel]
-            out[name] = flat.detach().cpu().clone().view(slot.shape)
+            buffers.append((name, value.detach().cpu().clone()))
+    return names, buffers
+
+
+def chunk_weights(chunk: Chunk, names: dict[int, list[str]], whole: Whole | None = None
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """One chunk's full-precision weights as CPU tensors of their own, under every name of
+    each of its parameters (`names`, from names_and_buffers), in the chunk's order. A
+    sharded chunk needs `whole`, and every rank calls this alike."""
+    master = _whole_of(whole)(chunk, "master")
+    out: list[tuple[str, torch.Tensor]] = []
+    for s in chunk.slots:
+        flat = master[s.offset:s.offset + s.numel]
+        out.extend((name, flat.detach().cpu().clone().view(s.shape))
+                   for name in names.get(id(s.param), ()))
     return out
 
 
@@ -86,18 +97,25 @@ def _held(chunk: Chunk, slot: Slot) -> tuple[slice, slice] | None:
     return slice(a - lo, b - lo), slice(a - slot.offset, b - slot.offset)
 
 
-def load_optimizer_tensors(chunks: list[Chunk], tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of optimizer_tensors(); checks every name and size before changing anything.
-    A sharded chunk takes the part of each tensor in its shard."""
+def check_optimizer_tensors(chunks: list[Chunk], numels: Mapping[str, int]) -> None:
+    """Raise ValueError unless `numels` (name -> element count) has every tensor
+    optimizer_tensors() gives for `chunks`, each of the right size."""
     for c in chunks:
         for s in c.slots:
             for kind in (*KINDS, "step"):
                 key = f"{kind}/{s.name}"
-                if key not in tensors:
+                if key not in numels:
                     raise ValueError(f"state has no {key}")
                 want = 1 if kind == "step" else s.numel
-                if tensors[key].numel() != want:
-                    raise ValueError(f"{key}: {tensors[key].numel()} elements, expected {want}")
+                if numels[key] != want:
+                    raise ValueError(f"{key}: {numels[key]} elements, expected {want}")
+
+
+def fill_optimizer_tensors(chunks: list[Chunk], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Inverse of optimizer_tensors(): copy `tensors` (check_optimizer_tensors first, for
+    every chunk, so that nothing changes if one does not match) into `chunks`, reading each
+    tensor once, chunk by chunk, so a lazy mapping holds one tensor at a time. A sharded
+    chunk takes the part of each tensor in its shard."""
     for c in chunks:
         for s in c.slots:
             held = _held(c, s)
@@ -106,3 +124,4 @@ def load_optimizer_tensors(chunks: list[Chunk], tensors: dict[str, torch.Tensor]
                 for kind in KINDS:
                     getattr(c, kind)[home].copy_(tensors[f"{kind}/{s.name}"].reshape(-1)[values])
             s.steps = int(tensors[f"step/{s.name}"].reshape(-1)[0])
+

@@ -15,9 +15,9 @@ are the whole batch's, and the weights those of one process on the global batch.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
+from collections.abc import Iterator
 
 import psutil
 import torch
@@ -54,17 +54,6 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
                          f"equal micro-batches (grad_accum)")
     return [{k: v.chunk(parts)[i] if isinstance(v, torch.Tensor) else v
              for k, v in batch.items()} for i in range(parts)]
-
-
-class _Entries:
-    """Some of a model's state_dict entries, for weights.model_state_dict (one chunk's at a
-    time when masters are on disk)."""
-
-    def __init__(self, entries: dict[str, torch.Tensor]) -> None:
-        self.entries = entries
-
-    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        return self.entries
 
 
 class Engine:
@@ -412,23 +401,25 @@ class Engine:
     # --- weights and state ----------------------------------------------------------------------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full-precision weights on the CPU under the model's own names (tied names too).
+        """Full-precision weights on the CPU under the model's own names (tied names too),
+        in the model's order: iter_model_state() collected."""
+        out = dict(self.iter_model_state())
+        return {name: out[name] for name in self.model.state_dict(keep_vars=True)}
 
-        Masters on disk are read back one chunk at a time: beyond the result, the disk
-        tier's I/O buffers are all the memory this takes."""
+    def iter_model_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """model_state_dict()'s (name, tensor) pairs, buffers first, then chunk by chunk:
+        each tensor is a CPU copy of its own, and between two chunks this holds nothing, so
+        a caller writing them as they come (a sharded checkpoint) never has the whole model
+        in memory. Masters on disk are read back one chunk at a time (the chunk's parts,
+        for the chunk). Don't step until it is exhausted or closed; data parallel, every
+        rank iterates it alike to the end (each chunk is gathered whole, a collective)."""
         self.manager.flight.wait()
-        if self.manager.spill is None:
-            return weights.model_state_dict(self.model, self.runner.slot_of, self._whole)
-        entries = self.model.state_dict(keep_vars=True)
-        slot_of = self.runner.slot_of
-        out = weights.model_state_dict(
-            _Entries({k: v for k, v in entries.items() if id(v) not in slot_of}), {})
+        names, buffers = weights.names_and_buffers(self.model, self.runner.slot_of)
+        yield from buffers
         for chunk in self.chunks:
-            mine = {k: v for k, v in slot_of.items() if v[0] is chunk}
             with self.manager.opened(chunk):
-                out.update(weights.model_state_dict(
-                    _Entries({k: v for k, v in entries.items() if id(v) in mine}), mine))
-        return {name: out[name] for name in entries}
+                pairs = weights.chunk_weights(chunk, names, self._whole)
+            yield from pairs
 
     @property
     def _whole(self) -> weights.Whole | None:
@@ -441,27 +432,43 @@ class Engine:
 
         State on disk is read back one chunk at a time: beyond the result (16 B/param),
         the disk tier's I/O buffers are all the memory this takes."""
+        return {"tensors": dict(self.iter_optimizer_state()), "meta": self.state_meta()}
+
+    def iter_optimizer_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """state_dict()["tensors"]'s (name, tensor) pairs chunk by chunk, as
+        iter_model_state() gives the weights: a caller writing them as they come never has
+        the whole state in memory; the same rules apply (don't step meanwhile; every rank
+        iterates alike)."""
         self.manager.flight.wait()
-        tensors: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
             with self.manager.opened(chunk):
-                tensors.update(weights.optimizer_tensors([chunk], self._whole))
-        meta = {"step": self.step_count, "loss_scale": self.optimizer.loss_scale,
+                pairs = weights.optimizer_tensors([chunk], self._whole)
+            yield from pairs.items()
+
+    def state_meta(self) -> dict:
+        """state_dict()["meta"]: the step, the loss scale and the settings (JSON-ready)."""
+        return {"step": self.step_count, "loss_scale": self.optimizer.loss_scale,
                 "good_steps": self.optimizer.good_steps, "policy": self.settings.policy.value,
                 "margin_ratio": self.settings.margin_ratio,
                 "device_budget": self.settings.device_budget,
                 "precision": self.config.precision}
-        return {"tensors": tensors, "meta": meta}
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of state_dict(); raises ValueError naming what does not match, before
-        anything changes. State on disk is written back one chunk at a time."""
-        weights.load_optimizer_tensors(self._dry_chunks(), state["tensors"])  # checks only
+        anything changes. State on disk is written back one chunk at a time.
+
+        `state["tensors"]` may be any mapping by name: each tensor is read once, as its
+        chunk is filled, so a lazy one (reading files tensor by tensor) holds one chunk's
+        at a time; give `state["numels"]` (name -> element count) with it and the check
+        beforehand reads none of them."""
+        tensors = state["tensors"]
+        numels = state.get("numels") or {k: v.numel() for k, v in tensors.items()}
+        weights.check_optimizer_tensors(self.chunks, numels)
         self.manager.flight.wait()
         for c in self.chunks:
             self.optimizer.discard(c)
             with self.manager.opened(c, write=True):
-                weights.load_optimizer_tensors([c], state["tensors"])
+                weights.fill_optimizer_tensors([c], tensors)
                 if not c.aliased:
                     c.payload.copy_(c.master)
             if not c.resident:
@@ -471,13 +478,3 @@ class Engine:
         self.step_count = int(meta["step"])
         self.optimizer.loss_scale = float(meta.get("loss_scale", self.optimizer.loss_scale))
         self.optimizer.good_steps = int(meta.get("good_steps", 0))
-
-    def _dry_chunks(self) -> list:
-        """The chunks' layout with meta tensors for their state: a load into these checks
-        every name and size without touching anything."""
-        def dry(c):
-            meta = torch.empty(c.numel, device="meta")
-            return dataclasses.replace(c, slots=[dataclasses.replace(s) for s in c.slots],
-                                       master=meta, exp_avg=meta, exp_avg_sq=meta,
-                                       slot_grads={}, spill=None)
-        return [dry(c) for c in self.chunks]
