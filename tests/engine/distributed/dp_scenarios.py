@@ -80,20 +80,24 @@ def matches(rank: int, world: int, *, steps: int, per_rank: int,
 
 
 def unused(rank: int, world: int, *, steps: int, per_rank: int,
-           gates: list[list[tuple[bool, ...]]], policy: str) -> dict:
-    """GatedLM where rank r's batches at step i use the gates gates[i][r]."""
+           gates: list[list[tuple[bool, ...]]], policies: list[str]) -> dict:
+    """GatedLM where rank r's batches at step i use the gates gates[i][r], under each of
+    `policies`; per policy, what _run gives, the weights and each parameter's step count."""
     model = GatedLM()
     batches = []
     for i, b in enumerate(global_batches(steps, batch_size=per_rank * world)):
         part = rank_slice(b, rank, world)
         part["gates"] = gates[i][rank]
         batches.append(part)
-    eng = _engine(model, policy=policy, device_budget="64MiB", chunk_size=4096)
-    result = _run(eng, batches, [])
-    result["weights"] = eng.model_state_dict()
-    result["steps"] = {s.name: s.steps for c in eng.chunks for s in c.slots}
-    eng.close()
-    return result
+    out = {}
+    for policy in policies:
+        eng = _engine(model, policy=policy, device_budget="64MiB", chunk_size=4096)
+        result = _run(eng, batches, [])
+        result["weights"] = eng.model_state_dict()
+        result["steps"] = {s.name: s.steps for c in eng.chunks for s in c.slots}
+        eng.close()
+        out[policy] = result
+    return out
 
 
 def diverging(rank: int, world: int, *, per_rank: int) -> dict:
@@ -118,10 +122,10 @@ def diverging(rank: int, world: int, *, per_rank: int) -> dict:
 def dying(rank: int, world: int, *, per_rank: int) -> dict:
     """Rank 1 dies (an abrupt exit, as kill -9 would end it) before the second step; the
     others' second step must fail, naming their rank, well within the timeout."""
-    model = build()
+    model = GatedLM()
     batches = [rank_slice(b, rank, world)
                for b in global_batches(2, batch_size=per_rank * world)]
-    eng = _engine(model, policy="auto", device_budget="64MiB")
+    eng = _engine(model, policy="auto", device_budget="64MiB", chunk_size=4096)
     eng.step(batches[0])
     if rank == 1:
         os._exit(1)
