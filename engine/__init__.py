@@ -13,10 +13,12 @@ from engine.placement.policy import Policy
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats, TimelinePoint
 
 if TYPE_CHECKING:
+    from engine.distributed.collectives import CollectiveError
     from engine.step.engine import Engine
 
 __all__ = [
     "ChunkInfo",
+    "CollectiveError",
     "Engine",
     "EngineConfig",
     "MemorySnapshot",
@@ -34,4 +36,8 @@ def __getattr__(name: str) -> object:
         from engine.step.engine import Engine
 
         return Engine
+    if name == "CollectiveError":  # data parallel: a collective failed or timed out
+        from engine.distributed.collectives import CollectiveError
+
+        return CollectiveError
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
