@@ -67,11 +67,12 @@ class Engine:
     rank (or `data_parallel=True`), each rank keeps one shard of every chunk (payload,
     fp32 master, moments, gradient), gathers a chunk whole for each use and reduce-scatters
     its gradients; policy, margin and budgets apply per rank to its shards and to the
-    chunks it gathers. Every rank must then create the engine, step, and call
-    model_state_dict/state_dict/load_state_dict/close at the same points, with batches of
-    the same shape, and run the same modules in the same order (a parameter left unused
-    on some rank is fine: its gradient counts as zeros there, as with DDP's
-    find_unused_parameters). The disk tier (host_budget) does not shard yet.
+    chunks it gathers, and the settings rank 0 stages (set_policy, set_margin,
+    set_budget) are every rank's from the next step. Every rank must then create the
+    engine, step, and call model_state_dict/state_dict/load_state_dict/close at the same
+    points, with batches of the same shape, and run the same modules in the same order (a
+    parameter left unused on some rank is fine: its gradient counts as zeros there, as
+    with DDP's find_unused_parameters). The disk tier (host_budget) does not shard yet.
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *,
@@ -180,6 +181,21 @@ class Engine:
             self._place()
         return applied
 
+    def _follow_rank_zero(self) -> None:
+        """Data parallel: the settings rank 0 staged are every rank's, so that a change
+        made on rank 0 alone (the app steers rank 0) takes effect on every rank at the
+        same step. One small collective per step."""
+        staged = self._pending or self.settings
+        policies = list(Policy)
+        row = torch.tensor([float(self._pending is not None), policies.index(staged.policy),
+                            staged.margin_ratio, staged.device_budget], dtype=torch.float64,
+                           device=self.collectives.device)
+        first = self.collectives.all_gather_rows(row)[0].tolist()
+        if not first[0]:
+            self._pending = None
+            return
+        self._pending = LiveSettings(policies[int(first[1])], first[2], int(first[3]))
+
     def _place(self, *, margin: bool = True) -> None:
         """Make resident what the policy and the margin ask for (rules.resident_chunks)."""
         want = rules.resident_chunks(
@@ -214,6 +230,8 @@ class Engine:
         if not self.manager.flight.active:
             self.manager.retry_disk()  # what a full disk left held, before anything changes
         self.manager.reset_counters()
+        if self.collectives is not None:
+            self._follow_rank_zero()
         applied = self._apply_pending()
         m = self.manager
         parts = split_batch(batch, self.config.grad_accum)

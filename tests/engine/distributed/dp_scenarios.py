@@ -66,6 +66,8 @@ def matches(rank: int, world: int, *, steps: int, per_rank: int,
     for sc in scenarios:
         changes = [[(k, budgets[v] if k == "budget" else v) for k, v in step]
                    for step in sc.get("changes", [])]
+        if sc.get("rank0_only") and rank != 0:
+            changes = []  # rank 0 alone is steered; the engine tells the others
         eng = _engine(model, policy=sc["policy"], device_budget=budgets[sc["budget"]],
                       margin_ratio=sc.get("margin", 0.0),
                       max_grad_norm=sc.get("max_grad_norm"), grad_accum=sc.get("grad_accum", 1))

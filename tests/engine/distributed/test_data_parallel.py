@@ -38,6 +38,10 @@ SCENARIOS = [
     {"name": "live", "policy": "auto", "budget": "tight", "changes": [
         [], [("policy", "cpu")], [("margin", 0.5)],
         [("budget", "cuda"), ("policy", "cuda")], [("policy", "auto"), ("margin", 1.0)]]},
+    # The same changes made on rank 0 alone: every rank applies them at the same step.
+    {"name": "steered", "policy": "auto", "budget": "tight", "rank0_only": True, "changes": [
+        [], [("policy", "cpu")], [("margin", 0.5)],
+        [("budget", "cuda"), ("policy", "cuda")], [("policy", "auto"), ("margin", 1.0)]]},
     # On two ranks only (the shards' arithmetic is the same on three), to keep the time.
     {"name": "clipped", "policy": "cpu", "budget": "tight", "max_grad_norm": 0.5,
      "worlds": (2,)},
@@ -77,11 +81,13 @@ def test_ranks_train_as_one_process_on_the_global_batch(ranks, name):
     assert whole_model_relative_difference(results[0][name]["weights"], ref_weights) <= TOL
 
 
-def test_live_changes_take_effect_at_the_step_they_were_made_for(ranks):
+@pytest.mark.parametrize("name", ["live", "steered"])
+def test_live_changes_take_effect_at_the_step_they_were_made_for(ranks, name):
     _, results = ranks
-    applied = results[0]["live"]["applied"]
-    assert "policy cpu" in applied[1] and "margin_ratio 0.5" in applied[2]
-    assert "policy cuda" in applied[3] and "policy auto" in applied[4]
+    for result in results:  # "steered": made on rank 0 only, applied by every rank
+        applied = result[name]["applied"]
+        assert "policy cpu" in applied[1] and "margin_ratio 0.5" in applied[2]
+        assert "policy cuda" in applied[3] and "policy auto" in applied[4]
 
 
 def test_each_rank_holds_its_shard_of_the_chunk_state(ranks):
