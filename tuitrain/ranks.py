@@ -147,10 +147,12 @@ def sum_over_ranks(ranks: Ranks, value: float) -> float:
 
 def take_part_in_checkpoint(engine: Any, model: Any, data: Any, settings: Any,
                             step: int) -> str:
-    """A rank other than 0 at a checkpoint: it gathers what rank 0 writes (the engine's
-    collectives, in the order tuitrain.checkpoint asks for them) and writes nothing."""
-    engine.model_state_dict()
-    engine.state_dict()
+    """A rank other than 0 at a checkpoint: it takes part in gathering what rank 0 writes
+    (the engine's collectives: its weights, then its optimizer state, each to the end, as
+    tuitrain.checkpoint streams them) and writes nothing, keeping no tensor."""
+    for iterate in (engine.iter_model_state, engine.iter_optimizer_state):
+        for _ in iterate():
+            pass
     return "written by rank 0"
 
 
