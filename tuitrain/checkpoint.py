@@ -23,6 +23,7 @@ model larger than the host budget stays within it, give or take one shard and on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -115,8 +116,9 @@ def _write(folder: Path, engine: Any, model: torch.nn.Module, data: Any, setting
 
         save_tokenizer(tokenizer, model_dir)
     optimizer = ShardWriter(folder, "optimizer", shard_bytes)
-    for name, tensor in engine.iter_optimizer_state():
-        optimizer.add(name, tensor)
+    with contextlib.closing(engine.iter_optimizer_state()) as pairs:
+        for name, tensor in pairs:
+            optimizer.add(name, tensor)
     optimizer.close()
     save_file(rng_states(), folder / "rng.safetensors")
     record = {"format": FORMAT, "step": step, "engine": engine.state_meta(),
@@ -142,9 +144,10 @@ def _write_model(model_dir: Path, engine: Any, model: torch.nn.Module,
         model.generation_config.save_pretrained(model_dir)
     copies = tied_copies(model)
     shards = ShardWriter(model_dir, "model", shard_bytes)
-    for name, tensor in engine.iter_model_state():
-        if name not in copies:
-            shards.add(name, tensor)
+    with contextlib.closing(engine.iter_model_state()) as pairs:  # a failed write closes it
+        for name, tensor in pairs:
+            if name not in copies:
+                shards.add(name, tensor)
     shards.close()
 
 

@@ -8,7 +8,7 @@ safetensors, never unpickling anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -56,32 +56,28 @@ def names_and_buffers(model: torch.nn.Module, slot_of: dict[int, tuple[Chunk, Sl
 
 
 def chunk_weights(chunk: Chunk, names: dict[int, list[str]], whole: Whole | None = None
-                  ) -> list[tuple[str, torch.Tensor]]:
-    """One chunk's full-precision weights as CPU tensors of their own, under every name of
-    each of its parameters (`names`, from names_and_buffers), in the chunk's order. A
-    sharded chunk needs `whole`, and every rank calls this alike."""
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One chunk's full-precision weights as CPU tensors of their own, one at a time, under
+    every name of each of its parameters (`names`, from names_and_buffers), in the chunk's
+    order. A sharded chunk needs `whole`, and every rank calls this alike."""
     master = _whole_of(whole)(chunk, "master")
-    out: list[tuple[str, torch.Tensor]] = []
     for s in chunk.slots:
         flat = master[s.offset:s.offset + s.numel]
-        out.extend((name, flat.detach().cpu().clone().view(s.shape))
-                   for name in names.get(id(s.param), ()))
-    return out
+        for name in names.get(id(s.param), ()):
+            yield name, flat.detach().cpu().clone().view(s.shape)
 
 
 def optimizer_tensors(chunks: list[Chunk], whole: Whole | None = None
-                      ) -> dict[str, torch.Tensor]:
-    """`{kind}/{parameter name}` -> fp32 CPU tensor, for master, moments and step. Sharded
-    chunks need `whole`, and every rank calls this alike."""
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(`{kind}/{parameter name}`, fp32 CPU tensor of its own) for master, moments and
+    step, one at a time. Sharded chunks need `whole`, and every rank calls this alike."""
     get = _whole_of(whole)
-    tensors: dict[str, torch.Tensor] = {}
     for c in chunks:
         for s in c.slots:
             sl = slice(s.offset, s.offset + s.numel)
             for kind in KINDS:
-                tensors[f"{kind}/{s.name}"] = get(c, kind)[sl].cpu().clone()
-            tensors[f"step/{s.name}"] = torch.tensor([float(s.steps)])
-    return tensors
+                yield f"{kind}/{s.name}", get(c, kind)[sl].cpu().clone()
+            yield f"step/{s.name}", torch.tensor([float(s.steps)])
 
 
 def _held(chunk: Chunk, slot: Slot) -> tuple[slice, slice] | None:

@@ -426,18 +426,18 @@ class Engine:
 
     def iter_model_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """model_state_dict()'s (name, tensor) pairs, buffers first, then chunk by chunk:
-        each tensor is a CPU copy of its own, and between two chunks this holds nothing, so
-        a caller writing them as they come (a sharded checkpoint) never has the whole model
-        in memory. Masters on disk are read back one chunk at a time (the chunk's parts,
-        for the chunk). Don't step until it is exhausted or closed; data parallel, every
-        rank iterates it alike to the end (each chunk is gathered whole, a collective)."""
+        each tensor is a CPU copy of its own, made when asked for, so a caller writing them
+        as they come (a sharded checkpoint) never has the whole model in memory. A chunk
+        with parts on disk has them read back while its tensors are given (one chunk's
+        parts at a time). Don't step until it is exhausted or closed (contextlib.closing:
+        an abandoned one keeps its chunk's parts read in until collected); data parallel,
+        every rank iterates it alike to the end (each chunk is gathered, a collective)."""
         self.manager.flight.wait()
         names, buffers = weights.names_and_buffers(self.model, self.runner.slot_of)
         yield from buffers
         for chunk in self.chunks:
             with self.manager.opened(chunk):
-                pairs = weights.chunk_weights(chunk, names, self._whole)
-            yield from pairs
+                yield from weights.chunk_weights(chunk, names, self._whole)
 
     @property
     def _whole(self) -> weights.Whole | None:
@@ -455,13 +455,12 @@ class Engine:
     def iter_optimizer_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """state_dict()["tensors"]'s (name, tensor) pairs chunk by chunk, as
         iter_model_state() gives the weights: a caller writing them as they come never has
-        the whole state in memory; the same rules apply (don't step meanwhile; every rank
-        iterates alike)."""
+        the whole state in memory; the same rules apply (don't step meanwhile, close it if
+        left early; every rank iterates alike)."""
         self.manager.flight.wait()
         for chunk in self.chunks:
             with self.manager.opened(chunk):
-                pairs = weights.optimizer_tensors([chunk], self._whole)
-            yield from pairs.items()
+                yield from weights.optimizer_tensors([chunk], self._whole)
 
     def state_meta(self) -> dict:
         """state_dict()["meta"]: the step, the loss scale and the settings (JSON-ready)."""

@@ -195,7 +195,8 @@ def test_a_truncated_shard_or_index_is_refused_whole(saved, tmp_path, damage):
     assert fresh.engine.step_count == 0
 
 
-def test_a_crash_between_shards_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_a_crash_between_shards_keeps_the_last_checkpoint_and_training_goes_on(tmp_path,
+                                                                             monkeypatch):
     run = Run(tmp_path)
     good = run.save()
     run.steps(1)
@@ -209,9 +210,14 @@ def test_a_crash_between_shards_leaves_the_previous_checkpoint(tmp_path, monkeyp
         return save(tensors, path, **kw)
 
     monkeypatch.setattr(shard_files, "save_file", crash_on_the_third)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as died:
         run.save()
+    assert died.tb is not None  # which holds the frames of the save, as a caller's may
     root = tmp_path / "ck"
     assert sorted(p.name for p in root.iterdir()) == [good.name]
     assert find_checkpoint(root) == good
     assert checkpoint.verify(good)["step"] == 0
+    # The chunk being written when it died went back to disk: training goes on in budget.
+    assert all(c.payload is None for c in run.engine.chunks if c.payload_on_disk)
+    run.steps(1)
+    assert run.within_host_budget()
