@@ -602,14 +602,17 @@ class ChunkManager:
         return UpdatePipeline(self.spill, chunks) if self.spill is not None else NoDisk()
 
     @contextlib.contextmanager
-    def opened(self, chunk: Chunk, *, write: bool = False) -> Iterator[None]:
+    def opened(self, chunk: Chunk, *, write: bool = False,
+               master_only: bool = False) -> Iterator[None]:
         """The chunk's tensors all readable (parts on disk read into buffers) in the block;
-        `write`: what the block changed in them goes back to disk."""
+        `write`: what the block changed in them goes back to disk; `master_only`: only the
+        fp32 master need be readable (fp32 reads no moments, bf16/fp16 no payload)."""
         if self.spill is None or not chunk.disk_level:
             yield
             return
         regions = (disk.STATE, disk.PAYLOAD) if write else ()
-        with self.spill.opened(chunk, write=regions):
+        read = (disk.master_region(chunk),) if master_only else None
+        with self.spill.opened(chunk, write=regions, read=read):
             yield
 
     def retry_disk(self) -> None:

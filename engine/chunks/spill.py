@@ -52,6 +52,11 @@ def state_parts(chunk: Chunk) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq") if chunk.aliased else ("master", "exp_avg", "exp_avg_sq")
 
 
+def master_region(chunk: Chunk) -> str:
+    """The region that holds the chunk's fp32 master: fp32's master is its payload."""
+    return PAYLOAD if chunk.aliased else STATE
+
+
 def host_parts(chunk: Chunk, region: str) -> tuple[str, ...]:
     """The chunk's host tensors that `region` holds (fp32's master is its payload)."""
     if region == STATE:
@@ -290,14 +295,16 @@ class Spill:
     # --- a whole chunk read back for a while (checkpoints, close) ------------------------------
 
     @contextlib.contextmanager
-    def opened(self, chunk: Chunk, *, write: tuple[str, ...] = ()) -> Iterator[None]:
-        """Every part of the chunk on disk read into whole temporary tensors, which the
-        chunk's attributes point to for the `with` block; then the regions in `write`
-        written back (waiting). Costs the host one chunk's parts on disk, beyond the
-        budget, for the block. (fp32 gradients on disk are not read: nothing outside the
-        update needs them.)"""
+    def opened(self, chunk: Chunk, *, write: tuple[str, ...] = (),
+               read: tuple[str, ...] | None = None) -> Iterator[None]:
+        """Every part of the chunk on disk (of the regions in `read`, if given) read into
+        whole temporary tensors, which the chunk's attributes point to for the `with`
+        block; then the regions in `write` written back (waiting). Costs the host one
+        chunk's parts on disk, beyond the budget, for the block. (fp32 gradients on disk
+        are not read: nothing outside the update needs them.)"""
         regions = ([STATE] if chunk.state_on_disk else []) + (
             [PAYLOAD] if chunk.payload_on_disk else [])
+        regions = [r for r in regions if read is None or r in read]
         temps: dict[str, dict[str, torch.Tensor]] = {}
         for region in regions:
             dtypes = {"payload": chunk.dtype}

@@ -436,7 +436,7 @@ class Engine:
         names, buffers = weights.names_and_buffers(self.model, self.runner.slot_of)
         yield from buffers
         for chunk in self.chunks:
-            with self.manager.opened(chunk):
+            with self.manager.opened(chunk, master_only=True):
                 yield from weights.chunk_weights(chunk, names, self._whole)
 
     @property
