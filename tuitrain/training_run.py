@@ -166,9 +166,9 @@ class TrainingRun:
 
     def interrupt(self) -> None:
         """Cut the running step short (a Stop is on its way); called from a signal handler.
-        Not with several ranks: one rank's step cut short would leave the others waiting in
-        its collectives, so the Stop takes effect at the boundary the ranks agree on."""
-        if self.engine is not None and not self.ranks.parallel:
+        With several ranks the engine stops the step on every rank at a boundary they
+        agree on, and the Stop ends the run at the step boundary they agree on."""
+        if self.engine is not None:
             self.engine.interrupt()
 
     def _train(self) -> None:

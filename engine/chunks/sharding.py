@@ -24,6 +24,7 @@ does), so no rank waits for a gradient another rank never computes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +55,16 @@ class ShardedChunks:
         self.held_bytes = 0
         self.bytes_gathered = 0  # this step: bytes received by all-gathers
         self.bytes_reduced = 0  # this step: bytes sent into reduce-scatters
+        # An interrupt asked for on this rank, and what every rank does once they agree
+        # on one (the engine: stop the step at the next module boundary).
+        self._interrupt_asked = False
+        self.on_interrupt: Callable[[], None] = lambda: None
+
+    def request_interrupt(self) -> None:
+        """Cut the step short on every rank: carried by the next boundary's agreement, so
+        that all stop at the same boundary (one rank alone would leave the others waiting
+        in its collectives). Only sets a flag: safe from a signal handler."""
+        self._interrupt_asked = True
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -120,7 +131,8 @@ class ShardedChunks:
         """The agreement at a module boundary (see the module docstring). Returns the
         indices of `needed` to gather now; reduce-scatters what is complete everywhere."""
         count = len(self.chunks)
-        want = [0] * (2 * count)
+        want = [0] * (2 * count + 1)
+        want[-1] = int(self._interrupt_asked)
         for chunk in needed:
             if not chunk.on_device or chunk.stale:
                 want[chunk.index] = 1
@@ -128,6 +140,9 @@ class ShardedChunks:
             if index not in self._ready:
                 want[count + index] = 1  # still waiting here
         agreed = self.collectives.max_ints(want)
+        if agreed[-1]:
+            self._interrupt_asked = False
+            self.on_interrupt()  # every rank, at this boundary
         self._land_all()
         complete = [i for i in self._waiting() if not agreed[count + i]]
         for index in sorted(complete, reverse=True):

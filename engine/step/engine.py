@@ -104,6 +104,7 @@ class Engine:
         self.manager = self.runner.manager
         if self.collectives is not None:
             self.manager.use_sharding(self.collectives)
+            self.manager.sharding.on_interrupt = self.runner.interrupt
         self.manager.set_policy(self.settings.policy)
         if budgeted:
             self.manager.use_host_budget(config.host_budget, config.disk_dir or default_disk_dir(),
@@ -209,8 +210,14 @@ class Engine:
     def interrupt(self) -> None:
         """Cut the running step short at the next module boundary (StepInterrupted); with
         no step running, the next step stops at its first module. Safe to call from a
-        signal handler or another thread: it only sets a flag."""
-        self.runner.interrupt()
+        signal handler or another thread: it only sets a flag.
+
+        Data parallel: called on any rank, it stops the step on every rank, at the module
+        boundary after the next one (the ranks agree on it at a boundary first)."""
+        if self.manager.sharding is not None:
+            self.manager.sharding.request_interrupt()
+        else:
+            self.runner.interrupt()
 
     def step(self, batch: dict[str, torch.Tensor]) -> StepStats:
         """One optimizer step on `batch` (input_ids, labels, optional attention_mask).

@@ -138,3 +138,27 @@ def dying(rank: int, world: int, *, per_rank: int) -> dict:
         return {"raised": type(error).__name__, "message": str(error),
                 "seconds": time.perf_counter() - start}
     return {"raised": None, "message": "", "seconds": time.perf_counter() - start}
+
+
+def interrupted(rank: int, world: int, *, steps: int, per_rank: int) -> dict:
+    """Rank 0 alone interrupts the second step: every rank's step stops (StepInterrupted)
+    at the same boundary; each runs it again, and the run goes on as if it never stopped."""
+    from engine.step.engine import StepInterrupted
+
+    model = GatedLM()
+    batches = [rank_slice(b, rank, world)
+               for b in global_batches(steps, batch_size=per_rank * world)]
+    eng = _engine(model, policy="auto", device_budget="64MiB", chunk_size=4096)
+    losses, raised = [], []
+    i = 0
+    while i < steps:
+        if i == 1 and rank == 0 and not raised:
+            eng.interrupt()
+        try:
+            losses.append(eng.step(batches[i]).loss)
+            i += 1
+        except StepInterrupted as error:
+            raised.append(str(error))
+    weights = eng.model_state_dict()
+    eng.close()
+    return {"losses": losses, "raised": raised, "weights": weights}

@@ -183,6 +183,19 @@ def test_a_rank_that_dies_is_an_error_on_the_others_within_the_timeout(tmp_path)
     assert survivor["seconds"] < COLLECTIVE_TIMEOUT
 
 
+def test_an_interrupt_on_one_rank_stops_the_step_on_every_rank(tmp_path):
+    world, steps = 2, 3
+    results = run_ranks(world, "dp_scenarios.interrupted", tmp_path, steps=steps,
+                        per_rank=PER_RANK)
+    ref_losses, ref_weights = reference_run(
+        GatedLM(), global_batches(steps, batch_size=PER_RANK * world))
+    for result in results:
+        assert len(result["raised"]) == 1 and "step 2 was interrupted" in result["raised"][0]
+        assert result["losses"] == pytest.approx(ref_losses, rel=TOL)
+        assert whole_model_relative_difference(result["weights"], ref_weights) <= TOL
+    assert results[0]["raised"] == results[1]["raised"]  # the same boundary
+
+
 def test_without_torch_distributed_the_engine_trains_alone():
     model = build()
     eng = Engine(copy.deepcopy(model), EngineConfig(policy="cpu", device_budget="64MiB"))
