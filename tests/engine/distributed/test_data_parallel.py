@@ -183,17 +183,27 @@ def test_a_rank_that_dies_is_an_error_on_the_others_within_the_timeout(tmp_path)
     assert survivor["seconds"] < COLLECTIVE_TIMEOUT
 
 
-def test_an_interrupt_on_one_rank_stops_the_step_on_every_rank(tmp_path):
+@pytest.fixture(scope="module")
+def interrupted_runs(tmp_path_factory):
+    return run_ranks(2, "dp_scenarios.interrupted", tmp_path_factory.mktemp("interrupted"),
+                     steps=3, per_rank=PER_RANK)
+
+
+def test_an_interrupt_on_one_rank_stops_the_step_on_every_rank(interrupted_runs):
     world, steps = 2, 3
-    results = run_ranks(world, "dp_scenarios.interrupted", tmp_path, steps=steps,
-                        per_rank=PER_RANK)
     ref_losses, ref_weights = reference_run(
         GatedLM(), global_batches(steps, batch_size=PER_RANK * world))
-    for result in results:
+    for result in interrupted_runs:
         assert len(result["raised"]) == 1 and "step 2 was interrupted" in result["raised"][0]
         assert result["losses"] == pytest.approx(ref_losses, rel=TOL)
         assert whole_model_relative_difference(result["weights"], ref_weights) <= TOL
-    assert results[0]["raised"] == results[1]["raised"]  # the same boundary
+    assert interrupted_runs[0]["raised"] == interrupted_runs[1]["raised"]  # same boundary
+
+
+def test_a_host_budget_is_refused_with_data_parallel(interrupted_runs):
+    for result in interrupted_runs:
+        assert "host budget (the disk tier) does not work with data parallel" in \
+            result["refused"]
 
 
 def test_without_torch_distributed_the_engine_trains_alone():
