@@ -167,3 +167,21 @@ def interrupted(rank: int, world: int, *, steps: int, per_rank: int) -> dict:
     except ValueError as error:
         refused = str(error)
     return {"losses": losses, "raised": raised, "weights": weights, "refused": refused}
+
+
+# --- one launch per world size (each start of a rank costs seconds of imports) ------------
+
+
+def two_ranks(rank: int, world: int, *, matches_args: dict, unused_args: dict,
+              interrupted_args: dict) -> dict:
+    """What the tests run on two ranks, in one launch: matches, unused, interrupted."""
+    return {"matches": matches(rank, world, **matches_args),
+            "unused": unused(rank, world, **unused_args),
+            "interrupted": interrupted(rank, world, **interrupted_args)}
+
+
+def three_ranks(rank: int, world: int, *, matches_args: dict, diverging_args: dict) -> dict:
+    """What the tests run on three ranks, in one launch: matches, then diverging (last:
+    it leaves the process group broken)."""
+    return {"matches": matches(rank, world, **matches_args),
+            "diverging": diverging(rank, world, **diverging_args)}

@@ -51,13 +51,33 @@ SCENARIOS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
-def ranks(request, tmp_path_factory):
-    world = request.param
+def _matches_args(world: int) -> dict:
     scenarios = [s for s in SCENARIOS if world in s.get("worlds", (world,))]
-    results = run_ranks(world, "dp_scenarios.matches", tmp_path_factory.mktemp(f"dp{world}"),
-                        steps=STEPS, per_rank=PER_RANK, scenarios=scenarios)
-    return world, results
+    return {"steps": STEPS, "per_rank": PER_RANK, "scenarios": scenarios}
+
+
+# One launch per world size: starting a rank costs seconds of imports on this machine.
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return run_ranks(2, "dp_scenarios.two_ranks", tmp_path_factory.mktemp("two"),
+                     matches_args=_matches_args(2),
+                     unused_args={"steps": len(GATES), "per_rank": PER_RANK, "gates": GATES,
+                                  "policies": ["cpu", "auto"]},
+                     interrupted_args={"steps": 3, "per_rank": PER_RANK}, deadline=180.0)
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    return run_ranks(3, "dp_scenarios.three_ranks", tmp_path_factory.mktemp("three"),
+                     matches_args=_matches_args(3), diverging_args={"per_rank": PER_RANK},
+                     deadline=180.0)
+
+
+@pytest.fixture(params=[2, 3], ids=lambda n: f"{n}ranks")
+def ranks(request):
+    world = request.param
+    launch = request.getfixturevalue("two" if world == 2 else "three")
+    return world, [result["matches"] for result in launch]
 
 
 def _reference(world: int, **kw):
@@ -137,16 +157,10 @@ def _ddp_loss(world: int, step_of: dict):
     return loss_of
 
 
-@pytest.fixture(scope="module")
-def unused_runs(tmp_path_factory):
-    return run_ranks(2, "dp_scenarios.unused", tmp_path_factory.mktemp("unused"),
-                     steps=len(GATES), per_rank=PER_RANK, gates=GATES, policies=["cpu", "auto"])
-
-
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
-def test_a_parameter_unused_on_one_rank_gives_ddps_result(policy, unused_runs):
+def test_a_parameter_unused_on_one_rank_gives_ddps_result(policy, two):
     world = 2
-    results = [ranks[policy] for ranks in unused_runs]
+    results = [result["unused"][policy] for result in two]
     batches = global_batches(len(GATES), batch_size=PER_RANK * world)
     ref_losses, ref_weights = reference_run(
         GatedLM(), batches, loss_of=_ddp_loss(world, {id(b): i for i, b in enumerate(batches)}))
@@ -164,12 +178,10 @@ def test_a_parameter_unused_on_one_rank_gives_ddps_result(policy, unused_runs):
         assert float((ours - theirs).norm() / theirs.norm()) <= TOL
 
 
-def test_ranks_that_run_different_modules_fail_with_a_message_not_a_hang(tmp_path):
-    results = run_ranks(2, "dp_scenarios.diverging", tmp_path, per_rank=PER_RANK,
-                        deadline=60.0)
-    for rank, result in enumerate(results):
+def test_ranks_that_run_different_modules_fail_with_a_message_not_a_hang(three):
+    for rank, result in enumerate(r["diverging"] for r in three):
         assert result["raised"] == "CollectiveError", (rank, result)
-        assert f"rank {rank} of 2" in result["message"]
+        assert f"rank {rank} of 3" in result["message"]
 
 
 def test_a_rank_that_dies_is_an_error_on_the_others_within_the_timeout(tmp_path):
@@ -184,9 +196,8 @@ def test_a_rank_that_dies_is_an_error_on_the_others_within_the_timeout(tmp_path)
 
 
 @pytest.fixture(scope="module")
-def interrupted_runs(tmp_path_factory):
-    return run_ranks(2, "dp_scenarios.interrupted", tmp_path_factory.mktemp("interrupted"),
-                     steps=3, per_rank=PER_RANK)
+def interrupted_runs(two):
+    return [result["interrupted"] for result in two]
 
 
 def test_an_interrupt_on_one_rank_stops_the_step_on_every_rank(interrupted_runs):
