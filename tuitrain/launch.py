@@ -50,10 +50,12 @@ def rank_arguments(argv: Sequence[str]) -> list[str]:
 
 def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
            err: TextIO = sys.stderr) -> int:
-    """Run `tuitrain run <argv>` (see rank_arguments) on `nproc` ranks and
-    wait for them; returns 0 when every rank finished, else the exit status of the rank
-    that failed first, named on `err` (its own report names its log). `batch_size`, the
-    run's global batch, is checked first (ValueError: it must split over the ranks)."""
+    """Run `tuitrain run <argv>` (see rank_arguments) on `nproc` ranks and wait for them.
+
+    Returns 0 when every rank finished; else the ranks that failed are named on `err`
+    (each has reported why, with its log) and the first one's exit status is returned, 2
+    (bad input, said once by rank 0) when any rank found the input wrong. `batch_size`,
+    the run's global batch, is checked first (ValueError: it must split over the ranks)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -70,19 +72,22 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
     # The launcher's own notes (a rank failed, the others are stopped) repeat what the
     # ranks report themselves, and the exit status says.
     agent = logging.getLogger("torch.distributed.elastic")
-    level, agent.level = agent.level, logging.CRITICAL
+    level = agent.level
+    agent.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, sys.executable)("-m", "tuitrain", "run", *argv)
     except ChildFailedError as error:
-        # The first to fail by itself: the others were stopped because it did (SIGTERM).
-        rank, failure = min(error.failures.items(),
-                            key=lambda item: (item[1].exitcode <= 0, item[1].timestamp))
-        code = failure.exitcode if failure.exitcode > 0 else EXIT_FAILED
-        if code == EXIT_BAD_INPUT:
-            return code  # a mistake in the input: rank 0 has said it, in one line
-        err.write(f"tuitrain: rank {rank} of {nproc} failed (exit status {failure.exitcode}); "
-                  f"the other ranks were stopped\n")
-        return code
+        # Ranks that ended by themselves failed; the launcher stopped the rest (SIGTERM).
+        failed = sorted((r, f.exitcode) for r, f in error.failures.items() if f.exitcode > 0)
+        if not failed:  # every rank was ended by a signal from outside
+            failed = sorted((r, f.exitcode) for r, f in error.failures.items())
+        if any(code == EXIT_BAD_INPUT for _, code in failed):
+            return EXIT_BAD_INPUT  # a mistake in the input: rank 0 has said it, in one line
+        ranks = ", ".join(f"rank {r} (exit status {code})" for r, code in failed)
+        rest = nproc - len(failed)
+        err.write(f"tuitrain: {ranks} of {nproc} failed"
+                  + (f"; the other {rest} were stopped" if rest else "") + "\n")
+        return failed[0][1] if failed[0][1] > 0 else EXIT_FAILED
     finally:
         agent.setLevel(level)
     return 0
