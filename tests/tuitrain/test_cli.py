@@ -20,6 +20,7 @@ import yaml
 
 from engine.models.zoo import KNOWN_MODELS
 from engine.telemetry import MemorySnapshot, StepStats
+from tests.tuitrain.test_presets import SHIPPED as SHIPPED_STORIES
 from tuitrain import __version__
 from tuitrain.cli import RUN_FLAGS, build_parser, main, resolve_settings
 from tuitrain.metrics import measure_metrics
@@ -28,7 +29,7 @@ from tuitrain.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).parent / "tuitrain"
-SHIPPED = ["cpu-only", "desktop-24gb", "laptop-16gb", "laptop-6gb", "v100-32gb"]
+SHIPPED = sorted(SHIPPED_STORIES)
 
 
 def one_error_line(err: str) -> str:

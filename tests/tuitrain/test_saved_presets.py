@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tuitrain.test_presets import SHIPPED  # the hardware stories, one file each
 from tuitrain.presets import (
     CONFIG_ENV,
     SHIPPED_DIR,
@@ -21,8 +22,6 @@ from tuitrain.presets import (
     saved_dir,
 )
 from tuitrain.settings import Settings
-
-SHIPPED = {"laptop-6gb", "desktop-24gb", "v100-32gb", "cpu-only"}
 
 
 def save_mine(name: str, model: str = "tiny", **engine) -> Path:
