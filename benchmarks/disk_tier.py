@@ -33,12 +33,11 @@ import torch
 from engine import Engine, EngineConfig, format_size
 from engine.devices.disk import (
     ALIGN,
-    ScratchFile,
     ScratchFolder,
     default_disk_dir,
     direct_io_supported,
 )
-from engine.devices.disk.files import aligned_empty
+from engine.devices.disk.files import sequential_bandwidth
 from engine.models.zoo import build_model
 from engine.placement import rules
 
@@ -49,35 +48,6 @@ def state_on_disk_budget(eng: Engine) -> int:
     costs = [rules.disk_cost(c.numel, c.itemsize, ALIGN) for c in eng.chunks]
     buffers = rules.STATE_BUFFERS * (max(c.state_piece for c in costs) + ALIGN)
     return sum(c.host_payload for c in costs) + buffers
-
-
-def raw_bandwidth(folder: Path, *, write_bytes: int, read_bytes: int, piece: int,
-                  direct: bool) -> tuple[float, float]:
-    """(write, read) bytes per second of sequential I/O of `piece` bytes at a time: the
-    writes flushed to the disk (O_DIRECT, or fsync'ed), the reads from the disk, not the
-    page cache (O_DIRECT, or the cache dropped after the writes)."""
-    size = max(write_bytes, read_bytes)
-    size += -size % piece
-    path = folder / "raw.bin"
-    file = ScratchFile(path, size, direct=direct)
-    buffer = aligned_empty(piece)
-    buffer.random_(0, 255)
-    try:
-        t0 = time.perf_counter()
-        for offset in range(0, write_bytes, piece):
-            file.write(buffer, offset)
-        os.fsync(file.fd)
-        write = time.perf_counter() - t0
-        if not direct:
-            os.posix_fadvise(file.fd, 0, size, os.POSIX_FADV_DONTNEED)
-        t0 = time.perf_counter()
-        for offset in range(0, read_bytes, piece):
-            file.read(buffer, offset)
-        read = time.perf_counter() - t0
-    finally:
-        file.close()
-        path.unlink()
-    return write_bytes / write, read_bytes / read
 
 
 def gbps(rate: float) -> str:
@@ -206,8 +176,8 @@ def cycle(plain: Engine, tier_engine: Engine, batches: list[dict], folder: Path,
     read, written, read_s, write_s, busy = (
         b - a for a, b in zip(before, (tier.bytes_read, tier.bytes_written, tier.read_seconds,
                                        tier.write_seconds, tier.busy_seconds), strict=True))
-    raw_write, raw_read = raw_bandwidth(folder, write_bytes=written // n, read_bytes=read // n,
-                                        piece=piece, direct=direct)
+    raw_write, raw_read = sequential_bandwidth(folder, write_bytes=written // n,
+                                               read_bytes=read // n, piece=piece, direct=direct)
     raw_io = read / n / raw_read + written / n / raw_write
     return {"plain": t_plain, "tier": t_tier, "wait": wait / n, "tail": tail,
             "compute": compute / n, "tier_compute": tier_compute / n, "read": read / n,

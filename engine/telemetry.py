@@ -27,6 +27,9 @@ class MemorySnapshot:
     chunks: list[ChunkInfo] = field(default_factory=list)
     disk_model: int = 0  # chunk bytes in the scratch folder now (host_budget)
     host_io_buffers: int = 0  # host bytes of the disk tier's I/O buffers (in the host budget)
+    # The scratch disk's sequential bandwidth, bytes/s, measured once when the tier opened.
+    disk_read_bandwidth: float = 0.0
+    disk_write_bandwidth: float = 0.0
 
 
 @dataclass

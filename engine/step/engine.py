@@ -416,12 +416,15 @@ class Engine:
             for slot in c.slots:
                 states[c.location][slot.state.value] += 1
             chunks.append(ChunkInfo(c.index, c.location, c.most_active().value, c.nbytes))
+        spill = self.manager.spill
+        bandwidth = spill.tier.bandwidth if spill is not None else (0.0, 0.0)
         return MemorySnapshot(
             device_capacity=self.device.capacity(), device_model=self.manager.device_bytes,
             device_non_model_peak=self._last_non_model_peak, device_peak=self._last_peak,
             host_model=self.manager.host_bytes, process_rss=psutil.Process().memory_info().rss,
             states=states, chunks=chunks, disk_model=self.manager.disk_bytes,
-            host_io_buffers=self.manager.io_buffer_bytes)
+            host_io_buffers=self.manager.io_buffer_bytes,
+            disk_write_bandwidth=bandwidth[0], disk_read_bandwidth=bandwidth[1])
 
     # --- weights and state ----------------------------------------------------------------------
 

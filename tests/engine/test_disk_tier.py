@@ -392,12 +392,15 @@ def test_steps_report_the_disk(disk_dir):
     memory = stats.memory
     assert memory.disk_model == eng.manager.disk_bytes > 0
     assert 0 < memory.host_io_buffers and memory.host_model == eng.manager.host_bytes
+    # The disk measured once when the tier opened, for the app to compare the tier with.
+    assert memory.disk_read_bandwidth > 0 and memory.disk_write_bandwidth > 0
     assert {c.location for c in memory.chunks} == {"host", "disk"}
     assert sum(memory.states["disk"].values()) > 0
     eng.close()
     plain = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE))
     stats = plain.step(BATCHES[0])
     assert (stats.bytes_disk_read, stats.bytes_disk_written, stats.memory.disk_model) == (0, 0, 0)
+    assert stats.memory.disk_read_bandwidth == stats.memory.disk_write_bandwidth == 0
     assert set(stats.memory.states) == {"device", "host"}
 
 

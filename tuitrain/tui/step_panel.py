@@ -36,6 +36,15 @@ def disk_lines(stats: StepStats) -> list[Text]:
     them, and the rate they moved at over the whole step."""
     moved = stats.bytes_disk_read + stats.bytes_disk_written
     rate = moved / stats.seconds if stats.seconds > 0 else 0.0
+    # Against the disk measured at start: the share of the step its reads and writes would
+    # keep the disk busy at full speed.
+    memory = stats.memory
+    full_speed = sum(nbytes / bandwidth for nbytes, bandwidth in (
+        (stats.bytes_disk_read, memory.disk_read_bandwidth),
+        (stats.bytes_disk_written, memory.disk_write_bandwidth)) if bandwidth > 0)
+    busy = ([Text.assemble(("disk busy ", "dim"), (f"{full_speed / stats.seconds:.0%}", "bold"),
+                           (" at full speed", "dim"))]
+            if full_speed and stats.seconds > 0 else [])
     return [
         Text.assemble(
             ("disk read ", "dim"),
@@ -49,6 +58,7 @@ def disk_lines(stats: StepStats) -> list[Text]:
             ("  at ", "dim"),
             (f"{format_size(int(rate))}/s", "bold"),
         ),
+        *busy,
     ]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -123,3 +124,33 @@ class ScratchFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def sequential_bandwidth(folder: Path, *, write_bytes: int, read_bytes: int, piece: int,
+                         direct: bool) -> tuple[float, float]:
+    """(write, read) bytes per second of sequential I/O in `folder`, `piece` bytes at a
+    time: the writes flushed to the disk (O_DIRECT, or fsync'ed), the reads from the disk,
+    not the page cache (O_DIRECT, or the cache dropped after the writes). Uses a file of
+    its own, removed after."""
+    size = max(write_bytes, read_bytes)
+    size += -size % piece
+    path = folder / "bandwidth.bin"
+    file = ScratchFile(path, size, direct=direct)
+    buffer = aligned_empty(piece)
+    buffer.random_(0, 255)
+    try:
+        t0 = time.perf_counter()
+        for offset in range(0, write_bytes, piece):
+            file.write(buffer, offset)
+        os.fsync(file.fd)
+        write = time.perf_counter() - t0
+        if not direct:
+            os.posix_fadvise(file.fd, 0, size, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        for offset in range(0, read_bytes, piece):
+            file.read(buffer, offset)
+        read = time.perf_counter() - t0
+    finally:
+        file.close()
+        path.unlink()
+    return write_bytes / max(write, 1e-9), read_bytes / max(read, 1e-9)

@@ -37,8 +37,11 @@ from engine.devices.disk.files import (
     aligned,
     aligned_empty,
     direct_io_supported,
+    sequential_bandwidth,
 )
 from engine.devices.disk.scratch import ScratchFolder
+
+BANDWIDTH_PROBE = 16 * 2**20  # bytes written and read back to measure the disk at start
 
 Empty = Callable[[int, torch.dtype], torch.Tensor]
 
@@ -119,6 +122,11 @@ class DiskTier:
         self.errors: list[DiskTierError] = []  # writes that failed, until take_errors()
         self.failing = False  # a write failed, and no retry has succeeded since
         self.closed = False
+        # The disk's sequential (write, read) bytes per second, measured once here with
+        # BANDWIDTH_PROBE bytes: what the tier's own throughput is shown against.
+        self.bandwidth = sequential_bandwidth(folder.path, write_bytes=BANDWIDTH_PROBE,
+                                              read_bytes=BANDWIDTH_PROBE,
+                                              piece=BANDWIDTH_PROBE // 4, direct=self.direct)
 
     # --- files and buffers ----------------------------------------------------------------
 

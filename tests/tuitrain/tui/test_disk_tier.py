@@ -57,6 +57,12 @@ async def test_a_run_with_chunks_on_disk_shows_the_disk_in_every_panel():
         rate = (last.bytes_disk_read + last.bytes_disk_written) / last.seconds
         assert f"disk wait {format_seconds(last.disk_wait)}" in times
         assert f"at {format_size(int(rate))}/s" in times
+        # Against the disk's bandwidth measured at start: the share of the step its reads
+        # and writes would keep it busy at full speed.
+        memory_ = last.memory
+        busy = (last.bytes_disk_read / memory_.disk_read_bandwidth
+                + last.bytes_disk_written / memory_.disk_write_bandwidth) / last.seconds
+        assert f"disk busy {busy:.0%} at full speed" in times
 
         memory = app.query_one(MemoryChart)
         assert memory.uses_disk and memory.samples[-1].disk_model == last.memory.disk_model
