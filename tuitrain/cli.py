@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--force", action="store_true", help="let --save-preset replace an existing file"
     )
+    run.add_argument(
+        "--nproc",
+        metavar="N",
+        help="with --headless: train data parallel on N ranks of this machine, started here "
+        "(under torchrun leave it out: torchrun starts the ranks)",
+    )
     run.set_defaults(handler=cmd_run)
 
     plan = commands.add_parser(
@@ -194,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:]); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.handler(args)
     except UsageError as error:
@@ -338,22 +346,48 @@ def _save_target(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from tuitrain.ranks import from_environment
+
     settings = resolve_settings(args)
     save_to = _save_target(args)
+    try:
+        ranks = from_environment()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.nproc is not None:
+        if ranks.parallel:
+            raise UsageError("--nproc starts the ranks itself; under torchrun leave it out")
+        if not args.headless:
+            raise UsageError("--nproc needs --headless (the app shows one process for now)")
     if not args.headless and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("the app needs a terminal (this is not one); add --headless")
     check_runnable(settings)
-    if not args.headless:
+    if args.nproc is not None:
+        status = _launch_ranks(args, settings)
+    elif not args.headless:
         from tuitrain.tui.app import run_app
 
         return run_app(settings)
+    else:
+        from tuitrain.headless import run_headless
 
-    from tuitrain.headless import run_headless
-
-    status = run_headless(settings, out=sys.stdout, err=sys.stderr)
-    if save_to is not None:
+        status = run_headless(settings, out=sys.stdout, err=sys.stderr)
+    if save_to is not None and ranks.leader:  # under torchrun, rank 0 saves it once
         _save_after_run(settings, save_to, status=status, overwrite=args.force)
     return status
+
+
+def _launch_ranks(args: argparse.Namespace, settings: Settings) -> int:
+    """`tuitrain run` on --nproc ranks of this machine (tuitrain.launch); their status."""
+    from tuitrain import launch
+
+    after_run = args.argv[args.argv.index("run") + 1:]
+    try:
+        nproc = launch.check_nproc(_as_number(args.nproc))
+        return launch.launch(nproc, launch.rank_arguments(after_run),
+                             batch_size=settings.training.batch_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def _save_after_run(settings: Settings, path: Path, *, status: int, overwrite: bool) -> None:

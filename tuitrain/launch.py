@@ -13,6 +13,7 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED
@@ -63,6 +64,12 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
 
     check_nproc(nproc)
     Ranks(0, nproc).check_batch(batch_size)
+    # The installed command, not `python -m tuitrain`: -m puts the working folder first on
+    # the path, where a folder named tuitrain (the workers' log folder in /tmp, say) would
+    # shadow the package.
+    script = Path(sys.executable).with_name("tuitrain")
+    entry, prefix = ((str(script), ()) if script.is_file()
+                     else (sys.executable, ("-m", "tuitrain")))
     # One thread per rank unless the user chose: ranks share this machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
@@ -75,7 +82,7 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
     level = agent.level
     agent.setLevel(logging.CRITICAL)
     try:
-        elastic_launch(config, sys.executable)("-m", "tuitrain", "run", *argv)
+        elastic_launch(config, entry)(*prefix, "run", *argv)
     except ChildFailedError as error:
         # Ranks that ended by themselves failed; the launcher stopped the rest (SIGTERM).
         failed = sorted((r, f.exitcode) for r, f in error.failures.items() if f.exitcode > 0)

@@ -410,6 +410,21 @@ def test_each_shipped_preset_runs_a_step_of_tiny(capsys, tmp_path, name):
         assert any(line.startswith("# measured at step 1: device peak ") for line in header)
 
 
+def test_nproc_mistakes_are_one_line_before_any_rank_starts(capsys, monkeypatch):
+    run = ["run", "tiny", "--headless", "--steps", "1"]
+    assert refused(capsys, [*run, "--nproc", "0"]) == (
+        "tuitrain: error: --nproc must be a whole number of ranks, at least 1, not 0")
+    assert "not 'two'" in refused(capsys, [*run, "--nproc", "two"])
+    assert refused(capsys, [*run, "--nproc", "2", "--batch-size", "3"]) == (
+        "tuitrain: error: batch_size 3 does not split evenly over 2 ranks; use a multiple of 2")
+    assert refused(capsys, ["run", "tiny", "--nproc", "2"]) == (
+        "tuitrain: error: --nproc needs --headless (the app shows one process for now)")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert refused(capsys, [*run, "--nproc", "2"]) == (
+        "tuitrain: error: --nproc starts the ranks itself; under torchrun leave it out")
+
+
 def test_a_disk_folder_that_cannot_be_made_is_one_line_before_anything_runs(capsys, tmp_path):
     a_file = write(tmp_path, "not a folder", "f.txt")
     line = refused(capsys, ["run", "tiny", "--headless", "--disk", str(a_file / "scratch")])
