@@ -355,8 +355,9 @@ def fake_stats(
         chunks=chunks,
         disk_model=disk.disk_model,
         host_io_buffers=disk.io_buffers,
-        disk_read_bandwidth=_DISK_BYTES_PER_S if host_budget is not None else 0.0,
-        disk_write_bandwidth=_DISK_BYTES_PER_S if host_budget is not None else 0.0,
+        # Measured when the tier opens, which it does only when something goes to disk.
+        disk_read_bandwidth=_DISK_BYTES_PER_S if disk.io_buffers else 0.0,
+        disk_write_bandwidth=_DISK_BYTES_PER_S if disk.io_buffers else 0.0,
     )
     return StepStats(
         step=step,
