@@ -55,7 +55,33 @@ def plan_main(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print_plan(result, sys.stdout)
+        if args.host_budget is None and not result.policies[defaults.engine.policy].fits:
+            for line in what_a_run_would_do(args):
+                print(line)
     return 0
+
+
+def what_a_run_would_do(args: argparse.Namespace) -> list[str]:
+    """What `tuitrain run` with the same flags would start with here (tuitrain.fit.settle,
+    with this machine's free memory): the defaults it would adapt, or its refusal."""
+    from tuitrain.fit import settle
+
+    engine: dict[str, object] = {"precision": args.precision, "disk_dir": args.disk_dir}
+    if args.device_budget is not None:
+        engine["device_budget"] = args.device_budget
+    settings = Settings.model_validate({
+        "model": args.model,
+        "engine": engine,
+        "training": {"batch_size": args.batch_size or Settings().training.batch_size,
+                     "seq_len": args.seq_len or Settings().training.seq_len,
+                     "activation_checkpointing": bool(args.checkpointing)},
+    })
+    said: list[str] = []
+    try:
+        settle(settings, said.append)
+    except ValueError as error:
+        return [f"a run here would be refused: {error}"]
+    return [f"a run here would start with {line}" for line in said]
 
 
 def print_plan(result: Plan, out: TextIO) -> None:

@@ -248,3 +248,22 @@ def test_a_host_budget_that_holds_everything_says_so_and_keeps_the_plain_table(c
     assert "host budget 1.0 GiB: holds every chunk, nothing goes to disk" in out
     header = next(line for line in out.splitlines() if line.startswith("POLICY"))
     assert "DISK" not in header
+
+
+def test_without_a_host_budget_the_plan_says_what_a_run_here_would_choose(capsys,
+                                                                           monkeypatch):
+    """opt-125m in fp32 (1.9 GiB of state) on a machine with 2.5 GiB to spare: no policy fits
+    the host without the disk, and the plan says the budget a run would choose."""
+    from tuitrain import fit
+
+    monkeypatch.setattr(fit, "host_room", lambda: 5 * 2**30 // 2)
+    monkeypatch.setattr("tuitrain.plan.default_host_budget", lambda: 5 * 2**30 // 2)
+    args = namespace(model="opt-125m", precision="fp32", batch_size=1, host_budget=None)
+    assert plan_main(args) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("a run here would start with host budget ")
+    assert "of training state goes to disk under" in last
+    # Where it fits, nothing more is said.
+    monkeypatch.setattr("tuitrain.plan.default_host_budget", lambda: 64 * 2**30)
+    assert plan_main(namespace(model="tiny", host_budget=None)) == 0
+    assert "a run here" not in capsys.readouterr().out
