@@ -587,9 +587,13 @@ def test_a_host_budget_lowers_the_peak_resident_memory_by_what_the_plan_says(tmp
             capture_output=True, text=True, timeout=240, check=True)
         return json.loads(done.stdout.splitlines()[-1])["peak_rss"]
 
-    measured = peak("none") - peak(str(budget))
+    # A process's peak moves by a few tens of MB from run to run, upwards only (a transient
+    # the heap happened to hold at the wrong moment, shared libraries' pages; measured over
+    # four runs each: 962-1015 MB without the budget, 630-692 MB with it): the lowest of
+    # three runs each.
+    measured = (min(peak("none") for _ in range(3))
+                - min(peak(str(budget)) for _ in range(3)))
     forecast = plain.cpu.host_peak - budgeted.cpu.host_peak
     assert forecast > plain.model_bytes / 2  # the tier takes off most of the state
-    # Measured: 313-345 MB against 349 MB forecast; a process's peak moves by a few tens
-    # of MB with what the machine's other processes leave it (shared libraries' pages).
+    # Measured: 313-345 MB against 349 MB forecast with one run each (once 289 MB).
     assert measured == pytest.approx(forecast, rel=0.15), (measured, forecast)
