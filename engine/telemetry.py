@@ -81,6 +81,11 @@ class StepStats:
     bytes_disk_read: int = 0
     bytes_disk_written: int = 0
     disk_wait: float = 0.0
+    # Data parallel: chunk bytes this rank exchanged with the others for this step (the
+    # other ranks' shards it received by all-gathers, and the bytes it sent into their
+    # shards by reduce-scatters); 0 in a single process.
+    bytes_gathered: int = 0
+    bytes_reduce_scattered: int = 0
 
 
 def stats_from_dict(data: dict) -> StepStats:

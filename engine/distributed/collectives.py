@@ -87,6 +87,16 @@ class Collectives:
             torch.device("cpu")
         self.issued = 0  # collectives issued since the last agree_step
         self.digest = 0
+        # Chunk bytes this rank exchanged since `reset_counters`: by all-gathers, what it
+        # received (the other ranks' shards); by reduce-scatters, what it sent into the
+        # other ranks' shards. Either is the whole tensor less this rank's own shard, which
+        # is what each rank sends and receives in a ring. Agreements are not counted.
+        self.bytes_gathered = 0
+        self.bytes_reduce_scattered = 0
+
+    def reset_counters(self) -> None:
+        """Zero the byte counters (at a step's start, so that a step reports its own)."""
+        self.bytes_gathered = self.bytes_reduce_scattered = 0
 
     def _note(self, what: str, chunk: int, numel: int) -> None:
         self.issued += 1
@@ -127,6 +137,7 @@ class Collectives:
         size = full.numel() // self.world
         mine = full[self.rank * size:(self.rank + 1) * size]
         self.wait(self._start("all-gather", chunk, full.numel(), _all_gather, full, mine))
+        self.bytes_gathered += full.nbytes - mine.nbytes
 
     def reduce_scatter(self, full: torch.Tensor, chunk: int) -> Pending:
         """Start summing `full` over the ranks into this rank's shard of it, in place
@@ -134,8 +145,10 @@ class Collectives:
         with `wait`, then divide by the world size (gloo's AVG is not reliable)."""
         size = full.numel() // self.world
         mine = full[self.rank * size:(self.rank + 1) * size]
-        return self._start("reduce-scatter", chunk, full.numel(), _reduce_scatter, mine, full,
-                           op=dist.ReduceOp.SUM)
+        pending = self._start("reduce-scatter", chunk, full.numel(), _reduce_scatter, mine,
+                              full, op=dist.ReduceOp.SUM)
+        self.bytes_reduce_scattered += full.nbytes - mine.nbytes
+        return pending
 
     # --- small agreements -------------------------------------------------------------
 

@@ -4,6 +4,8 @@
     p.cpu.device_peak, p.cpu.host_peak, p.cpu.fits, p.recommended.policy
     p = plan("opt-1.3b", device_mem=6 * 2**30, host_mem=24 * 2**30, host_budget=8 * 2**30)
     p.cpu.disk_bytes, p.cpu.disk_read, p.disk_needed, p.disk_free
+    p = plan("opt-1.3b", device_mem=6 * 2**30, host_mem=64 * 2**30, batch_size=8, nproc=4)
+    p.cpu.device_peak, p.cpu.host_peak, p.cpu.machine_host_peak, p.cpu.gathered
 
 With a host budget (EngineConfig.host_budget) the chunk bytes on the host and the disk
 tier's I/O buffers stay within it and the rest goes to the scratch folder, as the engine's
@@ -21,6 +23,13 @@ for the traced non-model peak), in bytes only.
 
 Decoder stacks repeat one layer, so a large model is traced with TRACE_LAYERS layers and its
 inner layer is repeated in the recording: opt-30b plans in about as long as opt-125m.
+
+Data parallel (`nproc` ranks, engine.distributed): every rank holds one shard of each chunk
+(padded to split evenly), gathers a chunk whole for each use and reduce-scatters its
+gradients, on its part of the global batch. Every rank then runs the same step, so the plan
+is one rank's: its device peak, its host peak (and the machine's, for `nproc` ranks on one
+machine, which `host_mem` is checked against), and the bytes it gathers and reduce-scatters
+per step (engine.planning.sharded).
 
 The recording is engine.planning.recording's, the replay engine.planning.replay's; this module turns
 the bytes into a Plan.
@@ -50,6 +59,7 @@ from engine.planning.replay import (
     StepReplay,
     model_layout,
     resident_chunks,
+    sharded_layout,
 )
 
 __all__ = ["Plan", "PolicyPlan", "Recommendation", "plan"]
@@ -102,6 +112,17 @@ class PolicyPlan:
     disk_bytes: int = 0
     disk_read: int = 0
     disk_written: int = 0
+    # Data parallel: bytes per step are one rank's. The other ranks' shards it receives by
+    # all-gathers, and what it sends into theirs by reduce-scatters (StepStats
+    # .bytes_gathered, .bytes_reduce_scattered); the ranks on one machine.
+    gathered: int = 0
+    reduce_scattered: int = 0
+    ranks: int = 1
+
+    @property
+    def machine_host_peak(self) -> int:
+        """Resident bytes of all the ranks together, when they share one machine."""
+        return self.ranks * self.host_peak
 
 
 @dataclass
@@ -139,6 +160,10 @@ class Plan:
     # before it starts, whatever the policy); 0 when the host budget holds everything.
     disk_needed: int = 0
     disk_free: int | None = None  # free bytes where the scratch folder goes; None: not asked
+    # Data parallel ranks. Above 1, batch_size is the global batch (each rank trains on
+    # batch_size / nproc sequences), and every byte count of the policies, working_set and
+    # non_model_peak are one rank's (model_bytes stays the whole model's).
+    nproc: int = 1
 
     @property
     def uses_disk(self) -> bool:
@@ -165,6 +190,11 @@ class Plan:
             }
             for name, p in self.policies.items()
         }
+        if self.nproc > 1:
+            for name, p in self.policies.items():
+                out[name].update(gathered=p.gathered, reduce_scattered=p.reduce_scattered,
+                                 machine_host_peak=p.machine_host_peak)
+            out["nproc"] = self.nproc
         out["recommended"] = asdict(self.recommended)
         for key in (
             "model",
@@ -220,7 +250,8 @@ class _Planner:
         self.lay, self.events, self.cost = lay, events, cost
         self.device_mem, self.host_mem, self.simulated = device_mem, host_mem, simulated
         self.host_budget, self.disk_dir = host_budget, disk_dir
-        self.disk_costs = disk.chunk_costs(lay.numel, cost.itemsize)
+        self.ranks = cost.world  # sharded: every figure is one rank's, its chunks' shards
+        self.disk_costs = disk.chunk_costs([cost.home(n) for n in lay.numel], cost.itemsize)
         self._placements: dict[frozenset[int], rules.DiskPlacement] = {}
         # The engine places every chunk on the host first (ChunkManager.use_host_budget):
         # a budget too small for that is refused before anything runs, whatever the policy
@@ -331,6 +362,8 @@ class _Planner:
         before the next (ChunkManager.use_host_budget): the peak is then the model's own
         fp32 parameters not yet packed, the parts kept so far, one chunk's whole state and
         the I/O buffers that carry them."""
+        if self.cost.sharded:
+            return self._built_shards()
         if self.host_budget is None:
             return sum(self.cost.host(n) for n in self.lay.numel)
         worst = self.placement(set())
@@ -344,6 +377,20 @@ class _Planner:
             kept += (self.cost.host(numel), cost.host_payload, 0)[level]
         return max(peak, kept) + worst.buffer_bytes
 
+    def _built_shards(self) -> int:
+        """Host bytes while a rank builds: it holds the whole model in fp32, and fills its
+        shard of each chunk in use order, freeing the chunk's parameters once copied
+        (engine.chunks.packing.fill); with few ranks the shards outgrow the model, with
+        many the model itself is the peak."""
+        lay = self.lay
+        unpacked = 4 * sum(lay.sizes.values())
+        kept = peak = 0
+        for index, numel in enumerate(lay.numel):
+            peak = max(peak, unpacked + kept + self.cost.host(numel))
+            unpacked -= 4 * sum(lay.sizes[p] for p in lay.params[index])
+            kept += self.cost.host(numel)
+        return max(peak, kept)
+
     def during(self, outcome: _Outcome) -> int:
         """Host bytes during a steady step, the runtime aside.
 
@@ -353,15 +400,20 @@ class _Planner:
         gradients as fp32, one chunk at a time.
         """
         chunks = self.placement(outcome.resident).host_total
-        update = 0 if self.cost.aliased else 4 * max(self.lay.numel, default=0)
+        largest = self.cost.home(max(self.lay.numel, default=0))
+        update = 0 if self.cost.aliased else 4 * largest
         during = chunks + update
         if self.simulated:
             during = max(during, chunks + outcome.step.peak + self.slack)
         return during
 
     def host_peak(self, outcome: _Outcome) -> int:
-        """Resident bytes of the training process at its peak."""
+        """Resident bytes of the training process (sharded: of one rank) at its peak."""
         return self.runtime + max(self.built(outcome), self.during(outcome))
+
+    def host_fits(self, host_peak: int) -> bool:
+        """Whether the machine holds the peak of every rank at once (they share it)."""
+        return self.ranks * host_peak <= self.host_mem
 
     def disk_traffic(self, outcome: _Outcome) -> disk.DiskTraffic:
         step = outcome.step
@@ -403,10 +455,13 @@ class _Planner:
             host_peak = self.host_peak(needs)
         else:
             device_peak, host_peak = self.device_peak(outcome.step), self.host_peak(outcome)
-        if not reason and host_peak > self.host_mem:
+        if not reason and not self.host_fits(host_peak):
+            need = f"needs {format_size(host_peak)} of host memory"
+            if self.cost.sharded:
+                need = (f"{self.ranks} ranks need {format_size(self.ranks * host_peak)} of "
+                        f"host memory, {format_size(host_peak)} each")
             reason = (
-                f"needs {format_size(host_peak)} of host memory "
-                f"({self._host_parts(outcome)}), have {format_size(self.host_mem)}"
+                f"{need} ({self._host_parts(outcome)}), have {format_size(self.host_mem)}"
             )
         reason = reason or self._disk_reason()
         where, io = self.placement(outcome.resident), self.disk_traffic(outcome)
@@ -423,6 +478,10 @@ class _Planner:
             disk_read=io.read,
             disk_written=io.written,
         )
+        if self.cost.sharded:
+            sharding = outcome.step.sharding
+            row.gathered, row.reduce_scattered = sharding.gathered, sharding.reduce_scattered
+            row.ranks = self.ranks
         return row, outcome
 
     def _cuda_reason(self, outcome: _Outcome) -> str:
@@ -430,25 +489,35 @@ class _Planner:
 
         The engine refuses cuda up front when the chunks with room for their gradients
         exceed the budget, and fails the first step when activations do not fit beside them.
+        Sharded, only the shards are resident: the chunks gathered for each use and their
+        gradient buffers come on top (Engine._check_budget), so those are in the need.
         """
         model_data, activations = self._cuda_need(outcome.trace)
-        if model_data <= self.capacity and not outcome.failure:
+        sharded = self.cost.sharded
+        if not outcome.failure and (model_data + activations <= self.capacity if sharded
+                                    else model_data <= self.capacity):
             return ""
+        what = ("the working set (gathered chunks, their gradients and activations)"
+                if sharded else "activations")
+        shards = " shards" if sharded else ""
         return (
-            f"needs {format_size(model_data + activations)} on the device (model data "
-            f"{format_size(model_data)} with its gradients + activations "
+            f"needs {format_size(model_data + activations)} on the device (model data"
+            f"{shards} {format_size(model_data)} with its gradients + {what} "
             f"{format_size(activations)}), have {format_size(self.device_mem)}"
         )
 
     def _cuda_need(self, trace: Trace) -> tuple[int, int]:
-        """(model data, activations) the cuda policy keeps on the device (cuda_policy_bytes)."""
+        """(model data, activations) the cuda policy keeps on the device (cuda_policy_bytes);
+        sharded, (the shards, the working set)."""
         model_data = sum(self.cost.resident_cost(n) for n in self.lay.numel)
-        return model_data, trace.non_model_peak + (0 if self.simulated else self.slack)
+        beside = trace.working_set if self.cost.sharded else trace.non_model_peak
+        return model_data, beside + (0 if self.simulated else self.slack)
 
     def _host_parts(self, outcome: _Outcome) -> str:
         if self.built(outcome) > self.during(outcome):
             holds = ("the model's own weights until they are packed, beside the parts "
-                     "kept so far" if self.host_budget is not None else "all of them at once")
+                     "kept so far" if self.host_budget is not None or self.cost.sharded
+                     else "all of them at once")
             return (f"building the chunks holds {holds}, "
                     f"{format_size(self.built(outcome))} + runtime {format_size(self.runtime)}")
         where = self.placement(outcome.resident)
@@ -494,7 +563,7 @@ class _Planner:
         for k in range(1, int(round(top / MARGIN_STEP)) + 1):
             ratio = round(k * MARGIN_STEP, 2)
             tried = self.run(Policy.AUTO, self.capacity, ratio, trace=auto.trace)
-            if tried.failure or self.host_peak(tried) > self.host_mem:
+            if tried.failure or not self.host_fits(self.host_peak(tried)):
                 continue
             if tried.step.copied <= best.step.copied and tried.resident != best.resident:
                 best, best_ratio = tried, ratio
@@ -530,6 +599,7 @@ def plan(
     margin_ratio: float = 0.0,
     host_budget: int | str | None = None,
     disk_dir: str | Path | None = None,
+    nproc: int = 1,
 ) -> Plan:
     """Forecast a training step's device and host memory under each policy.
 
@@ -551,6 +621,11 @@ def plan(
             no budget, nothing on disk.
         disk_dir: where the scratch folder would go (EngineConfig.disk_dir); None means the
             engine's default. Only its free space is read.
+        nproc: data-parallel ranks (engine.distributed). Above 1 the plan is one rank's:
+            `batch_size` is the global batch, which must split evenly over the ranks;
+            `device_mem` is each rank's device; `host_mem` is the machine's, which every
+            rank's host peak shares (ranks on one machine). No host budget then: the disk
+            tier does not shard.
 
     Nothing is allocated: the model only ever exists on the meta device.
 
@@ -580,6 +655,13 @@ def plan(
         raise ValueError(
             f"batch_size must be at least 1 and seq_len at least 2, not {batch_size} and {seq_len}"
         )
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a whole number of ranks, at least 1, not {nproc!r}")
+    if batch_size % nproc:
+        raise ValueError(f"batch_size {batch_size} does not split evenly over {nproc} ranks; "
+                         f"use a multiple of {nproc}")
+    if nproc > 1 and budget is not None:
+        raise ValueError("a host budget (the disk tier) does not work with data parallel yet")
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, not {chunk_size}")
     config = model_config(model_name_or_path)
@@ -593,14 +675,15 @@ def plan(
     dtype = DTYPES[precision]
 
     events = record_step(
-        config, dtype, batch_size, seq_len, checkpointing, trace_layers=TRACE_LAYERS
+        config, dtype, batch_size // nproc, seq_len, checkpointing, trace_layers=TRACE_LAYERS
     )
     full = meta_model(model_name_or_path)
-    lay = model_layout(full, events, chunk_size)
+    whole = model_layout(full, events, chunk_size)
+    lay = sharded_layout(whole, nproc)
     planner = _Planner(
         lay,
         events,
-        cost=ChunkBytes(dtype.itemsize),
+        cost=ChunkBytes(dtype.itemsize, nproc),
         device_mem=device_bytes,
         host_mem=host_bytes,
         simulated=simulated,
@@ -623,7 +706,7 @@ def plan(
         parameters=sum(lay.sizes.values()),
         chunk_size=lay.chunk_size,
         chunks=len(lay.numel),
-        model_bytes=sum(planner.cost.host(n) for n in lay.numel),
+        model_bytes=sum(ChunkBytes(dtype.itemsize).host(n) for n in whole.numel),
         working_set=planner.working_set(trace),
         non_model_peak=trace.non_model_peak,
         cuda=plans["cuda"],
@@ -634,4 +717,5 @@ def plan(
         disk_dir=str(folder) if folder is not None else None,
         disk_needed=planner.disk_needed,
         disk_free=planner.disk_free,
+        nproc=nproc,
     )

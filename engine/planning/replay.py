@@ -2,7 +2,9 @@
 
 `model_layout` lays a model's parameters out in chunks as engine.chunks.chunk does, and
 `StepReplay` runs a recording (engine.planning.recording) against that layout under one
-placement policy, counting device bytes and copies. Nothing is allocated.
+placement policy, counting device bytes and copies. Nothing is allocated. Data parallel, it
+is one rank's step (`sharded_layout`, ChunkBytes.world): the gathers and gradient
+reductions are engine.planning.sharded's, as the engine's are engine.chunks.sharding's.
 
 Every decision (what to release, which chunk to evict, what to prefetch, what stays
 resident, how much room the forecast keeps) is asked of engine.placement.rules, the same
@@ -12,6 +14,7 @@ the engine's own bookkeeping of which parameter is in which TensorState.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,10 +24,12 @@ import torch
 from engine.chunks.chunk import chunk_numel, layout
 from engine.chunks.state import TensorState
 from engine.config import format_size
+from engine.distributed.shards import padded_numel
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace, TracePoint
 from engine.planning.recording import Event
+from engine.planning.sharded import ShardedReplay
 
 __all__ = [
     "ChunkBytes",
@@ -34,6 +39,7 @@ __all__ = [
     "StepReplay",
     "model_layout",
     "resident_chunks",
+    "sharded_layout",
 ]
 
 S = TensorState
@@ -89,34 +95,56 @@ def model_layout(model: torch.nn.Module, events: list[Event], chunk_size: int | 
     )
 
 
+def sharded_layout(lay: Layout, world: int) -> Layout:
+    """`lay` as `world` ranks hold it: every chunk padded to split into `world` shards
+    (engine.chunks.packing.build_chunks with ranks); the parameters stay where they are."""
+    if world == 1:
+        return lay
+    return dataclasses.replace(lay, numel=[padded_numel(n, world) for n in lay.numel])
+
+
 class OutOfMemory(Exception):
     pass
 
 
 @dataclass(frozen=True)
 class ChunkBytes:
-    """Bytes per chunk element and where they live (engine.chunks.packing.fill, ChunkManager)."""
+    """Bytes per chunk element and where they live (engine.chunks.packing.fill, ChunkManager).
+
+    Data parallel (`world` ranks), one rank's: a chunk's home tensors hold its shard only
+    (`home`), and `numel` is the padded whole chunk (sharded_layout)."""
 
     itemsize: int  # compute dtype
+    world: int = 1
 
     @property
     def aliased(self) -> bool:
         """fp32: the payload is the master itself; gradients land in a host buffer."""
         return self.itemsize == 4
 
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+    def home(self, numel: int) -> int:
+        """Elements of a chunk's home tensors: this rank's shard (Chunk.home_numel)."""
+        return numel // self.world
+
     def host(self, numel: int) -> int:
         """A chunk at home on the host: payload, master, landed gradients, two moments."""
         payload = 0 if self.aliased else self.itemsize
         landed = 4 if self.aliased else 0
-        return (payload + 4 + landed + 8) * numel
+        return (payload + 4 + landed + 8) * self.home(numel)
 
     def resident(self, numel: int) -> int:
-        """A resident chunk's device bytes between steps: payload, master, two moments."""
-        return (self.itemsize + (0 if self.aliased else 4) + 8) * numel
+        """A resident chunk's device bytes between steps: payload, master, two moments;
+        sharded, in fp32 also the gradients' landing place (ChunkManager._move_shard)."""
+        landed = 4 if self.aliased and self.sharded else 0
+        return (self.itemsize + (0 if self.aliased else 4) + 8 + landed) * self.home(numel)
 
     def resident_cost(self, numel: int) -> int:
-        """Resident bytes plus room for its gradients (rules.resident_cost)."""
-        return rules.resident_cost(numel, self.itemsize)
+        """Resident bytes plus room for its gradients (rules.resident_cost, of the shard)."""
+        return rules.resident_cost(self.home(numel), self.itemsize)
 
 
 @dataclass(frozen=True)
@@ -134,7 +162,9 @@ class StepReplay:
     Without a trace it is the warm-up step (no forecast, least recently used eviction, an
     overrun is noted rather than raised); with one it is every later step. With payloads on
     disk (`disk`), a chunk is prefetched only once its pieces have been read ahead
-    (rules.disk_read_ahead, each read taken as done by the next module).
+    (rules.disk_read_ahead, each read taken as done by the next module). Sharded
+    (`cost.world` > 1), one rank's step: chunks are gathered at agreed boundaries and never
+    prefetched, their gradients reduce-scattered (engine.planning.sharded.ShardedReplay).
     """
 
     def __init__(
@@ -158,7 +188,8 @@ class StepReplay:
         self.itemsize = cost.itemsize
         self.nbytes = [n * cost.itemsize for n in lay.numel]
         self.resident = resident
-        self.on_device = set(resident)
+        # Sharded, only the shards are resident: the whole chunk is gathered for each use.
+        self.on_device = set() if cost.sharded else set(resident)
         self.device_bytes = sum(cost.resident(lay.numel[c]) for c in resident)
         self.peak = self.device_bytes
         self.grads: set[int] = set()
@@ -187,6 +218,7 @@ class StepReplay:
         self.got: set[str] = set()  # parameters whose gradient arrived
         self.in_backward = False
         self.recorded = Trace()  # what the engine's warm-up would record from this step
+        self.sharding = ShardedReplay(self, cost) if cost.sharded else None
 
     # bookkeeping
 
@@ -215,14 +247,19 @@ class StepReplay:
             point.non_model_peak = max(point.non_model_peak, self.nm)
             # What the rules keep room for (StepRunner._sample): the most chunk bytes held
             # beside the whole non-model peak of the interval.
-            self.held = max(self.held, self.pinned + self.opening_bytes)
+            held = self.sharding.held_bytes if self.sharding is not None else 0
+            self.held = max(self.held, self.pinned + self.opening_bytes + held)
             point.working_set = self.held + point.non_model_peak
         self.peak = max(self.peak, self.device_bytes + self.nm)
 
     # ChunkManager
 
+    def _copy_is_home(self, chunk: int) -> bool:
+        """Chunk.copy_is_home: sharded, only the shard is resident, never the whole copy."""
+        return chunk in self.resident and self.sharding is None
+
     def _release(self, chunk: int) -> None:
-        if chunk in self.resident or chunk not in self.on_device or self._in_use(chunk):
+        if self._copy_is_home(chunk) or chunk not in self.on_device or self._in_use(chunk):
             return
         self.on_device.discard(chunk)
         self.stale.discard(chunk)
@@ -235,7 +272,7 @@ class StepReplay:
         forecast = self.rules.forecast(self.trace, self.pos, self.nm)
         free = self.capacity - self.device_bytes - self.nm - forecast
         idle = [c for c in sorted(self.on_device)
-                if c not in self.resident and not self._in_use(c) and c not in protect]
+                if not self._copy_is_home(c) and not self._in_use(c) and c not in protect]
         victims, short = rules.evictions(nbytes, free, idle, self.nbytes.__getitem__,
                                          pos=self.pos, trace=self.trace,
                                          last_use=self.last_use)
@@ -289,10 +326,15 @@ class StepReplay:
         self._keep_room(tuple(self.busy.union(chunks)))
         for chunk in self.rules.release_before_use(sorted(self.on_device), chunks):
             self._release(chunk)
-        for chunk in chunks:
-            self._materialise(chunk, chunks)
-        self._prefetch("backward" if self.in_backward else phase)
-        self._read_ahead()
+        if self.sharding is not None:
+            gather = self.sharding.boundary(chunks)
+            for chunk in chunks:
+                self.sharding.materialise(chunk, chunks, gather=chunk in gather)
+        else:
+            for chunk in chunks:
+                self._materialise(chunk, chunks)
+            self._prefetch("backward" if self.in_backward else phase)
+            self._read_ahead()
         for param in self.lay.module_params[module]:
             if phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD:
                 self._set(param, S.COMPUTE)
@@ -373,28 +415,38 @@ class StepReplay:
         if chunk not in self.opened:
             self.opened.add(chunk)
             self.opening_bytes += self.nbytes[chunk]
-        if chunk in self.resident:
+        if self.sharding is not None:
+            # A whole gradient buffer, resident or not (ChunkManager.add_shard_grad).
+            if chunk not in self.grads:
+                self.open_grads(chunk, (chunk,))
+        elif chunk in self.resident:
             # Autograd's own gradient tensor is kept until the update (keep_slot_grad).
             nbytes = self.lay.sizes[param] * self.itemsize
             self._make_room(nbytes, (chunk,))
             self.device_bytes += nbytes
             self._sample()
         elif chunk not in self.grads:
-            self._make_room(self.nbytes[chunk], (chunk,))
-            self.grads.add(chunk)
-            self.grad_bytes += self.nbytes[chunk]
-            self.device_bytes += self.nbytes[chunk]
-            self._sample()
+            self.open_grads(chunk, (chunk,))
         self._set(param, S.HOLD_AFTER_BWD)
         self.pending[chunk] -= 1
         if self.pending[chunk] == 0:
             self._close(chunk)
 
+    def open_grads(self, chunk: int, protect: tuple[int, ...]) -> None:
+        """ChunkManager.grad_buffer: a device gradient buffer for `chunk`."""
+        self._make_room(self.nbytes[chunk], protect)
+        self.grads.add(chunk)
+        self.grad_bytes += self.nbytes[chunk]
+        self.device_bytes += self.nbytes[chunk]
+        self._sample()
+
     def _close(self, chunk: int) -> None:
         """Every gradient of `chunk` is in, or backward is over."""
         self.opened.discard(chunk)
         self.opening_bytes -= self.nbytes[chunk]
-        if chunk in self.grads:
+        if self.sharding is not None:
+            self.sharding.ready(chunk)
+        elif chunk in self.grads:
             self._finish_grads(chunk)
 
     def run(self, events: list[Event]) -> None:
@@ -412,6 +464,10 @@ class StepReplay:
                 self.in_backward = True
         for chunk in sorted(self.opened):
             self._close(chunk)
+        if self.sharding is not None:
+            self.sharding.finish()
+            for chunk in sorted(self.on_device):  # ChunkManager.release_all
+                self._release(chunk)
         for chunk in list(self.ahead):  # ChunkManager.release_all at the step's end
             self._drop_ahead(chunk)
 

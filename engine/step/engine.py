@@ -238,6 +238,7 @@ class Engine:
             self.manager.retry_disk()  # what a full disk left held, before anything changes
         self.manager.reset_counters()
         if self.collectives is not None:
+            self.collectives.reset_counters()
             self._follow_rank_zero()
         applied = self._apply_pending()
         m = self.manager
@@ -297,7 +298,10 @@ class Engine:
             skipped=skipped, loss_scale=self.optimizer.loss_scale, grad_norm=grad_norm,
             lr=self.config.lr_at(self.step_count), applied=applied,
             timeline=self.runner.timeline,
-            bytes_disk_read=disk_read, bytes_disk_written=disk_written, disk_wait=disk_wait)
+            bytes_disk_read=disk_read, bytes_disk_written=disk_written, disk_wait=disk_wait,
+            bytes_gathered=self.collectives.bytes_gathered if self.collectives else 0,
+            bytes_reduce_scattered=(self.collectives.bytes_reduce_scattered
+                                    if self.collectives else 0))
 
     def _agree_step(self, loss: float, tokens: int) -> tuple[float, int]:
         """Data parallel: the whole batch's loss and tokens, and which parameters got a
