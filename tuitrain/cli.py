@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--nproc",
         metavar="N",
-        help="with --headless: train data parallel on N ranks of this machine, started here "
-        "(under torchrun leave it out: torchrun starts the ranks)",
+        help="train data parallel on N ranks of this machine, started here, in the app or "
+        "with --headless (under torchrun leave it out: torchrun starts the ranks)",
     )
     run.set_defaults(handler=cmd_run)
 
@@ -354,20 +354,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         ranks = from_environment()
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if args.nproc is not None:
-        if ranks.parallel:
-            raise UsageError("--nproc starts the ranks itself; under torchrun leave it out")
-        if not args.headless:
-            raise UsageError("--nproc needs --headless (the app shows one process for now)")
+    if args.nproc is not None and ranks.parallel:
+        raise UsageError("--nproc starts the ranks itself; under torchrun leave it out")
+    app_ranks = 1 if args.headless else _app_ranks(args, settings)
     if not args.headless and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("the app needs a terminal (this is not one); add --headless")
     check_runnable(settings)
-    if args.nproc is not None:
-        status = _launch_ranks(args, settings)
-    elif not args.headless:
+    if not args.headless:
         from tuitrain.tui.app import run_app
 
-        return run_app(settings)
+        return run_app(settings, nproc=app_ranks)
+    if args.nproc is not None:
+        status = _launch_ranks(args, settings)
     else:
         from tuitrain.headless import run_headless
 
@@ -388,6 +386,21 @@ def _launch_ranks(args: argparse.Namespace, settings: Settings) -> int:
                              batch_size=settings.training.batch_size)
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def _app_ranks(args: argparse.Namespace, settings: Settings) -> int:
+    """How many ranks the app's worker trains on: --nproc, checked before any starts."""
+    if args.nproc is None:
+        return 1
+    from tuitrain.launch import check_nproc
+    from tuitrain.ranks import Ranks
+
+    try:
+        nproc = check_nproc(_as_number(args.nproc))
+        Ranks(0, nproc).check_batch(settings.training.batch_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return nproc
 
 
 def _save_after_run(settings: Settings, path: Path, *, status: int, overwrite: bool) -> None:

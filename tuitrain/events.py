@@ -71,12 +71,22 @@ class Started(Event):
     pid: int = 0
     log_path: str = ""
     device_budget: int | None = None  # bytes the engine got; None: the whole GPU
+    ranks: int = 1  # processes training the run data parallel (rank 0 reports); 1: one
 
 
 @dataclass
 class Step(Event):
     stats: StepStats
     time: float = 0.0  # wall clock (time.time()) when the step ended in the worker
+
+
+@dataclass
+class RankStep(Event):
+    """A step as a rank other than 0 of a data-parallel run saw it: its own memory above all
+    (its shards, its gathers, its process), which rank 0's Step does not tell."""
+
+    rank: int
+    stats: StepStats
 
 
 @dataclass
@@ -105,6 +115,8 @@ class Failed(Event):
     reason: str
     exitcode: int | None = None  # process exit code; negative = killed by that signal
     log_tail: list[str] = field(default_factory=list)
+    rank: int | None = None  # data parallel: the rank that failed (None: a single process)
+    log_path: str = ""  # that rank's log, when it is not the run's (rank 0's)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from tuitrain.events import (
     Failed,
     Finished,
     Pause,
+    RankStep,
     Rejected,
     Resume,
     SetBudget,
@@ -86,6 +87,8 @@ class FakeWorker:
     Applied at the next scripted Step, whose stats (and all later ones) carry the new value;
     a bad value is Rejected at once; Pause/Resume/Checkpoint are Applied at once with the
     last step; Stop is Applied and followed by Finished. While paused no Step is delivered.
+    A RankStep (another rank of a data-parallel run) carries the settings changed so far,
+    as that rank takes them at the same step.
     """
 
     def __init__(
@@ -146,6 +149,8 @@ class FakeWorker:
             if isinstance(event, Step):
                 event = self._apply_waiting(event, out)
                 steps += 1
+            elif isinstance(event, RankStep) and self._overrides:
+                event = RankStep(event.rank, dataclasses.replace(event.stats, **self._overrides))
             out.append(event)
             if isinstance(event, Finished | Failed):
                 self._alive = False
@@ -524,20 +529,25 @@ def fake_started(
     n_chunks: int = 24,
     policy: str = "auto",
     settings: dict | None = None,
+    ranks: int = 1,
 ) -> Started:
-    """The Started event of a run on the simulated device."""
+    """The Started event of a run on the simulated device (of `ranks` data-parallel ranks)."""
     chunks, _ = fake_chunks(
         0, policy=policy, device_budget=device_budget, n_chunks=n_chunks, parameters=parameters
     )
+    device = f"simulated, {format_size(device_budget)}"
+    if ranks > 1:
+        device += f" per rank, {ranks} ranks (gloo)"
     return Started(
         model=model,
         parameters=parameters,
-        device=f"simulated, {format_size(device_budget)}",
+        device=device,
         chunks=chunks,
         settings=settings or {},
         pid=4242,
         log_path="runs/fake.log",
         device_budget=device_budget,
+        ranks=ranks,
     )
 
 
@@ -553,8 +563,11 @@ def fake_run(
     tokens: int = 256,
     first_step: int = 1,
     host_budget: int | None = None,
+    ranks: int = 1,
 ) -> list[Event]:
-    """A Started event followed by `steps` Step events: a whole scripted run."""
+    """A Started event followed by `steps` Step events: a whole scripted run. With `ranks`
+    above 1, each Step is followed by the other ranks' RankStep: every rank holds a shard
+    of each chunk (a `ranks`-th of rank 0's chunk bytes) and a process of its own."""
     events: list[Event] = [
         fake_started(
             model=model,
@@ -562,6 +575,7 @@ def fake_run(
             device_budget=device_budget,
             n_chunks=n_chunks,
             policy=policy,
+            ranks=ranks,
         )
     ]
     for step in range(first_step, first_step + steps):
@@ -576,7 +590,22 @@ def fake_run(
             host_budget=host_budget,
         )
         events.append(Step(stats))
+        events.extend(RankStep(rank, _rank_stats(stats, rank)) for rank in range(1, ranks))
     return events
+
+
+def _rank_stats(stats: StepStats, rank: int) -> StepStats:
+    """Rank `rank`'s view of a step rank 0 reported: the same step and settings, its own
+    memory (a little more non-model on the higher ranks, a process a little larger)."""
+    m = stats.memory
+    extra = rank * 3 * MiB
+    memory = dataclasses.replace(
+        m,
+        device_non_model_peak=m.device_non_model_peak + extra,
+        device_peak=m.device_peak + extra,
+        process_rss=m.process_rss + rank * 40 * MiB,
+    )
+    return dataclasses.replace(stats, memory=memory)
 
 
 def _non_model(param_bytes: int) -> int:

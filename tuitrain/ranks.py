@@ -164,3 +164,16 @@ def leave(ranks: Ranks) -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gather_from_ranks(ranks: Ranks, value: Any) -> list[Any]:
+    """Every rank's `value` (picklable), in rank order: every rank calls this at the same
+    point. It waits at most the process group's timeout (AGREEMENT_TIMEOUT) for the others,
+    and fails at once when one of them has died."""
+    if not ranks.parallel:
+        return [value]
+    import torch.distributed as dist
+
+    said: list[Any] = [None] * ranks.world
+    dist.all_gather_object(said, value)
+    return said

@@ -6,6 +6,11 @@ channel; after each step it sends a `Step` event and, when asked, appends the st
 JSONL metrics file. When the run holds text out, it measures the loss on it every so many
 steps and after the last (an `Eval` event and a metrics line of its own). How it ends is
 its exit status: finished, failed, or bad input.
+
+Data parallel (tuitrain.ranks), the UI steers rank 0 alone. Rank 0 decides at each step
+boundary (paused or not, the changes and checkpoints it was asked for) and every rank
+carries out that decision before the same step: a change is checked by every rank's engine
+and staged only when none refuses, so its answer names one step for all of them.
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ class TrainingRun:
         self.last_eval: Eval | None = None
         self.checkpointed = 0  # the step of the latest checkpoint this run saved
         self.ranks = ranks.Ranks()  # data parallel under torchrun (tuitrain.ranks)
+        # Data parallel, rank 0: changes and checkpoints asked for since the last step
+        # boundary, carried out by every rank at the next one.
+        self.proposed: list[Command] = []
 
     # --- the run -----------------------------------------------------------------------
 
@@ -152,6 +160,7 @@ class TrainingRun:
             pid=os.getpid(),
             log_path=self.log_path,
             device_budget=built.device_budget,
+            ranks=self.ranks.world,
         )
         self.outbox.put(started)
         print(f"started: {s.model}, {started.parameters} parameters, {device}", flush=True)
@@ -177,10 +186,7 @@ class TrainingRun:
 
         batches = self._batches()
         while self.next_step <= self.settings.training.steps:
-            self._drain_commands()
-            while self.paused and not self.stopping:
-                self._wait_for_command(PAUSE_WAIT_SECONDS)
-            self.stopping = ranks.any_rank(self.ranks, self.stopping)  # every rank, one step
+            self._step_boundary()
             if self.stopping:
                 break
             # What an interrupted step must give back, so a checkpoint written after it (or
@@ -202,9 +208,43 @@ class TrainingRun:
                 self._evaluate(stats.step)
         self._final_checkpoint()
 
+    def _step_boundary(self) -> None:
+        """Between steps: answer the commands, and wait here while paused. With several
+        ranks, every rank then carries out what rank 0 decided (see _agree)."""
+        self._drain_commands()
+        if not self.ranks.parallel:
+            while self.paused and not self.stopping:
+                self._wait_for_command(PAUSE_WAIT_SECONDS)
+            return
+        self._agree()
+        while self.paused and not self.stopping:
+            # Every rank waits, agreeing again each time: rank 0 may resume, any may stop.
+            self._wait_for_command(PAUSE_WAIT_SECONDS)
+            self._agree()
+
+    def _agree(self) -> None:
+        """Data parallel, at a step boundary (every rank calls it at the same point): rank
+        0's decision (paused or not, the changes and checkpoints asked for) is every
+        rank's, and the run stops when any rank asks to (Ctrl-C under torchrun reaches
+        every rank, not always in the same step)."""
+        decision = (self.paused, self.proposed) if self.ranks.leader else None
+        said = ranks.gather_from_ranks(self.ranks, (decision, self.stopping))
+        (self.paused, proposed), self.proposed = said[0][0], []
+        self.stopping = any(stop for _, stop in said)
+        for command in proposed:
+            if isinstance(command, Checkpoint):
+                self._checkpoint(command, self.next_step - 1)
+            elif self.stopping:
+                self._answer(Rejected(command.id, "the run is stopping"))
+            else:
+                self._change_on_every_rank(command)
+
     def _finish(self) -> None:
         # Commands that arrived after the last step still get an answer.
         self._drain_commands(after_end=True)
+        for command in self.proposed:
+            self.outbox.put(Rejected(command.id, "training has finished"))
+        self.proposed = []
         self.outbox.put(Finished(summary=self._summary()))
         print(f"finished after step {self.next_step - 1}", flush=True)
 
@@ -378,12 +418,12 @@ class TrainingRun:
 
     def _handle(self, command: Command) -> None:
         done = self.next_step - 1  # the step after which an action (pause, checkpoint) acts
-        if isinstance(command, SetPolicy):
-            self._change(command, lambda: self.engine.set_policy(command.policy))
-        elif isinstance(command, SetMargin):
-            self._change(command, lambda: self.engine.set_margin(command.margin_ratio))
-        elif isinstance(command, SetBudget):
-            self._change(command, lambda: self.engine.set_budget(command.device_budget))
+        change = isinstance(command, SetPolicy | SetMargin | SetBudget)
+        saves = isinstance(command, Checkpoint) and bool(self.settings.checkpoint.dir)
+        if self.ranks.parallel and (change or saves):
+            self.proposed.append(command)  # every rank carries it out at the step boundary
+        elif change:
+            self._change(command)
         elif isinstance(command, Pause):
             if self.paused:
                 self.outbox.put(Rejected(command.id, "already paused"))
@@ -404,30 +444,68 @@ class TrainingRun:
         else:
             self.outbox.put(Rejected(command.id, f"unknown command {type(command).__name__}"))
 
-    def _change(self, command: Command, apply: Callable[[], str]) -> None:
+    def _change(self, command: Command) -> bool:
         """Apply an engine setting, worded as the engine words it; a bad value is refused
-        and training goes on."""
+        and training goes on. Whether it was taken."""
         try:
-            what = apply()
+            what = self._stage(command)
         except ValueError as err:
-            self.outbox.put(Rejected(command.id, str(err)))
-            return
+            self._answer(Rejected(command.id, str(err)))
+            return False
         # The engine switches at the next step boundary: the next step is the first with it.
-        self.outbox.put(Applied(command.id, self.next_step, what))
+        self._answer(Applied(command.id, self.next_step, what))
         print(f"applied from step {self.next_step}: {what}", flush=True)
+        return True
+
+    def _stage(self, command: Command) -> str:
+        """Hand a setting to the engine for the next step (ValueError: it refuses it)."""
+        if isinstance(command, SetPolicy):
+            return self.engine.set_policy(command.policy)
+        if isinstance(command, SetMargin):
+            return self.engine.set_margin(command.margin_ratio)
+        assert isinstance(command, SetBudget)
+        return self.engine.set_budget(command.device_budget)
+
+    def _change_on_every_rank(self, command: Command) -> None:
+        """Data parallel: every rank's engine checks the change, and rank 0 stages it when
+        none refused (its own check last), then tells the others how it went. Only rank
+        0's staged settings count: the engine makes them every rank's at the next step, so
+        a refused change leaves every rank as it was, whatever the others staged to check
+        it."""
+        refusal = what = None
+        if not self.ranks.leader:
+            try:
+                what = self._stage(command)
+            except ValueError as err:
+                refusal = str(err)
+        said = ranks.gather_from_ranks(self.ranks, refusal)
+        refused = [(rank, why) for rank, why in enumerate(said) if why is not None]
+        if refused:
+            rank, why = refused[0]
+            self._answer(Rejected(command.id, f"rank {rank}: {why}"))
+            print(f"refused by rank {rank}: {why}", flush=True)
+            return
+        taken = self._change(command) if self.ranks.leader else False
+        if ranks.gather_from_ranks(self.ranks, taken)[0] and not self.ranks.leader:
+            print(f"applied from step {self.next_step}: {what}", flush=True)
+
+    def _answer(self, event: Applied | Rejected) -> None:
+        """Answer a command: rank 0 does, the UI steers it alone."""
+        if self.ranks.leader:
+            self.outbox.put(event)
 
     def _checkpoint(self, command: Command, done: int) -> None:
         if not self.settings.checkpoint.dir:
-            self.outbox.put(Rejected(command.id, "checkpoints need --checkpoint-dir"))
+            self._answer(Rejected(command.id, "checkpoints need --checkpoint-dir"))
             return
         try:
             path = self.save_checkpoint(self.engine, self.model, self.data, self.settings, done)
         except (OSError, ValueError) as err:
             traceback.print_exc()
-            self.outbox.put(Rejected(command.id, f"checkpoint failed: {err}"))
+            self._answer(Rejected(command.id, f"checkpoint failed: {err}"))
             return
         self.checkpointed = done
-        self.outbox.put(Applied(command.id, done, f"checkpoint {path}" if path else "checkpoint"))
+        self._answer(Applied(command.id, done, f"checkpoint {path}" if path else "checkpoint"))
 
     def _checkpoint_hooks(self) -> Callable[..., Any] | None:
         """Arm checkpoint saving when the settings ask for it; returns the resume function."""

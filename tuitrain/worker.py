@@ -52,6 +52,8 @@ class ProcessWorker:
         log_path: where the worker's stdout and stderr go (appended). Default: a new file
             under the temporary folder, see `default_log_path`.
         history: how many recent StepStats `history` keeps.
+        environment: variables set in the worker before it imports anything heavy (a
+            data-parallel rank's place in the launch, see tuitrain.rank_worker).
 
     Besides the events that `poll` returns, the client keeps what a UI draws: `latest`
     (the last step's stats), `history` (recent ones), `started` and `result` (the
@@ -64,8 +66,10 @@ class ProcessWorker:
         settings: Settings,
         log_path: str | os.PathLike | None = None,
         history: int = HISTORY_LENGTH,
+        environment: dict[str, str] | None = None,
     ) -> None:
         self.settings = settings
+        self.environment = dict(environment or {})
         self.log_path = Path(log_path) if log_path is not None else default_log_path()
         self.latest: StepStats | None = None
         self.history: deque[StepStats] = deque(maxlen=history)
@@ -101,6 +105,7 @@ class ProcessWorker:
                 "parent_pid": os.getpid(),
                 "commands": command_reader,
                 "events": event_writer,
+                "environment": self.environment,
             },
             # Daemonic: a parent that exits normally takes its worker with it.
             daemon=True,
@@ -189,6 +194,14 @@ class ProcessWorker:
     @property
     def alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
+
+    def terminate(self, why: str) -> None:
+        """End the process now (SIGTERM), without waiting: `stop` reaps it later. `why` is
+        what its death report says."""
+        if self._process is not None and self._process.exitcode is None:
+            self._forced = why
+            with contextlib.suppress(ProcessLookupError):
+                self._process.terminate()
 
     # --- beyond the protocol -------------------------------------------------------------
 

@@ -47,6 +47,7 @@ def worker_main(
     parent_pid: int,
     commands: Connection,
     events: Connection,
+    environment: dict[str, str] | None = None,
 ) -> None:
     """Entry point of the spawned process; never returns, the process exits here.
 
@@ -56,7 +57,10 @@ def worker_main(
         parent_pid: the process that started this one; when it is gone, training stops.
         commands: read end of the UI -> worker channel.
         events: write end of the worker -> UI channel.
+        environment: variables to set first, before torch is imported (a data-parallel
+            rank's place and rendezvous, its threads).
     """
+    os.environ.update(environment or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     run: TrainingRun | None = None
 

@@ -33,6 +33,7 @@ from tuitrain.events import (
     Failed,
     Finished,
     Log,
+    RankStep,
     Rejected,
     Started,
     Step,
@@ -51,8 +52,14 @@ from tuitrain.tui.layout import PANELS, View, closest_view, next_view, size_clas
 from tuitrain.tui.log_panel import LogPanel
 from tuitrain.tui.measurements import RunMeter
 from tuitrain.tui.memory_chart import MemoryChart
+from tuitrain.tui.ranks_table import RanksTable
 from tuitrain.tui.save_dialog import PresetSaving
-from tuitrain.tui.spawn import WorkerFactory, default_worker_factory, start_worker
+from tuitrain.tui.spawn import (
+    WorkerFactory,
+    data_parallel_factory,
+    default_worker_factory,
+    start_worker,
+)
 from tuitrain.tui.states_table import StatesTable
 from tuitrain.tui.steering import Steering
 from tuitrain.tui.step_panel import StepPanel
@@ -156,6 +163,7 @@ class TuitrainApp(App[None]):
                     device_budget=engine.device_budget,
                     id="controls",
                 )
+            yield RanksTable(id="ranks")
             yield FailurePanel(id="failure")
             yield LogPanel(id="log")
         yield Footer()
@@ -198,6 +206,7 @@ class TuitrainApp(App[None]):
         for row in ("#top", "#middle"):
             node = self.query_one(row)
             node.display = any(child.display for child in node.children)
+        self._show_ranks()
         self.query_one(Footer).compact = self.size_class == "compact"
         trials = self.query_one(TrialsTable)
         if trials.display and self.size_class == "compact":
@@ -206,6 +215,12 @@ class TuitrainApp(App[None]):
             self.set_focus(None)
         self._charts_stale = self.latest is not None  # hidden charts were not drawn
         self.call_after_refresh(self.redraw_charts)
+
+    def _show_ranks(self) -> None:
+        """The rank rows go with the memory charts, in a run of several ranks."""
+        several = self.started is not None and self.started.ranks > 1
+        shown = several and self.view is not None and "memory" in self.view.panels
+        self.query_one(RanksTable).display = shown
 
     # --- the worker -----------------------------------------------------------------------
 
@@ -241,6 +256,7 @@ class TuitrainApp(App[None]):
         handler = {
             Started: self._on_started,
             Step: self._on_step,
+            RankStep: self._on_rank_step,
             Eval: self._on_eval,
             Log: self._on_log,
             Applied: self.steering.applied,
@@ -258,6 +274,9 @@ class TuitrainApp(App[None]):
         )
         self.query_one(ChunkMap).show(event.chunks)
         self.query_one(MemoryChart).simulated = event.device.startswith("simulated")
+        if event.ranks > 1:
+            self.query_one(RanksTable).start(event.ranks)
+        self._show_ranks()
         controls = self.query_one(Controls)
         controls.allow_budget(event.device.startswith("simulated"))
         # The worker picks the default budget (the whole GPU, or one sized for the simulated
@@ -282,9 +301,15 @@ class TuitrainApp(App[None]):
         self.query_one(StepPanel).record(stats)
         self.meter.record(stats)
         self.trial_book.record(stats)
+        if self.started is not None and self.started.ranks > 1:
+            self.query_one(RanksTable).record(0, stats)
         if self.run_state == "starting":
             self.set_state("running")
         self._panels_stale = self._charts_stale = True
+
+    def _on_rank_step(self, event: RankStep) -> None:
+        self.query_one(RanksTable).record(event.rank, event.stats)
+        self._panels_stale = True
 
     def _on_eval(self, event: Eval) -> None:
         self.query_one(StepPanel).record_eval(event.step, event.loss)
@@ -299,7 +324,8 @@ class TuitrainApp(App[None]):
         self.set_state("failed")
         self.query_one(FailurePanel).show_failure(event, log_path=self.log_path)
         self.query_one(LogPanel).shorten(True)  # the failure panel needs the rows
-        self.add_log(f"failed: {event.reason}", level="error")
+        where = "" if event.rank is None else f" on rank {event.rank}"
+        self.add_log(f"failed{where}: {event.reason}", level="error")
         self._panels_stale = self._charts_stale = True
 
     def _on_finished(self, event: Finished) -> None:
@@ -336,6 +362,7 @@ class TuitrainApp(App[None]):
         self.query_one(StepPanel).redraw_breakdown()
         self.query_one(StepTimeline).show(stats)
         self.query_one(TrialsTable).show(self.trial_book.rows(), self.trial_book.current)
+        self.query_one(RanksTable).redraw()
 
     def redraw_charts(self) -> None:
         """Redraw the memory and loss charts from their recorded windows, if a step arrived;
@@ -365,7 +392,10 @@ class TuitrainApp(App[None]):
 
     @property
     def log_path(self) -> str:
-        """The worker's log file; a real worker knows it before it reports Started."""
+        """The worker's log file; a real worker knows it before it reports Started. After a
+        rank of several failed, that rank's."""
+        if self.failure is not None and self.failure.log_path:
+            return self.failure.log_path
         if self.started is not None and self.started.log_path:
             return self.started.log_path
         return str(getattr(self.worker, "log_path", "") or "")
@@ -453,6 +483,7 @@ class TuitrainApp(App[None]):
         self.query_one(StepTimeline).reset()
         self.query_one(TrialsTable).reset()
         self.latest = self.failure = self.finished = self.started = None
+        self._show_ranks()
         self.meter.reset()
         self.trial_book.reset()
         self.add_log(f"restarting {self.settings.model} with policy {self.settings.engine.policy}")
@@ -563,14 +594,16 @@ class TuitrainApp(App[None]):
             self.notify(message)
 
 
-def run_app(settings: Settings, *, err: TextIO | None = None) -> int:
-    """Run the terminal app until the user quits.
+def run_app(settings: Settings, *, nproc: int = 1, err: TextIO | None = None) -> int:
+    """Run the terminal app until the user quits; `nproc` ranks train data parallel
+    (tuitrain.rank_worker), the app steering rank 0 and showing every rank's memory.
 
     Returns 0; 1 when the run had failed, 2 when it failed on a mistake in the input (as
     the headless runner does). A failure is also told in one line on `err` (default
     stderr), since the screen that showed it is gone once the app exits.
     """
-    app = TuitrainApp(settings)
+    factory = data_parallel_factory(nproc) if nproc > 1 else None
+    app = TuitrainApp(settings, worker_factory=factory)
     app.run()
     if app.failure_at_quit is not None:
         print(failure_line(app.failure_at_quit, log_path=app.log_path), file=err or sys.stderr)

@@ -24,6 +24,8 @@ def describe_failure(failed: Failed, *, log_path: str = "") -> Text:
         title, code = "Cannot train", ""
     else:
         title = "Training failed"
+        if failed.rank is not None:
+            title += f" on rank {failed.rank}"
         code = "" if failed.exitcode is None else f" (exit code {failed.exitcode})"
     lines = [Text.assemble((title, "bold red"), code, ": ", (failed.reason, "bold"))]
     lines.append(
@@ -57,7 +59,8 @@ def failure_line(failed: Failed, *, log_path: str = "") -> str:
     if failed.exitcode == EXIT_BAD_INPUT:
         return f"tuitrain: error: {failed.reason}"
     where = f" (log: {log_path})" if log_path else ""
-    return f"training failed: {failed.reason}{where}"
+    rank = "" if failed.rank is None else f" on rank {failed.rank}"
+    return f"training failed{rank}: {failed.reason}{where}"
 
 
 class FailurePanel(Static):

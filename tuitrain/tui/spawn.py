@@ -17,6 +17,17 @@ def default_worker_factory(settings: Settings) -> WorkerClient:
     return ProcessWorker(settings=settings)
 
 
+def data_parallel_factory(nproc: int) -> WorkerFactory:
+    """Workers that train on `nproc` ranks of this machine, seen as one (rank 0 steered)."""
+
+    def factory(settings: Settings) -> WorkerClient:
+        from tuitrain.rank_worker import DataParallelWorker
+
+        return DataParallelWorker(settings=settings, nproc=nproc)
+
+    return factory
+
+
 def start_worker(factory: WorkerFactory, settings: Settings) -> WorkerClient:
     """Build a worker and start it (ProcessWorker.start copes with Textual's stderr)."""
     worker = factory(settings)
