@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--disk", metavar="DIR", help="scratch folder for the disk tier (default: the user cache)"
     )
+    plan.add_argument(
+        "--nproc",
+        metavar="N",
+        help="plan one of N data-parallel ranks on this machine (--batch-size is the global "
+        "batch; the host's memory is shared by all N)",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=cmd_plan)
 
@@ -442,6 +448,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(f"--host-mem: {error}") from None
     _check_model(settings.model, settings.training.seq_len)
+    nproc = _plan_ranks(args.nproc, settings.training.batch_size)
+    if nproc > 1 and host_budget is not None:
+        raise UsageError("--host-mem does not work with --nproc yet: the disk tier, where a "
+                         "host budget sends what it cannot hold, does not shard")
     simulated = not _has_cuda()
     checked = argparse.Namespace(
         model=settings.model,
@@ -452,9 +462,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         seq_len=settings.training.seq_len,
         checkpointing=settings.training.activation_checkpointing,
         disk_dir=args.disk,
+        nproc=nproc,
         json=args.json,
     )
     return plan_main(checked)
+
+
+def _plan_ranks(nproc: str | None, batch_size: int) -> int:
+    """`tuitrain plan --nproc`: ranks the plan is for (1 without it), checked as `run`
+    checks it, the global batch splitting evenly over them."""
+    if nproc is None:
+        return 1
+    from tuitrain.launch import check_nproc
+    from tuitrain.ranks import Ranks
+
+    try:
+        ranks = check_nproc(_as_number(nproc))
+        Ranks(0, ranks).check_batch(batch_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return ranks
 
 
 def _has_cuda() -> bool:

@@ -59,16 +59,18 @@ HOST_RESERVE = 1024**3
 MiB = 2**20
 
 
-def host_room() -> int:
+def host_room(ranks: int = 1) -> int:
     """Host memory this run may use: what is available now plus what this process holds
-    already (the plan counts the process's runtime), less HOST_RESERVE for the rest."""
+    already (the plan counts the process's runtime), less HOST_RESERVE for the rest. With
+    `ranks` data-parallel ranks on this machine, what all of them may use together: each
+    holds about what this one does when they start."""
     import psutil
 
     held = psutil.Process().memory_info().rss
-    return psutil.virtual_memory().available + held - HOST_RESERVE
+    return psutil.virtual_memory().available + ranks * held - HOST_RESERVE
 
 
-def settle(settings: Settings, say: Callable[[str], None]) -> Settings:
+def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1) -> Settings:
     """The run as it will start, decided by the plan before anything is built.
 
     What the user left to the defaults adapts until the plan says the run fits this
@@ -79,6 +81,11 @@ def settle(settings: Settings, say: Callable[[str], None]) -> Settings:
 
     Returns the settings with what was chosen written in, so that the run (and a preset
     saved from it) uses exactly that.
+
+    `nproc`: data-parallel ranks on this machine, each of which settles with the per-rank
+    plan (the same plan on every rank): each rank's device is its own, the host's memory
+    is all the ranks'. There is no host budget to choose then (the disk tier does not
+    shard), so only a default simulated device shrinks.
     """
     from engine.config import format_size
     from engine.devices.device import uses_cuda
@@ -87,7 +94,7 @@ def settle(settings: Settings, say: Callable[[str], None]) -> Settings:
 
     simulated = not uses_cuda()
     e = settings.engine
-    room = host_room()
+    room = host_room() if nproc == 1 else host_room(nproc)
 
     def forecast(device: int, host_budget: int | None):
         result = plan(
@@ -103,6 +110,7 @@ def settle(settings: Settings, say: Callable[[str], None]) -> Settings:
             margin_ratio=e.margin_ratio,
             host_budget=host_budget,
             disk_dir=e.disk_dir,
+            nproc=nproc,
         )
         return result, result.policies[e.policy]
 
@@ -115,16 +123,19 @@ def settle(settings: Settings, say: Callable[[str], None]) -> Settings:
     except Exception:  # the planner cannot read this model; the build will say why
         return settings
     chosen: dict[str, object] = {}
-    if not row.fits and simulated and e.device_budget is None and row.host_peak > room:
-        smaller = (min(device, row.device_peak) - (row.host_peak - room)) // MiB * MiB
+    if not row.fits and simulated and e.device_budget is None and row.machine_host_peak > room:
+        # Every rank's device shrinks alike: each gives up its share of the excess.
+        excess = -(-(row.machine_host_peak - room) // nproc)
+        smaller = (min(device, row.device_peak) - excess) // MiB * MiB
         if smaller >= result.working_set:
             result, row = forecast(smaller, host_budget)
             device = smaller
             chosen["device_budget"] = Size.of_bytes(smaller)
-            say(f"simulated device budget {format_size(smaller)}: its bytes live in host "
-                f"memory, and the default {format_size(SIMULATED_DEVICE_BUDGET)} does not "
-                f"fit beside the host's copies")
-    if not row.fits and e.host_budget is None and row.host_peak > room:
+            whose = "the host's copies" if nproc == 1 else f"the host's copies of {nproc} ranks"
+            say(f"simulated device budget {format_size(smaller)}"
+                f"{' per rank' if nproc > 1 else ''}: its bytes live in host memory, and the "
+                f"default {format_size(SIMULATED_DEVICE_BUDGET)} does not fit beside {whose}")
+    if not row.fits and e.host_budget is None and nproc == 1 and row.host_peak > room:
         # Everything but the chunks stays; the chunks get what is left, the rest on disk.
         budget = room - (row.host_peak - row.host_model - row.io_buffers)
         for _ in range(3):

@@ -3,7 +3,9 @@
 The forecast itself is engine.planning.planner.plan (no UI there); this module takes the
 machine's memory as what the host has (the host budget, when the user gives one, is what
 the engine keeps on the host, the rest going to disk), and prints the plan as a table or as
-JSON.
+JSON. With `--nproc N` the plan is one data-parallel rank's (each of N on this machine):
+its device peak, its host peak beside the machine's for all N, and the bytes it gathers
+and reduce-scatters per step.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def plan_main(args: argparse.Namespace) -> int:
     """Print the plan for `args`, checked by the command line: model, device_budget (bytes,
     or None for this machine's), host_budget (bytes, or None for none), disk_dir (None for
     the engine's default), precision, batch_size, seq_len (None for what a run would use),
-    checkpointing, json.
+    checkpointing, nproc (data-parallel ranks on this machine; 1: one process), json.
 
     Raises UsageError for input the planner refuses (one line, status 2).
     """
@@ -47,6 +49,7 @@ def plan_main(args: argparse.Namespace) -> int:
             seq_len=args.seq_len or defaults.training.seq_len,
             checkpointing=bool(args.checkpointing),
             simulated=simulated,
+            nproc=args.nproc,
         )
     except ValueError as error:  # UnknownModel and BadCheckpoint are ValueErrors too
         raise UsageError(" ".join(str(error).split())) from None
@@ -78,7 +81,7 @@ def what_a_run_would_do(args: argparse.Namespace) -> list[str]:
     })
     said: list[str] = []
     try:
-        settle(settings, said.append)
+        settle(settings, said.append, nproc=args.nproc)
     except ValueError as error:
         return [f"a run here would be refused: {error}"]
     return [f"a run here would start with {line}" for line in said]
@@ -86,21 +89,41 @@ def what_a_run_would_do(args: argparse.Namespace) -> list[str]:
 
 def print_plan(result: Plan, out: TextIO) -> None:
     """The plan as a table per policy, then the recommendation."""
+    ranks = result.nproc
     device = f"device {format_size(result.device_mem)}"
+    if ranks > 1:
+        device += " per rank"
     if result.simulated:
         device += " (simulated: its bytes live in host memory and count in the host peak)"
+    host = f"host {format_size(result.host_mem)}"
+    batch = f"batch {result.batch_size} x {result.seq_len} tokens"
+    if ranks > 1:
+        host += f", shared by the {ranks} ranks"
+        batch += f" ({result.batch_size // ranks} per rank on {ranks} data-parallel ranks)"
     lines = [
-        f"{result.model}, {result.precision}, batch {result.batch_size} x {result.seq_len} "
-        f"tokens{', checkpointing' if result.checkpointing else ''}",
-        f"{device}, host {format_size(result.host_mem)}",
+        f"{result.model}, {result.precision}, {batch}"
+        f"{', checkpointing' if result.checkpointing else ''}",
+        f"{device}, {host}",
         f"{result.parameters:,} parameters in {result.chunks} chunks; model state "
-        f"{format_size(result.model_bytes)}; working set {format_size(result.working_set)} "
+        f"{format_size(result.model_bytes)}"
+        f"{', a shard of it per rank' if ranks > 1 else ''}; working set "
+        f"{format_size(result.working_set)}{' per rank' if ranks > 1 else ''} "
         f"(activations {format_size(result.non_model_peak)})",
         *_disk_lines(result),
         "",
     ]
+    if ranks > 1:
+        lines[-1:-1] = [
+            f"figures are one rank's, but HOST, {ranks} RANKS: the machine's for all of them; "
+            f"GATHERED is what a rank receives per step, REDUCE-SCATTERED what it sends"
+        ]
     disk = result.uses_disk
-    header = ("POLICY", "DEVICE PEAK", "HOST PEAK", "COPIED/STEP")
+    header = ("POLICY", "DEVICE PEAK", "HOST PEAK")
+    if ranks > 1:
+        header += (f"HOST, {ranks} RANKS", "COPIED/STEP", "GATHERED/STEP",
+                   "REDUCE-SCATTERED/STEP")
+    else:
+        header += ("COPIED/STEP",)
     if disk:
         header += ("HOST CHUNKS", "I/O BUFFERS", "ON DISK", "DISK READ/STEP", "DISK WRITE/STEP")
     rows = [(*header, "FITS")]
@@ -108,7 +131,12 @@ def print_plan(result: Plan, out: TextIO) -> None:
         fits = "yes" if p.fits else f"no: {p.reason}"
         per_step = (p.copied, p.disk_read, p.disk_written)
         copied, read, written = (format_size(n) if p.fits else "-" for n in per_step)
-        row = (name, format_size(p.device_peak), format_size(p.host_peak), copied)
+        row = (name, format_size(p.device_peak), format_size(p.host_peak))
+        if ranks > 1:
+            sent = (format_size(n) if p.fits else "-" for n in (p.gathered, p.reduce_scattered))
+            row += (format_size(p.machine_host_peak), copied, *sent)
+        else:
+            row += (copied,)
         if disk:
             row += (format_size(p.host_model), format_size(p.io_buffers),
                     format_size(p.disk_bytes), read, written)

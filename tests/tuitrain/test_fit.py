@@ -99,6 +99,63 @@ def test_a_chosen_host_budget_is_kept_and_one_too_small_is_refused(monkeypatch, 
                 16 * GiB)
 
 
+def ranks_settings(model: str = "tiny", batch_size: int = 4, **engine) -> Settings:
+    return Settings.model_validate({"model": model, "engine": {"precision": "fp32", **engine},
+                                    "training": {"batch_size": batch_size, "seq_len": 64}})
+
+
+def test_data_parallel_ranks_settle_with_the_plan_of_one_rank(monkeypatch):
+    """A budget below what one process needs for the global batch, but above what each of
+    two ranks needs for half of it (and half of each chunk): refused for one process,
+    kept for two."""
+    one = plan("tiny", device_mem="6GiB", host_mem=16 * GiB, precision="fp32", batch_size=4,
+               seq_len=64, simulated=True)
+    two = plan("tiny", device_mem="6GiB", host_mem=16 * GiB, precision="fp32", batch_size=4,
+               seq_len=64, simulated=True, nproc=2)
+    budget = (one.working_set + two.working_set) // 2
+    s = ranks_settings(policy="cpu", device_budget=budget)
+    with pytest.raises(ValueError, match="minimum working set"):
+        settled(monkeypatch, s, 16 * GiB)
+    monkeypatch.setattr(fit, "host_room", lambda ranks=1: 16 * GiB)
+    said: list[str] = []
+    assert fit.settle(s, said.append, nproc=2) == s and said == []
+
+
+def test_ranks_that_cannot_fit_are_refused_with_the_per_rank_numbers(monkeypatch):
+    monkeypatch.setattr(fit, "host_room", lambda ranks=1: 16 * GiB)
+    # Each rank's working set is about 15 MiB, and its shards with the working set 20 MiB.
+    with pytest.raises(ValueError) as refused:
+        fit.settle(ranks_settings(policy="cuda", device_budget="17MiB"), print, nproc=2)
+    line = str(refused.value)
+    assert line.startswith("policy cuda will not fit: needs ") and "model data shards" in line
+    assert "\n" not in line and "17.0 MiB" in line
+    assert "would (--policy " in line
+
+
+@simulated_only
+def test_the_simulated_device_of_every_rank_shrinks_beside_all_the_ranks_host_copies(
+        monkeypatch):
+    def per_rank(device: int, room: int):
+        return plan("opt-125m", device_mem=device, host_mem=room, precision="fp32",
+                    batch_size=2, seq_len=64, simulated=True, nproc=2)
+
+    result = per_rank(SIMULATED_DEVICE_BUDGET, 64 * GiB)
+    # Short of what auto holds on both ranks' simulated devices beyond the working set.
+    room = result.auto.machine_host_peak - (result.auto.device_peak - result.working_set)
+    assert result.auto.host_peak <= room  # one rank alone would fit
+    monkeypatch.setattr(fit, "host_room", lambda ranks=1: room if ranks == 2 else 64 * GiB)
+    said: list[str] = []
+    s = fit.settle(ranks_settings("opt-125m", batch_size=2), said.append, nproc=2)
+    budget = s.engine.device_budget.nbytes
+    assert budget % MiB == 0 and budget < SIMULATED_DEVICE_BUDGET
+    assert s.engine.host_budget is None  # no disk tier with data parallel
+    chosen = per_rank(budget, room).auto
+    assert chosen.fits and chosen.machine_host_peak <= room
+    assert len(said) == 1
+    assert said[0].startswith(f"simulated device budget {budget // MiB}.0 MiB per rank: ")
+    assert said[0].endswith("beside the host's copies of 2 ranks")
+
+
 class Sink(list):
     def put(self, event) -> None:
         self.append(event)

@@ -35,6 +35,7 @@ def namespace(**overrides: object) -> argparse.Namespace:
         "seq_len": 64,
         "checkpointing": False,
         "disk_dir": None,
+        "nproc": 1,
         "json": False,
     }
     return argparse.Namespace(**{**fields, **overrides})
@@ -267,3 +268,85 @@ def test_without_a_host_budget_the_plan_says_what_a_run_here_would_choose(capsys
     monkeypatch.setattr("tuitrain.plan.default_host_budget", lambda: 64 * 2**30)
     assert plan_main(namespace(model="tiny", host_budget=None)) == 0
     assert "a run here" not in capsys.readouterr().out
+
+
+# --- data parallel: --nproc -----------------------------------------------------------------
+
+RANKS = ["plan", "tiny", "--device-mem", "20MiB", "--batch-size", "4", "--seq-len", "64",
+         "--precision", "bf16"]
+
+
+def test_nproc_plans_one_rank_and_the_machine_for_all_of_them(capsys):
+    assert main([*RANKS, "--nproc", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "batch 4 x 64 tokens (2 per rank on 2 data-parallel ranks)" in lines[0]
+    assert "device 20.0 MiB per rank" in out and "shared by the 2 ranks" in out
+    header = next(i for i, line in enumerate(lines) if line.startswith("POLICY"))
+    assert [c.strip() for c in lines[header].split("  ") if c.strip()] == [
+        "POLICY", "DEVICE PEAK", "HOST PEAK", "HOST, 2 RANKS", "COPIED/STEP", "GATHERED/STEP",
+        "REDUCE-SCATTERED/STEP", "FITS"]
+    expected = plan("tiny", device_mem="20MiB", host_mem=psutil.virtual_memory().total,
+                    precision="bf16", batch_size=4, seq_len=64, nproc=2)
+    for line in lines[header + 1:header + 4]:
+        row = expected.policies[line.split()[0]]
+        assert format_size(row.device_peak) in line and format_size(row.machine_host_peak) in line
+        if row.fits:
+            assert format_size(row.gathered) in line
+            assert format_size(row.reduce_scattered) in line
+    assert lines[-1].startswith("recommended: ")
+
+
+def test_nproc_json_carries_each_ranks_bytes_communicated_and_the_machines_host_peak(capsys):
+    assert main([*RANKS, "--nproc", "3", "--batch-size", "6", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    expected = plan("tiny", device_mem="20MiB", host_mem=psutil.virtual_memory().total,
+                    precision="bf16", batch_size=6, seq_len=64, nproc=3)
+    one = plan("tiny", device_mem="20MiB", host_mem=psutil.virtual_memory().total,
+               precision="bf16", batch_size=2, seq_len=64)
+    assert data["nproc"] == 3 and data["batch_size"] == 6
+    for name in ("cuda", "cpu", "auto"):
+        row = expected.policies[name]
+        assert data[name]["device_peak"] == row.device_peak
+        assert data[name]["host_peak"] == row.host_peak
+        assert data[name]["machine_host_peak"] == 3 * row.host_peak
+        assert data[name]["gathered"] == row.gathered > 0
+        assert data[name]["reduce_scattered"] == row.reduce_scattered > 0
+        # A rank holds a third of the chunks on the host, with padding to split them.
+        assert one.policies[name].host_model / 3 <= row.host_model
+        assert row.host_model < one.policies[name].host_model / 3 + 8 * 2**10
+    # Every chunk's gradients are reduce-scattered once a step: a rank sends two thirds of
+    # each (bf16, 2 bytes an element; 14 bytes of state an element; padding < 96 each).
+    elements = one.model_bytes // 14
+    sent = data["cpu"]["reduce_scattered"]
+    assert 2 * elements * 2 // 3 <= sent <= 2 * (elements + 96 * one.chunks) * 2 // 3
+    # cpu gathers every chunk for the forward and again for the backward.
+    assert data["cpu"]["gathered"] >= 2 * sent
+
+
+def test_nproc_1_is_exactly_the_plan_without_it(capsys):
+    assert main(RANKS) == 0
+    without = capsys.readouterr().out
+    assert main([*RANKS, "--nproc", "1"]) == 0
+    assert capsys.readouterr().out == without
+    assert main([*RANKS, "--json"]) == 0
+    without = capsys.readouterr().out
+    assert main([*RANKS, "--nproc", "1", "--json"]) == 0
+    assert capsys.readouterr().out == without
+    assert "nproc" not in json.loads(without)
+
+
+@pytest.mark.parametrize(("nproc", "more", "expected"), [
+    ("0", [], "--nproc must be a whole number of ranks, at least 1, not 0"),
+    ("-2", [], "--nproc must be a whole number of ranks, at least 1, not -2"),
+    ("two", [], "--nproc must be a whole number of ranks, at least 1, not 'two'"),
+    ("1.5", [], "--nproc must be a whole number of ranks, at least 1, not 1.5"),
+    ("3", [], "batch_size 4 does not split evenly over 3 ranks; use a multiple of 3"),
+    ("2", ["--host-mem", "1GiB"], "--host-mem does not work with --nproc yet: the disk tier, "
+     "where a host budget sends what it cannot hold, does not shard"),
+])
+def test_a_bad_nproc_is_one_line_and_status_2(capsys, nproc, more, expected):
+    assert main([*RANKS, "--nproc", nproc, *more]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"tuitrain: error: {expected}\n"
