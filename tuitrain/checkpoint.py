@@ -15,6 +15,22 @@ It is written to a hidden temporary folder beside it, synced, then renamed into 
 crash mid-write leaves the previous checkpoint intact and nothing `--resume` would pick.
 Loading reads safetensors and JSON only: nothing is unpickled, no code runs.
 
+Data parallel (every rank calls save_checkpoint and load_checkpoint at the same point),
+the optimizer state is written by each rank for its own shard, never gathered:
+
+    optimizer-rank-00000-of-00002.safetensors ...   each rank's pieces (the same sharded
+                                                    layout, per rank, when they are large)
+    optimizer-ranks.json                            which elements of each tensor each
+                                                    rank's file holds (tuitrain.shard_files)
+
+while rank 0 writes the rest (the model folder gathered, as one process writes it). Each
+rank syncs and checksums its own files; rank 0 writes the manifest and renames the folder
+only once every rank has said it is done (an agreement bounded by the engine's collective
+timeout), so a rank that dies mid-write leaves the previous checkpoint as the newest.
+Either kind loads at any world size, one process included: each rank reads only the
+elements its own shard needs, by slices of the files, and the checksums are shared out
+between the ranks, every rank refusing a bad checkpoint alike before anything changes.
+
 Neither saving nor loading holds the model or its state whole in memory: saving fills one
 shard at a time from the engine's chunks as they come (chunks on disk are read back one at
 a time), and loading reads tensor by tensor as each chunk is filled. So a checkpoint of a
@@ -30,17 +46,28 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tuitrain.shard_files import SHARD_BYTES, ShardedTensors, ShardWriter
+from tuitrain.ranks import gather_json
+from tuitrain.shard_files import (
+    SHARD_BYTES,
+    RankFiles,
+    ShardedTensors,
+    ShardWriter,
+    layout_name,
+    rank_name,
+    write_layout,
+)
 
 FORMAT = 1
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MANIFEST = "manifest.json"
+OPTIMIZER = "optimizer"
 
 
 class CheckpointError(ValueError):
@@ -82,7 +109,13 @@ def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
     that gets one of its own), which bounds the memory saving takes beyond the engine's.
     On any failure (a full disk, say) the temporary folder is removed and the error raised;
     checkpoints already there are untouched, and training can go on.
+
+    Data parallel (the engine has collectives), every rank calls this at the same point:
+    each writes its own shard of the optimizer state, rank 0 the rest (see the module
+    docstring); a failure on any rank is an OSError on every rank, naming it.
     """
+    if getattr(engine, "collectives", None) is not None:
+        return _save_ranks(engine, model, data, settings, step, shard_bytes)
     root = Path(settings.checkpoint.dir)
     root.mkdir(parents=True, exist_ok=True)
     final = step_folder(root, step)
@@ -92,14 +125,7 @@ def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
         tmp.mkdir()
         _write(tmp, engine, model, data, settings, step, shard_bytes)
         _fsync_tree(tmp)
-        if final.exists():  # saving the same step again: replace it whole
-            old = root / f".{final.name}.old-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync(root)
+        _rename(root, tmp, final)  # saving the same step again replaces it whole
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -108,33 +134,41 @@ def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
 
 def _write(folder: Path, engine: Any, model: torch.nn.Module, data: Any, settings: Any,
            step: int, shard_bytes: int) -> None:
-    model_dir = folder / "model"
-    _write_model(model_dir, engine, model, shard_bytes)
-    tokenizer = getattr(data, "tokenizer", None)
-    if tokenizer is not None:
-        from engine.data.tokenizer import save_tokenizer
-
-        save_tokenizer(tokenizer, model_dir)
-    optimizer = ShardWriter(folder, "optimizer", shard_bytes)
+    with contextlib.closing(engine.iter_model_state()) as pairs:  # a failed write closes it
+        _write_model(folder / "model", model, data, pairs, shard_bytes)
+    optimizer = ShardWriter(folder, OPTIMIZER, shard_bytes)
     with contextlib.closing(engine.iter_optimizer_state()) as pairs:
         for name, tensor in pairs:
             optimizer.add(name, tensor)
     optimizer.close()
+    _write_rest(folder, engine, data, settings, step, {})
+
+
+def _write_rest(folder: Path, engine: Any, data: Any, settings: Any, step: int,
+                written: dict[str, dict], **record: Any) -> None:
+    """The random states, state.json (with `record`'s keys too) and, last, the manifest of
+    every file: the ones in `written` (name -> bytes and SHA-256, checked by the rank that
+    wrote them) as they are, the others hashed here."""
     save_file(rng_states(), folder / "rng.safetensors")
     record = {"format": FORMAT, "step": step, "engine": engine.state_meta(),
               "settings": settings.model_dump(),
-              "data": data.state_dict() if hasattr(data, "state_dict") else None}
+              "data": data.state_dict() if hasattr(data, "state_dict") else None, **record}
     (folder / "state.json").write_text(json.dumps(record, indent=2))
     files = sorted(p for p in folder.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                for p in files}
+    manifest = {name: written.get(name) or _entry(p)
+                for p in files if (name := str(p.relative_to(folder)))}
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": manifest}, indent=2))
 
 
-def _write_model(model_dir: Path, engine: Any, model: torch.nn.Module,
-                 shard_bytes: int) -> None:
+def _entry(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _write_model(model_dir: Path, model: torch.nn.Module, data: Any,
+                 pairs: Iterator[tuple[str, torch.Tensor]], shard_bytes: int) -> None:
     """What `model.save_pretrained(model_dir, state_dict=engine.model_state_dict())` writes,
-    with the weights streamed from the engine into shards rather than gathered first."""
+    with the weights streamed from the engine (`pairs`, iter_model_state) into shards
+    rather than gathered first; the tokenizer, if the data has one, beside them."""
     model_dir.mkdir()
     config = copy.deepcopy(model.config)  # save_pretrained's additions, on a copy
     config.dtype = str(model.dtype).removeprefix("torch.")
@@ -144,11 +178,105 @@ def _write_model(model_dir: Path, engine: Any, model: torch.nn.Module,
         model.generation_config.save_pretrained(model_dir)
     copies = tied_copies(model)
     shards = ShardWriter(model_dir, "model", shard_bytes)
-    with contextlib.closing(engine.iter_model_state()) as pairs:  # a failed write closes it
-        for name, tensor in pairs:
-            if name not in copies:
-                shards.add(name, tensor)
+    for name, tensor in pairs:
+        if name not in copies:
+            shards.add(name, tensor)
     shards.close()
+    tokenizer = getattr(data, "tokenizer", None)
+    if tokenizer is not None:
+        from engine.data.tokenizer import save_tokenizer
+
+        save_tokenizer(tokenizer, model_dir)
+
+
+def _save_ranks(engine: Any, model: torch.nn.Module, data: Any, settings: Any, step: int,
+                shard_bytes: int) -> Path:
+    """save_checkpoint on every rank of a data-parallel run (see the module docstring)."""
+    collectives = engine.collectives
+    rank, world = collectives.rank, collectives.world
+    root = Path(settings.checkpoint.dir)
+    final = step_folder(root, step)
+    made: OSError | None = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".{final.name}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as err:
+            made = err
+    # Every rank learns the temporary folder's name (rank 0's pid) once it is there.
+    pid, failed = collectives.max_ints([os.getpid() if rank == 0 else 0, int(made is not None)])
+    if failed:
+        raise made or OSError(f"checkpoint after step {step} not written: rank 0 could not "
+                              f"create its folder in {root}")
+    tmp = root / f".{final.name}.tmp-{pid}"
+    try:
+        report: dict[str, Any] = {"files": {}, "error": None}
+        own: Exception | None = None
+        try:
+            names = _write_optimizer_shard(tmp, engine, rank, world, shard_bytes)
+            report["files"] = {name: _entry(tmp / name) for name in names}
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            own, report["error"] = err, f"rank {rank}: {err}"
+        with contextlib.closing(engine.iter_model_state()) as pairs:
+            if rank == 0 and own is None:
+                try:
+                    _write_model(tmp / "model", model, data, pairs, shard_bytes)
+                except Exception as err:  # noqa: BLE001
+                    own, report["error"] = err, f"rank 0: {err}"
+            for _ in pairs:  # the rest of the weights' gathers, so no rank waits on them
+                pass
+        # Every rank has written (or failed to write) its part: the barrier before the rename.
+        reports = gather_json(collectives, report)
+        errors = [r["error"] for r in reports if r["error"]]
+        if own is not None:
+            raise own
+        if errors:
+            raise OSError(f"checkpoint after step {step} not written: {errors[0]}")
+        renamed: Exception | None = None
+        if rank == 0:
+            try:
+                written = {name: entry for r in reports for name, entry in r["files"].items()}
+                write_layout(tmp, OPTIMIZER, world, engine.optimizer_layout())
+                _write_rest(tmp, engine, data, settings, step, written, ranks=world)
+                _fsync_tree(tmp)
+                _rename(root, tmp, final)
+            except Exception as err:  # noqa: BLE001
+                renamed = err
+        if collectives.max_ints([int(renamed is not None)])[0]:
+            raise renamed or OSError(f"checkpoint after step {step} not written: rank 0 "
+                                     f"failed to complete it (see its log)")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _write_optimizer_shard(folder: Path, engine: Any, rank: int, world: int,
+                           shard_bytes: int) -> list[str]:
+    """This rank's pieces of the optimizer state into its own files, synced; their names."""
+    shards = ShardWriter(folder, rank_name(OPTIMIZER, rank, world), shard_bytes)
+    with contextlib.closing(engine.iter_optimizer_shard()) as pairs:
+        for name, tensor in pairs:
+            shards.add(name, tensor)
+    names = shards.close()
+    for name in names:
+        _fsync(folder / name)
+    return names
+
+
+def _rename(root: Path, tmp: Path, final: Path) -> None:
+    """`tmp` becomes `final`, replacing a checkpoint of the same step whole."""
+    if final.exists():
+        old = root / f".{final.name}.old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync(root)
 
 
 def tied_copies(model: torch.nn.Module) -> set[str]:
@@ -186,8 +314,13 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     return steps[-1][1]
 
 
-def verify(folder: Path) -> dict:
-    """Check every file against the manifest before anything is loaded; returns state.json."""
+def verify(folder: Path, part: tuple[int, int] = (0, 1)) -> dict:
+    """Check every file against the manifest before anything is loaded; returns state.json.
+
+    `part` (rank, world): data parallel, each rank checks every file's size and the
+    checksums of its share of them (every world-th, in the manifest's order), so that no
+    rank reads the whole checkpoint."""
+    rank, world = part
     manifest_path = folder / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -196,11 +329,12 @@ def verify(folder: Path) -> dict:
         raise CheckpointError(f"{folder} is incomplete: {MANIFEST} is missing") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{manifest_path} is unreadable: {err}") from None
-    for name, want in files.items():
+    for number, (name, want) in enumerate(files.items()):
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{folder} is incomplete: {name} is missing")
-        if path.stat().st_size != want["bytes"] or _sha256(path) != want["sha256"]:
+        if path.stat().st_size != want["bytes"] or (
+                number % world == rank and _sha256(path) != want["sha256"]):
             raise CheckpointError(f"{path} is corrupt (size or checksum differs from the "
                                   f"manifest)")
     try:
@@ -218,21 +352,55 @@ def load_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
 
     Everything is verified first, so a bad checkpoint is refused whole, never half-loaded.
     Returns the step the checkpoint was saved after; the run continues from the next.
+
+    Data parallel, every rank calls this at the same point: the ranks share out the
+    checksums and agree before any of them loads (each raises the same CheckpointError),
+    then each reads the elements its own shard needs; a checkpoint written by any number of
+    ranks loads at any other.
     """
-    folder = find_checkpoint(settings.checkpoint.resume)
-    state = verify(folder)
+    collectives = getattr(engine, "collectives", None)
+    part = (collectives.rank, collectives.world) if collectives is not None else (0, 1)
+    opened = contextlib.ExitStack()
+    failure: CheckpointError | None = None
     try:
-        tensors = ShardedTensors(folder, "optimizer")  # the headers; tensors as chunks ask
-        rng = load_file(folder / "rng.safetensors")
-    except Exception as err:  # safetensors raises its own error types
-        raise CheckpointError(f"{folder}: unreadable tensors: {err}") from None
-    with tensors:
-        engine.load_state_dict({"tensors": tensors, "numels": tensors.numels,
-                                "meta": state["engine"]})
+        folder = find_checkpoint(settings.checkpoint.resume)
+        state = verify(folder, part)
+        tensors = opened.enter_context(_open_optimizer(folder, state))
+        try:
+            rng = load_file(folder / "rng.safetensors")
+        except Exception as err:  # safetensors raises its own error types
+            raise CheckpointError(f"{folder}: unreadable tensors: {err}") from None
+    except CheckpointError as err:
+        failure = err
+    if collectives is not None:
+        refused = [r for r in gather_json(collectives, failure and str(failure)) if r]
+        if refused and failure is None:
+            failure = CheckpointError(refused[0])
+    if failure is not None:
+        opened.close()
+        raise failure
+    with opened:
+        engine.load_state_dict({"ranges": tensors, "meta": state["engine"]})
     if state.get("data") is not None and hasattr(data, "load_state_dict"):
         data.load_state_dict(state["data"])
     set_rng_states(rng)
     return int(state["step"])
+
+
+def _open_optimizer(folder: Path, state: dict) -> ShardedTensors | RankFiles:
+    """The optimizer state's files, headers read and checked, tensors read by ranges: the
+    ranks' pieces (a data-parallel checkpoint) or the sharded tensors of one process."""
+    try:
+        if not (folder / layout_name(OPTIMIZER)).exists():
+            return ShardedTensors(folder, OPTIMIZER)
+        files = RankFiles(folder, OPTIMIZER)
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{folder}: unreadable tensors: {err}") from None
+    if files.world != state.get("ranks"):
+        files.close()
+        raise CheckpointError(f"{folder}: state.json says {state.get('ranks')} ranks wrote "
+                              f"it, {layout_name(OPTIMIZER)} {files.world}")
+    return files
 
 
 def rng_states() -> dict[str, torch.Tensor]:

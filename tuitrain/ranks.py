@@ -9,9 +9,10 @@ builds the engine, which then shards its chunks over the ranks (engine.distribut
 - Batches: `batch_size` is the global batch. Every rank reads the same stream of global
   batches (so a run's batches depend on the seed and the global batch size, never on the
   world size) and trains on its own contiguous slice of each.
-- Outputs: rank 0 alone writes the metrics file, the summary and the checkpoints; the other
-  ranks take part in the collectives a checkpoint needs and write nothing. Every rank's
-  worker logs to a file of its own (its rank in the name).
+- Outputs: rank 0 alone writes the metrics file, the summary and the model folder of each
+  checkpoint; every rank writes its own shard of the checkpoint's optimizer state
+  (tuitrain.checkpoint). Every rank's worker logs to a file of its own (its rank in the
+  name).
 - Ending: a rank that is asked to stop (Ctrl-C reaches every rank, not always in the same
   step) stops at a step boundary the ranks agree on, so none waits for the others forever.
 """
@@ -19,6 +20,7 @@ builds the engine, which then shards its chunks over the ranks (engine.distribut
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -145,15 +147,18 @@ def sum_over_ranks(ranks: Ranks, value: float) -> float:
     return float(total.item())
 
 
-def take_part_in_checkpoint(engine: Any, model: Any, data: Any, settings: Any,
-                            step: int) -> str:
-    """A rank other than 0 at a checkpoint: it takes part in gathering what rank 0 writes
-    (the engine's collectives: its weights, then its optimizer state, each to the end, as
-    tuitrain.checkpoint streams them) and writes nothing, keeping no tensor."""
-    for iterate in (engine.iter_model_state, engine.iter_optimizer_state):
-        for _ in iterate():
-            pass
-    return "written by rank 0"
+def gather_json(collectives: Any, value: Any) -> list[Any]:
+    """Every rank's `value` (anything JSON writes), in rank order, through the engine's
+    `collectives` (each bounded by their timeout): every rank calls this at the same point.
+    For the few small records the ranks exchange about a checkpoint (its files, what failed)."""
+    import torch
+
+    data = json.dumps(value).encode()
+    longest = collectives.max_ints([len(data)])[0]
+    row = torch.zeros(longest, dtype=torch.uint8, device=collectives.device)
+    row[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(row.device)
+    rows = collectives.all_gather_rows(row).cpu()
+    return [json.loads(bytes(r.tolist()).rstrip(b"\0") or b"null") for r in rows]
 
 
 def leave(ranks: Ranks) -> None:

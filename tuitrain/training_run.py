@@ -513,8 +513,8 @@ class TrainingRun:
 
         c = self.settings.checkpoint
         if c.dir:
-            self.save_checkpoint = (checkpoint.save_checkpoint if self.ranks.leader
-                                    else ranks.take_part_in_checkpoint)
+            # Data parallel, every rank saves: its own shard of the optimizer state.
+            self.save_checkpoint = checkpoint.save_checkpoint
         return checkpoint.load_checkpoint if c.resume else None
 
     # --- output ------------------------------------------------------------------------

@@ -1,19 +1,22 @@
 """Weights and optimizer state in and out of chunks, by parameter name.
 
 By name rather than by chunk, so a checkpoint survives a different chunk layout (another
-chunk size or precision, or another world size: a sharded chunk's state is gathered whole
-on the way out and each rank takes its own shard on the way in) and loads with
-safetensors, never unpickling anything.
+chunk size or precision, or another world size) and loads with safetensors, never
+unpickling anything. Data parallel, the state leaves a rank either gathered whole
+(optimizer_tensors) or as this rank's pieces alone (optimizer_shard, with shard_layout
+saying which elements of each parameter every rank holds); on the way in each rank reads
+only the elements its own shard needs (fill_optimizer_ranges), whatever world wrote them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 import torch
 
 from engine.chunks.chunk import Chunk, Slot
-from engine.distributed.shards import overlap
+from engine.distributed.shards import Shard, overlap
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -80,12 +83,15 @@ def optimizer_tensors(chunks: list[Chunk], whole: Whole | None = None
             yield f"step/{s.name}", torch.tensor([float(s.steps)])
 
 
-def _held(chunk: Chunk, slot: Slot) -> tuple[slice, slice] | None:
+def _held(chunk: Chunk, slot: Slot, shard: Shard | None = None
+          ) -> tuple[slice, slice] | None:
     """(where in the chunk's home tensors, which of the parameter's elements) this rank
-    holds of `slot`: all of it unsharded, the part in its shard otherwise, if any."""
-    if chunk.shard is None:
+    holds of `slot`, or the rank of `shard` if given: all of it unsharded, the part in its
+    shard otherwise, if any."""
+    shard = shard or chunk.shard
+    if shard is None:
         return slice(slot.offset, slot.offset + slot.numel), slice(0, slot.numel)
-    lo, hi = chunk.shard.lo, chunk.shard.hi
+    lo, hi = shard.lo, shard.hi
     part = overlap(slot.offset, slot.numel, lo, hi)
     if part is None:
         return None
@@ -121,3 +127,64 @@ def fill_optimizer_tensors(chunks: list[Chunk], tensors: Mapping[str, torch.Tens
                     getattr(c, kind)[home].copy_(tensors[f"{kind}/{s.name}"].reshape(-1)[values])
             s.steps = int(tensors[f"step/{s.name}"].reshape(-1)[0])
 
+
+
+def optimizer_shard(chunks: list[Chunk]) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's part of optimizer_tensors(), with no collective: for every parameter with
+    elements in this rank's shard, (`{kind}/{parameter name}`, those elements as an fp32
+    CPU tensor of its own, flat) for master and moments, then its step count (every rank
+    holding a piece of it gives the count). Unsharded, the same as optimizer_tensors()."""
+    for c in chunks:
+        for s in c.slots:
+            held = _held(c, s)
+            if held is None:
+                continue
+            for kind in KINDS:
+                yield f"{kind}/{s.name}", getattr(c, kind)[held[0]].cpu().clone()
+            yield f"step/{s.name}", torch.tensor([float(s.steps)])
+
+
+def shard_layout(chunks: list[Chunk]) -> dict[str, list[tuple[int, int, int]]]:
+    """Which elements of each tensor optimizer_shard() gives on each rank of this world:
+    `{kind}/{parameter name}` -> [(rank, lo, hi)] (the rank's tensor holds elements
+    [lo, hi) of the parameter, flattened), in rank order; `step/{name}` -> [(rank, 0, 1)]
+    for each rank that gives the count. From the chunk layout alone: no collective."""
+    layout: dict[str, list[tuple[int, int, int]]] = {}
+    for c in chunks:
+        world = c.shard.world if c.shard is not None else 1
+        for rank in range(world):
+            shard = Shard(rank, world, c.shard.numel) if c.shard is not None else None
+            for s in c.slots:
+                held = _held(c, s, shard)
+                if held is None:
+                    continue
+                values = held[1]
+                for kind in KINDS:
+                    layout.setdefault(f"{kind}/{s.name}", []).append(
+                        (rank, values.start, values.stop))
+                layout.setdefault(f"step/{s.name}", []).append((rank, 0, 1))
+    return layout
+
+
+class Ranges(Protocol):
+    """Optimizer state read by element ranges: `numels` (name -> elements of the whole
+    tensor), and `read(name, lo, hi)`, elements [lo, hi) of the tensor flattened, reading
+    no more than those (a checkpoint's files, however many ranks wrote them)."""
+
+    numels: Mapping[str, int]
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor: ...
+
+
+def fill_optimizer_ranges(chunks: list[Chunk], ranges: Ranges) -> None:
+    """fill_optimizer_tensors() from `ranges` (check_optimizer_tensors first, with its
+    numels): each chunk reads only the elements its shard holds of each parameter."""
+    for c in chunks:
+        for s in c.slots:
+            held = _held(c, s)
+            if held is not None:
+                home, values = held
+                for kind in KINDS:
+                    part = ranges.read(f"{kind}/{s.name}", values.start, values.stop)
+                    getattr(c, kind)[home].copy_(part.reshape(-1))
+            s.steps = int(ranges.read(f"step/{s.name}", 0, 1).reshape(-1)[0])

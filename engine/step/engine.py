@@ -476,6 +476,23 @@ class Engine:
             with self.manager.opened(chunk):
                 yield from weights.optimizer_tensors([chunk], self._whole)
 
+    def iter_optimizer_shard(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's part of iter_optimizer_state(), with no collective: for each
+        parameter with elements in this rank's shard, (`{kind}/{name}`, those elements,
+        flat) and its step count, chunk by chunk (optimizer_layout() says which elements
+        each rank gives). So that every rank writes its own shard of a checkpoint, and no
+        rank receives another's state. Unsharded, the same pairs as iter_optimizer_state().
+        The same rules apply: don't step meanwhile, close it if left early."""
+        self.manager.flight.wait()
+        for chunk in self.chunks:
+            with self.manager.opened(chunk):
+                yield from weights.optimizer_shard([chunk])
+
+    def optimizer_layout(self) -> dict[str, list[tuple[int, int, int]]]:
+        """For every name iter_optimizer_shard() gives on some rank: [(rank, lo, hi)], the
+        elements of the parameter (flattened) each rank's tensor holds, in rank order."""
+        return weights.shard_layout(self.chunks)
+
     def state_meta(self) -> dict:
         """state_dict()["meta"]: the step, the loss scale and the settings (JSON-ready)."""
         return {"step": self.step_count, "loss_scale": self.optimizer.loss_scale,
@@ -491,15 +508,24 @@ class Engine:
         `state["tensors"]` may be any mapping by name: each tensor is read once, as its
         chunk is filled, so a lazy one (reading files tensor by tensor) holds one chunk's
         at a time; give `state["numels"]` (name -> element count) with it and the check
-        beforehand reads none of them."""
-        tensors = state["tensors"]
-        numels = state.get("numels") or {k: v.numel() for k, v in tensors.items()}
+        beforehand reads none of them.
+
+        Or `state["ranges"]` (engine.chunks.weights.Ranges, its numels with it) in place of
+        the tensors: each rank then reads only the elements its own shard holds, whatever
+        world size wrote them (a checkpoint's files read by slices)."""
+        ranges = state.get("ranges")
+        tensors = state.get("tensors")
+        numels = (ranges.numels if ranges is not None else state.get("numels")
+                  or {k: v.numel() for k, v in tensors.items()})
         weights.check_optimizer_tensors(self.chunks, numels)
         self.manager.flight.wait()
         for c in self.chunks:
             self.optimizer.discard(c)
             with self.manager.opened(c, write=True):
-                weights.fill_optimizer_tensors([c], tensors)
+                if ranges is not None:
+                    weights.fill_optimizer_ranges([c], ranges)
+                else:
+                    weights.fill_optimizer_tensors([c], tensors)
                 if not c.aliased:
                     c.payload.copy_(c.master)
             if not c.resident:
