@@ -6,7 +6,8 @@ A tiny OPT in fp32 on gloo ranks of one thread. One process writes a checkpoint 
 (1 -> 2, 2 -> 2, 2 -> 3, 3 -> 1) and goes on with the losses of the run that never
 stopped (torch.optim.AdamW(fused=True) on the same global batches), within 1e-5. While
 saving, each rank writes exactly its shard's bytes, and the only state a rank receives is
-the weights rank 0 writes into the model folder. Damage the checksums cannot see (a rank
+the weights rank 0 writes into the model folder; while resuming, each rank reads from the
+files exactly the elements its own shard holds. Damage the checksums cannot see (a rank
 layout that disagrees with the files, a world size) and a missing rank file are refused
 in one line, before anything changes; a rank dying mid-write leaves the previous
 checkpoint the newest.
@@ -66,17 +67,23 @@ def _steps(engine: Engine, rank: int, world: int, first: int, last: int) -> list
             for i in range(first, last + 1)]
 
 
-def _shard_bytes(engine: Engine) -> int:
-    """What this rank's pieces of the optimizer state weigh: fp32 master and two moments of
-    every element its shard holds, and a step count per parameter it holds a piece of."""
-    total = 0
+def _held(engine: Engine) -> tuple[int, int]:
+    """(elements, parameters) this rank's shard holds of the model: all of them unsharded."""
+    elements = parameters = 0
     for c in engine.chunks:
         for s in c.slots:
             lo, hi = (c.shard.lo, c.shard.hi) if c.shard is not None else (0, c.numel)
             part = overlap(s.offset, s.numel, lo, hi)
             if part is not None:
-                total += 3 * 4 * (part[1] - part[0]) + 4
-    return total
+                elements, parameters = elements + part[1] - part[0], parameters + 1
+    return elements, parameters
+
+
+def _shard_bytes(engine: Engine) -> int:
+    """What this rank's pieces of the optimizer state weigh: fp32 master and two moments of
+    every element its shard holds, and a step count per parameter it holds a piece of."""
+    elements, parameters = _held(engine)
+    return 3 * 4 * elements + 4 * parameters
 
 
 def _save_watched(engine: Engine, model: torch.nn.Module, ck: str) -> dict:
@@ -115,9 +122,25 @@ def _save_watched(engine: Engine, model: torch.nn.Module, ck: str) -> dict:
 
 
 def _resume(rank: int, world: int, ck: str) -> list[float]:
+    """Resume `ck` on this rank and train to the end: the losses. Asserts that the rank
+    read from the files the elements of optimizer state its own shard holds, no more."""
     model = build()
     engine = _engine(model)
-    assert load_checkpoint(engine, model, None, _settings(resume=ck)) == SAVED_AT
+    read = [0]
+    whole = shard_files.ShardedTensors.read
+
+    def counting(self, key, lo, hi):
+        part = whole(self, key, lo, hi)
+        if not key.startswith("step/"):
+            read[0] += part.nbytes
+        return part
+
+    shard_files.ShardedTensors.read = counting
+    try:
+        assert load_checkpoint(engine, model, None, _settings(resume=ck)) == SAVED_AT
+    finally:
+        shard_files.ShardedTensors.read = whole
+    assert read[0] == 3 * 4 * _held(engine)[0], (ck, rank)
     losses = _steps(engine, rank, world, SAVED_AT + 1, STEPS)
     engine.close()
     return losses
