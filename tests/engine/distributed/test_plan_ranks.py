@@ -26,7 +26,8 @@ CLOSE = {"fp32": 0.0, "bf16": 1e-3}
 
 def _scenarios(world: int, precision: str) -> list[dict]:
     """Per-rank budgets from the plan: ample for cuda; for cpu and auto a little above the
-    working set, so that auto evicts and the margin has room for a few shards."""
+    working set, so that auto evicts and the margin has room for a few shards. Activation
+    checkpointing too: its recomputation gathers chunks inside backward."""
     p = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision=precision, simulated=True,
              batch_size=PER_RANK * world, seq_len=SEQ_LEN, nproc=world)
     tight = int(p.working_set * 1.3)
@@ -35,6 +36,7 @@ def _scenarios(world: int, precision: str) -> list[dict]:
         {"policy": "cpu", "budget": tight, "margin": 0.0},
         {"policy": "auto", "budget": tight, "margin": 0.0},
         {"policy": "auto", "budget": tight, "margin": 0.5},
+        {"policy": "cpu", "budget": tight, "margin": 0.0, "checkpointing": True},
     ]
 
 
@@ -53,7 +55,10 @@ def steps(rank: int, world: int, *, precision: str, scenarios: list[dict]) -> li
     out = []
     for sc in scenarios:
         torch.manual_seed(0)
-        eng = Engine(build_model("tiny"), EngineConfig(
+        model = build_model("tiny")
+        if sc.get("checkpointing"):
+            model.activation_checkpointing_enable()
+        eng = Engine(model, EngineConfig(
             policy=sc["policy"], device_budget=sc["budget"], margin_ratio=sc["margin"],
             precision=precision, simulate=True, collective_timeout=COLLECTIVE_TIMEOUT))
         for batch in batches:
@@ -77,7 +82,8 @@ def test_each_rank_measures_what_the_plan_for_its_ranks_forecasts(tmp_path, worl
     for i, sc in enumerate(scenarios):
         forecast = plan("tiny", device_mem=sc["budget"], host_mem="64GiB", precision=precision,
                         simulated=True, batch_size=PER_RANK * world, seq_len=SEQ_LEN,
-                        margin_ratio=sc["margin"], nproc=world)
+                        margin_ratio=sc["margin"], checkpointing=sc.get("checkpointing", False),
+                        nproc=world)
         row = forecast.policies[sc["policy"]]
         assert row.fits, row.reason
         for rank, measured in enumerate(r[i] for r in ranks):
