@@ -70,6 +70,19 @@ def host_room(ranks: int = 1) -> int:
     return psutil.virtual_memory().available + ranks * held - HOST_RESERVE
 
 
+def _least_room(room: int, nproc: int) -> int:
+    """The least `room` of the `nproc` ranks, once they have joined: they read this
+    machine's free memory at slightly different moments. Before (`tuitrain plan --nproc`
+    plans for ranks not started), this process's own."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() != nproc:
+        return room
+    rooms: list[int | None] = [None] * nproc
+    dist.all_gather_object(rooms, room)
+    return min(r for r in rooms if r is not None)
+
+
 def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1) -> Settings:
     """The run as it will start, decided by the plan before anything is built.
 
@@ -83,9 +96,11 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1) ->
     saved from it) uses exactly that.
 
     `nproc`: data-parallel ranks on this machine, each of which settles with the per-rank
-    plan (the same plan on every rank): each rank's device is its own, the host's memory
-    is all the ranks'. There is no host budget to choose then (the disk tier does not
-    shard), so only a default simulated device shrinks.
+    plan: each rank's device is its own, the host's memory is all the ranks'. There is no
+    host budget to choose then (the disk tier does not shard), so only a default simulated
+    device shrinks. When the ranks have joined (torch.distributed), every rank must call
+    this at the same point: they plan with the least room any of them found, so that all
+    decide alike.
     """
     from engine.config import format_size
     from engine.devices.device import uses_cuda
@@ -94,7 +109,7 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1) ->
 
     simulated = not uses_cuda()
     e = settings.engine
-    room = host_room() if nproc == 1 else host_room(nproc)
+    room = host_room() if nproc == 1 else _least_room(host_room(nproc), nproc)
 
     def forecast(device: int, host_budget: int | None):
         result = plan(

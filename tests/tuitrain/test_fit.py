@@ -5,7 +5,11 @@ is refused in one line that says what would."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import multiprocessing
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,6 +158,48 @@ def test_the_simulated_device_of_every_rank_shrinks_beside_all_the_ranks_host_co
     assert len(said) == 1
     assert said[0].startswith(f"simulated device budget {budget // MiB}.0 MiB per rank: ")
     assert said[0].endswith("beside the host's copies of 2 ranks")
+
+
+def _settle_as_rank(rank: int, store: str, out: str, rooms: list[int]) -> None:
+    """A rank that joined the others, whose reading of the machine's room is its own."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=len(rooms), timeout=datetime.timedelta(seconds=60))
+        fit.host_room = lambda ranks=1: rooms[rank]
+        said: list[str] = []
+        s = fit.settle(ranks_settings("opt-125m", batch_size=2), said.append, nproc=len(rooms))
+        result = {"budget": s.engine.device_budget.nbytes, "said": said}
+        dist.destroy_process_group()
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        result = {"error": repr(error)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)
+
+
+@simulated_only
+def test_ranks_that_found_different_room_settle_alike_on_the_least(monkeypatch, tmp_path):
+    result = plan("opt-125m", device_mem=SIMULATED_DEVICE_BUDGET, host_mem=64 * GiB,
+                  precision="fp32", batch_size=2, seq_len=64, simulated=True, nproc=2)
+    least = result.auto.machine_host_peak - (result.auto.device_peak - result.working_set)
+    rooms = [least + 64 * MiB, least]  # read at other moments, other processes coming and going
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_settle_as_rank, args=(r, str(tmp_path / "store"),
+                                                       str(tmp_path), rooms)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all("error" not in g for g in got), got
+    monkeypatch.setattr(fit, "host_room", lambda ranks=1: least)
+    alone = fit.settle(ranks_settings("opt-125m", batch_size=2), print, nproc=2)
+    assert got[0] == got[1]
+    assert got[0]["budget"] == alone.engine.device_budget.nbytes < SIMULATED_DEVICE_BUDGET
 
 
 class Sink(list):
