@@ -417,8 +417,9 @@ def test_nproc_mistakes_are_one_line_before_any_rank_starts(capsys, monkeypatch)
     assert "not 'two'" in refused(capsys, [*run, "--nproc", "two"])
     assert refused(capsys, [*run, "--nproc", "2", "--batch-size", "3"]) == (
         "tuitrain: error: batch_size 3 does not split evenly over 2 ranks; use a multiple of 2")
-    assert refused(capsys, ["run", "tiny", "--nproc", "2"]) == (
-        "tuitrain: error: --nproc needs --headless (the app shows one process for now)")
+    # The app checks the split too, before it needs a terminal.
+    assert refused(capsys, ["run", "tiny", "--nproc", "2", "--batch-size", "3"]) == (
+        "tuitrain: error: batch_size 3 does not split evenly over 2 ranks; use a multiple of 2")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert refused(capsys, [*run, "--nproc", "2"]) == (
