@@ -134,9 +134,8 @@ class TrainingRun:
         self.ranks.check_batch(s.training.batch_size)
         # Before anything is built or written: what the user left to the defaults is chosen
         # so that the plan says the run fits, and what they chose and cannot fit is refused.
-        # Not per rank: the plan knows no shards, and ranks deciding apart could disagree.
-        if not self.ranks.parallel:
-            s = self.settings = settle(s, self._say)
+        # Data parallel, every rank settles here on the same per-rank plan (one collective).
+        s = self.settings = settle(s, self._say, nproc=self.ranks.world)
         resume = self._checkpoint_hooks()
         if s.logging.metrics and self.ranks.leader:
             self.metrics = MetricsWriter(s.logging.metrics)
