@@ -122,6 +122,7 @@ class TrainingRun:
 
     def _setup(self) -> None:
         from engine.devices.device import uses_cuda
+        from engine.devices.host_memory import steady_heap
         from tuitrain.fit import settle
         from tuitrain.run_build import build_run
 
@@ -135,7 +136,8 @@ class TrainingRun:
         # Before anything is built or written: what the user left to the defaults is chosen
         # so that the plan says the run fits, and what they chose and cannot fit is refused.
         # Data parallel, every rank settles here on the same per-rank plan (one collective).
-        s = self.settings = settle(s, self._say, nproc=self.ranks.world)
+        s = self.settings = settle(s, self._say, nproc=self.ranks.world,
+                                   steady_heap=steady_heap)
         resume = self._checkpoint_hooks()
         if s.logging.metrics and self.ranks.leader:
             self.metrics = MetricsWriter(s.logging.metrics)

@@ -12,6 +12,8 @@ ran, and the heap grown around them), it grew by 20-60% in these 50 steps.
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -50,3 +52,30 @@ def test_resident_memory_at_step_50_is_what_it_was_at_step_5(arch):
     mib = {s: r >> 20 for s, r in rss.items()}
     grew = f"RSS grew from {early / 2**20:.0f} to {late / 2**20:.0f} MiB: {mib}"
     assert late <= GROWTH * early, grew
+
+
+# After a 16 MiB tensor is freed, glibc left to itself serves an 8 MiB one from its heap and
+# keeps it there once freed; with the heap steady it is mapped and given back.
+KEPT_AFTER_FREE = """
+import sys, psutil, torch
+from engine.devices.host_memory import steady_heap
+if sys.argv[1] == "steady":
+    assert steady_heap()
+big = torch.ones(4 * 2**20)
+del big
+before = psutil.Process().memory_info().rss
+t = torch.ones(2 * 2**20)
+del t
+print(psutil.Process().memory_info().rss - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_steady_heap_gives_back_a_large_tensor_the_moment_it_is_freed():
+    def kept(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE, mode],
+                              capture_output=True, text=True, timeout=120, check=True)
+        return int(done.stdout.split()[-1])
+
+    assert kept("dynamic") >= 7 * 2**20  # the heap kept the 8 MiB
+    assert kept("steady") < 2**20

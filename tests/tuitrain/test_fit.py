@@ -30,10 +30,11 @@ def settings(model: str = "tiny", **engine) -> Settings:
                                     "training": {"batch_size": 1, "seq_len": 64}})
 
 
-def settled(monkeypatch, s: Settings, room: int) -> tuple[Settings, list[str]]:
+def settled(monkeypatch, s: Settings, room: int, steady_heap=None
+            ) -> tuple[Settings, list[str]]:
     monkeypatch.setattr(fit, "host_room", lambda: room)
     said: list[str] = []
-    return fit.settle(s, said.append), said
+    return fit.settle(s, said.append, steady_heap=steady_heap), said
 
 
 def planned(s: Settings, room: int):
@@ -51,6 +52,19 @@ def forecast(s: Settings, room: int):
 def test_a_run_that_fits_starts_as_asked_and_nothing_is_said(monkeypatch):
     s = settings(policy="cuda", device_budget="256MiB")
     assert settled(monkeypatch, s, 16 * GiB) == (s, [])
+
+
+def test_where_host_memory_is_tight_the_run_keeps_the_heap_steady_and_says_so(monkeypatch):
+    s = settings(policy="cuda", device_budget="256MiB")
+    peak = forecast(s, 64 * GiB).host_peak
+    calls: list[int] = []
+    roomy = int(peak / (fit.TIGHT_HOST - 0.1))
+    assert settled(monkeypatch, s, roomy, lambda: calls.append(1)) == (s, [])
+    assert calls == []
+    tight = int(peak / (fit.TIGHT_HOST + 0.1))
+    started, said = settled(monkeypatch, s, tight, lambda: calls.append(1))
+    assert started == s and calls == [1]
+    assert len(said) == 1 and said[0].startswith("steady host memory: the plan's peak ")
 
 
 def test_a_chosen_policy_that_cannot_fit_is_refused_naming_what_would(monkeypatch):
@@ -77,7 +91,8 @@ def test_the_default_simulated_device_shrinks_to_whole_mib_beside_the_host_copie
     assert budget % MiB == 0 and budget < SIMULATED_DEVICE_BUDGET
     assert s.engine.host_budget is None  # the host holds the state: no disk
     assert forecast(s, room).fits and forecast(s, room).host_peak <= room
-    assert len(said) == 1 and said[0].startswith(f"simulated device budget {budget // MiB}.0 MiB")
+    assert len(said) == 2 and said[0].startswith(f"simulated device budget {budget // MiB}.0 MiB")
+    assert said[1].startswith("steady host memory: ")  # it fits, but only just
 
 
 @simulated_only
@@ -90,8 +105,10 @@ def test_state_that_cannot_fit_the_host_goes_to_disk_under_a_chosen_host_budget(
     chosen = forecast(s, room)
     assert s.engine.host_budget is not None and chosen.fits and chosen.disk_bytes > 0
     assert chosen.host_peak <= room
-    assert said[-1].startswith(f"host budget {s.engine.host_budget.nbytes / GiB:.1f} GiB")
-    assert "goes to disk under" in said[-1]
+    assert len(said) == 2
+    assert said[0].startswith(f"host budget {s.engine.host_budget.nbytes / GiB:.1f} GiB")
+    assert "goes to disk under" in said[0]
+    assert said[1].startswith("steady host memory: ")  # it fits, but only just
 
 
 @simulated_only
@@ -155,9 +172,10 @@ def test_the_simulated_device_of_every_rank_shrinks_beside_all_the_ranks_host_co
     assert s.engine.host_budget is None  # no disk tier with data parallel
     chosen = per_rank(budget, room).auto
     assert chosen.fits and chosen.machine_host_peak <= room
-    assert len(said) == 1
+    assert len(said) == 2
     assert said[0].startswith(f"simulated device budget {budget // MiB}.0 MiB per rank: ")
     assert said[0].endswith("beside the host's copies of 2 ranks")
+    assert said[1].startswith("steady host memory: ")  # it fits, but only just
 
 
 def _settle_as_rank(rank: int, store: str, out: str, rooms: list[int]) -> None:
