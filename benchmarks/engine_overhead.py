@@ -9,6 +9,12 @@ Systems: plain PyTorch with AdamW(fused=True); the engine with policy cuda (ampl
 auto (a budget that holds the working set plus half the parameters), and cpu. On a machine
 with CUDA everything runs on the GPU (the engine on a CudaDevice capped at those budgets);
 elsewhere on the simulated device.
+
+`--uncounted` adds, for auto and cpu, a second engine whose non-model counter (the dispatch
+mode that sees every op's allocations, engine.step.non_model) is switched off after its
+traced step: the same placement at the same budget, so the difference between the two rows
+is what counting every live byte costs. Only a measurement: an uncounted engine reports no
+non-model bytes and makes room for none beyond its trace.
 """
 
 from __future__ import annotations
@@ -22,6 +28,24 @@ import torch
 
 from engine import Engine, EngineConfig, format_size
 from engine.models.zoo import build_model
+from engine.step.non_model import NonModelCounter
+
+
+class _Uncounted(NonModelCounter):
+    """A non-model counter that never enters dispatch: `with counter:` does nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def uncounted_step(eng: Engine, batch) -> float:
+    """One step of `eng`; after its first (traced) step its counter no longer counts."""
+    seconds = eng.step(batch).seconds
+    eng.runner.counter.__class__ = _Uncounted
+    return seconds
 
 
 def plain_step(model, opt, batch) -> float:
@@ -44,6 +68,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads (0: torch's default); 1 is steadier on a shared machine")
+    ap.add_argument("--uncounted", action="store_true",
+                    help="also auto and cpu with the non-model counter off after tracing")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -75,6 +101,14 @@ def main() -> None:
         eng = Engine(copy.deepcopy(base), EngineConfig(policy=policy, device_budget=budget))
         engines[policy] = eng
         systems[policy] = lambda b, eng=eng: eng.step(b).seconds
+    if args.uncounted:
+        for policy in ("auto", "cpu"):
+            name = f"{policy}-nc"
+            budgets[name] = budgets[policy]
+            eng = Engine(copy.deepcopy(base),
+                         EngineConfig(policy=policy, device_budget=budgets[policy]))
+            engines[name] = eng
+            systems[name] = lambda b, eng=eng: uncounted_step(eng, b)
     del base
 
     times: dict[str, list[float]] = {name: [] for name in systems}
