@@ -9,7 +9,6 @@ them, so `tuitrain --help` answers at once.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -377,7 +376,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         status = run_headless(settings, out=sys.stdout, err=sys.stderr)
     if save_to is not None and ranks.leader:  # under torchrun, rank 0 saves it once
-        _save_after_run(settings, save_to, status=status, overwrite=args.force)
+        nproc = ranks.world if ranks.parallel else _as_number(args.nproc or "1")
+        _save_after_run(settings, save_to, status=status, overwrite=args.force, nproc=nproc)
     return status
 
 
@@ -409,14 +409,17 @@ def _app_ranks(args: argparse.Namespace, settings: Settings) -> int:
     return nproc
 
 
-def _save_after_run(settings: Settings, path: Path, *, status: int, overwrite: bool) -> None:
-    """Save the preset of a finished (or interrupted) run; a failed run saves nothing.
+def _save_after_run(
+    settings: Settings, path: Path, *, status: int, overwrite: bool, nproc: int
+) -> None:
+    """Save the preset of a finished (or interrupted) run of `nproc` ranks; a failed run
+    saves nothing.
 
     Bad input found by the worker (status 2) was already said in one line, and a run that
     never started has nothing to save, so that case adds no second line.
     """
     from tuitrain.metrics import measure_metrics
-    from tuitrain.presets import save_preset
+    from tuitrain.presets import run_command, save_preset
 
     if status == EXIT_BAD_INPUT:
         return
@@ -426,7 +429,7 @@ def _save_after_run(settings: Settings, path: Path, *, status: int, overwrite: b
     measured = None
     if settings.logging.metrics is not None:
         measured = measure_metrics(Path(settings.logging.metrics).expanduser())
-    command = f"{PROG} run --preset {shlex.quote(str(path))} --headless"
+    command = run_command(str(path), headless=True, nproc=nproc)
     try:
         save_preset(settings, path, command=command, measured=measured, overwrite=overwrite)
     except FileExistsError:

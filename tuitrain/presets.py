@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import site
 import sysconfig
 import tempfile
@@ -252,6 +253,19 @@ def dump_preset(
         width=1000,
     )
     return "\n".join(_comment(line) for line in header) + "\n" + body
+
+
+def run_command(preset: str, *, headless: bool, nproc: int = 1) -> str:
+    """The command line that runs the preset at `preset` again, for a preset's header:
+    `tuitrain run --preset P [--headless] [--nproc N]`. A data-parallel run (`nproc` ranks,
+    started by --nproc or by torchrun) runs again on as many ranks of this machine: the
+    batch is global, so the same number of ranks trains alike wherever they run."""
+    command = ["tuitrain", "run", "--preset", preset]
+    if headless:
+        command.append("--headless")
+    if nproc > 1:
+        command += ["--nproc", str(nproc)]
+    return shlex.join(command)
 
 
 def save_preset(

@@ -446,3 +446,26 @@ def test_a_run_refused_by_the_engine_saves_no_preset_and_says_one_line(capsys, t
     line = one_error_line(capsys.readouterr().err)
     assert "minimum" in line
     assert os.listdir(tmp_path) == []
+
+
+def test_a_preset_saved_from_a_data_parallel_run_reproduces_it_on_as_many_ranks(
+    capsys, tmp_path, monkeypatch
+):
+    from tuitrain import headless, launch
+
+    started = []
+    monkeypatch.setattr(launch, "launch", lambda nproc, argv, **kw: started.append(nproc) or 0)
+    saved = tmp_path / "dp.yaml"
+    run = ["run", "tiny", "--headless", "--steps", "1", "--batch-size", "4"]
+    assert main([*run, "--nproc", "2", "--save-preset", str(saved)]) == 0, capsys.readouterr()
+    assert started == [2]
+    header = [line for line in saved.read_text().splitlines() if line.startswith("#")]
+    assert f"# reproduce: tuitrain run --preset {saved} --headless --nproc 2" in header
+    # Under torchrun rank 0 saves it, with as many ranks as torchrun started.
+    monkeypatch.setattr(headless, "run_headless", lambda settings, **kw: 0)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    under_torchrun = tmp_path / "torchrun.yaml"
+    assert main([*run, "--save-preset", str(under_torchrun)]) == 0, capsys.readouterr()
+    header = [line for line in under_torchrun.read_text().splitlines() if line.startswith("#")]
+    assert f"# reproduce: tuitrain run --preset {under_torchrun} --headless --nproc 4" in header

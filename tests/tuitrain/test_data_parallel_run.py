@@ -35,11 +35,10 @@ def torchrun(nproc: int, tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def launched(nproc: int, tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    """The ranks started by tuitrain.launch (what `tuitrain run --nproc N` runs)."""
-    argv = ["tiny", *FLAGS, *args]
-    code = f"from tuitrain.launch import launch; raise SystemExit(launch({nproc}, {argv!r}, " \
-           f"batch_size=6))"
-    return _run([sys.executable, "-c", code], tmp)
+    """The ranks started by tuitrain itself: `tuitrain run --nproc N` (tuitrain.launch)."""
+    script = Path(sys.executable).with_name("tuitrain")
+    entry = [str(script)] if script.is_file() else [sys.executable, "-m", "tuitrain"]
+    return _run([*entry, "run", "tiny", "--nproc", str(nproc), *FLAGS, *args], tmp)
 
 
 def _run(command: list[str], tmp: Path) -> subprocess.CompletedProcess:
@@ -83,9 +82,14 @@ def test_ranks_train_the_global_batches_and_resume_on_another_world_size(tmp_pat
     expected, expected_evals = one_process()
     ck, first, second = tmp_path / "ck", tmp_path / "two.jsonl", tmp_path / "three.jsonl"
 
+    preset = tmp_path / "two.yaml"
     two = launched(2, tmp_path, "--steps", "2", "--checkpoint-dir", str(ck),
-                   "--metrics", str(first))
+                   "--metrics", str(first), "--save-preset", str(preset))
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    # The preset runs it again on as many ranks.
+    assert f"preset saved to {preset}" in two.stdout
+    header = [line for line in preset.read_text().splitlines() if line.startswith("#")]
+    assert f"# reproduce: tuitrain run --preset {preset} --headless --nproc 2" in header
     assert "2 ranks (gloo)" in two.stdout
     assert two.stdout.count("done: 2 steps, 192 tokens") == 1  # rank 0's summary only
     got, evals = losses_in(first)
