@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "distrib
 from dp_harness import (  # noqa: E402 - the data-parallel harness lives with the engine's tests
     COLLECTIVE_TIMEOUT,
     build,
-    global_batches,
+    make_batches,
     rank_slice,
     reference_run,
     run_ranks,
@@ -62,7 +62,7 @@ def _settings(ck: str | None = None, resume: str | None = None) -> Settings:
 
 
 def _steps(engine: Engine, rank: int, world: int, first: int, last: int) -> list[float]:
-    batches = global_batches(STEPS, batch_size=BATCH)
+    batches = make_batches(STEPS, batch_size=BATCH)
     return [engine.step(rank_slice(batches[i - 1], rank, world)).loss
             for i in range(first, last + 1)]
 
@@ -167,7 +167,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The checkpoints of one process, two ranks and three (after step 2 of 4), each resumed
     at other world sizes, and the uninterrupted run's losses: two launches of ranks."""
     tmp = tmp_path_factory.mktemp("ranks")
-    expected, _ = reference_run(build(), global_batches(STEPS, batch_size=BATCH))
+    expected, _ = reference_run(build(), make_batches(STEPS, batch_size=BATCH))
     ck1, ck2, ck3 = (str(tmp / f"ck{n}") for n in (1, 2, 3))
     model = build()
     engine = _engine(model)

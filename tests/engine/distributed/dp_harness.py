@@ -10,17 +10,21 @@ reads.
 
 from __future__ import annotations
 
-import copy
 import datetime
 import multiprocessing
 import os
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-VOCAB = 256
+from tests.engine.references import (  # noqa: F401 - the data-parallel tests import them here
+    VOCAB,
+    make_batches,
+    reference_run,
+    whole_model_relative_difference,
+)
+
 COLLECTIVE_TIMEOUT = 20.0  # seconds: a rank that is gone is an error within this
 
 
@@ -80,51 +84,11 @@ class GatedLM(torch.nn.Module):
         return Output(loss)
 
 
-def global_batches(steps: int, *, batch_size: int, seq_len: int = 16, seed: int = 1
-                   ) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (batch_size, seq_len), generator=g)
-        out.append({"input_ids": ids, "labels": ids})
-    return out
-
-
 def rank_slice(batch: dict, rank: int, world: int) -> dict:
     """Rank `rank`'s contiguous part of a global batch."""
     size = batch["input_ids"].shape[0] // world
     return {k: v[rank * size:(rank + 1) * size] if isinstance(v, torch.Tensor) else v
             for k, v in batch.items()}
-
-
-def reference_run(model: torch.nn.Module, batches: list[dict], *, lr: float = 1e-3,
-                  max_grad_norm: float | None = None,
-                  loss_of: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None
-                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the global batches, torch.optim.AdamW(fused=True)."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    losses = []
-    for batch in batches:
-        loss = loss_of(model, batch) if loss_of else model(**batch).loss
-        loss.backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def whole_model_relative_difference(a: dict[str, torch.Tensor],
-                                    b: dict[str, torch.Tensor]) -> float:
-    """Relative norm difference of all weights as one vector (OPT's key bias has a true
-    gradient of zero, so per-tensor comparisons of runs that sum in another order measure
-    float noise there; see tests/engine/conftest.py)."""
-    assert a.keys() == b.keys()
-    diff = sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in b)
-    norm = sum(float(b[k].float().pow(2).sum()) for k in b)
-    return (diff / norm) ** 0.5
 
 
 # --- ranks -------------------------------------------------------------------------------

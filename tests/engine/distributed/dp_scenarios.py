@@ -12,7 +12,7 @@ import os
 import time
 
 import torch
-from dp_harness import COLLECTIVE_TIMEOUT, GatedLM, build, global_batches, rank_slice
+from dp_harness import COLLECTIVE_TIMEOUT, GatedLM, build, make_batches, rank_slice
 
 from engine import Engine, EngineConfig
 
@@ -60,7 +60,7 @@ def matches(rank: int, world: int, *, steps: int, per_rank: int,
     weights (model_state_dict, which every rank calls)."""
     model = build()
     batches = [rank_slice(b, rank, world)
-               for b in global_batches(steps, batch_size=per_rank * world)]
+               for b in make_batches(steps, batch_size=per_rank * world)]
     budgets = _budgets(model, batches[0])
     out: dict = {"budgets": budgets}
     for sc in scenarios:
@@ -87,7 +87,7 @@ def unused(rank: int, world: int, *, steps: int, per_rank: int,
     `policies`; per policy, what _run gives, the weights and each parameter's step count."""
     model = GatedLM()
     batches = []
-    for i, b in enumerate(global_batches(steps, batch_size=per_rank * world)):
+    for i, b in enumerate(make_batches(steps, batch_size=per_rank * world)):
         part = rank_slice(b, rank, world)
         part["gates"] = gates[i][rank]
         batches.append(part)
@@ -107,7 +107,7 @@ def diverging(rank: int, world: int, *, per_rank: int) -> dict:
     ranks issue different collectives, which must be an error naming a rank, not a hang."""
     model = GatedLM(blocks=3)
     batches = [rank_slice(b, rank, world)
-               for b in global_batches(2, batch_size=per_rank * world)]
+               for b in make_batches(2, batch_size=per_rank * world)]
     eng = Engine(copy.deepcopy(model), EngineConfig(
         precision="fp32", policy="cpu", device_budget="64MiB", chunk_size=4096,
         collective_timeout=2.0))
@@ -126,7 +126,7 @@ def dying(rank: int, world: int, *, per_rank: int) -> dict:
     others' second step must fail, naming their rank, well within the timeout."""
     model = GatedLM()
     batches = [rank_slice(b, rank, world)
-               for b in global_batches(2, batch_size=per_rank * world)]
+               for b in make_batches(2, batch_size=per_rank * world)]
     eng = _engine(model, policy="auto", device_budget="64MiB", chunk_size=4096)
     eng.step(batches[0])
     if rank == 1:
@@ -147,7 +147,7 @@ def interrupted(rank: int, world: int, *, steps: int, per_rank: int) -> dict:
 
     model = GatedLM()
     batches = [rank_slice(b, rank, world)
-               for b in global_batches(steps, batch_size=per_rank * world)]
+               for b in make_batches(steps, batch_size=per_rank * world)]
     eng = _engine(model, policy="auto", device_budget="64MiB", chunk_size=4096)
     losses, raised = [], []
     i = 0

@@ -16,7 +16,7 @@ import torch
 from dp_harness import (
     GatedLM,
     build,
-    global_batches,
+    make_batches,
     rank_slice,
     reference_run,
     run_ranks,
@@ -81,7 +81,7 @@ def ranks(request):
 
 
 def _reference(world: int, **kw):
-    return reference_run(build(), global_batches(STEPS, batch_size=PER_RANK * world), **kw)
+    return reference_run(build(), make_batches(STEPS, batch_size=PER_RANK * world), **kw)
 
 
 @pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
@@ -161,7 +161,7 @@ def _ddp_loss(world: int, step_of: dict):
 def test_a_parameter_unused_on_one_rank_gives_ddps_result(policy, two):
     world = 2
     results = [result["unused"][policy] for result in two]
-    batches = global_batches(len(GATES), batch_size=PER_RANK * world)
+    batches = make_batches(len(GATES), batch_size=PER_RANK * world)
     ref_losses, ref_weights = reference_run(
         GatedLM(), batches, loss_of=_ddp_loss(world, {id(b): i for i, b in enumerate(batches)}))
     for result in results:
@@ -203,7 +203,7 @@ def interrupted_runs(two):
 def test_an_interrupt_on_one_rank_stops_the_step_on_every_rank(interrupted_runs):
     world, steps = 2, 3
     ref_losses, ref_weights = reference_run(
-        GatedLM(), global_batches(steps, batch_size=PER_RANK * world))
+        GatedLM(), make_batches(steps, batch_size=PER_RANK * world))
     for result in interrupted_runs:
         assert len(result["raised"]) == 1 and "step 2 was interrupted" in result["raised"][0]
         assert result["losses"] == pytest.approx(ref_losses, rel=TOL)
