@@ -118,15 +118,21 @@ def fill_optimizer_tensors(chunks: list[Chunk], tensors: Mapping[str, torch.Tens
     every chunk, so that nothing changes if one does not match) into `chunks`, reading each
     tensor once, chunk by chunk, so a lazy mapping holds one tensor at a time. A sharded
     chunk takes the part of each tensor in its shard."""
-    for c in chunks:
-        for s in c.slots:
-            held = _held(c, s)
-            if held is not None:
-                home, values = held
-                for kind in KINDS:
-                    getattr(c, kind)[home].copy_(tensors[f"{kind}/{s.name}"].reshape(-1)[values])
-            s.steps = int(tensors[f"step/{s.name}"].reshape(-1)[0])
+    fill_optimizer_ranges(chunks, _WholeTensors(tensors))
 
+
+class _WholeTensors:
+    """Ranges of whole tensors by name (fill_optimizer_ranges from a mapping)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    @property
+    def numels(self) -> Mapping[str, int]:
+        return {name: t.numel() for name, t in self.tensors.items()}
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        return self.tensors[name].reshape(-1)[lo:hi]
 
 
 def optimizer_shard(chunks: list[Chunk]) -> Iterator[tuple[str, torch.Tensor]]:
