@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from tuitrain.ranks import gather_json
+from tuitrain.ranks import gather_from_ranks
 from tuitrain.shard_files import (
     SHARD_BYTES,
     RankFiles,
@@ -228,7 +228,7 @@ def _save_ranks(engine: Any, model: torch.nn.Module, data: Any, settings: Any, s
             for _ in pairs:  # the rest of the weights' gathers, so no rank waits on them
                 pass
         # Every rank has written (or failed to write) its part: the barrier before the rename.
-        reports = gather_json(collectives, report)
+        reports = gather_from_ranks(collectives, report)
         errors = [r["error"] for r in reports if r["error"]]
         if own is not None:
             raise own
@@ -373,7 +373,7 @@ def load_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
     except CheckpointError as err:
         failure = err
     if collectives is not None:
-        refused = [r for r in gather_json(collectives, failure and str(failure)) if r]
+        refused = [r for r in gather_from_ranks(collectives, failure and str(failure)) if r]
         if refused and failure is None:
             failure = CheckpointError(refused[0])
     if failure is not None:

@@ -68,6 +68,9 @@ RUN: tuple[Flag, ...] = (
          "user cache folder)"),
     Flag("--precision", "engine.precision", "P",
          "fp32, bf16 or fp16 (default: bf16 on GPU, fp32 simulated)"),
+    Flag("--collective-timeout", "engine.collective_timeout", "SECONDS",
+         "with --nproc or torchrun: how long a rank waits for the others in one collective "
+         "before the run fails, naming the rank (default 600)", number=True),
     Flag("--batch-size", "training.batch_size", "N",
          "sequences per micro-batch; a step is --grad-accum of them (default 2)", number=True),
     Flag("--grad-accum", "training.grad_accum", "N",

@@ -286,6 +286,10 @@ class _Report:
             self.say_err(f"tuitrain: error: {event.reason}")
             return EXIT_BAD_INPUT
         self.say_err(f"training failed: {event.reason}")
+        # The launcher names the rank that failed first: it learns when, and whether this
+        # rank's worker was killed (then the others' failures are its consequence).
+        ranks.record_failure(event.reason, killed=event.exitcode is not None
+                             and event.exitcode < 0)
         if event.log_tail:
             self.say_err("  " + "\n  ".join(event.log_tail[-8:]))
         self.say_err(f"full log: {self.log_path}")

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from tuitrain.ranks import Ranks, failure_record
 
 MONITOR_SECONDS = 0.2  # how often the launcher looks at its ranks
 
@@ -53,14 +55,13 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
            err: TextIO = sys.stderr) -> int:
     """Run `tuitrain run <argv>` (see rank_arguments) on `nproc` ranks and wait for them.
 
-    Returns 0 when every rank finished; else the ranks that failed are named on `err`
-    (each has reported why, with its log) and the first one's exit status is returned, 2
-    (bad input, said once by rank 0) when any rank found the input wrong. `batch_size`,
-    the run's global batch, is checked first (ValueError: it must split over the ranks)."""
+    Returns 0 when every rank finished; else the rank that failed first is named on `err`
+    (each rank has reported why, with its log; see first_failure) and its exit status is
+    returned, 2 (bad input, said once by rank 0) when any rank found the input wrong.
+    `batch_size`, the run's global batch, is checked first (ValueError: it must split over
+    the ranks)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from tuitrain.ranks import Ranks
 
     check_nproc(nproc)
     Ranks(0, nproc).check_batch(batch_size)
@@ -84,17 +85,51 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
     try:
         elastic_launch(config, entry)(*prefix, "run", *argv)
     except ChildFailedError as error:
-        # Ranks that ended by themselves failed; the launcher stopped the rest (SIGTERM).
-        failed = sorted((r, f.exitcode) for r, f in error.failures.items() if f.exitcode > 0)
-        if not failed:  # every rank was ended by a signal from outside
-            failed = sorted((r, f.exitcode) for r, f in error.failures.items())
-        if any(code == EXIT_BAD_INPUT for _, code in failed):
+        codes = [f.exitcode for f in error.failures.values()]
+        if EXIT_BAD_INPUT in codes:
             return EXIT_BAD_INPUT  # a mistake in the input: rank 0 has said it, in one line
-        ranks = ", ".join(f"rank {r} (exit status {code})" for r, code in failed)
-        rest = nproc - len(failed)
-        err.write(f"tuitrain: {ranks} of {nproc} failed"
-                  + (f"; the other {rest} were stopped" if rest else "") + "\n")
-        return failed[0][1] if failed[0][1] > 0 else EXIT_FAILED
+        rank, failure = first_failure(error.failures)
+        err.write(f"tuitrain: {failure_line(rank, failure.exitcode, nproc, len(codes) - 1)}\n")
+        return failure.exitcode if failure.exitcode > 0 else EXIT_FAILED
     finally:
         agent.setLevel(level)
     return 0
+
+
+def first_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """(rank, its ProcessFailure) of the rank that failed first, of `failures` (a
+    ChildFailedError's, rank -> ProcessFailure).
+
+    One rank failing makes the others fail a moment later (their collectives lose it) or
+    be stopped by the launcher (SIGTERM), so the first is, in this order: a rank whose
+    worker was killed by a signal (the out-of-memory killer, kill -9) or that was itself
+    killed by one other than the launcher's SIGTERM; then the rank that saw its failure
+    first, by the time it recorded (ranks.record_failure); then one that ended by itself
+    without saying when; then, when every rank was ended by SIGTERM, the first seen."""
+    def order(item: tuple[int, Any]) -> tuple:
+        rank, failure = item
+        record = failure_record(failure.error_file_data)
+        if record is not None:
+            return (not record.killed, 0, record.at, rank)
+        killed = failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM
+        by_itself = killed or failure.exitcode > 0
+        return (not killed, 1 if by_itself else 2, float(failure.timestamp), rank)
+
+    return min(failures.items(), key=order)
+
+
+def failure_line(rank: int, exitcode: int, nproc: int, others: int) -> str:
+    """"rank 1 of 2 failed first (exit status 1); the other rank was stopped because of
+    it": the rank that failed first, how it ended, and how many other ranks did not finish
+    because of it."""
+    if exitcode < 0:
+        try:
+            how = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"killed by signal {-exitcode}"
+    else:
+        how = f"exit status {exitcode}"
+    if not others:
+        return f"rank {rank} of {nproc} failed ({how})"
+    rest = "the other rank was" if others == 1 else f"the other {others} ranks were"
+    return f"rank {rank} of {nproc} failed first ({how}); {rest} stopped because of it"

@@ -22,14 +22,17 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.distributed.collectives import Collectives
 
 # torchrun's environment (torch.distributed.run), read once where a run starts.
 WORLD_ENV, RANK_ENV, LOCAL_RANK_ENV = "WORLD_SIZE", "RANK", "LOCAL_RANK"
-# Seconds a collective of the app's own (the stop agreement, at step boundaries) may wait
-# for the other ranks, which may still be finishing a step or writing a checkpoint.
-AGREEMENT_TIMEOUT = 600.0
+# Where torchrun's agent (and tuitrain.launch, the same agent) reads why a rank failed.
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 @dataclass(frozen=True)
@@ -103,10 +106,11 @@ def from_environment(env: dict[str, str] | None = None) -> Ranks:
     return Ranks(rank, world, local)
 
 
-def join(ranks: Ranks, *, cuda: bool) -> str | None:
+def join(ranks: Ranks, *, cuda: bool, timeout: float) -> str | None:
     """Join the other ranks (torchrun's rendezvous in the environment) before the engine is
     built; returns the backend, None for a single process. On a GPU each rank takes the
-    GPU of its local rank."""
+    GPU of its local rank. `timeout` (seconds, the run's engine.collective_timeout) bounds
+    every collective of the default process group, as the engine's own are bounded."""
     if not ranks.parallel:
         return None
     import torch
@@ -117,40 +121,22 @@ def join(ranks: Ranks, *, cuda: bool) -> str | None:
         torch.cuda.set_device(ranks.local)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world,
-                                timeout=datetime.timedelta(seconds=AGREEMENT_TIMEOUT))
+                                timeout=datetime.timedelta(seconds=timeout))
     return backend
 
 
-def any_rank(ranks: Ranks, flag: bool) -> bool:
-    """Whether `flag` holds on some rank: every rank calls this at the same point."""
-    if not ranks.parallel:
-        return flag
-    import torch
-    import torch.distributed as dist
+def gather_from_ranks(collectives: Collectives | None, value: Any) -> list[Any]:
+    """Every rank's `value` (anything JSON writes: numbers, text, lists, mappings), in rank
+    order: every rank calls this at the same point. `[value]` for a single process
+    (`collectives` None).
 
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    value = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
-def sum_over_ranks(ranks: Ranks, value: float) -> float:
-    """`value` summed over the ranks: every rank calls this at the same point."""
-    if not ranks.parallel:
-        return value
-    import torch
-    import torch.distributed as dist
-
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    total = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return float(total.item())
-
-
-def gather_json(collectives: Any, value: Any) -> list[Any]:
-    """Every rank's `value` (anything JSON writes), in rank order, through the engine's
-    `collectives` (each bounded by their timeout): every rank calls this at the same point.
-    For the few small records the ranks exchange about a checkpoint (its files, what failed)."""
+    The small records the ranks exchange (rank 0's decision at a step boundary, a change
+    each rank's engine refused, what a checkpoint wrote or what failed) go through the
+    engine's `collectives` (Engine.collectives), so they wait at most their timeout
+    (engine.collective_timeout) and a rank that died or hangs is a CollectiveError that
+    names this rank and the operation. JSON, not pickle: a record is data, never code."""
+    if collectives is None:
+        return [value]
     import torch
 
     data = json.dumps(value).encode()
@@ -161,6 +147,56 @@ def gather_json(collectives: Any, value: Any) -> list[Any]:
     return [json.loads(bytes(r.tolist()).rstrip(b"\0") or b"null") for r in rows]
 
 
+def sum_over_ranks(collectives: Collectives | None, value: float) -> float:
+    """`value` summed over the ranks (float64), through the engine's `collectives` as
+    gather_from_ranks goes: every rank calls this at the same point. `value` itself for a
+    single process (`collectives` None)."""
+    if collectives is None:
+        return value
+    return collectives.sum_floats([value])[0]
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """What a rank that failed by itself tells its launcher: when it saw the failure (time.time())
+    and whether its worker was killed by a signal (then it is the cause: the other ranks
+    fail in a collective waiting for it, a moment later)."""
+
+    at: float
+    killed: bool
+
+
+def record_failure(reason: str, *, killed: bool, env: dict[str, str] | None = None) -> None:
+    """Under a launcher (torchrun, or tuitrain.launch), tell it that this rank failed, now:
+    the error file its agent reads (torch.distributed.elastic's format: a message and a
+    timestamp, which torchrun shows as the root cause), with a FailureRecord beside them,
+    which failure_record reads back. Nothing without a launcher; a write that fails is
+    left out (the exit status still says the rank failed)."""
+    path = (os.environ if env is None else env).get(ERROR_FILE_ENV)
+    if not path:
+        return
+    now = time.time()
+    data = {"message": reason, "timestamp": int(now),
+            "tuitrain": {"at": now, "killed": killed}}
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+    except OSError:
+        pass
+
+
+def failure_record(error_file_data: Any) -> FailureRecord | None:
+    """The FailureRecord in an error file's data (a ProcessFailure's error_file_data), or
+    None when the rank wrote none (it was killed, or stopped by the launcher)."""
+    record = error_file_data.get("tuitrain") if isinstance(error_file_data, dict) else None
+    if not isinstance(record, dict):
+        return None
+    try:
+        return FailureRecord(at=float(record["at"]), killed=bool(record["killed"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def leave(ranks: Ranks) -> None:
     """Leave the process group at the end of a run (nothing for a single process)."""
     if not ranks.parallel:
@@ -169,16 +205,3 @@ def leave(ranks: Ranks) -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def gather_from_ranks(ranks: Ranks, value: Any) -> list[Any]:
-    """Every rank's `value` (picklable), in rank order: every rank calls this at the same
-    point. It waits at most the process group's timeout (AGREEMENT_TIMEOUT) for the others,
-    and fails at once when one of them has died."""
-    if not ranks.parallel:
-        return [value]
-    import torch.distributed as dist
-
-    said: list[Any] = [None] * ranks.world
-    dist.all_gather_object(said, value)
-    return said

@@ -72,6 +72,7 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
             max_grad_norm=s.training.max_grad_norm,
             seed=s.training.seed,
             chunk_size=s.engine.chunk_size,
+            collective_timeout=s.engine.collective_timeout,
             grad_accum=t.grad_accum,
             lr_schedule=t.lr_schedule,
             warmup_steps=t.warmup_steps,

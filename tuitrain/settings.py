@@ -20,7 +20,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import core_schema
 
-from engine.config import parse_size
+from engine.config import EngineConfig, parse_size
 
 SETTINGS_VERSION = 1  # the `version:` a preset must carry; bumped when a key changes meaning
 # The laptop story's GPU: the simulated device's budget when none is given.
@@ -29,6 +29,9 @@ SIMULATED_DEVICE_BUDGET = 6 * 1024**3
 MARGIN_RATIO_MIN, MARGIN_RATIO_MAX = 0.0, 1.0
 # Holding out more than half of the data leaves less to train on than to judge by.
 EVAL_FRACTION_MAX = 0.5
+# A week: far past any wait a run has reason for, and well within what the backends' timers
+# (and datetime.timedelta) hold.
+COLLECTIVE_TIMEOUT_MAX = 7 * 24 * 3600
 
 
 class Size(str):
@@ -97,6 +100,12 @@ class EngineSettings(_Strict):
     # (CPUs without bf16 units run bf16 matmuls several times slower than fp32).
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     chunk_size: int | None = Field(None, gt=0)  # elements; None = searched
+    # Data parallel: seconds a rank waits for the others in any one collective (the
+    # engine's, and the ranks' own agreements at step boundaries) before the run fails with
+    # a message naming the rank and the operation. A rank that hangs rather than dies costs
+    # the others this long; a start or a checkpoint where one rank runs ahead waits too.
+    collective_timeout: float = Field(EngineConfig.collective_timeout, gt=0,
+                                     le=COLLECTIVE_TIMEOUT_MAX)
 
 
 class TrainingSettings(_Strict):

@@ -129,7 +129,8 @@ class TrainingRun:
         s = self.settings
         print(f"tuitrain worker pid {os.getpid()} started {_now()}", flush=True)
         self.ranks = ranks.from_environment()
-        backend = ranks.join(self.ranks, cuda=uses_cuda())
+        backend = ranks.join(self.ranks, cuda=uses_cuda(),
+                             timeout=s.engine.collective_timeout)
         if backend:
             print(f"joined as {self.ranks.label()} ({backend})", flush=True)
         self.ranks.check_batch(s.training.batch_size)
@@ -228,9 +229,12 @@ class TrainingRun:
         0's decision (paused or not, the changes and checkpoints asked for) is every
         rank's, and the run stops when any rank asks to (Ctrl-C under torchrun reaches
         every rank, not always in the same step)."""
-        decision = (self.paused, self.proposed) if self.ranks.leader else None
-        said = ranks.gather_from_ranks(self.ranks, (decision, self.stopping))
-        (self.paused, proposed), self.proposed = said[0][0], []
+        decision = None
+        if self.ranks.leader:
+            decision = [self.paused, [_command_record(c) for c in self.proposed]]
+        said = ranks.gather_from_ranks(self._collectives, [decision, self.stopping])
+        (self.paused, records), self.proposed = said[0][0], []
+        proposed = [_command_from_record(r) for r in records]
         self.stopping = any(stop for _, stop in said)
         for command in proposed:
             if isinstance(command, Checkpoint):
@@ -305,7 +309,7 @@ class TrainingRun:
             # Data parallel: each rank scores its part; the parts' losses add up by weight.
             part, counted = self.ranks.eval_part(batch)
             loss = self.engine.evaluate(part)
-            total += ranks.sum_over_ranks(self.ranks, loss * counted * (columns - 1))
+            total += ranks.sum_over_ranks(self._collectives, loss * counted * (columns - 1))
             weight += predicted
         loss = total / weight
         result = Eval(
@@ -479,7 +483,7 @@ class TrainingRun:
                 what = self._stage(command)
             except ValueError as err:
                 refusal = str(err)
-        said = ranks.gather_from_ranks(self.ranks, refusal)
+        said = ranks.gather_from_ranks(self._collectives, refusal)
         refused = [(rank, why) for rank, why in enumerate(said) if why is not None]
         if refused:
             rank, why = refused[0]
@@ -487,8 +491,14 @@ class TrainingRun:
             print(f"refused by rank {rank}: {why}", flush=True)
             return
         taken = self._change(command) if self.ranks.leader else False
-        if ranks.gather_from_ranks(self.ranks, taken)[0] and not self.ranks.leader:
+        if ranks.gather_from_ranks(self._collectives, taken)[0] and not self.ranks.leader:
             print(f"applied from step {self.next_step}: {what}", flush=True)
+
+    @property
+    def _collectives(self) -> Any:
+        """The engine's collectives, which carry the ranks' own agreements too (bounded by
+        engine.collective_timeout); None for a single process."""
+        return getattr(self.engine, "collectives", None)
 
     def _answer(self, event: Applied | Rejected) -> None:
         """Answer a command: rank 0 does, the UI steers it alone."""
@@ -523,6 +533,22 @@ class TrainingRun:
     def _say(self, message: str, level: str = "info") -> None:
         print(message, flush=True)
         self.outbox.put(Log(message, level))
+
+
+# The commands rank 0 decides for every rank at a step boundary (TrainingRun._agree), by
+# the name each travels under.
+_AGREED_COMMANDS = {kind.__name__: kind for kind in (SetPolicy, SetMargin, SetBudget, Checkpoint)}
+
+
+def _command_record(command: Command) -> dict:
+    """`command` as JSON data, for the other ranks (ranks.gather_from_ranks)."""
+    return {"kind": type(command).__name__, **dataclasses.asdict(command)}
+
+
+def _command_from_record(record: dict) -> Command:
+    """The command _command_record wrote."""
+    fields = dict(record)
+    return _AGREED_COMMANDS[fields.pop("kind")](**fields)
 
 
 def _now() -> str:

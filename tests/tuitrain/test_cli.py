@@ -134,6 +134,18 @@ def test_a_usage_error_from_argparse_is_usage_plus_one_line(tmp_path):
         ),
         (["--lr", "0"], "tuitrain: error: --lr: must be greater than 0.0 (got 0)"),
         (
+            ["--collective-timeout", "0"],
+            "tuitrain: error: --collective-timeout: must be greater than 0.0 (got 0)",
+        ),
+        (
+            ["--collective-timeout", "soon"],
+            "tuitrain: error: --collective-timeout: must be a number (got 'soon')",
+        ),
+        (
+            ["--collective-timeout", "1e9"],
+            "tuitrain: error: --collective-timeout: must be at most 604800.0 (got 1000000000.0)",
+        ),
+        (
             ["--checkpoint-every", "10"],
             "tuitrain: error: --checkpoint-every needs --checkpoint-dir",
         ),
@@ -192,6 +204,8 @@ def test_no_model_and_no_preset_naming_one(capsys, tmp_path):
         ("version: 1\nengine:\n  policy: [cpu\n", ["malformed YAML", "line"]),
         ("version: 2\nmodel: tiny\n", ["version", "unsupported preset version 2"]),
         ("version: 1\nengine:\n  margin_ratio: 1.5\n", ["engine.margin_ratio", "0..1", "1.5"]),
+        ("version: 1\nengine:\n  collective_timeout: -5\n",
+         ["engine.collective_timeout", "greater than 0", "-5"]),
         ("- just\n- a list\n", ["expected a mapping"]),
     ],
 )
@@ -281,12 +295,13 @@ def test_every_flag_reaches_its_setting(tmp_path):
             "--lr", "1e-4", "--seed", "5", "--checkpointing", "--data", str(data),
             "--metrics", "m.jsonl", "--checkpoint-dir", "ck", "--checkpoint-every", "4",
             "--resume", "old", "--host-mem", "8GiB", "--disk", str(tmp_path / "scratch"),
+            "--collective-timeout", "30",
         ]
     )  # fmt: skip
     assert settings.engine.model_dump() == {
         "policy": "cpu", "margin_ratio": 0.25, "device_budget": "512MiB",
         "host_budget": "8GiB", "disk_dir": str(tmp_path / "scratch"),
-        "precision": "fp16", "chunk_size": None,
+        "precision": "fp16", "chunk_size": None, "collective_timeout": 30.0,
     }  # fmt: skip
     assert settings.engine.host_budget.nbytes == 8 * 2**30
     t = settings.training

@@ -24,7 +24,12 @@ from tuitrain.presets import (
     merge,
     save_preset,
 )
-from tuitrain.settings import InvalidSettings, Settings, validate_settings
+from tuitrain.settings import (
+    COLLECTIVE_TIMEOUT_MAX,
+    InvalidSettings,
+    Settings,
+    validate_settings,
+)
 
 SHIPPED = {"laptop-6gb", "laptop-16gb", "desktop-24gb", "v100-32gb", "cpu-only"}
 REPO = Path(__file__).resolve().parents[2]
@@ -314,6 +319,7 @@ settings_data = st.fixed_dictionaries(
                 "device_budget": sizes,
                 "precision": st.sampled_from(["fp32", "bf16", "fp16"]),
                 "chunk_size": st.none() | st.integers(1, 2**40),
+                "collective_timeout": st.floats(1e-3, COLLECTIVE_TIMEOUT_MAX),
             }
         ),
         "training": st.fixed_dictionaries(
