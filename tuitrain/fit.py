@@ -75,20 +75,22 @@ def host_room(ranks: int = 1) -> int:
 
 
 def _least_room(room: int, nproc: int) -> int:
-    """The least `room` of the `nproc` ranks, once they have joined: they read this
-    machine's free memory at slightly different moments. Before (`tuitrain plan --nproc`
+    """The least `room` of the `nproc` ranks, once they have joined: they read their
+    machines' free memory at slightly different moments. Before (`tuitrain plan --nproc`
     plans for ranks not started), this process's own."""
+    import torch
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() != nproc:
         return room
-    rooms: list[int | None] = [None] * nproc
-    dist.all_gather_object(rooms, room)
-    return min(r for r in rooms if r is not None)
+    least = torch.tensor([room], dtype=torch.int64)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return int(least.item())
 
 
 def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
-           steady_heap: Callable[[], object] | None = None) -> Settings:
+           local: int | None = None, steady_heap: Callable[[], object] | None = None
+           ) -> Settings:
     """The run as it will start, decided by the plan before anything is built.
 
     What the user left to the defaults adapts until the plan says the run fits this
@@ -100,8 +102,9 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
     Returns the settings with what was chosen written in, so that the run (and a preset
     saved from it) uses exactly that.
 
-    `nproc`: data-parallel ranks on this machine, each of which settles with the per-rank
-    plan: each rank's device is its own, the host's memory is all the ranks'. There is no
+    `nproc`: data-parallel ranks, each of which settles with the per-rank plan: each rank's
+    device is its own, a machine's memory is shared by the `local` ranks on it (by default
+    all of them: one machine). There is no
     host budget to choose then (the disk tier does not shard), so only a default simulated
     device shrinks. When the ranks have joined (torch.distributed), every rank must call
     this at the same point: they plan with the least room any of them found, so that all
@@ -118,13 +121,20 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
 
     simulated = not uses_cuda()
     e = settings.engine
-    room = host_room() if nproc == 1 else _least_room(host_room(nproc), nproc)
+    local = nproc if local is None else local
+    room = host_room() if nproc == 1 else _least_room(host_room(local), nproc)
+
+    def here(row) -> int:
+        """The row's host peak for the ranks on this machine."""
+        return row.host_peak * local
 
     def forecast(device: int, host_budget: int | None):
         result = plan(
             settings.model,
             device_mem=device,
-            host_mem=room,
+            # The plan checks all its ranks' peaks against host_mem; `local` of them share
+            # this machine's room.
+            host_mem=room * nproc // local,
             precision=settings.precision_for(simulated),
             batch_size=settings.training.batch_size,
             seq_len=settings.training.seq_len,
@@ -147,15 +157,15 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
     except Exception:  # the planner cannot read this model; the build will say why
         return settings
     chosen: dict[str, object] = {}
-    if not row.fits and simulated and e.device_budget is None and row.machine_host_peak > room:
+    if not row.fits and simulated and e.device_budget is None and here(row) > room:
         # Every rank's device shrinks alike: each gives up its share of the excess.
-        excess = -(-(row.machine_host_peak - room) // nproc)
+        excess = -(-(here(row) - room) // local)
         smaller = (min(device, row.device_peak) - excess) // MiB * MiB
         if smaller >= result.working_set:
             result, row = forecast(smaller, host_budget)
             device = smaller
             chosen["device_budget"] = Size.of_bytes(smaller)
-            whose = "the host's copies" if nproc == 1 else f"the host's copies of {nproc} ranks"
+            whose = "the host's copies" if local == 1 else f"the host's copies of {local} ranks"
             say(f"simulated device budget {format_size(smaller)}"
                 f"{' per rank' if nproc > 1 else ''}: its bytes live in host memory, and the "
                 f"default {format_size(SIMULATED_DEVICE_BUDGET)} does not fit beside {whose}")
@@ -187,10 +197,10 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
             line += (f"; policy {rec.policy} would (--policy {rec.policy} "
                      f"--margin {rec.margin_ratio:g})")
         raise ValueError(line)
-    if row.machine_host_peak > TIGHT_HOST * room:
+    if here(row) > TIGHT_HOST * room:
         if steady_heap is not None:
             steady_heap()
-        say(f"steady host memory: the plan's peak {format_size(row.machine_host_peak)} is "
+        say(f"steady host memory: the plan's peak {format_size(here(row))} is "
             f"close to the {format_size(room)} this machine has free, so every tensor of a "
             f"MiB or more gets fresh memory and gives it back (steps take somewhat longer)")
     if not chosen:

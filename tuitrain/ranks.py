@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 # torchrun's environment (torch.distributed.run), read once where a run starts.
 WORLD_ENV, RANK_ENV, LOCAL_RANK_ENV = "WORLD_SIZE", "RANK", "LOCAL_RANK"
+LOCAL_WORLD_ENV = "LOCAL_WORLD_SIZE"  # ranks on this node (torchrun sets it)
 # Where torchrun's agent (and tuitrain.launch, the same agent) reads why a rank failed.
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
@@ -104,6 +105,17 @@ def from_environment(env: dict[str, str] | None = None) -> Ranks:
     if world < 1 or not 0 <= rank < world or local < 0:
         raise ValueError(f"{RANK_ENV}={rank} is not a rank of {WORLD_ENV}={world}")
     return Ranks(rank, world, local)
+
+
+def on_this_machine(ranks: Ranks, env: dict[str, str] | None = None) -> int:
+    """How many of the ranks run on this machine and share its memory: torchrun's
+    LOCAL_WORLD_SIZE, or all of them (ranks started without it are started here)."""
+    env = os.environ if env is None else env
+    try:
+        local = int(env.get(LOCAL_WORLD_ENV, str(ranks.world)))
+    except ValueError:
+        local = ranks.world
+    return min(max(local, 1), ranks.world)
 
 
 def join(ranks: Ranks, *, cuda: bool, timeout: float) -> str | None:

@@ -138,6 +138,7 @@ class TrainingRun:
         # so that the plan says the run fits, and what they chose and cannot fit is refused.
         # Data parallel, every rank settles here on the same per-rank plan (one collective).
         s = self.settings = settle(s, self._say, nproc=self.ranks.world,
+                                   local=ranks.on_this_machine(self.ranks),
                                    steady_heap=steady_heap)
         resume = self._checkpoint_hooks()
         if s.logging.metrics and self.ranks.leader:

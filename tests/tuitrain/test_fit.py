@@ -178,6 +178,24 @@ def test_the_simulated_device_of_every_rank_shrinks_beside_all_the_ranks_host_co
     assert said[1].startswith("steady host memory: ")  # it fits, but only just
 
 
+@simulated_only
+def test_ranks_on_other_machines_do_not_count_against_this_ones_memory(monkeypatch):
+    """Two ranks, one per machine (torchrun --nnodes 2): each machine holds one rank's peak,
+    which fits, where two ranks on one machine would not."""
+    result = plan("opt-125m", device_mem=SIMULATED_DEVICE_BUDGET, host_mem=64 * GiB,
+                  precision="fp32", batch_size=2, seq_len=64, simulated=True, nproc=2)
+    # Short of what auto holds on both ranks' simulated devices beyond the working set.
+    room = result.auto.machine_host_peak - (result.auto.device_peak - result.working_set)
+    assert result.auto.host_peak < room  # one rank alone fits
+    monkeypatch.setattr(fit, "host_room", lambda ranks=1: room)
+    s = ranks_settings("opt-125m", batch_size=2)
+    said: list[str] = []
+    assert fit.settle(s, said.append, nproc=2, local=1) == s and said == []
+    shrunk = fit.settle(s, said.append, nproc=2, local=2)
+    assert shrunk.engine.device_budget.nbytes < SIMULATED_DEVICE_BUDGET
+    assert said[0].endswith("beside the host's copies of 2 ranks")
+
+
 def _settle_as_rank(rank: int, store: str, out: str, rooms: list[int]) -> None:
     """A rank that joined the others, whose reading of the machine's room is its own."""
     torch.set_num_threads(1)
