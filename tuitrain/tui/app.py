@@ -545,7 +545,7 @@ class TuitrainApp(App[None]):
         in force, nothing measured yet)."""
         if trial is None:
             summary = f"{self._settings_line(self.settings)}\nno step yet: nothing measured"
-            self.saving.start(self.settings, None, summary=summary)
+            self.saving.start(self.settings, None, summary=summary, nproc=self._nproc())
             return
         settings = self.trial_settings(trial)
         when = (
@@ -557,7 +557,11 @@ class TuitrainApp(App[None]):
             f"{self._settings_line(settings)} ({when})\n"
             f"measured: {describe_measurements(trial)}"
         )
-        self.saving.start(settings, trial.measured(), summary=summary)
+        self.saving.start(settings, trial.measured(), summary=summary, nproc=self._nproc())
+
+    def _nproc(self) -> int:
+        """The ranks the run trains on (1 until it has started)."""
+        return self.started.ranks if self.started is not None else 1
 
     def trial_settings(self, trial: Trial) -> Settings:
         """The run's settings with `trial`'s policy, margin ratio and budget.

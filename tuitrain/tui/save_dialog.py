@@ -7,7 +7,6 @@ the user said yes in ConfirmOverwrite. Presets go by default into the user's own
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -19,7 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
-from tuitrain.presets import SUFFIX, save_preset, saved_dir
+from tuitrain.presets import SUFFIX, run_command, save_preset, saved_dir
 from tuitrain.settings import Settings
 
 Measured = Mapping[str, object]  # what presets.save_preset records in the header
@@ -40,16 +39,17 @@ def default_preset_path(model: str, policy: str) -> str:
     return shown_path(saved_dir() / f"{name}-{policy}{SUFFIX}")
 
 
-def reproducing_command(preset_path: str) -> str:
+def reproducing_command(preset_path: str, nproc: int = 1) -> str:
     """The command line that runs again what the preset at `preset_path` holds (the model
-    and every setting are in the file): by its name when it is in the saved folder."""
+    and every setting are in the file): by its name when it is in the saved folder, on as
+    many ranks as the run it was saved from (`nproc`)."""
     path = Path(preset_path).expanduser()
     try:
         in_saved = path.resolve().parent == saved_dir().resolve()
     except OSError:
         in_saved = False
     preset = path.stem if in_saved and path.suffix == SUFFIX else preset_path
-    return shlex.join(["tuitrain", "run", "--preset", preset])
+    return run_command(preset, headless=False, nproc=nproc)
 
 
 _DIALOG_CSS = """
@@ -157,10 +157,14 @@ class PresetSaving:
     def __init__(self, app: App, *, report: Callable[..., None]) -> None:
         self.app = app
         self.report = report
+        self.nproc = 1
 
-    def start(self, settings: Settings, measured: Measured | None, *, summary: str) -> None:
+    def start(self, settings: Settings, measured: Measured | None, *, summary: str,
+              nproc: int = 1) -> None:
         """Open the dialog with <saved presets>/<model>-<policy>.yaml filled in; `summary`
-        tells what will be saved (the setting, what was measured)."""
+        tells what will be saved (the setting, what was measured); `nproc`: the ranks the
+        run trains on, which the preset's command runs again."""
+        self.nproc = nproc
         settings = settings.model_copy(deep=True)
         path = default_preset_path(settings.model, settings.engine.policy)
         self.app.push_screen(
@@ -180,7 +184,7 @@ class PresetSaving:
             save_preset(
                 settings,
                 target,
-                command=reproducing_command(path),
+                command=reproducing_command(path, self.nproc),
                 measured=measured,
                 overwrite=overwrite,
             )

@@ -63,6 +63,9 @@ def test_a_saved_preset_is_reproduced_by_its_name_any_other_by_its_path(user_con
         "tuitrain run --preset opt-125m-auto"
     )
     assert reproducing_command("elsewhere/x.yaml") == "tuitrain run --preset elsewhere/x.yaml"
+    # A data-parallel run is run again on as many ranks.
+    assert reproducing_command("elsewhere/x.yaml", 2) == (
+        "tuitrain run --preset elsewhere/x.yaml --nproc 2")
 
 
 async def test_enter_saves_the_settings_with_the_command_and_the_measurements(preset):
@@ -82,6 +85,15 @@ async def test_enter_saves_the_settings_with_the_command_and_the_measurements(pr
     assert saved.model == "opt-125m" and saved.engine.policy == "auto"
     assert find_preset("opt-125m-auto") == preset  # `--preset opt-125m-auto` finds it
     assert not Path("presets").exists()  # nothing lands in the working folder
+
+
+async def test_a_preset_saved_from_a_data_parallel_run_runs_again_on_as_many_ranks(preset):
+    app, _ = make_app(fake_run(3, ranks=2))
+    async with app.run_test(size=SIZE) as pilot:
+        await open_dialog(app, pilot)
+        await pilot.press("enter")
+        await pilot.pause()
+    assert "# reproduce: tuitrain run --preset opt-125m-auto --nproc 2\n" in preset.read_text()
 
 
 async def test_the_preset_holds_the_changes_the_worker_applied_and_not_the_pending_ones():
