@@ -193,8 +193,13 @@ def minimum_working_set(trace: Trace | None, module_bytes: Iterable[int]) -> int
 
 
 def check_budget(budget: int, policy: Policy, *, trace: Trace | None,
-                 module_bytes: Iterable[int], resident_costs: Sequence[int]) -> None:
-    """Raise BudgetTooSmall, with the numbers, when `budget` cannot run `policy`."""
+                 module_bytes: Iterable[int], resident_costs: Sequence[int],
+                 sharded: bool = False) -> None:
+    """Raise BudgetTooSmall, with the numbers, when `budget` cannot run `policy`.
+
+    `sharded` (data parallel): the resident costs are shards, and the chunks gathered whole
+    for each use and their gradient buffers (the traced working set beside the activations)
+    come on top, under cuda too."""
     need = minimum_working_set(trace, module_bytes)
     if budget < need:
         raise BudgetTooSmall(
@@ -203,6 +208,8 @@ def check_budget(budget: int, policy: Policy, *, trace: Trace | None,
             f"{', plus activations' if trace else ''})")
     if policy == Policy.CUDA:
         model = sum(resident_costs)
+        if sharded and trace is not None:
+            model += trace.working_set - trace.non_model_peak
         need = model + (trace.non_model_peak if trace else 0)
         if budget < need:
             raise BudgetTooSmall(

@@ -154,14 +154,9 @@ class Engine:
         if not self.device.simulated:
             budget = min(budget, self.device.capacity())
         costs = [self.manager.resident_cost(c) for c in self.chunks]
-        trace = self.runner.trace
-        if self.collectives is not None and trace is not None:
-            # Sharded, only the shards are resident: the chunks gathered for each use and
-            # their gradient buffers (the traced working set beside the activations) come
-            # on top, under cuda too.
-            costs.append(trace.working_set - trace.non_model_peak)
-        rules.check_budget(budget, policy, trace=trace, module_bytes=self._module_bytes(),
-                           resident_costs=costs)
+        rules.check_budget(budget, policy, trace=self.runner.trace,
+                           module_bytes=self._module_bytes(), resident_costs=costs,
+                           sharded=self.collectives is not None)
 
     def _module_bytes(self) -> list[int]:
         return [sum(c.nbytes for c in cs) for cs in self.runner.module_chunks.values()]
