@@ -105,6 +105,7 @@ class TrainingRun:
             self._setup()
             self._train()
             self._finish()
+            ranks.leave(self.ranks)  # after a failure the group may not answer: exit leaves it
             return EXIT_OK
         except ValueError as err:
             traceback.print_exc()
