@@ -455,9 +455,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--host-mem: {error}") from None
     _check_model(settings.model, settings.training.seq_len)
     nproc = _plan_ranks(args.nproc, settings.training.batch_size)
-    if nproc > 1 and host_budget is not None:
-        raise UsageError("--host-mem does not work with --nproc yet: the disk tier, where a "
-                         "host budget sends what it cannot hold, does not shard")
     simulated = not _has_cuda()
     checked = argparse.Namespace(
         model=settings.model,

@@ -104,11 +104,10 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
 
     `nproc`: data-parallel ranks, each of which settles with the per-rank plan: each rank's
     device is its own, a machine's memory is shared by the `local` ranks on it (by default
-    all of them: one machine). There is no
-    host budget to choose then (the disk tier does not shard), so only a default simulated
-    device shrinks. When the ranks have joined (torch.distributed), every rank must call
-    this at the same point: they plan with the least room any of them found, so that all
-    decide alike.
+    all of them: one machine). A host budget chosen then is each rank's, for its shards,
+    within its share of this machine's room. When the ranks have joined
+    (torch.distributed), every rank must call this at the same point: they plan with the
+    least room any of them found, so that all decide alike.
 
     `steady_heap`: called where the plan's host peak is tight in this machine's memory
     (TIGHT_HOST), which `say` hears too: the run's process then keeps glibc's heap steady
@@ -169,9 +168,10 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
             say(f"simulated device budget {format_size(smaller)}"
                 f"{' per rank' if nproc > 1 else ''}: its bytes live in host memory, and the "
                 f"default {format_size(SIMULATED_DEVICE_BUDGET)} does not fit beside {whose}")
-    if not row.fits and e.host_budget is None and nproc == 1 and row.host_peak > room:
+    share = room // local  # each rank's part of this machine's room
+    if not row.fits and e.host_budget is None and row.host_peak > share:
         # Everything but the chunks stays; the chunks get what is left, the rest on disk.
-        budget = room - (row.host_peak - row.host_model - row.io_buffers)
+        budget = share - (row.host_peak - row.host_model - row.io_buffers)
         for _ in range(3):
             budget = budget // MiB * MiB
             if budget <= 0:
@@ -180,14 +180,15 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
                 result, row = forecast(device, budget)
             except HostBudgetTooSmall:
                 break
-            if row.fits or row.host_peak <= room:
+            if row.fits or row.host_peak <= share:
                 break
-            budget -= row.host_peak - room
+            budget -= row.host_peak - share
         if row.fits:
             chosen["host_budget"] = Size.of_bytes(budget)
-            say(f"host budget {format_size(budget)}: this machine's memory holds that beside "
-                f"the rest, and {format_size(row.disk_bytes)} of training state goes to disk "
-                f"under {result.disk_dir}")
+            each = " per rank" if nproc > 1 else ""
+            say(f"host budget {format_size(budget)}{each}: this machine's memory holds that "
+                f"beside the rest, and {format_size(row.disk_bytes)} of training state{each} "
+                f"goes to disk under {result.disk_dir}")
     if not row.fits:
         rec = result.recommended
         if rec.policy is None:  # nothing fits: the reason says what is missing

@@ -64,10 +64,7 @@ class ChunkManager:
     def use_sharding(self, collectives: Collectives) -> None:
         """Data parallel: the chunks are sharded (packing.build_chunks with `ranks`), and
         gathers and gradient reductions go through `collectives` (engine.chunks.sharding).
-        The disk tier does not shard yet: no host budget with it."""
-        if self.spill is not None:
-            raise ValueError("a host budget (the disk tier) does not work with data "
-                             "parallel yet")
+        Under a host budget the disk tier holds parts of this rank's shards."""
         self.sharding = ShardedChunks(self, collectives)
 
     # --- the step's frame -------------------------------------------------------------
@@ -199,8 +196,12 @@ class ChunkManager:
         master = chunk.holds_grads and not chunk.aliased
         if chunk.sharded:
             own = chunk.device_payload[chunk.shard.lo:chunk.shard.hi]
-            self._copy(own, chunk.master if master else chunk.payload,
-                        "" if chunk.resident else "h2d")
+            if chunk.payload_on_disk or (master and chunk.state_on_disk):
+                for source, lo, hi in self.spill.fetch(chunk):  # the shard, piece by piece
+                    self._copy(own[lo:hi], source, "h2d")
+            else:
+                self._copy(own, chunk.master if master else chunk.payload,
+                           "" if chunk.resident else "h2d")
             self.sharding.gather(chunk)
         elif chunk.payload_on_disk or (master and chunk.state_on_disk):
             for source, lo, hi in self.spill.fetch(chunk):
@@ -530,10 +531,8 @@ class ChunkManager:
         is filled, so that the host never holds the whole model's state at once.
 
         Raises ValueError (rules.HostBudgetTooSmall, ScratchTooSmall, or naming a folder
-        that cannot be written) before anything moves."""
-        if self.sharding is not None:
-            raise ValueError("a host budget (the disk tier) does not work with data "
-                             "parallel yet")
+        that cannot be written) before anything moves. Sharded, the budget is this rank's,
+        for its shards."""
         self.host_budget = host_budget
         self.disk_piece = rules.DISK_PIECE
         worst = self.disk_placement(set())
@@ -558,7 +557,8 @@ class ChunkManager:
     def disk_placement(self, resident: set[int]) -> rules.DiskPlacement:
         """rules.disk_placement for the chunks not in `resident`."""
         return rules.disk_placement(
-            [rules.disk_cost(c.numel, c.itemsize, ALIGN, self.disk_piece) for c in self.chunks],
+            [rules.disk_cost(c.home_numel, c.itemsize, ALIGN, self.disk_piece)
+             for c in self.chunks],
             on_host=[c.index for c in self.chunks if c.index not in resident],
             host_budget=self.host_budget, block=ALIGN)
 

@@ -178,15 +178,18 @@ class ShardedChunks:
         m = self.manager
         shard = buffer[chunk.shard.lo:chunk.shard.hi]
         shard.div_(self.world)
-        home = m.grad_home(chunk)
         direction = "" if chunk.resident else "d2h"
-        if chunk.holds_grads:  # a later micro-batch, or a module used twice
+        if chunk.payload_on_disk and not chunk.holds_grads:
+            # Into I/O buffers, which go to disk as soon as the bytes are in (Spill).
+            m.spill.land_grads(chunk, shard, lambda dst, src: m._copy(dst, src, direction))
+        elif chunk.holds_grads:  # a later micro-batch, or a module used twice
+            home = m.grad_home(chunk)
             arrived = m.device.host_empty(shard.numel(), shard.dtype) if direction else shard
             if direction:
                 m._copy(arrived, shard, direction)
             home.add_(arrived.to(home.dtype))
         else:
-            m._copy(home, shard, direction)
+            m._copy(m.grad_home(chunk), shard, direction)
         self._let_go(buffer)
         m.free_grad_buffer(buffer)
         chunk.mark_stale()  # the update will change the parameters

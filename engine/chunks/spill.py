@@ -22,6 +22,11 @@ The I/O buffers are the tier's (a few, allocated once, counted apart from the ch
 the chunk's host tensors are allocated and freed through the manager's accounting (`alloc`,
 `free`). While the update (engine.chunks.update_walk) or a fetch uses a piece, the tensors
 it reads are views into the buffer that holds it.
+
+Data parallel (a sharded chunk, engine.chunks.sharding), all of this is about the chunk's
+home tensors, which hold this rank's shard: its file holds the shard's parts only, pieces
+are cut from the shard, and a fetch reads the shard, which the caller copies into its
+place in the device payload before the gather. Each rank has a scratch folder of its own.
 """
 
 from __future__ import annotations
@@ -119,12 +124,14 @@ class Spill:
     # --- geometry -------------------------------------------------------------------------------
 
     def cost(self, chunk: Chunk) -> rules.DiskCost:
-        return rules.disk_cost(chunk.numel, chunk.itemsize, ALIGN, self.piece)
+        return rules.disk_cost(chunk.home_numel, chunk.itemsize, ALIGN, self.piece)
 
     def spans(self, chunk: Chunk) -> list[tuple[int, int]]:
-        """(lo, hi) of each piece of the chunk."""
-        step = min(chunk.numel, self.piece)
-        return [(lo, min(lo + step, chunk.numel)) for lo in range(0, chunk.numel, step)]
+        """(lo, hi) of each piece of the chunk's home tensors (sharded: of its shard,
+        counted from the shard's start)."""
+        numel = chunk.home_numel
+        step = min(numel, self.piece)
+        return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
 
     def _piece_bytes(self, chunk: Chunk, region: str) -> int:
         cost = self.cost(chunk)
@@ -261,7 +268,7 @@ class Spill:
                 if chunk.holds_grads:
                     self._bring(chunk, GRAD)
                 else:
-                    chunk.host_grad = self.alloc(chunk.numel, torch.float32)
+                    chunk.host_grad = self.alloc(chunk.home_numel, torch.float32)
             chunk.payload_on_disk = False
             chunk.grad_sq = None
         if level == 0 and chunk.state_on_disk:
@@ -279,7 +286,7 @@ class Spill:
     def _bring(self, chunk: Chunk, region: str) -> None:
         """Read a region into new host tensors of the chunk (counted by `alloc`)."""
         dtypes = {"payload": chunk.dtype}
-        homes = {n: self.alloc(chunk.numel, dtypes.get(n, torch.float32))
+        homes = {n: self.alloc(chunk.home_numel, dtypes.get(n, torch.float32))
                  for n in host_parts(chunk, region)}
         try:
             self._read_in(chunk, region, homes)
@@ -308,7 +315,7 @@ class Spill:
         temps: dict[str, dict[str, torch.Tensor]] = {}
         for region in regions:
             dtypes = {"payload": chunk.dtype}
-            temps[region] = {n: torch.empty(chunk.numel, dtype=dtypes.get(n, torch.float32))
+            temps[region] = {n: torch.empty(chunk.home_numel, dtype=dtypes.get(n, torch.float32))
                              for n in host_parts(chunk, region)}
             self._read_in(chunk, region, temps[region])
         try:
@@ -372,7 +379,8 @@ class Spill:
     def fetch(self, chunk: Chunk) -> Iterator[tuple[torch.Tensor, int, int]]:
         """What to copy to the device, piece by piece, for a chunk whose payload is on disk:
         yields (source, lo, hi), each read (or its read ahead finished) first, its buffer
-        given back once the caller has copied it.
+        given back once the caller has copied it. lo..hi count in the home tensors: a
+        sharded chunk's from its shard's start.
 
         A payload that holds gradients has the weights in the master: bf16/fp16 read it
         from the state pieces (the copy casts), fp32's payload region is the master."""
@@ -428,8 +436,9 @@ class Spill:
     def land_grads(self, chunk: Chunk, grads: torch.Tensor,
                    copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         """A chunk whose payload is on disk has all its gradients in `grads` (on the
-        device): their norm is taken there, and `copy(dst, src)` copies them, a piece at a
-        time, into buffers that go to disk without waiting."""
+        device; sharded, its shard's, reduced): their norm is taken there, and
+        `copy(dst, src)` copies them, a piece at a time, into buffers that go to disk
+        without waiting."""
         chunk.grad_sq = squared_norm(grads)
         self._forget_ahead(chunk, PAYLOAD)  # bf16/fp16: the payload region gets gradients
         region = GRAD if chunk.aliased else PAYLOAD

@@ -116,14 +116,16 @@ class UpdatePipeline:
 
     @staticmethod
     def _span(chunk: Chunk, lo: int, hi: int, views: dict[str, torch.Tensor]) -> Span:
-        """Each part from its buffer if it was read, else from the chunk's host tensor."""
+        """Each part from its buffer if it was read, else from the chunk's host tensor.
+        `lo`..`hi` count in the home tensors (Spill.spans); the span's, in the chunk."""
         def part(name: str) -> torch.Tensor:
             return views[name] if name in views else getattr(chunk, name)[lo:hi]
 
         payload = part("payload")
         master = payload if chunk.aliased else part("master")
         grads = part("host_grad") if chunk.aliased else payload
-        return Span(lo, hi, master, part("exp_avg"), part("exp_avg_sq"), grads,
+        start = chunk.shard.lo if chunk.shard else 0
+        return Span(start + lo, start + hi, master, part("exp_avg"), part("exp_avg_sq"), grads,
                     None if chunk.aliased else payload)
 
     def cancel(self) -> None:

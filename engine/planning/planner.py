@@ -29,7 +29,8 @@ Data parallel (`nproc` ranks, engine.distributed): every rank holds one shard of
 gradients, on its part of the global batch. Every rank then runs the same step, so the plan
 is one rank's: its device peak, its host peak (and the machine's, for `nproc` ranks on one
 machine, which `host_mem` is checked against), and the bytes it gathers and reduce-scatters
-per step (engine.planning.sharded).
+per step (engine.planning.sharded). A host budget is each rank's too, for its shards: the
+disk figures are one rank's, in a scratch folder of its own.
 
 The recording is engine.planning.recording's, the replay engine.planning.replay's; this module turns
 the bytes into a Plan.
@@ -361,17 +362,22 @@ class _Planner:
         and sends each one's parts where the placement with nothing resident puts them
         before the next (ChunkManager.use_host_budget): the peak is then the model's own
         fp32 parameters not yet packed, the parts kept so far, one chunk's whole state and
-        the I/O buffers that carry them."""
-        if self.cost.sharded:
-            return self._built_shards()
+        the I/O buffers that carry them. Sharded, the same with this rank's shards."""
         if self.host_budget is None:
+            if self.cost.sharded:
+                return self._built_shards()
             return sum(self.cost.host(n) for n in self.lay.numel)
         worst = self.placement(set())
-        unpacked = 4 * sum(self.lay.numel)
+        lay = self.lay
+        # The model's own fp32 parameters not yet packed (sharded: every rank holds the
+        # whole model, and packs its shards).
+        own = ([4 * sum(lay.sizes[p] for p in ps) for ps in lay.params] if self.cost.sharded
+               else [4 * n for n in lay.numel])
+        unpacked = sum(own)
         kept = peak = 0
-        for index in reversed(range(len(self.lay.numel))):
-            numel = self.lay.numel[index]
-            unpacked -= 4 * numel
+        for index in reversed(range(len(lay.numel))):
+            numel = lay.numel[index]
+            unpacked -= own[index]
             peak = max(peak, unpacked + kept + self.cost.host(numel))
             level, cost = worst.level(index), self.disk_costs[index]
             kept += (self.cost.host(numel), cost.host_payload, 0)[level]
@@ -417,21 +423,25 @@ class _Planner:
 
     def disk_traffic(self, outcome: _Outcome) -> disk.DiskTraffic:
         step = outcome.step
-        return disk.traffic(self.placement(outcome.resident), self.disk_costs, self.lay.numel,
+        return disk.traffic(self.placement(outcome.resident), self.disk_costs,
+                            [self.cost.home(n) for n in self.lay.numel],
                             fetches=step.fetches, updated=step.home, unused=step.unused_reads)
 
     def _disk_reason(self) -> str:
-        """Why the scratch folder cannot take what the host budget sends it, or ""."""
+        """Why the scratch folder cannot take what the host budget sends it, or "".
+        Sharded, every rank on the machine has a folder of its own there."""
         if self.disk_free is None:
             return ""
         if problem := disk.folder_problem(self.disk_dir):
             return problem
-        if self.disk_needed <= self.disk_free:
+        if self.ranks * self.disk_needed <= self.disk_free:
             return ""
+        need = format_size(self.disk_needed)
+        if self.cost.sharded:
+            need = f"{format_size(self.ranks * self.disk_needed)} ({need} per rank)"
         return (
-            f"the host budget {format_size(self.host_budget)} needs "
-            f"{format_size(self.disk_needed)} on disk, but {self.disk_dir} has "
-            f"{format_size(self.disk_free)} free"
+            f"the host budget {format_size(self.host_budget)} needs {need} on disk, but "
+            f"{self.disk_dir} has {format_size(self.disk_free)} free"
         )
 
     def policy_plan(self, policy: Policy, margin_ratio: float) -> tuple[PolicyPlan, _Outcome]:
@@ -624,8 +634,8 @@ def plan(
         nproc: data-parallel ranks (engine.distributed). Above 1 the plan is one rank's:
             `batch_size` is the global batch, which must split evenly over the ranks;
             `device_mem` is each rank's device; `host_mem` is the machine's, which every
-            rank's host peak shares (ranks on one machine). No host budget then: the disk
-            tier does not shard.
+            rank's host peak shares (ranks on one machine). A host budget is then each
+            rank's, for its shards, and so are the disk figures.
 
     Nothing is allocated: the model only ever exists on the meta device.
 
@@ -660,8 +670,6 @@ def plan(
     if batch_size % nproc:
         raise ValueError(f"batch_size {batch_size} does not split evenly over {nproc} ranks; "
                          f"use a multiple of {nproc}")
-    if nproc > 1 and budget is not None:
-        raise ValueError("a host budget (the disk tier) does not work with data parallel yet")
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, not {chunk_size}")
     config = model_config(model_name_or_path)

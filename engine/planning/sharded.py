@@ -75,6 +75,7 @@ class ShardedReplay:
             from_master = chunk in r.home and not self.cost.aliased
             r.copied += 4 * self.cost.home(r.lay.numel[chunk]) if from_master else \
                 self.shard_bytes[chunk]
+            r.fetches.append((chunk, chunk in r.home))  # from disk, where it is there
         r.stale.discard(chunk)
         self.gathered += r.nbytes[chunk] - self.shard_bytes[chunk]
 

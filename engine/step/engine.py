@@ -72,7 +72,8 @@ class Engine:
     engine, step, and call model_state_dict/state_dict/load_state_dict/close at the same
     points, with batches of the same shape, and run the same modules in the same order (a
     parameter left unused on some rank is fine: its gradient counts as zeros there, as
-    with DDP's find_unused_parameters). The disk tier (host_budget) does not shard yet.
+    with DDP's find_unused_parameters). Under a host budget each rank spills its own
+    shards, to a scratch folder of its own under `disk_dir`/rank-<rank>.
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *,
@@ -107,7 +108,10 @@ class Engine:
             self.manager.sharding.on_interrupt = self.runner.interrupt
         self.manager.set_policy(self.settings.policy)
         if budgeted:
-            self.manager.use_host_budget(config.host_budget, config.disk_dir or default_disk_dir(),
+            disk_dir = config.disk_dir or default_disk_dir()
+            if ranks is not None:  # ranks on one machine keep their files apart
+                disk_dir = disk_dir / f"rank-{ranks[0]}"
+            self.manager.use_host_budget(config.host_budget, disk_dir,
                                          fill=lambda chunk: fill(chunk, self.device))
         else:
             self.manager.count_host(self.chunks)

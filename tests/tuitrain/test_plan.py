@@ -344,8 +344,9 @@ def test_nproc_1_is_exactly_the_plan_without_it(capsys):
     ("two", [], "--nproc must be a whole number of ranks, at least 1, not 'two'"),
     ("1.5", [], "--nproc must be a whole number of ranks, at least 1, not 1.5"),
     ("3", [], "batch_size 4 does not split evenly over 3 ranks; use a multiple of 3"),
-    ("2", ["--host-mem", "1GiB"], "--host-mem does not work with --nproc yet: the disk tier, "
-     "where a host budget sends what it cannot hold, does not shard"),
+    # Each rank's host budget, for its shards: below what one rank needs.
+    ("2", ["--host-mem", "3MiB"], "host budget 3.0 MiB is below the 11.0 MiB the host needs "
+     "with every non-resident chunk on disk (I/O buffers 11.0 MiB)"),
 ])
 def test_a_bad_nproc_is_one_line_and_status_2(capsys, nproc, more, expected):
     assert main([*RANKS, "--nproc", nproc, *more]) == 2

@@ -161,8 +161,8 @@ def interrupted(rank: int, world: int, *, steps: int, per_rank: int) -> dict:
             raised.append(str(error))
     weights = eng.model_state_dict()
     eng.close()
-    try:  # the disk tier does not shard: refused before anything is built
-        _engine(model, policy="cpu", device_budget="64MiB", host_budget="1MiB")
+    try:  # a host budget below what the rank's shards need: refused before anything moves
+        _engine(model, policy="cpu", device_budget="64MiB", host_budget="4KiB")
         refused = ""
     except ValueError as error:
         refused = str(error)
