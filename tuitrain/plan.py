@@ -162,12 +162,17 @@ def _disk_lines(result: Plan) -> list[str]:
     """What the host budget sends to disk, and whether the scratch folder has room."""
     if result.host_budget is None:
         return []
-    budget = f"host budget {format_size(result.host_budget)}"
+    ranks = result.nproc
+    each = " per rank" if ranks > 1 else ""
+    budget = f"host budget {format_size(result.host_budget)}{each}"
     if not result.uses_disk:
         return [f"{budget}: holds every chunk, nothing goes to disk"]
-    room = "enough" if result.disk_needed <= result.disk_free else "NOT enough"
+    # The ranks of one machine share its disk: each writes a folder of its own there.
+    needed = result.disk_needed * ranks
+    room = "enough" if needed <= result.disk_free else "NOT enough"
+    whose = f" for {ranks} ranks" if ranks > 1 else ""
     return [
         f"{budget} (chunks and disk I/O buffers on the host): the rest goes to disk, "
-        f"up to {format_size(result.disk_needed)} in {result.disk_dir}; "
+        f"up to {format_size(needed)}{whose} in {result.disk_dir}; "
         f"{format_size(result.disk_free)} free there, {room}"
     ]

@@ -169,7 +169,7 @@ def test_the_simulated_device_of_every_rank_shrinks_beside_all_the_ranks_host_co
     s = fit.settle(ranks_settings("opt-125m", batch_size=2), said.append, nproc=2)
     budget = s.engine.device_budget.nbytes
     assert budget % MiB == 0 and budget < SIMULATED_DEVICE_BUDGET
-    assert s.engine.host_budget is None  # no disk tier with data parallel
+    assert s.engine.host_budget is None  # the shrunk device is enough: nothing to disk
     chosen = per_rank(budget, room).auto
     assert chosen.fits and chosen.machine_host_peak <= room
     assert len(said) == 2

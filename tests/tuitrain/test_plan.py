@@ -326,6 +326,23 @@ def test_nproc_json_carries_each_ranks_bytes_communicated_and_the_machines_host_
     assert data["cpu"]["gathered"] >= 2 * sent
 
 
+def test_nproc_with_a_host_budget_sends_each_ranks_shards_to_disk_and_counts_all_ranks(
+        small_pieces, tmp_path, capsys):
+    budget = tiny_state() // 8  # a rank holds half of tiny's state: a quarter of it fits
+    argv = [*RANKS, "--nproc", "2", "--host-mem", str(budget), "--disk", str(tmp_path)]
+    assert main(argv) == 0
+    expected = plan("tiny", device_mem="20MiB", host_mem=psutil.virtual_memory().total,
+                    precision="bf16", batch_size=4, seq_len=64, host_budget=budget,
+                    disk_dir=tmp_path, nproc=2)
+    assert expected.uses_disk
+    budget_line = next(line for line in capsys.readouterr().out.splitlines()
+                       if line.startswith("host budget"))
+    assert budget_line.startswith(f"host budget {format_size(budget)} per rank ")
+    # The two ranks' folders share this disk.
+    assert f"up to {format_size(2 * expected.disk_needed)} for 2 ranks in {tmp_path}" in (
+        budget_line)
+
+
 def test_nproc_1_is_exactly_the_plan_without_it(capsys):
     assert main(RANKS) == 0
     without = capsys.readouterr().out
