@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline", type=float, default=1800.0, help="seconds per system")
+    ap.add_argument("--systems", default="",
+                    help="comma-separated subset to run (engine-cuda,engine-auto,engine-cpu,"
+                         "fsdp2,deepspeed); default all (deepspeed when installed)")
     args = ap.parse_args(argv)
     args.budgets = ""
     load = os.getloadavg()[0]
@@ -222,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = ["engine-cuda", "engine-auto", "engine-cpu", "fsdp2"]
     if importlib.util.find_spec("deepspeed") is not None:
         systems.append("deepspeed")
+    if args.systems:
+        systems = [s for s in systems if s in args.systems.split(",")]
     rows = []
     for system in systems:
         results = run_system(args, system)
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         rss_ratio = rss / max(r["peak_rss"] for r in base[1]) if base else float("nan")
         print(f"| {system} | {value:.3f} | {step_ratio:.2f} | {rss / 2**20:.0f} MiB | "
               f"{rss_ratio:.2f} | {results[0]['losses'][-1]:.5f} |")
-    if "deepspeed" not in systems:
+    if "deepspeed" not in systems and not args.systems:
         print("| deepspeed ZeRO-3, CPU offload | not installed here | | | | |")
     return 0
 

@@ -78,8 +78,6 @@ class ChunkManager:
         moves a byte, so that the step reports every copy made for it."""
         self.bytes_h2d = self.bytes_d2h = 0
         self.transfer_seconds = 0.0
-        if self.sharding is not None:
-            self.sharding.reset_counters()
 
     def begin_step(self, *, tracing: bool) -> None:
         """A traced step has no forecast to trust yet: room that cannot be made is noted as
@@ -195,13 +193,7 @@ class ChunkManager:
         # one is still to be used) has the weights in the master only.
         master = chunk.holds_grads and not chunk.aliased
         if chunk.sharded:
-            own = chunk.device_payload[chunk.shard.lo:chunk.shard.hi]
-            if chunk.payload_on_disk or (master and chunk.state_on_disk):
-                for source, lo, hi in self.spill.fetch(chunk):  # the shard, piece by piece
-                    self._copy(own[lo:hi], source, "h2d")
-            else:
-                self._copy(own, chunk.master if master else chunk.payload,
-                           "" if chunk.resident else "h2d")
+            self._own_shard(chunk)
             self.sharding.gather(chunk)
         elif chunk.payload_on_disk or (master and chunk.state_on_disk):
             for source, lo, hi in self.spill.fetch(chunk):
@@ -210,6 +202,20 @@ class ChunkManager:
             self._copy(chunk.device_payload, chunk.master if master else chunk.payload, "h2d")
         self._fetched(chunk)
 
+    def _own_shard(self, chunk: Chunk) -> None:
+        """A sharded chunk's own shard into its place in the device payload, before a
+        gather (from the fp32 master once the payload holds gradients), read from disk
+        piece by piece where it is there."""
+        self.flight.wait(chunk)  # its update from the last step, if that is still running
+        master = chunk.holds_grads and not chunk.aliased
+        own = chunk.device_payload[chunk.shard.lo:chunk.shard.hi]
+        if chunk.payload_on_disk or (master and chunk.state_on_disk):
+            for source, lo, hi in self.spill.fetch(chunk):
+                self._copy(own[lo:hi], source, "h2d")
+            return
+        self._copy(own, chunk.master if master else chunk.payload,
+                   "" if chunk.resident else "h2d")
+
     def _fetched(self, chunk: Chunk) -> None:
         chunk.set_copy(DeviceCopy.FRESH)
         for slot in chunk.slots:
@@ -217,10 +223,13 @@ class ChunkManager:
                 chunk.set_state(slot, S.HOLD)
 
     def settle(self, chunk: Chunk) -> None:
-        """Let the compute stream wait for the chunk's prefetch, if one is in flight."""
+        """Let the compute stream wait for the chunk's prefetch, if one is in flight
+        (sharded: its gather ahead of use)."""
         if chunk.pending is not None:
             self.device.wait(chunk.pending)
             chunk.pending = None
+        if self.sharding is not None:
+            self.sharding.settle(chunk)
 
     def prefetch(self, pos: int, phase: str) -> None:
         """Start copying the next module's chunks while this one computes (on CUDA the copy
@@ -313,17 +322,55 @@ class ChunkManager:
         for index in self.rules.release_before_use(on_device, [c.index for c in needed]):
             self.release(self.chunks[index])
         if self.sharding is not None:
-            # Gathers at agreed points only; a gather ahead of use would need a second
-            # agreement per module, so sharded chunks are not prefetched yet.
-            gather = self.sharding.boundary(needed)
+            # Gathers at agreed points only: the boundary's agreement decides those for
+            # this module and those ahead of the next (engine.chunks.sharding).
+            offer = self._gather_offer(needed, pos, phase) if phase else []
+            gather, ahead = self.sharding.boundary(needed, offer, phase)
             for chunk in needed:
                 self.materialise(chunk, pos, needed, gather=chunk.index in gather)
+            for index in ahead:
+                self._gather_ahead(self.chunks[index])
             return
         for chunk in needed:
             self.materialise(chunk, pos, needed)
         if phase:
             self.prefetch(pos, phase)
             self.read_ahead(pos)
+
+    def _gather_offer(self, needed: tuple[Chunk, ...], pos: int, phase: str) -> list[int]:
+        """Sharded: the next module's chunks this rank can have gathered ahead of use
+        (rules.gathers_ahead), decided at the boundary, before `needed` come in. The room
+        is `prefetch`'s (free now, and by the trace's forecast until the next module; every
+        chunk's gradients open a buffer here, resident or not) less what `needed` still
+        take: room no eviction made. Not while tracing."""
+        trace = self.trace
+        if trace is None or not self.strict or pos + 1 >= len(trace.points):
+            return []
+        opening = 0
+        if phase == "backward":
+            opening = sum(c.nbytes for i in trace.points[pos].chunks
+                          if (c := self.chunks[i]).grad is None and c.grads_pending > 0)
+        forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening)
+        coming = sum(c.nbytes for c in needed if not c.on_device)
+        running = {c.index for c in needed}
+        return rules.gathers_ahead(
+            (i for i in trace.points[pos + 1].chunks if i not in running),
+            # As `prefetch`'s, a gather ahead never waits: not for an update in flight, nor
+            # for a shard on disk that is not read ahead yet.
+            skip=lambda i: (self.chunks[i].holds_grads or self.sharding.reducing(i)
+                            or self.flight.pending(i)
+                            or (self.chunks[i].payload_on_disk and not self.spill.ready(i))),
+            on_device=lambda i: self.chunks[i].on_device,
+            free=self.free_bytes(forecast) - coming, nbytes=lambda i: self.chunks[i].nbytes)
+
+    def _gather_ahead(self, chunk: Chunk) -> None:
+        """Start gathering a chunk the ranks agreed to gather ahead of use, into room this
+        rank offered (or its own device copy)."""
+        if not chunk.on_device:
+            self._storage_resize(chunk, True)
+        self._own_shard(chunk)
+        self.sharding.start_gather(chunk)
+        self._fetched(chunk)
 
     def prepare_outside_step(self, needed: tuple[Chunk, ...]) -> None:
         """Bring `needed` to the device for a forward outside a training step (evaluation),
@@ -332,7 +379,7 @@ class ChunkManager:
         on_device = [c.index for c in self.chunks if c.on_device]
         for index in rules.CpuRules.release_before_use(on_device, [c.index for c in needed]):
             self.release(self.chunks[index])
-        gather = self.sharding.boundary(needed) if self.sharding is not None else set()
+        gather = self.sharding.boundary(needed, [])[0] if self.sharding is not None else set()
         for chunk in needed:
             self.materialise(chunk, -1, needed, gather=chunk.index in gather)
 

@@ -7,7 +7,9 @@ not take) leaves that rank's chunk waiting for a gradient that never comes. Deci
 local state alone would desynchronise the ranks (Gemini's "ZERO DDP error" reports).
 
 So the ranks agree at every module boundary, in one small all-reduce that every rank
-issues at the same point (the modules run in the same order everywhere):
+issues at the same point (the modules run in the same order everywhere; a fingerprint of
+the phase and the module's chunks checks that, before any gather a difference would pair
+with another rank's different collective, which gloo answers by aborting the process):
 
 - which of the module's chunks to gather: those that any rank lacks. A rank that still has
   a fresh copy takes part all the same (it gathers what it has); placement stays a local
@@ -15,7 +17,12 @@ issues at the same point (the modules run in the same order everywhere):
 - which chunks' gradients are complete on every rank: those are reduce-scattered now, in
   descending chunk order, while backward goes on; the ones issued at an earlier boundary
   are waited for and land in their shard's home (divided by the world size: SUM, then
-  divide).
+  divide);
+- which of the next module's chunks (the agreed trace's next point) to gather ahead of use,
+  while this module computes: those every rank offers (rules.gathers_ahead: it has the
+  room, free now and by the forecast until the next module, without evicting) and some
+  rank lacks. Started once the module's own chunks are in, in ascending chunk order, and
+  waited for when the chunk is used (or released).
 
 At the end of backward every chunk with trainable parameters that is still waiting is
 reduce-scattered, a missing gradient counting as zeros (as DDP's find_unused_parameters
@@ -24,6 +31,7 @@ does), so no rank waits for a gradient another rank never computes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -53,8 +61,7 @@ class ShardedChunks:
         # single process would have sent home already (id(buffer) -> bytes).
         self._held: dict[int, int] = {}
         self.held_bytes = 0
-        self.bytes_gathered = 0  # this step: bytes received by all-gathers
-        self.bytes_reduced = 0  # this step: bytes sent into reduce-scatters
+        self._ahead: dict[int, Pending] = {}  # chunk -> its gather ahead of use, in flight
         # An interrupt asked for on this rank, and what every rank does once they agree
         # on one (the engine: stop the step at the next module boundary).
         self._interrupt_asked = False
@@ -69,9 +76,6 @@ class ShardedChunks:
     @property
     def chunks(self) -> list[Chunk]:
         return self.manager.chunks
-
-    def reset_counters(self) -> None:
-        self.bytes_gathered = self.bytes_reduced = 0
 
     # --- the step's frame -------------------------------------------------------------
 
@@ -127,19 +131,36 @@ class ShardedChunks:
 
     # --- module boundaries ------------------------------------------------------------
 
-    def boundary(self, needed: tuple[Chunk, ...]) -> set[int]:
-        """The agreement at a module boundary (see the module docstring). Returns the
-        indices of `needed` to gather now; reduce-scatters what is complete everywhere."""
+    def boundary(self, needed: tuple[Chunk, ...], offer: list[int], phase: str = ""
+                 ) -> tuple[set[int], list[int]]:
+        """The agreement at a module boundary (see the module docstring): `needed`, the
+        module's chunks, in the `phase` it runs in; `offer`, the chunks of the next module
+        this rank can gather ahead (rules.gathers_ahead). Reduce-scatters what is complete
+        everywhere. Returns the indices of `needed` to gather now, and those to gather
+        ahead once they are in (`start_gather`). CollectiveError, on every rank, when
+        the ranks are at different modules."""
         count = len(self.chunks)
-        want = [0] * (2 * count + 1)
-        want[-1] = int(self._interrupt_asked)
+        # Per chunk: lacked here (needed or offered), still waiting for gradients here,
+        # not offered here; then an interrupt asked for here, and the fingerprint of this
+        # boundary and its negation (their maxima are the largest and the smallest).
+        mark = _fingerprint(phase, needed)
+        want = [0] * (2 * count) + [1] * count + [mark, -mark, int(self._interrupt_asked)]
         for chunk in needed:
-            if not chunk.on_device or chunk.stale:
-                want[chunk.index] = 1
+            want[chunk.index] = int(not chunk.on_device or chunk.stale)
+        for index in offer:
+            chunk = self.chunks[index]
+            want[index] = int(not chunk.on_device or chunk.stale)
+            want[2 * count + index] = 0
         for index in self._waiting():
             if index not in self._ready:
-                want[count + index] = 1  # still waiting here
+                want[count + index] = 1
         agreed = self.collectives.max_ints(want)
+        if agreed[-3] != -agreed[-2]:
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world}: the ranks reached a module boundary at "
+                f"different modules ({phase or 'evaluation'} of chunks "
+                f"{[c.index for c in needed]} here); every rank must run the same modules "
+                f"in the same order")
         if agreed[-1]:
             self._interrupt_asked = False
             self.on_interrupt()  # every rank, at this boundary
@@ -147,12 +168,32 @@ class ShardedChunks:
         complete = [i for i in self._waiting() if not agreed[count + i]]
         for index in sorted(complete, reverse=True):
             self._issue(self.chunks[index])
-        return {i for i in range(count) if agreed[i]}
+        gather = {c.index for c in needed if agreed[c.index]}
+        # Nothing ahead of a boundary no module passes: the step stops at the next one.
+        ahead = [] if agreed[-1] else [
+            i for i in range(count) if agreed[i] and not agreed[2 * count + i]]
+        return gather, ahead
+
+    def reducing(self, index: int) -> bool:
+        """Whether chunk `index`'s gradients are being, or have been, reduced this
+        backward: it is not gathered ahead (its device copy is about to be stale)."""
+        return index in self._issued
 
     def gather(self, chunk: Chunk) -> None:
         """The whole chunk into its device payload, whose own shard is already in place."""
         self.collectives.gather(chunk.device_payload, chunk.index)
-        self.bytes_gathered += chunk.nbytes - chunk.shard.size * chunk.itemsize
+
+    def start_gather(self, chunk: Chunk) -> None:
+        """`gather`, started ahead of use: `settle` waits for it."""
+        self._ahead[chunk.index] = self.collectives.start_gather(chunk.device_payload,
+                                                                 chunk.index)
+
+    def settle(self, chunk: Chunk) -> None:
+        """Until the chunk's gather ahead of use, if one is in flight, has completed here
+        (CollectiveError past the timeout)."""
+        pending = self._ahead.pop(chunk.index, None)
+        if pending is not None:
+            self.collectives.wait(pending)
 
     # --- gradients ----------------------------------------------------------------------
 
@@ -165,7 +206,6 @@ class ShardedChunks:
         self._hold(buffer)
         self._issued.add(chunk.index)
         self._pending.append((chunk, buffer, self.collectives.reduce_scatter(buffer, chunk.index)))
-        self.bytes_reduced += buffer.nbytes
 
     def _land_all(self) -> None:
         pending, self._pending = self._pending, []
@@ -207,9 +247,17 @@ class ShardedChunks:
                 self._issue(chunk)
         self._land_all()
         self._ready.clear()
+        for chunk in self.chunks:  # a gather ahead whose use did not come (no trace is exact)
+            self.settle(chunk)
 
     def drop(self) -> None:
-        """Forget the reductions in flight (a failed step): their buffers are freed."""
+        """Forget the reductions in flight (a failed step): their buffers are freed. The
+        gathers ahead are waited for, failed or not, so that no collective writes into a
+        device copy once it is released."""
+        ahead, self._ahead = self._ahead, {}
+        for work in ahead.values():
+            with contextlib.suppress(CollectiveError):
+                self.collectives.wait(work)
         pending, self._pending = self._pending, []
         for _chunk, buffer, _work in pending:
             self.manager.free_grad_buffer(buffer)
@@ -229,6 +277,14 @@ class ShardedChunks:
         full[chunk.shard.lo:chunk.shard.hi].copy_(shard)
         self.collectives.gather(full, chunk.index)
         return full.cpu()
+
+
+def _fingerprint(phase: str, needed: tuple[Chunk, ...]) -> int:
+    """A module boundary as a number below 2**61: its phase and its chunks, in order."""
+    mark = {"forward": 1, "backward": 2}.get(phase, 3)
+    for chunk in needed:
+        mark = (mark * 1_000_003 + chunk.index + 1) % (2**61 - 1)
+    return mark
 
 
 def _trainable(chunk: Chunk) -> bool:

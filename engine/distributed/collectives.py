@@ -105,7 +105,10 @@ class Collectives:
 
     def _fail(self, what: str, chunk: int, error: BaseException) -> CollectiveError:
         where = f"chunk {chunk}" if chunk >= 0 else "an agreement between the ranks"
-        timed_out = "timed out" in str(error).lower()
+        # gloo closes the connection when a collective times out, and a later one waiting
+        # on it then fails with "Application timeout caused pair closure": a timeout too
+        # (with collectives started ahead of use, the earlier one may be another's).
+        timed_out = any(m in str(error).lower() for m in ("timed out", "timeout caused"))
         cause = (f"timed out after {self.timeout:g} s" if timed_out else f"failed: {error}")
         return CollectiveError(
             f"rank {self.rank} of {self.world}: {what} of {where} {cause} (another rank "
@@ -134,10 +137,16 @@ class Collectives:
     def gather(self, full: torch.Tensor, chunk: int) -> None:
         """In place: this rank's shard is already at its place in `full` (rank * size
         onwards); afterwards `full` holds every rank's."""
+        self.wait(self.start_gather(full, chunk))
+
+    def start_gather(self, full: torch.Tensor, chunk: int) -> Pending:
+        """`gather`, started: `full` holds every rank's shard once `wait` returns, and
+        nothing may read or write it before."""
         size = full.numel() // self.world
         mine = full[self.rank * size:(self.rank + 1) * size]
-        self.wait(self._start("all-gather", chunk, full.numel(), _all_gather, full, mine))
+        pending = self._start("all-gather", chunk, full.numel(), _all_gather, full, mine)
         self.bytes_gathered += full.nbytes - mine.nbytes
+        return pending
 
     def reduce_scatter(self, full: torch.Tensor, chunk: int) -> Pending:
         """Start summing `full` over the ranks into this rank's shard of it, in place

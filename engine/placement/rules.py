@@ -1,12 +1,12 @@
 """The placement rules: pure functions over chunk indices and byte counts.
 
 Which chunks stay resident, which chunk is evicted, what `cpu` releases before a module
-runs, how much room the trace's forecast keeps free, what a prefetch may bring in, whether a
-budget can run a policy; and for the host: which parts of which chunks go to the scratch
-folder under a host budget, and which payloads are read from it ahead of use. The chunk
-manager (engine.chunks.manager) carries these decisions out on tensors and the planner's
-replay (engine.planning.replay) on counters, so the two cannot drift apart: there is no
-second copy of any rule.
+runs, how much room the trace's forecast keeps free, what a prefetch may bring in (data
+parallel: what a rank offers to gather ahead of use), whether a budget can run a policy;
+and for the host: which parts of which chunks go to the scratch folder under a host budget,
+and which payloads are read from it ahead of use. The chunk manager (engine.chunks.manager)
+carries these decisions out on tensors and the planner's replay (engine.planning.replay) on
+counters, so the two cannot drift apart: there is no second copy of any rule.
 
 A policy is one class with the rules that differ between policies; a new policy is one new
 class (and a name in engine.placement.policy.Policy).
@@ -178,6 +178,23 @@ def prefetches(upcoming: Iterable[int], *, skip: Callable[[int], bool], free: in
         chosen.append(chunk)
         free -= nbytes(chunk)
     return chosen
+
+
+def gathers_ahead(upcoming: Iterable[int], *, skip: Callable[[int], bool],
+                  on_device: Callable[[int], bool], free: int,
+                  nbytes: Callable[[int], int]) -> list[int]:
+    """Data parallel: the next module's sharded chunks this rank can have gathered ahead of
+    use (engine.chunks.sharding), to offer at the module boundary; the ranks gather those
+    that every rank offers and some rank lacks.
+
+    The prefetch rule (`prefetches`), with `free` the room left once the running module's
+    own chunks are in: in order, while each fits, never evicting. A chunk this rank has on
+    the device needs no room (it takes part in the gather where it is), so it is offered
+    wherever it comes in the order.
+    """
+    upcoming = [c for c in upcoming if not skip(c)]
+    fits = set(prefetches(upcoming, skip=on_device, free=free, nbytes=nbytes))
+    return [c for c in upcoming if on_device(c) or c in fits]
 
 
 def minimum_working_set(trace: Trace | None, module_bytes: Iterable[int]) -> int:

@@ -164,7 +164,8 @@ class StepReplay:
     disk (`disk`), a chunk is prefetched only once its pieces have been read ahead
     (rules.disk_read_ahead, each read taken as done by the next module). Sharded
     (`cost.world` > 1), one rank's step: chunks are gathered at agreed boundaries and never
-    prefetched, their gradients reduce-scattered (engine.planning.sharded.ShardedReplay).
+    gathered ahead of use where every rank offers them, their gradients reduce-scattered
+    (engine.planning.sharded.ShardedReplay).
     """
 
     def __init__(
@@ -327,9 +328,12 @@ class StepReplay:
         for chunk in self.rules.release_before_use(sorted(self.on_device), chunks):
             self._release(chunk)
         if self.sharding is not None:
-            gather = self.sharding.boundary(chunks)
+            offer = self._gather_offer(chunks, "backward" if self.in_backward else phase)
+            gather, ahead = self.sharding.boundary(chunks, offer)
             for chunk in chunks:
                 self.sharding.materialise(chunk, chunks, gather=chunk in gather)
+            for chunk in ahead:
+                self.sharding.gather_ahead(chunk)
         else:
             for chunk in chunks:
                 self._materialise(chunk, chunks)
@@ -361,6 +365,26 @@ class StepReplay:
             self.fetches.append((chunk, False))
             self.ahead.pop(chunk, None)
             self._sample()
+
+    def _gather_offer(self, chunks: tuple[int, ...], phase: str) -> list[int]:
+        """ChunkManager._gather_offer: the next point's chunks this rank has room to gather
+        ahead, before `chunks` (the running module's) come in."""
+        trace, pos = self.trace, self.pos
+        if trace is None or pos + 1 >= len(trace.points):
+            return []
+        opening = 0
+        if phase == "backward":
+            opening = sum(self.nbytes[c] for c in trace.points[pos].chunks
+                          if c not in self.grads and self.pending[c])
+        forecast = rules.prefetch_forecast(trace, pos, self.nm, opening)
+        coming = sum(self.nbytes[c] for c in chunks if c not in self.on_device)
+        return rules.gathers_ahead(
+            (c for c in trace.points[pos + 1].chunks if c not in chunks),
+            skip=lambda c: c in self.home or self.sharding.reducing(c) or (
+                c in self.disk.chunks and self.ahead.get(c, 0) < self.disk.pieces[c]),
+            on_device=lambda c: c in self.on_device,
+            free=self.capacity - self.device_bytes - self.nm - forecast - coming,
+            nbytes=self.nbytes.__getitem__)
 
     def _read_ahead(self) -> None:
         """ChunkManager.read_ahead: payload pieces of the next chunks on disk to be fetched,

@@ -8,7 +8,11 @@ gradients are complete everywhere) is what this rank alone would decide.
 
 - A module's chunk is gathered whole whenever it is not on the device or its copy is stale
   (its gradients went home): this rank copies its own shard in (unless the shard is
-  resident) and receives the others'. Sharded chunks are never prefetched.
+  resident) and receives the others'.
+- The next module's chunks are gathered ahead of use, once the module's own chunks are in,
+  when this rank offers them (rules.gathers_ahead, the offer StepReplay makes as the
+  ChunkManager does) and lacks them: into room that needs no eviction, in ascending chunk
+  order, counted as any gather.
 - Every chunk's gradients go to a whole gradient buffer on the device, resident or not.
   Once all of them are in, the buffer is held until the next boundary reduce-scatters it
   (descending chunk order), and the boundary after that lands this rank's shard at home
@@ -48,15 +52,20 @@ class ShardedReplay:
 
     # --- module boundaries ------------------------------------------------------------
 
-    def boundary(self, needed: tuple[int, ...]) -> set[int]:
+    def boundary(self, needed: tuple[int, ...], offer: list[int]) -> tuple[set[int], list[int]]:
         """ShardedChunks.boundary: lands the reductions issued at the last boundary, issues
-        those now complete, and returns the chunks of `needed` to gather."""
+        those now complete, and returns the chunks of `needed` to gather and those of
+        `offer` to gather ahead."""
         r = self.replay
-        gather = {c for c in needed if c not in r.on_device or c in r.stale}
+        lacks = {c for c in (*needed, *offer) if c not in r.on_device or c in r.stale}
         self._land_all()
         for chunk in sorted(self._waiting() & self._ready, reverse=True):
             self._issue(chunk)
-        return gather
+        return lacks.intersection(needed), sorted(lacks.intersection(offer))
+
+    def reducing(self, chunk: int) -> bool:
+        """ShardedChunks.reducing: its reduction was issued this backward."""
+        return chunk in self._issued
 
     def materialise(self, chunk: int, protect: tuple[int, ...], *, gather: bool) -> None:
         """ChunkManager.materialise of a sharded chunk."""
@@ -69,6 +78,19 @@ class ShardedReplay:
             r.on_device.add(chunk)
             r.device_bytes += r.nbytes[chunk]
             r._sample()
+        self._gather(chunk)
+
+    def gather_ahead(self, chunk: int) -> None:
+        """ChunkManager._gather_ahead: into room the offer found free."""
+        r = self.replay
+        if chunk not in r.on_device:
+            r.on_device.add(chunk)
+            r.device_bytes += r.nbytes[chunk]
+            r._sample()
+        self._gather(chunk)
+
+    def _gather(self, chunk: int) -> None:
+        r = self.replay
         if chunk not in r.resident:
             # Its own shard comes from the host; after its gradients went home, in bf16 and
             # fp16 from the fp32 master (the payload holds gradients then).
