@@ -12,12 +12,12 @@ import torch
 VOCAB = 256
 
 
-def make_batches(n: int, *, seq_len: int = 16, batch_size: int = 2, seed: int = 1
-                 ) -> list[dict[str, torch.Tensor]]:
+def make_batches(n: int, *, seq_len: int = 16, batch_size: int = 2, seed: int = 1,
+                 vocab: int = VOCAB) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(0, VOCAB, (batch_size, seq_len), generator=g)
+        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
         out.append({"input_ids": ids, "labels": ids})
     return out
 

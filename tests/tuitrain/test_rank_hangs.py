@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_rank_killed import worker_pid
 
 from engine.distributed.collectives import DEFAULT_TIMEOUT
 
@@ -31,15 +32,6 @@ REPORT_BOUND = TIMEOUT + 5.0
 EXIT_BOUND = TIMEOUT + 25.0
 assert EXIT_BOUND < DEFAULT_TIMEOUT / 10
 START_DEADLINE = 150.0  # seconds for the ranks to start and train two steps
-
-
-def worker_pid(tmp: Path, rank: int) -> int:
-    """The pid of rank `rank`'s worker, from the first line of its log."""
-    for log in (tmp / "tuitrain").glob(f"rank{rank}-*.log"):
-        found = re.search(r"tuitrain worker pid (\d+) started", log.read_text())
-        if found:
-            return int(found.group(1))
-    raise AssertionError(f"no log of rank {rank}'s worker in {tmp / 'tuitrain'}")
 
 
 class Lines:

@@ -25,6 +25,7 @@ from tests.engine.references import (  # noqa: F401 - the data-parallel tests im
     whole_model_relative_difference,
 )
 
+TINY_VOCAB = 8192  # the zoo's tiny, which the planner's scenarios run
 COLLECTIVE_TIMEOUT = 20.0  # seconds: a rank that is gone is an error within this
 
 

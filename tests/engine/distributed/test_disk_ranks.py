@@ -22,6 +22,7 @@ import pytest
 import torch
 from dp_harness import (
     COLLECTIVE_TIMEOUT,
+    TINY_VOCAB,
     GatedLM,
     build,
     make_batches,
@@ -114,12 +115,8 @@ def planned(rank: int, world: int, *, scratch: str, precision: str,
     from engine.models.zoo import build_model
 
     rules.DISK_PIECE = TINY_PIECE
-    g = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(PLAN_STEPS):
-        ids = torch.randint(0, 8192, (PER_RANK * world, SEQ_LEN), generator=g)
-        part = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
-        batches.append({"input_ids": part, "labels": part})
+    batches = [rank_slice(b, rank, world) for b in make_batches(
+        PLAN_STEPS, batch_size=PER_RANK * world, seq_len=SEQ_LEN, vocab=TINY_VOCAB)]
     out = []
     for sc in scenarios:
         torch.manual_seed(0)

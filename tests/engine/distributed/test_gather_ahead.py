@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dp_harness import COLLECTIVE_TIMEOUT, run_ranks
+from dp_harness import COLLECTIVE_TIMEOUT, TINY_VOCAB, make_batches, rank_slice, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,12 +52,8 @@ def steps(rank: int, world: int, *, ahead: str) -> dict:
     ShardedChunks.start_gather = starting
     ChunkManager.materialise = materialising
 
-    g = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 8192, (PER_RANK * world, SEQ_LEN), generator=g)
-        part = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
-        batches.append({"input_ids": part, "labels": part})
+    batches = [rank_slice(b, rank, world) for b in make_batches(
+        STEPS, batch_size=PER_RANK * world, seq_len=SEQ_LEN, vocab=TINY_VOCAB)]
     out = {}
     for policy, budget in POLICIES:
         torch.manual_seed(0)
