@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config import format_size
 from engine.planning.planner import plan
 from tuitrain import fit
 from tuitrain.events import Log, Stop
@@ -194,6 +195,29 @@ def test_ranks_on_other_machines_do_not_count_against_this_ones_memory(monkeypat
     shrunk = fit.settle(s, said.append, nproc=2, local=2)
     assert shrunk.engine.device_budget.nbytes < SIMULATED_DEVICE_BUDGET
     assert said[0].endswith("beside the host's copies of 2 ranks")
+
+
+@simulated_only
+def test_ranks_whose_state_does_not_fit_this_machine_each_get_a_host_budget(monkeypatch,
+                                                                           tmp_path):
+    """Two ranks with their devices chosen, on a machine short of half their chunk bytes:
+    each rank gets the same host budget, and its shard's rest goes to its own disk folder."""
+    def per_rank(host_budget: int | None):
+        return plan("opt-125m", device_mem="1GiB", host_mem=64 * GiB, precision="fp32",
+                    batch_size=2, seq_len=64, simulated=True, nproc=2,
+                    host_budget=host_budget, disk_dir=tmp_path)
+
+    roomy = per_rank(None).auto
+    room = roomy.machine_host_peak - roomy.host_model  # each rank short of half its chunks
+    monkeypatch.setattr(fit, "host_room", lambda ranks=1: room)
+    said: list[str] = []
+    s = fit.settle(ranks_settings("opt-125m", batch_size=2, device_budget="1GiB",
+                                  disk_dir=str(tmp_path)), said.append, nproc=2)
+    budget = s.engine.host_budget.nbytes
+    chosen = per_rank(budget).auto
+    assert chosen.fits and chosen.disk_bytes > 0 and chosen.machine_host_peak <= room
+    assert said[0].startswith(f"host budget {format_size(budget)} per rank: ")
+    assert f"of training state per rank goes to disk under {tmp_path}" in said[0]
 
 
 def _settle_as_rank(rank: int, store: str, out: str, rooms: list[int]) -> None:
