@@ -10,6 +10,9 @@ auto (a budget that holds the working set plus half the parameters), and cpu. On
 with CUDA everything runs on the GPU (the engine on a CudaDevice capped at those budgets);
 elsewhere on the simulated device.
 
+Every system's step is timed from the host with a device synchronize before and after it,
+so that no system's queued GPU work lands in the next one's time. The last line sums it up.
+
 `--uncounted` adds, for auto and cpu, a second engine whose non-model counter (the dispatch
 mode that sees every op's allocations, engine.step.non_model) is switched off after its
 traced step: the same placement at the same budget, so the difference between the two rows
@@ -41,25 +44,34 @@ class _Uncounted(NonModelCounter):
         return False
 
 
-def uncounted_step(eng: Engine, batch) -> float:
-    """One step of `eng`; after its first (traced) step its counter no longer counts."""
-    seconds = eng.step(batch).seconds
-    eng.runner.counter.__class__ = _Uncounted
-    return seconds
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-def plain_step(model, opt, batch) -> float:
+def timed(step) -> float:
+    """Seconds `step()` takes, the device idle before it starts and after it ends."""
+    synchronize()
     t0 = time.perf_counter()
+    step()
+    synchronize()
+    return time.perf_counter() - t0
+
+
+def uncounted_step(eng: Engine, batch) -> None:
+    """One step of `eng`; after its first (traced) step its counter no longer counts."""
+    eng.step(batch)
+    eng.runner.counter.__class__ = _Uncounted
+
+
+def plain_step(model, opt, batch) -> None:
     loss = model(**batch).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="opt-125m")
     ap.add_argument("--rounds", type=int, default=6)
@@ -70,7 +82,11 @@ def main() -> None:
                     help="torch threads (0: torch's default); 1 is steadier on a shared machine")
     ap.add_argument("--uncounted", action="store_true",
                     help="also auto and cpu with the non-model counter off after tracing")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the tiny model, one round: checks that it starts")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.model, args.rounds, args.warmup, args.seq_len = "tiny", 1, 1, 32
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -93,14 +109,15 @@ def main() -> None:
     plain = copy.deepcopy(base).to(device)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     systems = {
-        "plain": lambda b: plain_step(plain, opt, {k: v.to(device) for k, v in b.items()}),
+        "plain": lambda b: timed(
+            lambda: plain_step(plain, opt, {k: v.to(device) for k, v in b.items()})),
     }
     budgets = {"cuda": 64 * 2**30, "auto": working_set + payload // 2, "cpu": working_set * 2}
     engines = {}
     for policy, budget in budgets.items():
         eng = Engine(copy.deepcopy(base), EngineConfig(policy=policy, device_budget=budget))
         engines[policy] = eng
-        systems[policy] = lambda b, eng=eng: eng.step(b).seconds
+        systems[policy] = lambda b, eng=eng: timed(lambda: eng.step(b))
     if args.uncounted:
         for policy in ("auto", "cpu"):
             name = f"{policy}-nc"
@@ -108,7 +125,7 @@ def main() -> None:
             eng = Engine(copy.deepcopy(base),
                          EngineConfig(policy=policy, device_budget=budgets[policy]))
             engines[name] = eng
-            systems[name] = lambda b, eng=eng: uncounted_step(eng, b)
+            systems[name] = lambda b, eng=eng: timed(lambda: uncounted_step(eng, b))
     del base
 
     times: dict[str, list[float]] = {name: [] for name in systems}
@@ -133,6 +150,9 @@ def main() -> None:
         bytes_moved = format_size(moved[name]) if name in moved else "-"
         print(f"{name:<8}{budget:>12}{median:>10.3f}{median / base_median:>8.2f}"
               f"{bytes_moved:>13}")
+    print(f"{args.model} on {device}: plain {base_median:.3f} s/step; " + ", ".join(
+        f"{name} {statistics.median(values) / base_median:.2f}x"
+        for name, values in times.items() if name != "plain"))
 
 
 if __name__ == "__main__":

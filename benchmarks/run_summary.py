@@ -1,4 +1,5 @@
-"""One line about a headless run, from its `--metrics` JSONL: step time, MFU, bytes moved.
+"""One line about a headless run, from its `--metrics` JSONL: step time and its split,
+tokens/s, MFU, bytes moved.
 
     python benchmarks/run_summary.py runs/opt-1.3b.jsonl [--peak-tflops 989]
 
@@ -60,6 +61,8 @@ def read(path: str) -> tuple[dict, list[dict]]:
 def summary(header: dict, steps: list[dict], peak_flops: float | None, peak_note: str) -> str:
     later = steps[1:] or steps
     seconds = statistics.median(s["seconds"] for s in later)
+    split = ", ".join(f"{part} {statistics.median(s[part] for s in later):.3f}"
+                      for part in ("forward", "backward", "optimizer", "transfer"))
     tokens = statistics.median(s["tokens"] for s in later)
     h2d = statistics.median(s["bytes_h2d"] for s in later)
     d2h = statistics.median(s["bytes_d2h"] for s in later)
@@ -72,20 +75,24 @@ def summary(header: dict, steps: list[dict], peak_flops: float | None, peak_note
     else:
         mfu = "MFU N/A"
     timing = (f"{len(steps)} steps, {seconds:.2f} s/step after the first "
-              f"(first {steps[0]['seconds']:.1f} s)" if len(steps) > 1
-              else f"1 step, {seconds:.2f} s (tracing included)")
+              f"(first {steps[0]['seconds']:.1f} s; {split})" if len(steps) > 1
+              else f"1 step, {seconds:.2f} s (tracing included; {split})")
     return (f"{name} {engine.get('precision', '?')} under {format_size(steps[-1]['device_budget'])}"
             f": {timing}, {tokens / seconds:,.0f} tok/s, {mfu}, moved "
             f"{format_size(h2d + d2h)}/step (h2d {format_size(h2d)}, d2h {format_size(d2h)}), "
             f"device peak {format_size(device_peak)}, loss {steps[-1]['loss']:.3f}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("metrics")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the GPU's bf16 peak in TFLOP/s (default: measured here)")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true", help="check that it starts, and stop")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        print(f"run summary: would read {args.metrics}")
+        return 0
     header, steps = read(args.metrics)
     if not steps:
         print(f"{args.metrics}: no step recorded", file=sys.stderr)
