@@ -101,6 +101,27 @@ def _fsync_tree(folder: Path) -> None:
     _fsync(folder)
 
 
+def remove_unfinished(root: Path) -> None:
+    """Remove the temporary folders (`.step-N.tmp-PID`) of writers that are gone: a run
+    killed mid-checkpoint (kill -9, the machine's memory killer) leaves its folder, which
+    the next checkpoint written here removes. A folder whose PID still runs is kept: it may
+    be another run's checkpoint on its way."""
+    for folder in root.glob(".step-*.tmp-*"):
+        pid = folder.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it runs
+        return True
+    return True
+
+
 def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: Any,
                     step: int, *, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write the checkpoint after `step` under `settings.checkpoint.dir`; returns its folder.
@@ -118,6 +139,7 @@ def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
         return _save_ranks(engine, model, data, settings, step, shard_bytes)
     root = Path(settings.checkpoint.dir)
     root.mkdir(parents=True, exist_ok=True)
+    remove_unfinished(root)
     final = step_folder(root, step)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -200,6 +222,7 @@ def _save_ranks(engine: Any, model: torch.nn.Module, data: Any, settings: Any, s
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
+            remove_unfinished(root)
             tmp = root / f".{final.name}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 import time
@@ -134,7 +135,16 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
     run.steps(2)
     run.save()
     run.steps(2)
+    # What a writer killed mid-checkpoint left, and one still writing: the next save removes
+    # the first and keeps the second.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tmp_path / "ck" / f".step-000003.tmp-{dead.pid}"
+    writing = tmp_path / "ck" / f".step-000003.tmp-{os.getppid()}"
+    for folder in (left, writing):
+        (folder / "model").mkdir(parents=True)
     newest = run.save()
+    assert not left.exists() and writing.exists()
     (tmp_path / "ck" / "step-000009").mkdir()  # a folder with no manifest is not complete
     assert find_checkpoint(tmp_path / "ck") == newest
     with pytest.raises(CheckpointError, match="no checkpoint at"):
