@@ -4,6 +4,9 @@ one worker.
 It spawns one worker process per rank (tuitrain.worker.ProcessWorker), each told its place
 through torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT on this machine), so each joins the others as under `torchrun` (tuitrain.ranks).
+As torchrun's agent does, this process hosts the rendezvous store, listening on a port the
+system chose and held from the start (TORCHELASTIC_USE_AGENT_STORE: every rank connects to
+it): no port is picked, released and bound again, which another program could take between.
 Every rank has its own pair of pipes, so the death of any one is seen at once.
 
 - Events: rank 0's pass through as they are (its Started, Step, Log, answers, Finished); the
@@ -19,8 +22,8 @@ Every rank has its own pair of pipes, so the death of any one is seen at once.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -31,8 +34,11 @@ from tuitrain.settings import Settings
 from tuitrain.worker import ProcessWorker
 from tuitrain.worker_log import default_log_path
 
-# The rendezvous: rank 0 listens on this machine's loopback, on a port free at start.
+# The rendezvous: this process's store, on this machine's loopback.
 MASTER_ADDR = "127.0.0.1"
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # ranks connect to a store already there
+# How long a rank waits for the store (torch's default rendezvous timeout).
+STORE_TIMEOUT = datetime.timedelta(minutes=30)
 # Ranks share this machine's cores: one thread each unless the user chose (as tuitrain.launch).
 DEFAULT_THREADS = "1"
 # A rank's own report of a failure waits this long for the death of a peer that caused it
@@ -63,6 +69,7 @@ class DataParallelWorker:
         self.ranks: list[ProcessWorker] = []
         self.result: Finished | Failed | None = None
         self._failures: list[tuple[int, Failed, float]] = []  # (rank, failure, when seen)
+        self._store = None  # the rendezvous store, held while the ranks run
 
     # --- WorkerClient --------------------------------------------------------------------
 
@@ -70,7 +77,8 @@ class DataParallelWorker:
         """Spawn every rank; returns at once (rank 0 reports `Started` once all joined)."""
         if self.ranks:
             raise RuntimeError("these ranks were already started")
-        port = _free_port()
+        self._store = _rendezvous_store()
+        port = self._store.port
         threads = os.environ.get("OMP_NUM_THREADS", DEFAULT_THREADS)
         for rank in range(self.nproc):
             environment = {
@@ -79,6 +87,7 @@ class DataParallelWorker:
                 LOCAL_RANK_ENV: str(rank),
                 "MASTER_ADDR": MASTER_ADDR,
                 "MASTER_PORT": str(port),
+                AGENT_STORE_ENV: "True",
                 "OMP_NUM_THREADS": threads,
             }
             settings = self.settings
@@ -132,6 +141,7 @@ class DataParallelWorker:
         # Rank 0 first: it writes the outputs; the others end with it, or are ended.
         for worker in self.ranks:
             worker.stop(timeout)
+        self._store = None  # every rank has ended: the port is free again
 
     @property
     def alive(self) -> bool:
@@ -187,8 +197,9 @@ def _killed(failed: Failed) -> bool:
     return failed.exitcode is not None and failed.exitcode < 0
 
 
-def _free_port() -> int:
-    """A TCP port free on the loopback now, for rank 0's rendezvous store."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((MASTER_ADDR, 0))
-        return probe.getsockname()[1]
+def _rendezvous_store():
+    """A TCP store listening on the loopback, on a port the system chose (its `.port`)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(MASTER_ADDR, 0, is_master=True, wait_for_workers=False,
+                    timeout=STORE_TIMEOUT)
