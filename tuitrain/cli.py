@@ -364,6 +364,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     if args.nproc is not None and ranks.parallel:
         raise UsageError("--nproc starts the ranks itself; under torchrun leave it out")
+    if args.nproc is None and settings.training.nproc > 1 and not ranks.parallel:
+        args.nproc = str(settings.training.nproc)  # a preset saved from N ranks runs on N
     app_ranks = 1 if args.headless else _app_ranks(args, settings)
     if not args.headless and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("the app needs a terminal (this is not one); add --headless")
@@ -371,6 +373,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.headless:
         from tuitrain.tui.app import run_app
 
+        settings = settings.model_copy(  # what the app saves as a preset runs on as many
+            update={"training": settings.training.model_copy(update={"nproc": app_ranks})})
         return run_app(settings, nproc=app_ranks)
     if args.nproc is not None:
         status = _launch_ranks(args, settings)
@@ -433,6 +437,8 @@ def _save_after_run(
     if settings.logging.metrics is not None:
         measured = measure_metrics(Path(settings.logging.metrics).expanduser())
     command = run_command(str(path), headless=True, nproc=nproc)
+    settings = settings.model_copy(
+        update={"training": settings.training.model_copy(update={"nproc": nproc})})
     try:
         save_preset(settings, path, command=command, measured=measured, overwrite=overwrite)
     except FileExistsError:

@@ -130,6 +130,8 @@ class TrainingSettings(_Strict):
     # Held-out sequences per evaluation, fixed for the run: eval_batches steps' worth
     # (grad_accum x batch_size each), scored a micro-batch at a time.
     eval_batches: int = Field(8, gt=0)
+    # Data-parallel ranks on this machine (--nproc): a preset saved from N ranks runs on N.
+    nproc: int = Field(1, gt=0)
 
 
 class DataSettings(_Strict):

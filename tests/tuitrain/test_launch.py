@@ -70,3 +70,25 @@ def test_the_line_names_the_first_rank_how_it_ended_and_the_others():
         "rank 0 of 3 failed first (killed by SIGKILL); the other 2 ranks were stopped "
         "because of it")
     assert failure_line(2, 1, 3, 0) == "rank 2 of 3 failed (exit status 1)"
+
+
+def test_a_preset_saved_from_n_ranks_runs_on_n_ranks_without_nproc(tmp_path, monkeypatch):
+    from tuitrain import cli, launch
+
+    started: list[int] = []
+
+    def launched(nproc, argv, *, batch_size, err=None) -> int:  # the ranks, not started
+        started.append(nproc)
+        return 0
+
+    monkeypatch.setattr(launch, "launch", launched)
+    monkeypatch.setenv("TUITRAIN_CONFIG", str(tmp_path / "config"))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    preset = tmp_path / "p.yaml"
+    assert cli.main(["run", "tiny", "--headless", "--nproc", "2", "--batch-size", "4",
+                     "--steps", "1", "--save-preset", str(preset)]) == 0
+    assert cli.main(["run", "--preset", str(preset), "--headless"]) == 0
+    assert started == [2, 2]
+    assert cli.main(["run", "--preset", str(preset), "--headless", "--nproc", "1"]) == 0
+    assert started[-1] == 1  # --nproc given wins
