@@ -153,7 +153,7 @@ dry_start() {
     local log
     log=$(mktemp)
     if timeout 600 "${try[@]}" >"$log" 2>&1; then
-        echo "    starts: $(tail -n 1 "$log")"
+        echo "    starts: $(grep -v "^\s*$" "$log" | tail -n 1)"
     else
         echo "    FAIL to start: ${try[*]}"
         tail -n 15 "$log" | sed 's/^/    /'
