@@ -3,11 +3,15 @@ through torchrun's launcher API (torch.distributed.launcher), as `torchrun --sta
 --nproc-per-node N -m tuitrain run MODEL ...` would start them.
 
 Each rank is a `tuitrain run` of its own (tuitrain.ranks says what differs between them);
-this process only waits for them and turns their ending into one exit status.
+this process only waits for them and turns their ending into one exit status. What a rank
+leaves behind ends with the launch: on Linux this process adopts its ranks' orphans (a
+rank's worker that hangs, stopped or stuck, outlives the rank the launcher gave up on) and
+kills those still there once every rank has ended.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -21,6 +25,8 @@ from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from tuitrain.ranks import Ranks, failure_record
 
 MONITOR_SECONDS = 0.2  # how often the launcher looks at its ranks
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants become this process's children
+LEFTOVER_GRACE_SECONDS = 2.0
 
 
 def check_nproc(nproc: int) -> int:
@@ -82,6 +88,7 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
     agent = logging.getLogger("torch.distributed.elastic")
     level = agent.level
     agent.setLevel(logging.CRITICAL)
+    before = _children() if _adopt_orphans() else None
     try:
         elastic_launch(config, entry)(*prefix, "run", *argv)
     except ChildFailedError as error:
@@ -93,7 +100,42 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         return failure.exitcode if failure.exitcode > 0 else EXIT_FAILED
     finally:
         agent.setLevel(level)
+        if before is not None:
+            _end_leftovers(before)
     return 0
+
+
+def _adopt_orphans() -> bool:
+    """Make this process the subreaper of what it starts (Linux), so that a rank's worker
+    whose rank ended becomes its child instead of init's; False where that is not possible."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux
+        return False
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {child.pid for child in psutil.Process().children()}
+
+
+def _end_leftovers(before: set[int]) -> None:
+    """Reap the processes that became this process's children during the launch: the
+    ranks' orphans, which every rank having ended leaves with nothing to do. Those that do
+    not end by themselves within LEFTOVER_GRACE_SECONDS (a resource tracker finishing its
+    cleanup does) are killed: SIGKILL, since a stopped process ignores anything else."""
+    import psutil
+
+    left = [child for child in psutil.Process().children() if child.pid not in before]
+    _, left = psutil.wait_procs(left, timeout=LEFTOVER_GRACE_SECONDS)
+    for child in left:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(left, timeout=5)
 
 
 def first_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:

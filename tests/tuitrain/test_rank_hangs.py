@@ -4,7 +4,8 @@ operation they waited in and their rank, and the launcher names the rank that fa
 
 Through the real command: `tuitrain run tiny --nproc 2 --headless --collective-timeout 4`;
 once rank 0 has trained two steps, rank 1's worker gets SIGSTOP. Its connections stay open,
-so only the timeout can tell rank 0 that it is gone.
+so only the timeout can tell rank 0 that it is gone. The stopped worker does not outlive
+the launcher.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from test_rank_killed import worker_pid
 
@@ -76,14 +78,16 @@ def test_a_rank_that_hangs_fails_the_others_within_the_collective_timeout(tmp_pa
         stopped = time.monotonic()
         status = run.wait(timeout=EXIT_BOUND)
         ended = time.monotonic() - stopped
+        left = psutil.pid_exists(hung) and psutil.Process(hung).status() != "zombie"
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
-        if hung is not None:
+        if hung is not None and psutil.pid_exists(hung):
             os.kill(hung, signal.SIGKILL)  # a stopped process outlives its parent
     stderr = err.text()
     assert status == 1, stderr[-3000:]
+    assert not left, "the hung rank's worker outlived the launcher"
     failed = err.first(r"^training failed: ")
     assert failed is not None, stderr[-3000:]
     reported = failed[0] - stopped
