@@ -133,6 +133,8 @@ def run_case(case: Case, steps: int, batch_size: int, seq_len: int, context: int
 
 
 def line(row: dict) -> str:
+    if "error" in row:
+        return f"{row['case']} failed: {row['error'].splitlines()[0]}"
     if "oom" in row:
         return f"{row['case']} OOM at {row['oom']}"
     total = row["max_reserved"] + row["context"]
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             row = run_case(case, args.steps, args.batch_size, args.seq_len, context, cuda)
         except Exception as error:  # one case failing must not hide the others
-            row = {"case": case.name, "oom": f"start: {type(error).__name__}: {error}",
+            row = {"case": case.name, "error": f"{type(error).__name__}: {error}",
                    "held": False}
         print(json.dumps(row), flush=True)
         rows.append(row)
