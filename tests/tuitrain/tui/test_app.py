@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_started, fake_stats
 from tuitrain.events import (
     Checkpoint,
     Failed,
@@ -18,7 +19,6 @@ from tuitrain.events import (
     Started,
     Step,
 )
-from tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_started, fake_stats
 from tuitrain.settings import Settings
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.chunk_map import ChunkMap
