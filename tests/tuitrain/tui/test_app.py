@@ -448,6 +448,7 @@ async def test_a_worker_that_cannot_start_is_a_failure_on_screen():
         assert app.is_running
 
 
+@pytest.mark.alone
 async def test_a_burst_of_steps_is_drained_at_once_and_drawn_from_the_latest():
     app, fake = make_app([])
     async with app.run_test(size=SIZE) as pilot:
