@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,35 @@ from tuitrain.presets import CONFIG_ENV
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "cuda: runs on the real GPU (make_device's own choice) against GPU references")
+
+
+def _lock(path: Path, how: int, stack: ExitStack) -> None:
+    file = stack.enter_context(path.open("a"))
+    fcntl.flock(file, how)
+    stack.callback(fcntl.flock, file, fcntl.LOCK_UN)
+
+
+# tryfirst: outermost, so the wait for a turn is not counted in the test's own timeout.
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under pytest-xdist (`-n 2`), a test marked `alone` waits until the other worker's
+    test is done, and the other worker waits for it: a readers-writer lock over the
+    whole protocol, so that a module's fixtures (rank launches) count too. The gate lets
+    no new test in while an `alone` test waits, so it is not starved. One process
+    running every test needs none of this."""
+    if not hasattr(item.config, "workerinput"):
+        return (yield)
+    # Each worker's basetemp is a folder of the run's own: the locks live beside them.
+    run = Path(item.config.option.basetemp).parent
+    with ExitStack() as stack:
+        if item.get_closest_marker("alone") is not None:
+            _lock(run / "gate.lock", fcntl.LOCK_EX, stack)
+            _lock(run / "turn.lock", fcntl.LOCK_EX, stack)
+        else:
+            with ExitStack() as gate:
+                _lock(run / "gate.lock", fcntl.LOCK_SH, gate)
+                _lock(run / "turn.lock", fcntl.LOCK_SH, stack)
+        return (yield)
 
 
 @pytest.fixture(autouse=True)

@@ -11,19 +11,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FORBIDDEN = ("tuitrain", "textual", "textual_plotext")
 
 
-def test_import_linter_contracts_are_kept():
-    lint_imports = Path(sys.executable).parent / "lint-imports"
-    done = subprocess.run(
-        [str(lint_imports), "--config", str(REPO / "pyproject.toml"), "--no-cache"],
+@pytest.fixture(scope="module")
+def lint_imports() -> subprocess.CompletedProcess:
+    """One run of import-linter over every contract, which both contract tests read."""
+    command = Path(sys.executable).parent / "lint-imports"
+    return subprocess.run(
+        [str(command), "--config", str(REPO / "pyproject.toml"), "--no-cache"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=240,
     )
+
+
+def test_import_linter_contracts_are_kept(lint_imports):
+    done = lint_imports
     assert done.returncode == 0, done.stdout + done.stderr
     assert "engine stands alone: no tuitrain, no textual KEPT" in done.stdout
     assert "0 broken" in done.stdout
@@ -120,14 +128,7 @@ def test_no_module_of_tuitrain_imports_itself_round_a_circle():
     assert circles == [], "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
-def test_the_application_contracts_are_kept():
-    lint_imports = Path(sys.executable).parent / "lint-imports"
-    done = subprocess.run(
-        [str(lint_imports), "--config", str(REPO / "pyproject.toml"), "--no-cache"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+def test_the_application_contracts_are_kept(lint_imports):
+    done = lint_imports
     for contract in APPLICATION_CONTRACTS:
         assert f"{contract} KEPT" in done.stdout, done.stdout + done.stderr

@@ -1,7 +1,7 @@
 """The UI side of the worker channel: what the TUI and the headless runner talk to.
 
-Two implementations: ProcessWorker (tuitrain.worker, a real spawned process) and FakeWorker
-(tuitrain.fakeworker, scripted events for tests).
+Two implementations: ProcessWorker (tuitrain.worker, a real spawned process) and the tests'
+FakeWorker (tests/tuitrain/fakeworker.py, scripted events).
 """
 
 from __future__ import annotations

@@ -323,6 +323,7 @@ def test_the_default_corpus_is_the_standard_librarys_own_source():
     assert corpus.identity() == default_corpus().identity()
 
 
+@pytest.mark.alone
 def test_the_default_corpus_trains_tiny_and_starts_fast_the_second_time(monkeypatch):
     # Uses the session's shared cache: cold once per checkout, then from the cache.
     options = dict(model_name_or_path="tiny", vocab_limit=8192, batch_size=4, seq_len=128, seed=0)

@@ -272,6 +272,7 @@ def test_between_the_working_set_and_the_whole_model_auto_gets_a_margin_that_run
 # --- large models: seconds, nothing allocated -----------------------------------------------
 
 
+@pytest.mark.alone
 def test_opt_30b_is_planned_in_seconds_without_allocating():
     before = psutil.Process().memory_info().rss
     start = time.perf_counter()
@@ -338,6 +339,7 @@ engine = Engine(model, EngineConfig(policy=sys.argv[2], device_budget="6GiB",
 """ + STEPS_THEN_PEAK
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_the_host_peak_is_the_peak_resident_memory_of_a_fresh_training_process():
     """A fresh process, as the worker is: the runtime dominates tiny's host peak."""
@@ -355,6 +357,7 @@ def test_the_host_peak_is_the_peak_resident_memory_of_a_fresh_training_process()
     assert forecast.auto.host_peak == pytest.approx(peak, rel=0.10)
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.parametrize("policy", ["auto", "cpu"])
@@ -385,6 +388,7 @@ engine = Engine(model, EngineConfig(policy="cpu", device_budget="6GiB", precisio
 """ + STEPS_THEN_PEAK
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_the_host_peak_of_a_tied_llama_is_within_5_percent_with_the_heap_steady(tmp_path):
@@ -597,6 +601,7 @@ engine = Engine(model, EngineConfig(policy="cpu", device_budget="1GiB", precisio
 """ + STEPS_THEN_PEAK
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_a_host_budget_lowers_the_peak_resident_memory_by_what_the_plan_says(tmp_path,
                                                                               monkeypatch):

@@ -170,7 +170,7 @@ def _cmdline(process: psutil.Process) -> list[str]:
 
 
 def test_a_step_with_a_disk_tier_says_what_it_read_wrote_and_waited() -> None:
-    from tuitrain.fakeworker import GiB, fake_stats
+    from tests.tuitrain.fakeworker import GiB, fake_stats
     from tuitrain.headless import _Report
 
     def printed(stats) -> str:

@@ -123,6 +123,7 @@ def test_a_change_made_on_rank_0_is_applied_by_both_ranks_at_the_step_its_answer
     assert sorted(p.name.split("-")[0] for p in tmp_path.glob("rank*.log")) == ["rank0", "rank1"]
 
 
+@pytest.mark.alone
 def test_a_rank_killed_from_outside_is_a_failure_naming_it_and_the_other_rank_is_ended(tmp_path):
     worker = DataParallelWorker(settings=settings(tmp_path), nproc=2, log_dir=tmp_path)
     seen = Seen(worker)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from tests.tuitrain.fakeworker import GiB, MiB, fake_stats
 from tuitrain import trials as trials_module
-from tuitrain.fakeworker import GiB, MiB, fake_stats
 from tuitrain.metrics import latest_run
 from tuitrain.trials import (
     Setting,

@@ -239,6 +239,7 @@ def test_stop_finishes_writes_metrics_and_leaves_no_process(live: Watch) -> None
     assert worker.poll() == [Rejected(late, "the worker is not running")]
 
 
+@pytest.mark.alone
 def test_a_killed_worker_is_reported_within_a_second(tmp_path: Path) -> None:
     with ProcessWorker(settings=tiny_settings(), log_path=tmp_path / "worker.log") as worker:
         watch = Watch(worker)
@@ -260,6 +261,7 @@ def test_a_killed_worker_is_reported_within_a_second(tmp_path: Path) -> None:
     assert worker_children() == []
 
 
+@pytest.mark.alone
 def test_a_worker_whose_parent_dies_exits_too(tmp_path: Path) -> None:
     parent_program = textwrap.dedent(
         """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from textual.pilot import Pilot
 
+from tests.tuitrain.fakeworker import FakeWorker
 from tuitrain.events import Event
-from tuitrain.fakeworker import FakeWorker
 from tuitrain.settings import Settings
 from tuitrain.tui.app import TuitrainApp
 

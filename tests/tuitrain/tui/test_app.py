@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_started, fake_stats
 from tuitrain.events import (
     Checkpoint,
     Failed,
@@ -18,7 +19,6 @@ from tuitrain.events import (
     Started,
     Step,
 )
-from tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_started, fake_stats
 from tuitrain.settings import Settings
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.chunk_map import ChunkMap
@@ -448,6 +448,7 @@ async def test_a_worker_that_cannot_start_is_a_failure_on_screen():
         assert app.is_running
 
 
+@pytest.mark.alone
 async def test_a_burst_of_steps_is_drained_at_once_and_drawn_from_the_latest():
     app, fake = make_app([])
     async with app.run_test(size=SIZE) as pilot:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from tests.tuitrain.fakeworker import MiB, fake_run, fake_stats
 from tuitrain.events import Failed, RankStep, SetMargin, Step
-from tuitrain.fakeworker import MiB, fake_run, fake_stats
 from tuitrain.formatting import format_size
 from tuitrain.settings import Settings
 from tuitrain.tui.app import TuitrainApp

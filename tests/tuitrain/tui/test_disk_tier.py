@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tuitrain.fakeworker import GiB, fake_run, fake_stats
+from tests.tuitrain.fakeworker import GiB, fake_run, fake_stats
 from tuitrain.formatting import format_seconds, format_size
 from tuitrain.settings import Settings
 from tuitrain.tui.chunk_map import DISK, ChunkMap

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from tests.tuitrain.fakeworker import fake_run
 from tuitrain.events import Eval
-from tuitrain.fakeworker import fake_run
 from tuitrain.tui.step_panel import StepPanel
 
 from .helpers import SIZE, make_app, settle

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from tests.tuitrain.fakeworker import (
+    TENSORS_PER_CHUNK,
+    FakeWorker,
+    GiB,
+    fake_run,
+    fake_stats,
+    follow_settings,
+)
 from tuitrain.client import WorkerClient
 from tuitrain.events import (
     Applied,
@@ -20,14 +28,6 @@ from tuitrain.events import (
     Started,
     Step,
     Stop,
-)
-from tuitrain.fakeworker import (
-    TENSORS_PER_CHUNK,
-    FakeWorker,
-    GiB,
-    fake_run,
-    fake_stats,
-    follow_settings,
 )
 
 

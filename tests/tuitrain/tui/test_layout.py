@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from textual.widgets._footer import FooterKey
 
-from tuitrain.fakeworker import GiB, fake_run
+from tests.tuitrain.fakeworker import GiB, fake_run
 from tuitrain.settings import Settings
 from tuitrain.tui.fitting import Item, fit_line
 from tuitrain.tui.header import HeaderInfo, RunHeader, header_items, model_label

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tuitrain.fakeworker import fake_stats
+from tests.tuitrain.fakeworker import fake_stats
 from tuitrain.tui.measurements import RunMeter
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tuitrain.fakeworker import fake_run, fake_stats
 from tuitrain.events import Step
-from tuitrain.fakeworker import fake_run, fake_stats
 from tuitrain.presets import find_preset, load_preset, saved_dir
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.controls import Controls

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats, follow_settings
 from tuitrain.events import Step
-from tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats, follow_settings
 from tuitrain.settings import Settings
 from tuitrain.tui import memory_chart
 from tuitrain.tui.app import TuitrainApp

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from engine.telemetry import TimelinePoint
-from tuitrain.fakeworker import GiB, MiB, fake_run, fake_stats, fake_timeline
+from tests.tuitrain.fakeworker import GiB, MiB, fake_run, fake_stats, fake_timeline
 from tuitrain.formatting import format_size
 from tuitrain.tui.memory_chart import MemoryChart, chunk_peak
 from tuitrain.tui.step_timeline import StepTimeline, columns, module_label, timeline_chart

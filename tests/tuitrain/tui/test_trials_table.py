@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats, follow_settings
 from tuitrain.events import Failed, Step
-from tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats, follow_settings
 from tuitrain.formatting import format_size
 from tuitrain.presets import load_preset, saved_dir
 from tuitrain.settings import Settings
