@@ -365,10 +365,16 @@ class Engine:
             for chunk in self.chunks:
                 self.optimizer.discard(chunk)
             self._place()
+            capacity, shape = self.device.capacity(), "x".join(map(str, trace.shape))
+            # Below the working set no policy fits; above it, what this policy kept on the
+            # device plus the activations overran: say which, with the bytes that were needed.
+            what, need = ("the minimum working set", trace.working_set) if (
+                trace.working_set > capacity) else (
+                f"what policy {self.policy} keeps on the device plus activations",
+                capacity + overrun)
             raise BudgetTooSmall(
-                f"device budget {format_size(self.device.capacity())} is below the minimum "
-                f"working set {format_size(trace.working_set)} for batch shape "
-                f"{tuple(trace.shape)} (chunks in use plus activations)")
+                f"device budget {format_size(capacity)} is below {what}, {format_size(need)}, "
+                f"for batches of {shape} tokens")
         return True
 
     # --- the end ------------------------------------------------------------------------------
