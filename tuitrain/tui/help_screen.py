@@ -19,8 +19,10 @@ def help_table(views: tuple[View, ...] = (), shown: View | None = None) -> Table
     table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
     table.add_column(style="bold", justify="right", no_wrap=True)
     table.add_column()
-    for key in KEYS:
-        table.add_row(key.shown, key.help)
+    shown_keys: set[str] = set()
+    for key in KEYS:  # a key with two actions (space) reads as one row
+        table.add_row("" if key.shown in shown_keys else key.shown, key.help)
+        shown_keys.add(key.shown)
     table.add_row("ctrl+p", "command palette: the actions above that apply now, and:")
     for command in PALETTE_ONLY:
         table.add_row("", Text.assemble((command.title, "italic"), f": {command.help}"))
