@@ -109,6 +109,8 @@ class TuitrainApp(App[None]):
     #body.-compact.-view-trials #trials { width: 1fr; height: 1fr; }
     #body.-compact.-view-trials #controls { width: 1fr; height: 8; }
     #body.-compact.-view-step #middle { height: 10; }
+    #body.-compact.-view-run.-tall-step #middle { height: 12; }
+    #body.-compact.-view-step.-tall-step #middle { height: 12; }
     #body.-compact.-view-placement #side { width: 1fr; }
     #body.-compact.-view-log #log { height: 1fr; }
     Footer.-compact FooterLabel { margin: 0 1 0 0; }
@@ -363,7 +365,11 @@ class TuitrainApp(App[None]):
         self.query_one(RunHeader).show(**{**shown, **settings_fields(self.settings.engine)})
         self.query_one(StatesTable).show(stats.memory)
         self.query_one(ChunkMap).show(stats.memory.chunks)
-        self.query_one(StepPanel).redraw_breakdown()
+        step = self.query_one(StepPanel)
+        step.redraw_breakdown()
+        # A step with disk traffic or a held-out loss has more lines than a small screen's
+        # step panel: it takes two rows from the charts rather than cut its last lines.
+        self.query_one("#body").set_class(step.lines > 7, "-tall-step")
         self.query_one(StepTimeline).show(stats)
         self.query_one(TrialsTable).show(self.trial_book.rows(), self.trial_book.current)
         self.query_one(RanksTable).redraw()

@@ -53,7 +53,8 @@ class HelpScreen(ModalScreen[None]):
         border: round $primary;
         border-title-color: $text-primary;
         background: $surface;
-        padding: 1 2;
+        border-subtitle-color: $text-muted;
+        padding: 0 1;
     }
     HelpScreen #help-intro {
         margin-bottom: 1;
@@ -63,6 +64,7 @@ class HelpScreen(ModalScreen[None]):
         color: $text-muted;
     }
     """
+    CLOSING = "escape, ? or q closes"
 
     BINDINGS = [
         Binding("escape,question_mark,q", "close", "Close", show=False),
@@ -74,15 +76,21 @@ class HelpScreen(ModalScreen[None]):
         self.shown = shown
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll() as box:  # ↑ ↓ scroll it on a small screen
+        with VerticalScroll(id="help-box") as box:
             box.border_title = "Keys"
+            # On the frame, so that how to scroll and close is in sight at any size.
+            box.border_subtitle = f"↑ ↓ scroll · {self.CLOSING}"
             yield Static(
                 "Changes take effect between steps; each shows as pending until the worker\n"
                 "reports the step it was applied at.",
                 id="help-intro",
             )
             yield Static(help_table(self.views, self.shown), id="help-keys")
-            yield Static("escape, ? or q closes this screen", id="help-footer")
+            yield Static(f"{self.CLOSING} this screen", id="help-footer")
+
+    def on_mount(self) -> None:
+        # Focused at once: the arrows scroll it without a Tab first.
+        self.query_one("#help-box").focus()
 
     def action_close(self) -> None:
         self.dismiss(None)

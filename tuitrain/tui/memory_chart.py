@@ -28,7 +28,7 @@ from textual_plotext import PlotextPlot
 
 from engine.telemetry import StepStats
 from tuitrain.formatting import format_size
-from tuitrain.tui.axes import size_unit, step_ticks
+from tuitrain.tui.axes import size_unit, step_ticks, value_ticks
 from tuitrain.tui.downsample import downsample
 from tuitrain.tui.fitting import KEEP, Item, fit_line
 
@@ -174,7 +174,7 @@ class MemoryChart(Vertical):
         unit, _ = size_unit(max(last.device_peak, last.device_capacity))
         items = [
             _plain("device", style="bold"),
-            _plain(f"({unit})", style="dim", rank=1),  # the scale's, on the left of the plot
+            _plain(f"({unit})", style="dim"),  # the scale's, on the left: at every width
             _key(CHUNKS, f"chunks {estimated}{format_size(last.chunk_peak)}"),
             _key(OTHER, f"other {estimated}{format_size(last.other_at_peak)}"),
             _key(BUDGET, f"budget {format_size(last.device_capacity)}", rank=3),
@@ -192,7 +192,7 @@ class MemoryChart(Vertical):
         unit, _ = size_unit(max(engine, last.process_rss, last.disk_model if disk else 0))
         items = [
             _plain("host  ", style="bold"),
-            _plain(f"({unit})", style="dim", rank=1),
+            _plain(f"({unit})", style="dim"),
             _key(ENGINE_HOST, f"engine {format_size(engine)}"),
             # The kernel's high-water mark over the step where it has one (Linux).
             _key(RSS, f"peak RSS {format_size(last.process_rss)}" if last.rss_exact
@@ -217,6 +217,11 @@ class MemoryChart(Vertical):
         # Two braille dots per column: more points than that cost time and show nothing.
         xs, ys = downsample(steps, values, max(1, 2 * plot.size.width))
         plot.plt.plot(xs, ys, color=colour, marker="braille", fillx=fill)
+
+    @staticmethod
+    def _value_axis(plot: PlotextPlot, top: float) -> None:
+        ticks = value_ticks(top, plot.size.height)
+        plot.plt.yticks(ticks, [f"{t:g}" for t in ticks])
 
     def redraw(self) -> None:
         """Draw the recorded window; called at the screen's refresh rate, not per step."""
@@ -244,6 +249,7 @@ class MemoryChart(Vertical):
         else:
             plt.plot(steps, budget, color=BUDGET, marker="hd")
         plt.ylim(0, top / scale * 1.05)
+        self._value_axis(device, top / scale * 1.05)
         plt.xticks([])  # the host chart below labels the same steps: a row more for data
         device.refresh()
 
@@ -259,5 +265,6 @@ class MemoryChart(Vertical):
         if disk:
             self._series(host, steps, [v / scale for v in disk], DISK)
         plt.ylim(0, top / scale * 1.1)
+        self._value_axis(host, top / scale * 1.1)
         plt.xticks(ticks)
         host.refresh()
