@@ -194,9 +194,10 @@ class MemoryChart(Vertical):
             _plain("host  ", style="bold"),
             _plain(f"({unit})", style="dim"),
             _key(ENGINE_HOST, f"engine {format_size(engine)}"),
-            # The kernel's high-water mark over the step where it has one (Linux).
-            _key(RSS, f"peak RSS {format_size(last.process_rss)}" if last.rss_exact
-                 else f"RSS {format_size(last.process_rss)} (sampled)"),
+            # The kernel's high-water mark over the step where it has one (Linux), said in
+            # the border title; else a sample at the step's end, said here.
+            _key(RSS, f"RSS {format_size(last.process_rss)}"
+                 + ("" if last.rss_exact else " (sampled)")),
         ]
         if disk:
             items.append(_key(DISK, f"disk {format_size(last.disk_model)}"))
@@ -227,6 +228,8 @@ class MemoryChart(Vertical):
         """Draw the recorded window; called at the screen's refresh rate, not per step."""
         if not self.samples:
             return
+        exact = self.samples[-1].rss_exact
+        self.border_title = "Memory · host RSS: each step's peak" if exact else "Memory"
         self.query_one("#device-caption", Static).update(self.device_caption())
         self.query_one("#host-caption", Static).update(self.host_caption())
         samples = list(self.samples)
