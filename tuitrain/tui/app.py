@@ -234,6 +234,7 @@ class TuitrainApp(App[None]):
 
     def _start_worker(self) -> None:
         self.set_state("starting")
+        self.query_one(StepPanel).show_waiting("starting the worker…")  # seconds, on a busy CPU
         try:
             self.worker = start_worker(self.worker_factory, self.settings)
         except Exception as exc:  # whatever it was, the screen shows it and stays open
