@@ -40,8 +40,11 @@ def run_summary_lines(summary: dict, rows: list[Trial]) -> list[str]:
     peaks = []
     if summary.get("peak_device_bytes") is not None:
         peaks.append(f"peak device {format_size(summary['peak_device_bytes'])}")
-    if summary.get("peak_host_bytes") is not None:
-        peaks.append(f"peak host RSS {format_size(summary['peak_host_bytes'])}")
+    # The host peak the trials show (the highest step's), not the process's lifetime mark,
+    # so the summary and the table give one value.
+    host = max((t.process_rss for t in rows), default=summary.get("peak_host_bytes"))
+    if host is not None:
+        peaks.append(f"peak host RSS {format_size(host)}")
     if peaks:
         lines.append("  " + ", ".join(peaks))
     lines += summary_lines(rows)

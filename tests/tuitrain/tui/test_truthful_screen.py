@@ -9,6 +9,7 @@ from textual.widgets._footer import FooterKey
 
 from tuitrain.events import Finished, Log, Pause, Rejected, SetBudget
 from tuitrain.fakeworker import GiB, fake_run, fake_started
+from tuitrain.formatting import format_size
 from tuitrain.settings import Settings
 from tuitrain.trials import BEST_MIN_SETTLED
 from tuitrain.tui.controls import Controls
@@ -99,6 +100,8 @@ async def test_a_run_ends_with_its_summary_in_words_and_its_evaluation_beside_th
     assert "finished: 3 steps, 768 tokens in 113.56 s" in text
     assert "held-out loss 3.7140, perplexity 41.01 after step 3" in text
     assert "113.56255" not in text and "metrics None" not in text
+    rss = max(t.process_rss for t in app.trial_book.rows())
+    assert f"peak host RSS {format_size(rss)}" in text  # as the trials row has it
     assert step.evals[-1] == (3, 3.714)
 
 
