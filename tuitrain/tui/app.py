@@ -515,7 +515,7 @@ class TuitrainApp(App[None]):
         await asyncio.to_thread(self._stop_worker)
         self.query_one(FailurePanel).hide()
         self.query_one(LogPanel).shorten(False)
-        self.query_one(MemoryChart).samples.clear()
+        self.query_one(MemoryChart).reset()
         self.query_one(StepPanel).reset()
         self.query_one(StepTimeline).reset()
         self.query_one(TrialsTable).reset()

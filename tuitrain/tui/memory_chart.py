@@ -152,6 +152,15 @@ class MemoryChart(Vertical):
             )
         )
 
+    def reset(self) -> None:
+        """Forget the run shown (a restart begins a new one), its drawing too."""
+        self.samples.clear()
+        self.query_one("#device-caption", Static).update(self.device_caption())
+        self.query_one("#host-caption", Static).update(self.host_caption())
+        for plot in self.query(PlotextPlot):
+            plot.plt.clear_data()
+            plot.refresh()
+
     def engine_host_bytes(self, sample: MemorySample) -> int:
         """What the engine accounts for in this process's memory."""
         own = sample.host_model + sample.host_io_buffers

@@ -177,6 +177,10 @@ class StepPanel(Horizontal):
         self.evals.clear()
         self.latest = None
         self.redraw_breakdown()
+        plot = self.query_one(PlotextPlot)
+        plot.plt.clear_data()  # the curve of the run before is not this one's
+        plot.plt.title("loss")
+        plot.refresh()
 
     def show_waiting(self, message: str) -> None:
         """What the panel says until the first step arrives."""

@@ -15,6 +15,7 @@ from tuitrain.trials import BEST_MIN_SETTLED
 from tuitrain.tui.controls import Controls
 from tuitrain.tui.header import RunHeader
 from tuitrain.tui.log_panel import LogPanel
+from tuitrain.tui.memory_chart import MemoryChart
 from tuitrain.tui.step_panel import StepPanel
 from tuitrain.tui.trials_table import TrialsTable
 
@@ -128,6 +129,9 @@ async def test_the_header_rate_is_the_trials_row_in_force_and_a_restart_clears_i
         header = app.query_one(RunHeader).plain
         assert "tok/s" in header and f"{rate} tok/s" not in header
         assert "step 0/" in header
+        step = app.query_one(StepPanel)  # nothing of the run before is drawn
+        assert not step.losses and "loss 1" not in step.times_text
+        assert "waiting for the first step" in app.query_one(MemoryChart).device_caption().plain
 
 
 async def test_a_rejected_budget_is_listed_once_the_field_goes_back_and_no_default_is_named():
