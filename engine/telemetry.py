@@ -21,7 +21,7 @@ class MemorySnapshot:
     device_non_model_peak: int  # peak activation/workspace bytes on the device in the last step
     device_peak: int  # peak total device bytes in the last step
     host_model: int  # chunk bytes on the host now
-    process_rss: int
+    process_rss: int  # the last step's PEAK resident memory of this process, bytes
     # "device"/"host" (and "disk" when a host budget spills) -> TensorState -> parameters
     states: dict[str, dict[str, int]] = field(default_factory=dict)
     chunks: list[ChunkInfo] = field(default_factory=list)
@@ -30,6 +30,9 @@ class MemorySnapshot:
     # The scratch disk's sequential bandwidth, bytes/s, measured once when the tier opened.
     disk_read_bandwidth: float = 0.0
     disk_write_bandwidth: float = 0.0
+    # process_rss is the kernel's high-water mark over the step (Linux); False: a sample of
+    # the resident size at the step's end, where the kernel keeps no mark to reset.
+    process_rss_exact: bool = True
 
 
 @dataclass

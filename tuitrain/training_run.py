@@ -95,6 +95,10 @@ class TrainingRun:
         # Data parallel, rank 0: changes and checkpoints asked for since the last step
         # boundary, carried out by every rank at the next one.
         self.proposed: list[Command] = []
+        # Changes asked for before the first step, which nothing could check them against
+        # yet: answered once a step ran with them, or refused if it could not (_untried).
+        self.untried: list[tuple[int, str]] = []
+        self.settings_at_start: Any = None  # the engine's, before the first of those
 
     # --- the run -----------------------------------------------------------------------
 
@@ -185,6 +189,7 @@ class TrainingRun:
             self.engine.interrupt()
 
     def _train(self) -> None:
+        from engine.placement.rules import BudgetTooSmall
         from engine.step.engine import StepInterrupted
         from tuitrain.checkpoint import rng_states, set_rng_states
 
@@ -199,13 +204,21 @@ class TrainingRun:
             rng = rng_states()
             try:
                 stats = self.engine.step(next(batches))
-            except StepInterrupted as err:
+            except (StepInterrupted, BudgetTooSmall) as err:
+                if isinstance(err, BudgetTooSmall) and not self.untried:
+                    raise
                 if position is not None:
                     self.data.load_state_dict(position)
                     batches = self._batches()  # a fresh iterator, from the position restored
                 set_rng_states(rng)
-                self._say(f"{err}; nothing of it was kept", level="warning")
-                continue  # the Stop behind the interrupt ends the loop at the top
+                if isinstance(err, BudgetTooSmall):
+                    self._refuse_untried(str(err))  # and the step runs again without them
+                else:
+                    self._say(f"{err}; nothing of it was kept", level="warning")
+                continue  # the Stop behind an interrupt ends the loop at the top
+            for command_id, what in self.untried:
+                self._answer(Applied(command_id, stats.step, what))
+            self.untried.clear()
             ended = time.time()
             self._record(stats, ended)
             if self._evaluates_after(stats.step):
@@ -459,10 +472,26 @@ class TrainingRun:
         except ValueError as err:
             self._answer(Rejected(command.id, str(err)))
             return False
+        if self.steps_run == 0 and not self.ranks.parallel:
+            self.settings_at_start = self.settings_at_start or self.engine.settings
+            self.untried.append((command.id, what))
+            return True
         # The engine switches at the next step boundary: the next step is the first with it.
         self._answer(Applied(command.id, self.next_step, what))
         print(f"applied from step {self.next_step}: {what}", flush=True)
         return True
+
+    def _refuse_untried(self, reason: str) -> None:
+        """The first step could not run with the changes asked for before it: each is
+        refused, and the run goes back to the settings it started with."""
+        start = self.settings_at_start
+        self.engine.set_policy(start.policy)
+        self.engine.set_margin(start.margin_ratio)
+        self.engine.set_budget(start.device_budget)
+        for command_id, _ in self.untried:
+            self._answer(Rejected(command_id, f"{reason}; the run keeps its settings"))
+        self.untried.clear()
+        self._say(f"step {self.next_step} ran again with the settings it started with")
 
     def _stage(self, command: Command) -> str:
         """Hand a setting to the engine for the next step (ValueError: it refuses it)."""

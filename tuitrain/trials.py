@@ -8,7 +8,10 @@ appends them to the metrics file in the run's summary line.
 
 Which steps are timed: the first step of each stretch is left out (the run's first step
 records the chunk order; a step right after a change re-places chunks), so a trial's step
-time is the median of the steps that ran settled under it.
+time is the median of the steps that ran settled under it. These words are the same
+wherever a pace is shown (the app's header and table, the headless summary, a preset's
+header): "median of N settled steps", with its spread, and the best trial starred only once
+it has BEST_MIN_SETTLED of them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from tuitrain.metrics import MetricsWriter
 # Settled steps a trial keeps for its medians: its latest, so that a long run stays small and
 # a redraw stays cheap; the count of settled steps goes on.
 SAMPLES_KEPT = 1000
+# Settled steps a trial needs before it can be starred the fastest: with fewer, one step
+# that ran slow or quick (a page fault storm, another process) decides the ranking.
+BEST_MIN_SETTLED = 5
 
 
 @dataclass(frozen=True, order=True)
@@ -66,6 +72,9 @@ class Trial:
     last_step: int
     step_seconds: float | None
     tokens_per_second: float | None
+    # Half the interquartile range of the settled step times, as a share of their median
+    # (0.04: ±4%); None below two settled steps.
+    step_seconds_spread: float | None
     device_peak: int  # bytes, highest of its steps
     bytes_copied: int | None  # h2d + d2h per settled step, bytes
     process_rss: int  # host RSS, bytes, highest of its steps
@@ -95,15 +104,32 @@ class Trial:
         return f"{self.setting.describe()}: {describe_measurements(self)}"
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def format_spread(spread: float | None) -> str:
+    """A trial's spread as the screen writes it: ±4%; "" when there is none yet."""
+    return "" if spread is None else f"±{spread:.0%}"
+
+
+def describe_pace(trial: Trial) -> str:
+    """The trial's pace in the words every place uses: "1.23 s/step, 208 tok/s (median of
+    12 settled steps, ±4%)"; "no settled step yet" before there is one."""
+    if trial.step_seconds is None or trial.tokens_per_second is None:
+        return "no settled step yet"
+    spread = format_spread(trial.step_seconds_spread)
+    return (
+        f"{format_seconds(trial.step_seconds)}/step, {format_rate(trial.tokens_per_second)} "
+        f"tok/s (median of {plural(trial.settled_steps, 'settled step')}"
+        f"{', ' + spread if spread else ''})"
+    )
+
+
 def describe_measurements(trial: Trial) -> str:
-    """What a trial measured in words: 12 steps, 1.23 s/step (median), 208 tok/s, ..."""
-    parts = [f"{trial.steps} step{'s' if trial.steps != 1 else ''}"]
-    if trial.step_seconds is None:
-        parts.append("no settled step yet")
-    else:
-        parts.append(f"{format_seconds(trial.step_seconds)}/step (median)")
-    if trial.tokens_per_second is not None:
-        parts.append(f"{format_rate(trial.tokens_per_second)} tok/s")
+    """What a trial measured in words: 12 steps, 1.23 s/step, 208 tok/s (median of 11
+    settled steps, ±4%), device peak ..."""
+    parts = [plural(trial.steps, "step"), describe_pace(trial)]
     over = "" if trial.within_budget else " (over budget)"
     parts.append(f"device peak {format_size(trial.device_peak)}{over}")
     if trial.bytes_copied is not None:
@@ -179,6 +205,13 @@ def _median(values: deque) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _spread(values: deque) -> float | None:
+    if len(values) < 2:
+        return None
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / 2 / median if median > 0 else None
+
+
 def _trial(setting: Setting, tally: _Tally) -> Trial:
     copied = _median(tally.copied)
     return Trial(
@@ -191,6 +224,7 @@ def _trial(setting: Setting, tally: _Tally) -> Trial:
         last_step=tally.last_step,
         step_seconds=_median(tally.seconds),
         tokens_per_second=_median(tally.rates),
+        step_seconds_spread=_spread(tally.seconds),
         device_peak=tally.device_peak,
         bytes_copied=None if copied is None else int(copied),
         process_rss=tally.process_rss,
@@ -207,9 +241,13 @@ def trials(steps: Iterable[StepStats]) -> list[Trial]:
 
 
 def best_trial(rows: Iterable[Trial]) -> Trial | None:
-    """The fastest trial that stayed within its budget on every step; None when none did
-    (or none has a settled step yet). Fastest: most tokens/s, then the shortest step."""
-    candidates = [t for t in rows if t.within_budget and t.step_seconds is not None]
+    """The fastest trial that stayed within its budget on every step and has at least
+    BEST_MIN_SETTLED settled steps; None when none has. Fastest: most tokens/s (median),
+    then the shortest step."""
+    candidates = [
+        t for t in rows
+        if t.within_budget and t.step_seconds is not None and t.settled_steps >= BEST_MIN_SETTLED
+    ]
     if not candidates:
         return None
     return min(candidates, key=lambda t: (-(t.tokens_per_second or 0.0), t.step_seconds))
@@ -226,7 +264,10 @@ def summary_lines(rows: list[Trial]) -> list[str]:
     if not rows:
         return []
     best = best_trial(rows)
-    lines = ["  trials    one per setting, medians of settled steps; ★ fastest within budget"]
+    lines = [
+        "  trials    one per setting, medians of settled steps; "
+        f"★ fastest within budget over {BEST_MIN_SETTLED}+ settled steps"
+    ]
     for trial in rows:
         mark = "★" if best is not None and trial.setting == best.setting else " "
         lines.append(f"    {mark} {trial.describe()}")

@@ -1,4 +1,4 @@
-"""Giving freed host memory back to the operating system.
+"""Giving freed host memory back to the operating system, and measuring a step's peak of it.
 
 glibc serves a large allocation with a mapping of its own (returned to the system when it
 is freed) and a small one from its heap, which keeps freed memory for reuse. The line
@@ -31,6 +31,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+
+import psutil
 
 
 @functools.cache
@@ -68,3 +70,57 @@ def release_free_host_memory() -> bool:
     libc.malloc_trim(0)
     return True
 
+
+
+# The kernel's per-process high-water mark of resident memory: writing "5" to clear_refs
+# resets it to the current resident size (Linux 4.0+), and VmHWM in status reads it.
+CLEAR_REFS = "/proc/self/clear_refs"
+STATUS = "/proc/self/status"
+
+
+class PeakResident:
+    """This process's peak resident memory between `reset` and `read`.
+
+    Where the kernel keeps a high-water mark that can be reset (Linux), `read` gives the
+    true peak in between, so a block allocated and freed mid-step counts. Elsewhere, or
+    where /proc is not writable, it is a sample of the resident size when read, and
+    `exact` is False so that a screen can say so.
+    """
+
+    def __init__(self) -> None:
+        self.exact = self._reset_mark()
+
+    def reset(self) -> None:
+        """Start a new interval: the high-water mark drops to what is resident now."""
+        if self.exact:
+            self.exact = self._reset_mark()
+
+    def read(self) -> int:
+        """Bytes: the peak since `reset` (or a sample of now, where not `exact`)."""
+        if self.exact:
+            peak = _status_bytes("VmHWM")
+            if peak is not None:
+                return peak
+            self.exact = False
+        return psutil.Process().memory_info().rss
+
+    @staticmethod
+    def _reset_mark() -> bool:
+        try:
+            with open(CLEAR_REFS, "w") as f:
+                f.write("5")
+        except OSError:
+            return False
+        return _status_bytes("VmHWM") is not None
+
+
+def _status_bytes(field: str) -> int | None:
+    """A `field: N kB` line of /proc/self/status in bytes; None where there is none."""
+    try:
+        with open(STATUS) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

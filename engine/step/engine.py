@@ -19,7 +19,6 @@ import gc
 import time
 from collections.abc import Iterator
 
-import psutil
 import torch
 
 from engine.chunks import weights
@@ -28,7 +27,7 @@ from engine.chunks.state import TensorState
 from engine.config import EngineConfig, LiveSettings, describe_setting, format_size
 from engine.devices.device import ComputeDevice, make_device
 from engine.devices.disk import DiskTierError, default_disk_dir
-from engine.devices.host_memory import release_free_host_memory
+from engine.devices.host_memory import PeakResident, release_free_host_memory
 from engine.distributed import join
 from engine.placement import rules
 from engine.placement.policy import Policy
@@ -89,6 +88,8 @@ class Engine:
         self._pending: LiveSettings | None = None  # replaces settings at the next step
         self._last_non_model_peak = 0
         self._last_peak = 0
+        self._resident = PeakResident()  # reset as each step starts, read as it ends
+        self._last_rss_peak: int | None = None
         self.closed = False
 
         uses = first_uses(model)
@@ -233,6 +234,7 @@ class Engine:
         if self.closed:
             raise RuntimeError("this engine is closed")
         t_start = time.perf_counter()
+        self._resident.reset()
         if not self.manager.flight.active:
             self.manager.retry_disk()  # what a full disk left held, before anything changes
         self.manager.reset_counters()
@@ -286,6 +288,7 @@ class Engine:
         allocator_peak = self.device.allocator_peak()
         self._last_peak = allocator_peak if allocator_peak is not None else peak
         self._last_non_model_peak = non_model_peak
+        self._last_rss_peak = self._resident.read()
         return StepStats(
             step=self.step_count, loss=loss_value, tokens=tokens,
             micro_batches=len(parts), micro_losses=losses,
@@ -362,10 +365,16 @@ class Engine:
             for chunk in self.chunks:
                 self.optimizer.discard(chunk)
             self._place()
+            capacity, shape = self.device.capacity(), "x".join(map(str, trace.shape))
+            # Below the working set no policy fits; above it, what this policy kept on the
+            # device plus the activations overran: say which, with the bytes that were needed.
+            what, need = ("the minimum working set", trace.working_set) if (
+                trace.working_set > capacity) else (
+                f"what policy {self.policy} keeps on the device plus activations",
+                capacity + overrun)
             raise BudgetTooSmall(
-                f"device budget {format_size(self.device.capacity())} is below the minimum "
-                f"working set {format_size(trace.working_set)} for batch shape "
-                f"{tuple(trace.shape)} (chunks in use plus activations)")
+                f"device budget {format_size(capacity)} is below {what}, {format_size(need)}, "
+                f"for batches of {shape} tokens")
         return True
 
     # --- the end ------------------------------------------------------------------------------
@@ -424,7 +433,9 @@ class Engine:
         return MemorySnapshot(
             device_capacity=self.device.capacity(), device_model=self.manager.device_bytes,
             device_non_model_peak=self._last_non_model_peak, device_peak=self._last_peak,
-            host_model=self.manager.host_bytes, process_rss=psutil.Process().memory_info().rss,
+            host_model=self.manager.host_bytes, process_rss=(
+                self._resident.read() if self._last_rss_peak is None else self._last_rss_peak),
+            process_rss_exact=self._resident.exact,
             states=states, chunks=chunks, disk_model=self.manager.disk_bytes,
             host_io_buffers=self.manager.io_buffer_bytes,
             disk_write_bandwidth=bandwidth[0], disk_read_bandwidth=bandwidth[1])

@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from tests.tuitrain.fakeworker import GiB, MiB, fake_stats
 from tuitrain import trials as trials_module
 from tuitrain.metrics import latest_run
 from tuitrain.trials import (
+    BEST_MIN_SETTLED,
     Setting,
     TrialBook,
     append_summary,
@@ -43,6 +46,11 @@ def step(
         bytes_d2h=copied[1],
         applied=list(applied),
     )
+
+
+def settled(first: int, **kw) -> list:
+    """A trial's first step and BEST_MIN_SETTLED settled ones after it, enough for a star."""
+    return [step(n, **kw) for n in range(first, first + BEST_MIN_SETTLED + 1)]
 
 
 def test_one_row_per_setting_in_the_order_first_used_and_a_return_adds_to_its_row():
@@ -100,6 +108,25 @@ def test_a_setting_with_only_its_first_step_has_no_pace_yet():
     assert best_trial([only]) is None
 
 
+def test_a_trial_is_starred_only_once_it_has_enough_settled_steps():
+    few = [step(1), *(step(n, seconds=0.5) for n in range(2, BEST_MIN_SETTLED + 1))]
+    many = [step(n, policy="cpu", seconds=1.0) for n in range(10, 30)]
+    rows = trials(few + many)
+    assert rows[0].settled_steps == BEST_MIN_SETTLED - 1  # faster, but on too few steps
+    assert best_trial(rows).setting == Setting("cpu", 0.0, 6 * GiB)
+    rows = trials([*few, step(BEST_MIN_SETTLED + 1, seconds=0.5), *many])
+    assert best_trial(rows).setting == Setting("auto", 0.0, 6 * GiB)
+
+
+def test_a_trial_shows_its_spread_in_the_words_every_place_uses():
+    times = [9.0, 1.0, 1.0, 1.2, 0.8, 1.0]  # the first is not settled
+    (trial,) = trials([step(n, seconds=s) for n, s in enumerate(times, start=1)])
+    assert trial.step_seconds == 1.0 and trial.step_seconds_spread == pytest.approx(0.0)
+    (trial,) = trials([step(n, seconds=s) for n, s in enumerate([9, 1, 2, 3, 4, 5], start=1)])
+    assert trial.step_seconds == 3.0 and trial.step_seconds_spread == pytest.approx(1 / 3)
+    assert "3.00 s/step, 33 tok/s (median of 5 settled steps, ±33%)" in trial.describe()
+
+
 def test_peaks_are_the_highest_of_all_the_steps_and_one_step_over_the_budget_counts():
     rows = trials(
         [
@@ -117,14 +144,11 @@ def test_peaks_are_the_highest_of_all_the_steps_and_one_step_over_the_budget_cou
 def test_the_best_is_the_fastest_that_stayed_within_its_budget():
     rows = trials(
         [
-            step(1, policy="cuda", device_budget=3 * GiB),
-            step(2, policy="cuda", device_budget=3 * GiB, seconds=0.5, peak=8 * GiB),  # fastest
-            step(3, policy="cpu", device_budget=3 * GiB),
-            step(4, policy="cpu", device_budget=3 * GiB, seconds=2.0),
-            step(5, policy="auto", device_budget=3 * GiB),
-            step(6, policy="auto", device_budget=3 * GiB, seconds=1.5),
+            *settled(1, policy="cuda", device_budget=3 * GiB, seconds=0.5, peak=8 * GiB),
+            *settled(11, policy="cpu", device_budget=3 * GiB, seconds=2.0),
+            *settled(21, policy="auto", device_budget=3 * GiB, seconds=1.5),
         ]
-    )
+    )  # cuda is the fastest, over its budget
     assert best_trial(rows).setting == Setting("auto", 0.0, 3 * GiB)
     record = trials_record(rows)
     assert [r["best"] for r in record] == [False, False, True]
@@ -161,10 +185,12 @@ def test_a_trial_measures_what_a_preset_header_records():
 
 
 def test_summary_lines_mark_the_best():
-    rows = trials([step(1), step(2), step(3, policy="cpu"), step(4, policy="cpu", seconds=3.0)])
+    rows = trials([*settled(1), step(20, policy="cpu"), step(21, policy="cpu", seconds=3.0)])
     lines = summary_lines(rows)
     assert lines[0].startswith("  trials")
-    assert lines[1].startswith("    ★ auto, margin 0.00, budget 6.0 GiB: 2 steps, 1.00 s/step")
+    assert lines[1].startswith(
+        f"    ★ auto, margin 0.00, budget 6.0 GiB: {BEST_MIN_SETTLED + 1} steps, 1.00 s/step"
+    )
     assert lines[2].startswith("      cpu, margin 0.00")
     assert summary_lines([]) == []
 
@@ -172,7 +198,7 @@ def test_summary_lines_mark_the_best():
 def test_the_summary_line_appended_to_the_metrics_is_skipped_by_step_readers(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_text(json.dumps({"settings": {}}) + "\n" + json.dumps({"step": 1}) + "\n")
-    append_summary(path, {"steps": 1}, trials([step(1), step(2)]))
+    append_summary(path, {"steps": 1}, trials(settled(1)))
     last = json.loads(path.read_text().splitlines()[-1])
     assert last["summary"]["steps"] == 1
     assert last["summary"]["trials"][0]["policy"] == "auto"

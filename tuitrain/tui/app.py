@@ -39,8 +39,9 @@ from tuitrain.events import (
     Step,
 )
 from tuitrain.formatting import format_size
+from tuitrain.run_summary import run_summary_lines
 from tuitrain.settings import Settings, Size
-from tuitrain.trials import Trial, TrialBook, describe_measurements
+from tuitrain.trials import Trial, TrialBook
 from tuitrain.tui.changes import Value
 from tuitrain.tui.chunk_map import ChunkMap
 from tuitrain.tui.controls import Controls
@@ -50,7 +51,6 @@ from tuitrain.tui.help_screen import HelpScreen
 from tuitrain.tui.keys import KEYS, MARGIN_STEP, bindings, palette_commands
 from tuitrain.tui.layout import PANELS, View, closest_view, next_view, size_class, views_for
 from tuitrain.tui.log_panel import LogPanel
-from tuitrain.tui.measurements import RunMeter
 from tuitrain.tui.memory_chart import MemoryChart
 from tuitrain.tui.ranks_table import RanksTable
 from tuitrain.tui.save_dialog import PresetSaving
@@ -64,12 +64,14 @@ from tuitrain.tui.states_table import StatesTable
 from tuitrain.tui.steering import Steering
 from tuitrain.tui.step_panel import StepPanel
 from tuitrain.tui.step_timeline import StepTimeline
+from tuitrain.tui.trial_preset import save_summary, trial_settings
 from tuitrain.tui.trials_table import TrialsTable
 
 POLL_INTERVAL = 0.1  # seconds between drains of the worker's events
 PANEL_INTERVAL = 0.25  # numbers redraw at most 4 times a second, however fast steps come
 CHART_INTERVAL = 0.5  # charts cost the most to draw (plotext), so twice a second
 LIVE_STATES = ("starting", "running", "paused")
+ENDED_STATES = ("finished", "stopped", "failed")
 
 
 class TuitrainApp(App[None]):
@@ -92,7 +94,7 @@ class TuitrainApp(App[None]):
     #side { width: 52; }
     #middle { height: 2fr; min-height: 9; }
     #controls { width: 52; }
-    #trials { width: 80; }
+    #trials { width: 86; }
 
     #body.-standard.-view-tuning #trials { width: 1fr; }
     #body.-standard.-view-tuning #controls { width: 40; }
@@ -107,6 +109,8 @@ class TuitrainApp(App[None]):
     #body.-compact.-view-trials #trials { width: 1fr; height: 1fr; }
     #body.-compact.-view-trials #controls { width: 1fr; height: 8; }
     #body.-compact.-view-step #middle { height: 10; }
+    #body.-compact.-view-run.-tall-step #middle { height: 12; }
+    #body.-compact.-view-step.-tall-step #middle { height: 12; }
     #body.-compact.-view-placement #side { width: 1fr; }
     #body.-compact.-view-log #log { height: 1fr; }
     Footer.-compact FooterLabel { margin: 0 1 0 0; }
@@ -125,7 +129,6 @@ class TuitrainApp(App[None]):
         self.failure_at_quit: Failed | None = None  # how the run stood when the user quit
         self.finished: Finished | None = None
         self.steering = Steering(self.settings.engine, screen=self)
-        self.meter = RunMeter()
         self.trial_book = TrialBook()
         self.size_class = ""
         self.view: View | None = None
@@ -231,6 +234,7 @@ class TuitrainApp(App[None]):
 
     def _start_worker(self) -> None:
         self.set_state("starting")
+        self.query_one(StepPanel).show_waiting("starting the worker…")  # seconds, on a busy CPU
         try:
             self.worker = start_worker(self.worker_factory, self.settings)
         except Exception as exc:  # whatever it was, the screen shows it and stays open
@@ -250,6 +254,8 @@ class TuitrainApp(App[None]):
             events = [Failed(reason=f"lost contact with the worker: {exc}")]
         for event in events:
             self._handle(event)
+        if any(isinstance(e, Applied | Rejected) for e in events):
+            self.refresh_bindings()  # a pause asked for happened, or never will
         return len(events)
 
     def _handle(self, event: Event) -> None:
@@ -284,11 +290,8 @@ class TuitrainApp(App[None]):
         if event.device_budget is not None and self.settings.engine.device_budget is None:
             self.query_one(RunHeader).show(device_budget=event.device_budget)
             controls.show_default_budget(Size.of_bytes(event.device_budget))
-        if self.latest is None:
-            self.query_one(StepPanel).show_waiting(
-                "first step running: it also records the order the chunks are used in, "
-                "so it takes longer than the rest…"
-            )
+            self.steering.default_budget = format_size(event.device_budget)
+        self._show_waiting()
         where = f", log {event.log_path}" if event.log_path else ""
         self.add_log(f"started {event.model} on {event.device or 'N/A'} (pid {event.pid}{where})")
         if self.run_state == "starting":
@@ -299,7 +302,6 @@ class TuitrainApp(App[None]):
         self.latest = stats
         self.query_one(MemoryChart).record(stats)
         self.query_one(StepPanel).record(stats)
-        self.meter.record(stats)
         self.trial_book.record(stats)
         if self.started is not None and self.started.ranks > 1:
             self.query_one(RanksTable).record(0, stats)
@@ -317,6 +319,8 @@ class TuitrainApp(App[None]):
 
     def _on_log(self, event: Log) -> None:
         self.add_log(event.message, level=event.level)
+        if self.started is None:  # a start-up stage (building, preparing data): say it where
+            self.query_one(StepPanel).show_waiting(f"{event.message}…")  # every view shows
 
     def _on_failed(self, event: Failed) -> None:
         self.failure = event
@@ -331,9 +335,12 @@ class TuitrainApp(App[None]):
     def _on_finished(self, event: Finished) -> None:
         self.finished = event
         self.steering.forget_pending()
-        self.set_state("finished")
-        summary = ", ".join(f"{k} {v}" for k, v in event.summary.items())
-        self.add_log(f"finished: {summary}" if summary else "finished")
+        summary = event.summary
+        self.set_state("stopped" if summary.get("stopped") else "finished")
+        for line in run_summary_lines(summary, self.trial_book.rows()):
+            self.add_log(line)
+        if summary.get("eval_loss") is not None:  # beside the loss, not only in the log
+            self.query_one(StepPanel).record_eval(summary["eval_step"], summary["eval_loss"])
         self._panels_stale = self._charts_stale = True
 
     # --- drawing --------------------------------------------------------------------------
@@ -353,16 +360,27 @@ class TuitrainApp(App[None]):
         # first ran with them: the header shows what is in force, not what the last step had.
         shown = {
             "step": stats.step,
-            "tokens_per_s": self.meter.tokens_per_second,
+            "tokens_per_s": self._pace(),
             "device_budget": stats.device_budget,
         }
         self.query_one(RunHeader).show(**{**shown, **settings_fields(self.settings.engine)})
         self.query_one(StatesTable).show(stats.memory)
         self.query_one(ChunkMap).show(stats.memory.chunks)
-        self.query_one(StepPanel).redraw_breakdown()
+        step = self.query_one(StepPanel)
+        step.redraw_breakdown()
+        # A step with disk traffic or a held-out loss has more lines than a small screen's
+        # step panel: it takes two rows from the charts rather than cut its last lines.
+        self.query_one("#body").set_class(step.lines > 7, "-tall-step")
         self.query_one(StepTimeline).show(stats)
         self.query_one(TrialsTable).show(self.trial_book.rows(), self.trial_book.current)
         self.query_one(RanksTable).redraw()
+
+    def _pace(self) -> float | None:
+        """The header's tok/s: the setting in force's, as its trials row has it (median of
+        its settled steps), so the two never show one fact as two values."""
+        current = self.trial_book.current
+        row = next((t for t in self.trial_book.rows() if t.setting == current), None)
+        return row.tokens_per_second if row is not None else None
 
     def redraw_charts(self) -> None:
         """Redraw the memory and loss charts from their recorded windows, if a step arrived;
@@ -382,7 +400,20 @@ class TuitrainApp(App[None]):
         self.run_state = state
         self.steering.state_changed(state)
         self.query_one(RunHeader).show(state=state)
+        if self.started is not None:
+            self._show_waiting()
         self.refresh_bindings()
+
+    def _show_waiting(self) -> None:
+        """Before the first step, what the step panel says the run is doing."""
+        if self.run_state == "paused":
+            message = "paused before the first step: space resumes"
+        else:
+            message = (
+                "first step running: it also records the order the chunks are used in, "
+                "so it takes longer than the rest…"
+            )
+        self.query_one(StepPanel).show_waiting(message)  # a no-op once a step has come
 
     def add_log(self, message: str, *, level: str = "info", step: int | None = None) -> None:
         """A line in the log panel, at the latest step unless `step` is given."""
@@ -440,18 +471,18 @@ class TuitrainApp(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if self.screen.is_modal and action in {k.action for k in KEYS} | {"leave_field"}:
             return False  # a dialog is open: its keys, not the main screen's
-        if self.can_run(action):
-            return True
-        # Shown greyed out (None), except in a small footer, which has no room to spare.
-        return False if self.size_class == "compact" else None
+        # The footer offers only what works now: a key it shows does what it says.
+        return self.can_run(action)
 
     def can_run(self, action: str) -> bool:
         """Whether `action` makes sense in the run's state (the palette asks too, and it
         runs actions without the key bindings' check)."""
-        if action in ("toggle_pause", "checkpoint"):
-            return self.live  # nothing runs to pause or save
+        if action in ("pause", "resume"):  # the one the run is not in (or heading for)
+            return self.live and self.steering.want_paused == (action == "resume")
+        if action == "checkpoint":
+            return self.live and self.settings.checkpoint.dir is not None
         if action == "restart":
-            return not self.live  # a live run is steered, not restarted
+            return self.run_state in ENDED_STATES  # a live run is steered, not restarted
         return True
 
     def action_cycle_policy(self) -> None:
@@ -463,9 +494,15 @@ class TuitrainApp(App[None]):
     def action_margin_down(self) -> None:
         self.steering.move_margin(-MARGIN_STEP)
 
-    def action_toggle_pause(self) -> None:
-        if self.can_run("toggle_pause"):
+    def action_pause(self) -> None:
+        if self.can_run("pause"):
             self.steering.toggle_pause()
+            self.refresh_bindings()
+
+    def action_resume(self) -> None:
+        if self.can_run("resume"):
+            self.steering.toggle_pause()
+            self.refresh_bindings()
 
     def action_checkpoint(self) -> None:
         if self.can_run("checkpoint"):
@@ -478,14 +515,14 @@ class TuitrainApp(App[None]):
         await asyncio.to_thread(self._stop_worker)
         self.query_one(FailurePanel).hide()
         self.query_one(LogPanel).shorten(False)
-        self.query_one(MemoryChart).samples.clear()
+        self.query_one(MemoryChart).reset()
         self.query_one(StepPanel).reset()
         self.query_one(StepTimeline).reset()
         self.query_one(TrialsTable).reset()
         self.latest = self.failure = self.finished = self.started = None
         self._show_ranks()
-        self.meter.reset()
         self.trial_book.reset()
+        self.query_one(RunHeader).show(step=0, tokens_per_s=None)
         self.add_log(f"restarting {self.settings.model} with policy {self.settings.engine.policy}")
         self._start_worker()
 
@@ -543,53 +580,15 @@ class TuitrainApp(App[None]):
     def save_trial(self, trial: Trial | None) -> None:
         """Open the save dialog for `trial`'s settings and measurements (None: the settings
         in force, nothing measured yet)."""
-        if trial is None:
-            summary = f"{self._settings_line(self.settings)}\nno step yet: nothing measured"
-            self.saving.start(self.settings, None, summary=summary, nproc=self._nproc())
-            return
-        settings = self.trial_settings(trial)
-        when = (
-            "in force now"
-            if trial.setting == self.trial_book.current
-            else f"tried at steps {trial.first_step}-{trial.last_step}"
-        )
-        summary = (
-            f"{self._settings_line(settings)} ({when})\n"
-            f"measured: {describe_measurements(trial)}"
-        )
-        self.saving.start(settings, trial.measured(), summary=summary, nproc=self._nproc())
-
-    def _nproc(self) -> int:
-        """The ranks the run trains on (1 until it has started)."""
-        return self.started.ranks if self.started is not None else 1
-
-    def trial_settings(self, trial: Trial) -> Settings:
-        """The run's settings with `trial`'s policy, margin ratio and budget.
-
-        A budget the run took by default (none given) stays none when the trial ran under
-        it, so that a run of the preset takes the default of its own device."""
-        engine = self.settings.engine
         default = self.started.device_budget if self.started is not None else None
-        budget = engine.device_budget
-        if budget is None or budget.nbytes != trial.device_budget:
-            budget = None if trial.device_budget == default else Size.of_bytes(trial.device_budget)
-        engine = engine.model_copy(
-            update={
-                "policy": trial.policy,
-                "margin_ratio": trial.margin_ratio,
-                "device_budget": budget,
-            }
-        )
-        return self.settings.model_copy(update={"engine": engine})
-
-    def _settings_line(self, settings: Settings) -> str:
-        engine = settings.engine
-        # No budget in the settings is saved as none: a run of the preset takes the default
-        # for its own device, which is not always the one measured here.
-        budget = engine.device_budget or "default"
-        if engine.device_budget is None and self.started and self.started.device_budget:
-            budget += f" ({format_size(self.started.device_budget)} on this run)"
-        return f"policy {engine.policy} · margin {engine.margin_ratio:.2f} · budget {budget}"
+        settings = self.settings
+        if trial is not None:
+            settings = trial_settings(settings, trial, default_budget=default)
+        in_force = trial is not None and trial.setting == self.trial_book.current
+        summary = save_summary(settings, trial, in_force=in_force, default_budget=default)
+        measured = trial.measured() if trial is not None else None
+        nproc = self.started.ranks if self.started is not None else 1
+        self.saving.start(settings, measured, summary=summary, nproc=nproc)
 
     def _report_save(self, message: str, *, error: bool) -> None:
         self.query_one(Controls).show_message(message, error=error)

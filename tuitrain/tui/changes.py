@@ -25,10 +25,11 @@ DONE = {"pause": "paused", "resume": "resumed", "checkpoint": "checkpoint saved"
 Value = str | float | None
 
 
-def shown(setting: str, value: Value) -> str:
-    """A setting's value as the screen writes it: "cpu", "0.35", "4GiB", "default"."""
+def shown(setting: str, value: Value, *, default: str | None = None) -> str:
+    """A setting's value as the screen writes it: "cpu", "0.35", "4GiB"; a budget left to
+    the worker (None) as the `default` it chose ("6.0 GiB"), "default" until it says."""
     if value is None:
-        return "default"
+        return default or "default"
     if setting == "margin_ratio":
         return f"{float(value):.2f}"
     return str(value)
@@ -67,7 +68,8 @@ class Change:
             head = f"{head}: {self.old} → {self.new}"
         if self.status == "applied":
             if self.setting in DONE:
-                return f"{DONE[self.setting]} after step {self.step}"
+                after = f"after step {self.step}" if self.step else "before the first step"
+                return f"{DONE[self.setting]} {after}"
             return f"{head}, applied at step {self.step}"
         if self.status == "rejected":
             return f"{head}, rejected: {self.reason}"

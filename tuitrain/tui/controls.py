@@ -19,6 +19,7 @@ from textual.widgets import Input, Label, Select, Static
 from engine.placement.policy import Policy
 from tuitrain.settings import InvalidSettings, Size, check_engine_setting
 from tuitrain.tui.changes import Change
+from tuitrain.tui.fitting import wrap_at_separators
 
 STATUS_STYLES = {"pending": "yellow", "applied": "green", "rejected": "red"}
 
@@ -161,7 +162,9 @@ class Controls(Vertical):
         self.query_one("#changes", Static).update(Text("\n").join(lines))
 
     def show_message(self, message: str, *, error: bool = False) -> None:
-        text = Text(message, style="bold red" if error else "")
+        width = self.query_one("#control-message", Static).content_region.width
+        text = Text(wrap_at_separators(message, width or 10_000),
+                    style="bold red" if error else "")
         self.query_one("#control-message", Static).update(text)
 
     @property

@@ -3,6 +3,7 @@ first, some cut with an ellipsis instead, the essential ones never."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from rich.cells import cell_len
@@ -81,3 +82,25 @@ def _shrunk(item: Item, excess: int) -> Item:
     *head, (text, style) = item.parts
     room = keep - sum(cell_len(t) for t, _ in head)
     return replace(item, parts=(*head, (text[: max(0, room - 1)] + "…", style)))
+
+
+# A word, a path's part up to and with its separator, or a run of spaces.
+_PIECES = re.compile(r"[^\s/\\]*[/\\]|[^\s/\\]+|\s+")
+
+
+def wrap_at_separators(text: str, width: int) -> str:
+    """`text` broken into lines of at most `width` cells, between words or after a path's
+    separator, so a path reads `.../presets/` then `tiny-auto.yaml`, never `tiny-auto.yam`
+    then `l`. A piece longer than the width is left for the widget to fold."""
+    if width < 1:
+        return text
+    lines: list[str] = []
+    line = ""
+    for piece in _PIECES.findall(text):
+        if len(line) + len(piece.rstrip()) > width and line.strip():
+            lines.append(line.rstrip())
+            line = piece.lstrip()
+        else:
+            line += piece
+    lines.append(line.rstrip())
+    return "\n".join(lines)

@@ -18,6 +18,7 @@ STATE_STYLES = {
     "paused": "bold cyan",
     "stopping": "bold yellow",
     "failed": "bold red",
+    "stopped": "bold magenta",
     "finished": "bold blue",
 }
 WAITING_STATES = ("starting", "running", "paused")  # values not known yet may still come

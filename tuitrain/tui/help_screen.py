@@ -19,8 +19,10 @@ def help_table(views: tuple[View, ...] = (), shown: View | None = None) -> Table
     table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
     table.add_column(style="bold", justify="right", no_wrap=True)
     table.add_column()
-    for key in KEYS:
-        table.add_row(key.shown, key.help)
+    shown_keys: set[str] = set()
+    for key in KEYS:  # a key with two actions (space) reads as one row
+        table.add_row("" if key.shown in shown_keys else key.shown, key.help)
+        shown_keys.add(key.shown)
     table.add_row("ctrl+p", "command palette: the actions above that apply now, and:")
     for command in PALETTE_ONLY:
         table.add_row("", Text.assemble((command.title, "italic"), f": {command.help}"))
@@ -51,7 +53,8 @@ class HelpScreen(ModalScreen[None]):
         border: round $primary;
         border-title-color: $text-primary;
         background: $surface;
-        padding: 1 2;
+        border-subtitle-color: $text-muted;
+        padding: 0 1;
     }
     HelpScreen #help-intro {
         margin-bottom: 1;
@@ -61,6 +64,7 @@ class HelpScreen(ModalScreen[None]):
         color: $text-muted;
     }
     """
+    CLOSING = "escape, ? or q closes"
 
     BINDINGS = [
         Binding("escape,question_mark,q", "close", "Close", show=False),
@@ -72,15 +76,21 @@ class HelpScreen(ModalScreen[None]):
         self.shown = shown
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll() as box:  # ↑ ↓ scroll it on a small screen
+        with VerticalScroll(id="help-box") as box:
             box.border_title = "Keys"
+            # On the frame, so that how to scroll and close is in sight at any size.
+            box.border_subtitle = f"↑ ↓ scroll · {self.CLOSING}"
             yield Static(
                 "Changes take effect between steps; each shows as pending until the worker\n"
                 "reports the step it was applied at.",
                 id="help-intro",
             )
             yield Static(help_table(self.views, self.shown), id="help-keys")
-            yield Static("escape, ? or q closes this screen", id="help-footer")
+            yield Static(f"{self.CLOSING} this screen", id="help-footer")
+
+    def on_mount(self) -> None:
+        # Focused at once: the arrows scroll it without a Tab first.
+        self.query_one("#help-box").focus()
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -25,6 +25,9 @@ class KeyAction:
     title: str  # in the command palette
     short: str  # in the footer, where 120 columns hold them all
     help: str  # one line in the help screen
+    # A second key for the same action, bound with priority so that a focused field cannot
+    # take it (ctrl+c would copy), named in the help screen but not in the footer.
+    also: str = ""
 
 
 # A table: one key per block reads better than the formatter's one field per line.
@@ -44,9 +47,14 @@ KEYS: tuple[KeyAction, ...] = (
         short="Margin-",
         help=f"lower the margin ratio by {MARGIN_STEP:g} (down to {MARGIN_RATIO_MIN:g})",
     ),
+    # One key, two actions: the footer and the palette offer the one the run's state allows.
     KeyAction(
-        key="space", shown="space", action="toggle_pause", title="Pause / resume", short="Pause",
-        help="pause training after the current step, or resume it",
+        key="space", shown="space", action="pause", title="Pause", short="Pause",
+        help="pause training after the current step",
+    ),
+    KeyAction(
+        key="space", shown="space", action="resume", title="Resume", short="Resume",
+        help="resume a paused run",
     ),
     KeyAction(
         key="s", shown="s", action="save_preset", title="Save preset", short="Save",
@@ -55,7 +63,7 @@ KEYS: tuple[KeyAction, ...] = (
     ),
     KeyAction(
         key="r", shown="r", action="restart", title="Restart run", short="Restart",
-        help="run again with the current settings, once the run failed or finished",
+        help="run again with the current settings, once the run has ended",
     ),
     KeyAction(
         key="v", shown="v", action="next_view", title="Next view", short="View",
@@ -67,7 +75,7 @@ KEYS: tuple[KeyAction, ...] = (
     ),
     KeyAction(
         key="q", shown="q", action="quit", title="Quit", short="Quit",
-        help="stop the worker cleanly and quit",
+        help="stop the worker cleanly and quit (ctrl+c too)", also="ctrl+c",
     ),
 )
 
@@ -75,14 +83,15 @@ KEYS: tuple[KeyAction, ...] = (
 PALETTE_ONLY: tuple[KeyAction, ...] = (
     KeyAction(
         key="", shown="", action="checkpoint", title="Save checkpoint", short="Checkpoint",
-        help="ask the worker to write a checkpoint now",
+        help="ask the worker to write a checkpoint now (a run with --checkpoint-dir)",
     ),
 )
 # fmt: on
 
 
 def bindings() -> list[Binding]:
-    """The app's bindings: one per key, and escape to leave a field."""
+    """The app's bindings: one per key and action, the second keys, and escape to leave a
+    field."""
     return [
         # space is a priority so that a focused select or button cannot swallow it; fields
         # that type spaces still get it (Textual skips keys a focused input consumes).
@@ -95,6 +104,8 @@ def bindings() -> list[Binding]:
             group=MARGIN_GROUP if k.action.startswith("margin_") else None,
         )
         for k in KEYS
+    ] + [
+        Binding(k.also, k.action, k.short, show=False, priority=True) for k in KEYS if k.also
     ] + [Binding("escape", "leave_field", "Leave field", show=False)]
 
 

@@ -1,14 +1,17 @@
 """MemoryChart: device and host memory over the last steps, drawn with plotext.
 
-Device, per step, stacked: the peak of chunk bytes on the device (parameters, gradients,
-optimizer state: what the placement decides) and on top of it the peak of everything else
-(activations, workspace), against the budget line. Between steps the chunks may all be
-back on the host (cpu, or auto with no margin), so what the device held *during* the step
-is what is drawn: from the step's timeline when the engine reports one, else estimated
-from its peaks. Host: the bytes the engine keeps there (its chunks and the disk tier's
-I/O buffers; on the simulated device, its device bytes too, which live in this process) and
-the process's RSS above them; the gap is memory the engine does not account for. Under a
-host budget that sends chunks to disk, the bytes on disk are a third line there.
+Device, per step, stacked: at the moment of the step's peak, the chunk bytes on the device
+(parameters, gradients, optimizer state: what the placement decides) and on top of them
+everything else (activations, workspace), against the budget line. Both parts are taken at
+that one moment, so the stack is the peak and never a total that did not happen (the
+non-model peak alone can come at another moment, with fewer chunks beside it). Between
+steps the chunks may all be back on the host (cpu, or auto with no margin), so what the
+device held *during* the step is what is drawn: from the step's timeline when the engine
+reports one, else estimated from its peaks. Host: the bytes the engine keeps there (its
+chunks and the disk tier's I/O buffers; on the simulated device, its device bytes too,
+which live in this process) and the process's peak RSS in the step above them; the gap is
+memory the engine does not account for. Under a host budget that sends chunks to disk, the
+bytes on disk are a third line there.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from textual_plotext import PlotextPlot
 
 from engine.telemetry import StepStats
 from tuitrain.formatting import format_size
-from tuitrain.tui.axes import size_unit, step_ticks
+from tuitrain.tui.axes import size_unit, step_ticks, value_ticks
 from tuitrain.tui.downsample import downsample
 from tuitrain.tui.fitting import KEEP, Item, fit_line
 
@@ -46,8 +49,8 @@ CAPTION_SEPS = ("  ", " ")
 class MemorySample(NamedTuple):
     step: int
     chunk_peak: int  # chunk bytes on the device at the step's peak
-    non_model_peak: int  # everything else on the device at its highest in the step
-    device_peak: int  # all device bytes at their highest (not always the sum of the two)
+    other_at_peak: int  # everything else on the device at that same moment
+    device_peak: int  # all device bytes at their highest
     device_capacity: int
     estimated: bool  # no timeline: chunk_peak is estimated from the step's peaks
     host_model: int  # chunk bytes on the host after the step
@@ -55,20 +58,23 @@ class MemorySample(NamedTuple):
     process_rss: int
     host_io_buffers: int = 0  # the disk tier's buffers on the host
     disk_model: int = 0  # chunk bytes in the scratch folder after the step
+    rss_exact: bool = True  # process_rss is the step's peak, not a sample at its end
 
 
-def chunk_peak(stats: StepStats) -> tuple[int, bool]:
-    """The chunk bytes on the device at the step's peak, and whether it is estimated.
+def peak_split(stats: StepStats) -> tuple[int, int, bool]:
+    """The device bytes at the step's peak, split: chunks, everything else, and whether the
+    split is estimated.
 
-    From the timeline when there is one: its highest interval's split, so that chunks and
-    everything else stack up to the device peak. Else the more of what stayed on the device
-    after the step and what the total peak leaves beside the non-model peak."""
+    From the timeline when there is one: its highest interval's split, whose sum is that
+    peak. Else the chunks are the more of what stayed on the device after the step and what
+    the peak leaves beside the non-model peak, and the rest of the peak is the other part."""
     if stats.timeline:
         top = max(stats.timeline, key=lambda p: p.model_bytes + p.non_model_bytes)
-        return top.model_bytes, False
+        return top.model_bytes, top.non_model_bytes, False
     memory = stats.memory
-    estimate = max(memory.device_model, memory.device_peak - memory.device_non_model_peak)
-    return max(0, estimate), True
+    chunks = max(0, memory.device_model, memory.device_peak - memory.device_non_model_peak)
+    chunks = min(chunks, memory.device_peak)
+    return chunks, memory.device_peak - chunks, True
 
 
 def host_total_bytes() -> int | None:
@@ -128,12 +134,12 @@ class MemoryChart(Vertical):
     def record(self, stats: StepStats) -> None:
         """Keep one step's numbers; cheap, so every step can be recorded."""
         mem = stats.memory
-        chunks, estimated = chunk_peak(stats)
+        chunks, other, estimated = peak_split(stats)
         self.samples.append(
             MemorySample(
                 step=stats.step,
                 chunk_peak=chunks,
-                non_model_peak=mem.device_non_model_peak,
+                other_at_peak=other,
                 device_peak=mem.device_peak,
                 device_capacity=mem.device_capacity,
                 estimated=estimated,
@@ -142,8 +148,18 @@ class MemoryChart(Vertical):
                 process_rss=mem.process_rss,
                 host_io_buffers=mem.host_io_buffers,
                 disk_model=mem.disk_model,
+                rss_exact=mem.process_rss_exact,
             )
         )
+
+    def reset(self) -> None:
+        """Forget the run shown (a restart begins a new one), its drawing too."""
+        self.samples.clear()
+        self.query_one("#device-caption", Static).update(self.device_caption())
+        self.query_one("#host-caption", Static).update(self.host_caption())
+        for plot in self.query(PlotextPlot):
+            plot.plt.clear_data()
+            plot.refresh()
 
     def engine_host_bytes(self, sample: MemorySample) -> int:
         """What the engine accounts for in this process's memory."""
@@ -162,14 +178,14 @@ class MemoryChart(Vertical):
         if not self.samples:
             return Text("device: waiting for the first step…")
         last = self.samples[-1]
-        estimated = "≈" if last.estimated else ""  # no timeline: see chunk_peak
+        estimated = "≈" if last.estimated else ""  # no timeline: see peak_split
         over = last.device_peak > last.device_capacity
         unit, _ = size_unit(max(last.device_peak, last.device_capacity))
         items = [
             _plain("device", style="bold"),
-            _plain(f"({unit})", style="dim", rank=1),  # the scale's, on the left of the plot
+            _plain(f"({unit})", style="dim"),  # the scale's, on the left: at every width
             _key(CHUNKS, f"chunks {estimated}{format_size(last.chunk_peak)}"),
-            _key(OTHER, f"other {format_size(last.non_model_peak)}"),
+            _key(OTHER, f"other {estimated}{format_size(last.other_at_peak)}"),
             _key(BUDGET, f"budget {format_size(last.device_capacity)}", rank=3),
             _plain(f"peak {format_size(last.device_peak)}", style="red" if over else "", rank=2),
         ]
@@ -185,9 +201,12 @@ class MemoryChart(Vertical):
         unit, _ = size_unit(max(engine, last.process_rss, last.disk_model if disk else 0))
         items = [
             _plain("host  ", style="bold"),
-            _plain(f"({unit})", style="dim", rank=1),
+            _plain(f"({unit})", style="dim"),
             _key(ENGINE_HOST, f"engine {format_size(engine)}"),
-            _key(RSS, f"RSS {format_size(last.process_rss)}"),
+            # The kernel's high-water mark over the step where it has one (Linux), said in
+            # the border title; else a sample at the step's end, said here.
+            _key(RSS, f"RSS {format_size(last.process_rss)}"
+                 + ("" if last.rss_exact else " (sampled)")),
         ]
         if disk:
             items.append(_key(DISK, f"disk {format_size(last.disk_model)}"))
@@ -209,17 +228,24 @@ class MemoryChart(Vertical):
         xs, ys = downsample(steps, values, max(1, 2 * plot.size.width))
         plot.plt.plot(xs, ys, color=colour, marker="braille", fillx=fill)
 
+    @staticmethod
+    def _value_axis(plot: PlotextPlot, top: float) -> None:
+        ticks = value_ticks(top, plot.size.height)
+        plot.plt.yticks(ticks, [f"{t:g}" for t in ticks])
+
     def redraw(self) -> None:
         """Draw the recorded window; called at the screen's refresh rate, not per step."""
         if not self.samples:
             return
+        exact = self.samples[-1].rss_exact
+        self.border_title = "Memory · host RSS: each step's peak" if exact else "Memory"
         self.query_one("#device-caption", Static).update(self.device_caption())
         self.query_one("#host-caption", Static).update(self.host_caption())
         samples = list(self.samples)
         steps = [s.step for s in samples]
         ticks = step_ticks(steps)
 
-        stacked = [s.chunk_peak + s.non_model_peak for s in samples]
+        stacked = [s.chunk_peak + s.other_at_peak for s in samples]
         top = max(max(stacked), max(s.device_peak for s in samples))
         top = max(top, max(s.device_capacity for s in samples))
         _, scale = size_unit(top)
@@ -235,6 +261,7 @@ class MemoryChart(Vertical):
         else:
             plt.plot(steps, budget, color=BUDGET, marker="hd")
         plt.ylim(0, top / scale * 1.05)
+        self._value_axis(device, top / scale * 1.05)
         plt.xticks([])  # the host chart below labels the same steps: a row more for data
         device.refresh()
 
@@ -250,5 +277,6 @@ class MemoryChart(Vertical):
         if disk:
             self._series(host, steps, [v / scale for v in disk], DISK)
         plt.ylim(0, top / scale * 1.1)
+        self._value_axis(host, top / scale * 1.1)
         plt.xticks(ticks)
         host.refresh()

@@ -68,6 +68,7 @@ class Steering:
         self.in_force: dict[str, Value] = {name: getattr(engine, name) for name in SETTINGS}
         self.target: dict[str, Value] = dict(self.in_force)
         self.want_paused = False
+        self.default_budget: str | None = None  # the budget the worker chose, as shown
 
     # --- requests -------------------------------------------------------------------------
 
@@ -77,7 +78,7 @@ class Steering:
         With a live worker this sends the command and shows the change as pending; with
         none (failed or finished) it changes the settings the next restart will use.
         """
-        old, new = shown(setting, self.target[setting]), shown(setting, value)
+        old, new = self.shown(setting, self.target[setting]), self.shown(setting, value)
         self.screen.controls.show_message("")
         if not self.screen.live:
             self.in_force[setting] = self.target[setting] = value
@@ -155,8 +156,9 @@ class Steering:
             self.show_targets()
         elif change.setting in ("pause", "resume"):
             self.want_paused = self.screen.run_state == "paused"
+        # Listed once, in red among the changes (and in the log); the field shows what is
+        # in force again.
         self.screen.add_log(change.describe(), level="warning")
-        self.screen.controls.show_message(change.describe(), error=True)
         self.show_changes()
 
     def forget_pending(self) -> None:
@@ -169,10 +171,14 @@ class Steering:
     def show_changes(self) -> None:
         self.screen.controls.show_changes(self.changes.lines())
 
+    def shown(self, setting: str, value: Value) -> str:
+        return shown(setting, value, default=self.default_budget)
+
     def show_targets(self) -> None:
         device_budget = self.target["device_budget"]
         self.screen.controls.set_values(
             policy=str(self.target["policy"]),
             margin_ratio=float(self.target["margin_ratio"]),
-            device_budget=str(device_budget) if device_budget is not None else None,
+            # Empty: the field's placeholder shows the budget the worker chose.
+            device_budget=str(device_budget) if device_budget is not None else "",
         )

@@ -62,10 +62,13 @@ def disk_lines(stats: StepStats) -> list[Text]:
     ]
 
 
-def step_breakdown(stats: StepStats | None) -> Text:
-    """The time split as a small table with bars, the bytes moved each way (and to and from
-    the disk when the run has one), and the peak of non-model data (activations, workspace)
-    on the device."""
+def step_breakdown(stats: StepStats | None, held_out: tuple[int, float] | None = None) -> Text:
+    """The step's loss (and the latest held-out loss), the time split as a small table with
+    bars, the bytes moved each way (and to and from the disk when the run has one), and the
+    peak of non-model data (activations, workspace) on the device.
+
+    The loss is the first line, so that a small screen, which has no room for the curve,
+    still shows it."""
     if stats is None:
         return Text("waiting for the first step…", style="dim")
     total = stats.seconds if stats.seconds > 0 else 1.0
@@ -75,10 +78,14 @@ def step_breakdown(stats: StepStats | None) -> Text:
             (str(stats.step), "bold"),
             ("  took ", "dim"),
             (format_seconds(stats.seconds), "bold"),
-            ("  tokens ", "dim"),
-            (f"{stats.tokens:,}", "bold"),
+            ("  loss ", "dim"),
+            (f"{stats.loss:.4f}", "bold cyan"),
         )
     ]
+    if held_out is not None:
+        lines.append(Text.assemble(
+            ("held-out loss ", "dim"), (f"{held_out[1]:.4f}", "bold"),
+            (f" after step {held_out[0]}", "dim")))
     for name, colour in PHASES:
         seconds = getattr(stats, name)
         share = seconds / total
@@ -170,6 +177,10 @@ class StepPanel(Horizontal):
         self.evals.clear()
         self.latest = None
         self.redraw_breakdown()
+        plot = self.query_one(PlotextPlot)
+        plot.plt.clear_data()  # the curve of the run before is not this one's
+        plot.plt.title("loss")
+        plot.refresh()
 
     def show_waiting(self, message: str) -> None:
         """What the panel says until the first step arrives."""
@@ -178,7 +189,14 @@ class StepPanel(Horizontal):
 
     def redraw_breakdown(self) -> None:
         """Draw the latest step's split; cheap."""
-        self.query_one("#step-times", Static).update(step_breakdown(self.latest))
+        held_out = self.evals[-1] if self.evals else None
+        self.query_one("#step-times", Static).update(step_breakdown(self.latest, held_out))
+
+    @property
+    def lines(self) -> int:
+        """Rows the step's numbers take (the app gives the panel that many on a small
+        screen)."""
+        return len(self.times_text.splitlines())
 
     def redraw_loss(self) -> None:
         """Draw the loss curve; costs a plotext build, so the app calls it less often."""

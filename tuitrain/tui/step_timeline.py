@@ -20,7 +20,7 @@ from engine.telemetry import StepStats, TimelinePoint
 from tuitrain.formatting import format_size
 from tuitrain.tui.fitting import KEEP, Item, fit_line
 
-GUTTER = 9  # columns left of the chart, for the scale
+GUTTER = 10  # columns left of the chart, for the scale: "999.9 MiB" and a space
 CHUNKS = "rgb(80,200,120)"
 OTHER = "rgb(255,165,0)"
 OVER = "rgb(230,70,70)"  # what stands above the budget, and the budget line itself
@@ -130,12 +130,14 @@ def timeline_chart(stats: StepStats, width: int, height: int) -> Text:
     halves = 2 * rows
     budget_half = int(budget / top * halves)
     budget_row = min(rows - 1, budget_half // 2)
+    # The peak is labelled on the row it reaches, never on a row that stands for more.
+    peak_row = min(rows - 1, int(peak / top * halves) // 2)
 
     lines = [caption(stats, peak_point, width)]
     for row in reversed(range(rows)):
         if row == budget_row:
             label = format_size(budget)
-        elif row == rows - 1 and format_size(peak) != format_size(budget):
+        elif row == peak_row and row != 0 and format_size(peak) != format_size(budget):
             label = format_size(peak)
         elif row == 0:
             label = "0"
@@ -166,7 +168,9 @@ def caption(stats: StepStats, peak: TimelinePoint, width: int) -> Text:
     items = [
         Item(((f"step {stats.step}", "bold"),), rank=KEEP),
         Item(((f"peak {format_size(total)}", "bold red" if over else "bold"),), rank=KEEP),
-        Item(((f"in {peak.phase} {module_label(peak.module)}", ""),), rank=4, shrink=True),
+        # Where the peak was outranks the split (the memory chart shows that too): the
+        # module's name is cut only once nothing else is left to drop.
+        Item(((f"in {peak.phase} {module_label(peak.module)}", ""),), rank=6, shrink=True),
         Item(
             (
                 ("█ ", CHUNKS),

@@ -11,7 +11,7 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from tuitrain.formatting import format_rate, format_seconds, format_size
-from tuitrain.trials import Setting, Trial, best_trial
+from tuitrain.trials import BEST_MIN_SETTLED, Setting, Trial, best_trial, format_spread
 
 BEST = ("★", "bold yellow")
 OVER = ("!", "bold red")
@@ -25,12 +25,16 @@ COLUMNS = (
     ("budget", "budget", 10),
     ("steps", "steps", 6),
     ("seconds", "s/step", 9),
+    ("spread", "±", 5),
     ("rate", "tok/s", 7),
     ("peak", "peak", 10),
     ("copied", "copied", 10),
     ("rss", "RSS", 10),
 )
-LEGEND = "★ fastest within budget · ● in force · ! over budget · Enter/s: save row"
+LEGEND = (
+    f"★ fastest within budget ({BEST_MIN_SETTLED}+ settled steps) · ● in force · "
+    "! over budget · Enter/s: save row"
+)
 
 
 def row_key(setting: Setting) -> str:
@@ -61,6 +65,7 @@ def trial_cells(trial: Trial, *, best: bool, in_force: bool) -> list[Text]:
         number(format_size(trial.device_budget)),
         number(str(trial.steps)),
         number(seconds, "bold" if best else ""),
+        number(format_spread(trial.step_seconds_spread) or waiting, "dim"),
         number(rate, "bold" if best else ""),
         number(format_size(trial.device_peak), "" if trial.within_budget else "bold red"),
         number(copied),
@@ -86,7 +91,7 @@ class TrialsTable(DataTable):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, cursor_type="row", zebra_stripes=True, cell_padding=0)
-        self.border_title = "Trials: one row per setting (medians of settled steps)"
+        self.border_title = "Trials: one row per setting (medians of settled steps, ± spread)"
         self.border_subtitle = LEGEND
         self.trials: list[Trial] = []
         self.in_force: Setting | None = None

@@ -106,8 +106,8 @@ async def test_q_stops_the_worker_and_quits():
     assert app.return_code == 0
 
 
-async def test_checkpoint_is_sent_from_the_command_palette():
-    app, fake = make_app(fake_run(3))
+async def test_checkpoint_is_sent_from_the_command_palette(tmp_path):
+    app, fake = make_app(fake_run(3), settings=_checkpointed(tmp_path))
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         await pilot.press("ctrl+p")
@@ -120,8 +120,8 @@ async def test_checkpoint_is_sent_from_the_command_palette():
     assert [type(c) for c in fake.commands] == [Checkpoint]
 
 
-async def test_the_palette_lists_every_key_action_that_can_run_now():
-    app, _ = make_app(fake_run(1))
+async def test_the_palette_lists_every_key_action_that_can_run_now(tmp_path):
+    app, _ = make_app(fake_run(1), settings=_checkpointed(tmp_path))
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         titles = [command.title for command in app.get_system_commands(app.screen)]
@@ -129,7 +129,7 @@ async def test_the_palette_lists_every_key_action_that_can_run_now():
         "Cycle policy",
         "Margin +0.05",
         "Margin -0.05",
-        "Pause / resume",
+        "Pause",
         "Save preset",
         "Save checkpoint",
         "Help",
@@ -146,7 +146,7 @@ async def test_after_a_failure_the_palette_offers_restart_and_not_pause():
         await settle(app, pilot)
         titles = {command.title for command in app.get_system_commands(app.screen)}
     assert "Restart run" in titles
-    assert not {"Pause / resume", "Save checkpoint"} & titles
+    assert not {"Pause", "Resume", "Save checkpoint"} & titles
 
 
 async def test_restart_from_the_palette_does_nothing_to_a_live_run():
@@ -469,6 +469,13 @@ async def type_into(pilot, selector: str, text: str) -> None:
     """Click a field, empty it, type `text` (without submitting)."""
     await pilot.click(selector)
     await pilot.press("ctrl+a", "ctrl+k", *text)
+
+
+def _checkpointed(folder) -> Settings:
+    """Settings of a run that writes checkpoints to `folder`."""
+    settings = Settings(model="opt-125m")
+    settings.checkpoint.dir = str(folder)
+    return settings
 
 
 def _settings(**engine: object) -> Settings:

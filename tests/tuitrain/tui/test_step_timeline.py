@@ -9,7 +9,7 @@ import pytest
 from engine.telemetry import TimelinePoint
 from tests.tuitrain.fakeworker import GiB, MiB, fake_run, fake_stats, fake_timeline
 from tuitrain.formatting import format_size
-from tuitrain.tui.memory_chart import MemoryChart, chunk_peak
+from tuitrain.tui.memory_chart import MemoryChart, peak_split
 from tuitrain.tui.step_timeline import StepTimeline, columns, module_label, timeline_chart
 
 from .helpers import make_app, settle
@@ -126,18 +126,39 @@ async def test_the_step_view_of_a_small_screen_draws_the_last_step():
 
 def test_chunk_bytes_held_during_the_step_come_from_the_timeline():
     stats = fake_stats(5, policy="cpu", **BIG)
-    peak, estimated = chunk_peak(stats)
-    assert not estimated and peak == max(p.model_bytes for p in stats.timeline)
-    assert peak > stats.memory.device_model  # more than what stayed after the step
+    chunks, other, estimated = peak_split(stats)
+    top = max(stats.timeline, key=lambda p: p.model_bytes + p.non_model_bytes)
+    assert not estimated and (chunks, other) == (top.model_bytes, top.non_model_bytes)
+    assert chunks > stats.memory.device_model  # more than what stayed after the step
 
 
-def test_without_a_timeline_the_chunk_peak_is_estimated_from_the_step_peaks():
+def test_the_stack_is_split_at_the_peaks_moment_and_never_draws_more_than_the_peak():
+    """Chunks 405 MiB at the peak, the non-model peak 485 MiB at another moment (with fewer
+    chunks beside it): the stack is the 699 MiB that happened, not 890 MiB."""
+    stats = fake_stats(5, policy="auto", **BIG)
+    timeline = [
+        TimelinePoint("forward", "a", 405 * MiB, 294 * MiB, 0, 0),
+        TimelinePoint("backward", "b", 200 * MiB, 485 * MiB, 0, 0),
+    ]
+    memory = dataclasses.replace(
+        stats.memory, device_peak=699 * MiB, device_non_model_peak=485 * MiB,
+        device_capacity=700 * MiB)
+    stats = dataclasses.replace(stats, memory=memory, timeline=timeline)
+    chart = MemoryChart()
+    chart.record(stats)
+    (sample,) = chart.samples
+    assert (sample.chunk_peak, sample.other_at_peak) == (405 * MiB, 294 * MiB)
+    assert sample.chunk_peak + sample.other_at_peak <= sample.device_capacity
+
+
+def test_without_a_timeline_the_split_is_estimated_from_the_step_peaks():
     stats = fake_stats(5, policy="cpu", **BIG)
     memory = dataclasses.replace(
         stats.memory, device_model=0, device_peak=900 * MiB, device_non_model_peak=600 * MiB
     )
-    peak, estimated = chunk_peak(dataclasses.replace(stats, memory=memory, timeline=[]))
-    assert estimated and peak == 300 * MiB
+    chunks, other, estimated = peak_split(
+        dataclasses.replace(stats, memory=memory, timeline=[]))
+    assert estimated and (chunks, other) == (300 * MiB, 600 * MiB)
 
 
 async def test_the_captions_name_the_stack_and_the_memory_the_engine_does_not_account_for():
@@ -149,7 +170,7 @@ async def test_the_captions_name_the_stack_and_the_memory_the_engine_does_not_ac
         last = chart.samples[-1]
         device = chart.device_caption().plain
         assert f"chunks {format_size(last.chunk_peak)}" in device
-        assert f"other {format_size(last.non_model_peak)}" in device
+        assert f"other {format_size(last.other_at_peak)}" in device
         assert "budget 3.0 GiB" in device
         host = chart.host_caption().plain
         untracked = last.process_rss - last.host_model - last.device_model

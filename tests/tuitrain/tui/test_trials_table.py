@@ -9,7 +9,7 @@ from tuitrain.events import Failed, Step
 from tuitrain.formatting import format_size
 from tuitrain.presets import load_preset, saved_dir
 from tuitrain.settings import Settings
-from tuitrain.trials import Setting
+from tuitrain.trials import BEST_MIN_SETTLED, Setting
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.save_dialog import SaveDialog
 from tuitrain.tui.trials_table import TrialsTable
@@ -29,34 +29,49 @@ RUN = dict(
 AUTO = Setting("auto", 0.3, 3 * GiB)
 CUDA = Setting("cuda", 0.3, 3 * GiB)
 CPU = Setting("cpu", 0.3, 3 * GiB)
+PER = 3  # steps each setting runs: 2 settled, too few for a star (BEST_MIN_SETTLED)
 
 
-def tuning_app() -> tuple[TuitrainApp, FakeWorker]:
+def tuning_app(per: int = PER) -> tuple[TuitrainApp, FakeWorker]:
     settings = Settings(model="opt-1.3b")
     settings.engine.device_budget = "3GiB"
     settings.engine.margin_ratio = 0.3
     fake = FakeWorker(
-        fake_run(3, model="opt-1.3b", **RUN),
+        fake_run(per, model="opt-1.3b", **RUN),
         steps_per_poll=10_000,
         restep=follow_settings(**RUN),
     )
     return TuitrainApp(settings, worker_factory=lambda _: fake), fake
 
 
-async def try_three_settings(app: TuitrainApp, fake: FakeWorker, pilot) -> TrialsTable:
-    """auto for steps 1-3, then c: cuda for 4-6, then c: cpu for 7-9."""
+async def try_three_settings(
+    app: TuitrainApp, fake: FakeWorker, pilot, per: int = PER
+) -> TrialsTable:
+    """auto for steps 1-3, then c: cuda for 4-6, then c: cpu for 7-9 (`per` steps each)."""
     await settle(app, pilot)
-    for first in (4, 7):
+    for first in (per + 1, 2 * per + 1):
         await pilot.press("c")
-        fake.emit(*(Step(fake_stats(n, **RUN)) for n in range(first, first + 3)))
+        fake.emit(*(Step(fake_stats(n, **RUN)) for n in range(first, first + per)))
         await settle(app, pilot)
     return app.query_one(TrialsTable)
 
 
-async def test_each_setting_tried_is_a_row_and_the_fastest_within_budget_is_marked():
+async def test_each_setting_tried_is_a_row_with_its_spread_and_no_star_on_two_steps():
     app, fake = tuning_app()
     async with app.run_test(size=(200, 60)) as pilot:
         table = await try_three_settings(app, fake, pilot)
+        assert [t.setting for t in table.trials] == [AUTO, CUDA, CPU]
+        assert [table.cell_text(s, "mark") for s in (AUTO, CUDA, CPU)] == ["", "!", ""]
+        assert table.cell_text(AUTO, "spread") == "±0%"
+        assert str(BEST_MIN_SETTLED) in table.border_subtitle
+        assert table.cell_text(CUDA, "peak") == "20.8 GiB"
+        assert table.cell_text(CPU, "copied") == "7.4 GiB"
+
+
+async def test_each_setting_tried_is_a_row_and_the_fastest_within_budget_is_marked():
+    app, fake = tuning_app(BEST_MIN_SETTLED + 1)
+    async with app.run_test(size=(200, 60)) as pilot:
+        table = await try_three_settings(app, fake, pilot, BEST_MIN_SETTLED + 1)
         assert [t.setting for t in table.trials] == [AUTO, CUDA, CPU]
         assert table.cell_text(AUTO, "mark") == "★"
         assert table.cell_text(CUDA, "mark") == "!"  # fastest, but over its budget
@@ -65,9 +80,7 @@ async def test_each_setting_tried_is_a_row_and_the_fastest_within_budget_is_mark
         auto, cuda, cpu = table.trials
         assert cuda.step_seconds < auto.step_seconds < cpu.step_seconds
         assert not cuda.within_budget and auto.within_budget and cpu.within_budget
-        assert (auto.steps, auto.settled_steps, cuda.steps, cuda.settled_steps) == (3, 2, 3, 2)
-        assert table.cell_text(CUDA, "peak") == "20.8 GiB"
-        assert table.cell_text(CPU, "copied") == "7.4 GiB"
+        assert (auto.steps, auto.settled_steps) == (BEST_MIN_SETTLED + 1, BEST_MIN_SETTLED)
 
 
 async def test_the_cursor_follows_the_setting_in_force_until_the_user_picks_a_row():
@@ -106,7 +119,9 @@ async def test_s_saves_the_selected_row_with_what_was_measured_for_it():
         assert isinstance(dialog, SaveDialog)
         assert dialog.path == str(saved_dir() / "opt-1.3b-auto.yaml")
         assert "policy auto · margin 0.30 · budget 3GiB (tried at steps 1-3)" in dialog.summary
-        assert "3 steps, 1.70 s/step (median)" in dialog.summary
+        assert "3 steps, 1.70 s/step, 151 tok/s (median of 2 settled steps, ±0%)" in (
+            dialog.summary
+        )
         await pilot.press("enter")
         await pilot.pause()
     path = saved_dir() / "opt-1.3b-auto.yaml"

@@ -1,0 +1,61 @@
+"""A run's summary in words: how it ended, its loss and held-out loss, its peaks, and what
+each setting it ran under achieved (tuitrain.trials), from the worker's Finished summary.
+
+The app ends a run with these lines; they use the trials' words for a pace ("median of N
+settled steps"), so no second definition of a rate appears beside it.
+"""
+
+from __future__ import annotations
+
+from tuitrain.formatting import format_seconds, format_size
+from tuitrain.trials import Trial, summary_lines
+
+
+def ended_line(summary: dict) -> str:
+    """ "finished: 200 steps, 102,400 tokens in 1m54s" or "stopped after step 4 of 200: ..."."""
+    steps, planned = summary.get("steps", 0), summary.get("planned_steps")
+    head = (
+        f"stopped after step {summary.get('last_step', steps)} of {planned}"
+        if summary.get("stopped") and planned
+        else "finished"
+    )
+    done = f"{steps} step{'' if steps == 1 else 's'}, {summary.get('tokens', 0):,} tokens"
+    if summary.get("seconds") is not None:
+        done += f" in {format_seconds(summary['seconds'])}"
+    return f"{head}: {done}"
+
+
+def run_summary_lines(summary: dict, rows: list[Trial]) -> list[str]:
+    """The run's summary, one fact a line (the trials' lines last)."""
+    lines = [ended_line(summary)]
+    losses = []
+    if summary.get("final_loss") is not None:
+        losses.append(f"final loss {summary['final_loss']:.4f}")
+    if summary.get("first_step_seconds") is not None:
+        losses.append(f"first step {format_seconds(summary['first_step_seconds'])}")
+    if losses:
+        lines.append("  " + ", ".join(losses))
+    if summary.get("eval_loss") is not None:
+        lines.append("  " + held_out(summary))
+    peaks = []
+    if summary.get("peak_device_bytes") is not None:
+        peaks.append(f"peak device {format_size(summary['peak_device_bytes'])}")
+    # The host peak the trials show (the highest step's), not the process's lifetime mark,
+    # so the summary and the table give one value.
+    host = max((t.process_rss for t in rows), default=summary.get("peak_host_bytes"))
+    if host is not None:
+        peaks.append(f"peak host RSS {format_size(host)}")
+    if peaks:
+        lines.append("  " + ", ".join(peaks))
+    lines += summary_lines(rows)
+    if summary.get("metrics"):
+        lines.append(f"  metrics   {summary['metrics']}")
+    return lines
+
+
+def held_out(summary: dict) -> str:
+    """The latest evaluation: "held-out loss 3.7140, perplexity 41.01 after step 200"."""
+    return (
+        f"held-out loss {summary['eval_loss']:.4f}, perplexity "
+        f"{summary['eval_perplexity']:.2f} after step {summary['eval_step']}"
+    )
