@@ -12,10 +12,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tuitrain import __version__
+from tuitrain.closed_pipe import quiet_on_closed_pipe
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train data parallel on N ranks of this machine, started here, in the app or "
         "with --headless (under torchrun leave it out: torchrun starts the ranks)",
     )
-    run.set_defaults(handler=cmd_run)
+    run.set_defaults(handler=cmd_run, command_parser=run)
 
     plan = commands.add_parser(
         "plan",
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batch; the host's memory is shared by all N)",
     )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.set_defaults(handler=cmd_plan)
+    plan.set_defaults(handler=cmd_plan, command_parser=plan)
 
     presets = commands.add_parser(
         "presets",
@@ -199,20 +199,36 @@ def build_parser() -> argparse.ArgumentParser:
     presets_actions = presets.add_subparsers(dest="action", metavar="ACTION")
     show = presets_actions.add_parser("show", help="print a preset file")
     show.add_argument("name", metavar="NAME", help="a saved or shipped preset name, or a file")
-    presets.set_defaults(handler=cmd_presets)
+    presets.set_defaults(handler=cmd_presets, command_parser=presets)
 
     models = commands.add_parser("models", help="list the model zoo")
-    models.set_defaults(handler=cmd_models)
+    models.set_defaults(handler=cmd_models, command_parser=models)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line `argv` (default: sys.argv[1:]); returns the exit status."""
+    """Run the command line `argv` (default: sys.argv[1:]); returns the exit status.
+
+    Bare `tuitrain` prints the help and exits 0: asking for nothing is asking what there is,
+    as `tuitrain --help` does, and `tuitrain | less` reads it.
+    """
+    from tuitrain.suggestions import closest, unknown_argument
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not argv:
+        return quiet_on_closed_pipe(lambda: parser.print_help() or EXIT_OK)
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    if not argv[0].startswith("-") and argv[0] not in commands:
+        guess = closest(argv[0], commands)
+        parser.error(f"unknown command {argv[0]}"
+                     + (f" (did you mean {guess}?)" if guess else f" ({', '.join(commands)})"))
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        args.command_parser.error(unknown_argument(args.command_parser, extras))
     args.argv = argv
     try:
-        return args.handler(args)
+        return quiet_on_closed_pipe(lambda: args.handler(args))
     except UsageError as error:
         print(f"{PROG}: error: {_one_line(str(error))}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -281,83 +297,15 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     return _merge(base, args, RUN, **more)
 
 
-def _check_model(name: str, seq_len: int) -> None:
-    """The model exists (zoo name or model folder) and takes sequences of `seq_len` tokens."""
-    from engine.models.zoo import (
-        KNOWN_MODELS,
-        BadCheckpoint,
-        UnknownModel,
-        is_model_folder,
-        model_config,
-    )
-
-    try:
-        config = model_config(name)
-    except (UnknownModel, BadCheckpoint) as error:
-        raise UsageError(str(error)) from None
-    if name not in KNOWN_MODELS and not is_model_folder(name):
-        raise UsageError(f"model folder {name} has no weights (*.safetensors)")
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions and seq_len > positions:
-        raise UsageError(f"seq_len {seq_len} is longer than the {positions} positions of {name}")
-
-
-def check_runnable(settings: Settings) -> None:
-    """Every check that needs no training: the model, the files and folders named."""
-    _check_model(settings.model, settings.training.seq_len)
-    data = settings.data.path
-    if data is not None and not Path(data).expanduser().exists():
-        raise UsageError(f"data path not found: {data}")
-    held_out = settings.data.eval_path
-    if held_out is not None and not Path(held_out).expanduser().exists():
-        raise UsageError(f"eval data path not found: {held_out}")
-    metrics = settings.logging.metrics
-    if metrics is not None:
-        metrics_path = Path(metrics).expanduser()
-        if metrics_path.is_dir():
-            raise UsageError(f"metrics file is a folder: {metrics}")
-        if not metrics_path.parent.is_dir():
-            raise UsageError(f"folder for the metrics file not found: {metrics_path.parent}")
-    if settings.engine.disk_dir is not None:
-        from engine.devices.disk.scratch import ScratchFolder
-
-        try:  # made and removed at once: the run's own is made when its engine starts
-            ScratchFolder(settings.engine.disk_dir).remove()
-        except ValueError as error:
-            raise UsageError(f"--disk: {error}") from None
-    checkpoint = settings.checkpoint
-    if checkpoint.every is not None and checkpoint.dir is None:
-        raise UsageError("--checkpoint-every needs --checkpoint-dir")
-    if checkpoint.dir is not None and Path(checkpoint.dir).expanduser().is_file():
-        raise UsageError(f"checkpoint folder is a file: {checkpoint.dir}")
-    if checkpoint.resume is not None and not Path(checkpoint.resume).expanduser().is_dir():
-        raise UsageError(f"checkpoint to resume from not found: {checkpoint.resume}")
-
-
-def _save_target(args: argparse.Namespace) -> Path | None:
-    """Where --save-preset will write, checked now so a long run is not wasted on it."""
-    if args.save_preset is None:
-        return None
-    if not args.headless:
-        raise UsageError("--save-preset needs --headless; in the app, press s to save a preset")
-    path = Path(args.save_preset).expanduser()
-    if path.is_dir():
-        raise UsageError(f"--save-preset: {path} is a folder")
-    if path.exists() and not args.force:
-        raise UsageError(f"--save-preset: {path} exists; add --force to replace it")
-    if not path.parent.is_dir():
-        raise UsageError(f"--save-preset: folder not found: {path.parent}")
-    return path
-
-
 # --- commands ----------------------------------------------------------------------------
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tuitrain.ranks import from_environment
+    from tuitrain.run_preset import save_after_run, save_target
 
     settings = resolve_settings(args)
-    save_to = _save_target(args)
+    save_to = save_target(args)
     try:
         ranks = from_environment()
     except ValueError as error:
@@ -369,7 +317,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     app_ranks = 1 if args.headless else _app_ranks(args, settings)
     if not args.headless and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("the app needs a terminal (this is not one); add --headless")
+    from tuitrain.run_checks import check_runnable
+
     check_runnable(settings)
+    if ranks.leader:
+        _warn_of_a_short_run(settings)
     if not args.headless:
         from tuitrain.tui.app import run_app
 
@@ -384,8 +336,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         status = run_headless(settings, out=sys.stdout, err=sys.stderr)
     if save_to is not None and ranks.leader:  # under torchrun, rank 0 saves it once
         nproc = ranks.world if ranks.parallel else _as_number(args.nproc or "1")
-        _save_after_run(settings, save_to, status=status, overwrite=args.force, nproc=nproc)
+        save_after_run(settings, save_to, status=status, overwrite=args.force, nproc=nproc)
     return status
+
+
+def _warn_of_a_short_run(settings: Settings) -> None:
+    """A warm-up longer than the run (a preset's 10 steps under `--steps 3`) is allowed, but
+    the rate then never reaches --lr: say so, once, before the run starts."""
+    t = settings.training
+    if t.warmup_steps > t.steps:
+        print(f"{PROG}: warning: the warm-up ({t.warmup_steps} steps) is longer than the run "
+              f"({t.steps} steps): the learning rate never reaches --lr {t.lr:g}",
+              file=sys.stderr)
 
 
 def _launch_ranks(args: argparse.Namespace, settings: Settings) -> int:
@@ -416,39 +378,6 @@ def _app_ranks(args: argparse.Namespace, settings: Settings) -> int:
     return nproc
 
 
-def _save_after_run(
-    settings: Settings, path: Path, *, status: int, overwrite: bool, nproc: int
-) -> None:
-    """Save the preset of a finished (or interrupted) run of `nproc` ranks; a failed run
-    saves nothing.
-
-    Bad input found by the worker (status 2) was already said in one line, and a run that
-    never started has nothing to save, so that case adds no second line.
-    """
-    from tuitrain.metrics import measure_metrics
-    from tuitrain.presets import run_command, save_preset
-
-    if status == EXIT_BAD_INPUT:
-        return
-    if status not in (EXIT_OK, EXIT_INTERRUPTED):
-        print(f"{PROG}: the run failed; preset not saved to {path}", file=sys.stderr)
-        return
-    measured = None
-    if settings.logging.metrics is not None:
-        measured = measure_metrics(Path(settings.logging.metrics).expanduser())
-    command = run_command(str(path), headless=True, nproc=nproc)
-    settings = settings.model_copy(
-        update={"training": settings.training.model_copy(update={"nproc": nproc})})
-    try:
-        save_preset(settings, path, command=command, measured=measured, overwrite=overwrite)
-    except FileExistsError:
-        print(f"{PROG}: {path} appeared during the run; preset not saved", file=sys.stderr)
-    except OSError as error:
-        print(f"{PROG}: preset not saved to {path}: {error.strerror}", file=sys.stderr)
-    else:
-        print(f"preset saved to {path}", file=sys.stdout)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     """Check what the user gave, then hand it typed to tuitrain.plan.plan_main."""
     from tuitrain.plan import plan_main
@@ -459,7 +388,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         host_budget = Size(args.host_mem).nbytes if args.host_mem is not None else None
     except ValueError as error:
         raise UsageError(f"--host-mem: {error}") from None
-    _check_model(settings.model, settings.training.seq_len)
+    from tuitrain.run_checks import check_model
+
+    check_model(settings.model, settings.training.seq_len)
     nproc = _plan_ranks(args.nproc, settings.training.batch_size)
     simulated = not _has_cuda()
     checked = argparse.Namespace(
@@ -517,27 +448,10 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from engine.models.zoo import list_models
-    from tuitrain.formatting import format_count
+    from tuitrain.model_list import model_listing
 
-    rows = [
-        (
-            m.name,
-            format_count(m.parameters, nominal=True),
-            f"{m.parameters:,}",
-            str(m.layers),
-            str(m.hidden),
-        )
-        for m in list_models()
-    ]
-    header = ("MODEL", "SIZE", "PARAMETERS", "LAYERS", "HIDDEN")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        print("  ".join(cells))
-    print("or a local Hugging Face model folder (config.json + *.safetensors)")
+    for line in model_listing():
+        print(line)
     return 0
 
 

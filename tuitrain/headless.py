@@ -20,7 +20,7 @@ from engine.telemetry import StepStats
 from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
-from tuitrain.formatting import format_count, format_rate, format_size
+from tuitrain.formatting import format_count, format_rate, format_seconds, format_size
 from tuitrain.settings import Settings
 from tuitrain.trials import TrialBook, append_summary, summary_lines
 from tuitrain.worker import ProcessWorker
@@ -34,6 +34,9 @@ PLAIN_EVERY_STEP = 50  # runs this short print every step
 INTERRUPT_WAIT_SECONDS = 30.0
 STOP_SECONDS = 10.0  # once the run has ended, how long the worker gets to exit by itself
 BAR_WIDTH = 24
+# Columns a progress line leaves free at its end: room for the terminal's `^C` echo, which
+# would otherwise wrap the line and break its redraw in place.
+ECHO_ROOM = 3
 # Under torchrun, a rank other than 0 that found bad input waits this long before it ends,
 # so that rank 0 (whose line it is to print) is not stopped before it has printed it.
 QUIET_RANK_GRACE_SECONDS = 2.0
@@ -82,7 +85,7 @@ def run_headless(
     code: int | None = None
     with interrupts.catching():
         worker.start()
-        report.say(f"starting {settings.model} (worker log: {worker.log_path})")
+        report.starting(tentative=True)
         try:
             code = _follow(worker, report, interrupts)
         finally:
@@ -103,6 +106,8 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: _Interrupts) -> 
     while True:
         worker.wait(WAIT_SECONDS)
         for event in worker.poll():
+            if not (isinstance(event, Failed) and event.exitcode == EXIT_BAD_INPUT):
+                report.starting()
             code = report.handle(event)
             if code is not None:
                 return code
@@ -153,6 +158,35 @@ class _Report:
         self.trials = TrialBook()  # one per setting; a headless run keeps its first
         self.line_open = False  # a progress line is drawn and not yet ended
         self.last_drawn = 0.0
+        self.said_starting = False
+        self.drawn = ""  # the progress line drawn in place, while line_open
+
+    def starting(self, *, tentative: bool = False) -> None:
+        """Say, once, that the run is starting and where its worker logs.
+
+        The worker refuses bad input it alone can check (a budget below the working set)
+        before it says anything else, and that refusal is then the one line shown. So the
+        line waits for the worker's first word; on a terminal it is drawn at once
+        (`tentative`) in place, as a progress line is, and wiped if a refusal comes.
+        """
+        if self.said_starting:
+            return
+        text = f"starting {self.settings.model} (worker log: {self.log_path})"
+        if not tentative:
+            self.said_starting = True
+            if not self.line_open:
+                self.say(text)
+        elif self.tty:
+            self.out.write(text + "\x1b[K")
+            self.out.flush()
+            self.line_open, self.drawn = True, text
+
+    def wipe_line(self) -> None:
+        """Take back a line drawn in place, leaving the cursor at the start of its row."""
+        if self.line_open:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self.line_open = False
 
     def handle(self, event: Event) -> int | None:
         """Show one event; returns the exit status once the run has ended."""
@@ -230,11 +264,12 @@ class _Report:
         last = stats.step >= self.total
         if self.tty:
             if last or now - self.last_drawn >= REDRAW_SECONDS or stats.step == 1:
-                # Cut to the terminal's width: a wrapped line cannot be redrawn in place.
-                line = self._progress(stats, bar=True)[: _width(self.out) - 1]
+                # Fit to the terminal's width: a wrapped line cannot be redrawn in place.
+                line = self._progress(stats, bar=True, width=_width(self.out) - ECHO_ROOM)
                 self.out.write("\r" + line + "\x1b[K")
                 self.out.flush()
                 self.line_open = True
+                self.drawn = line
                 self.last_drawn = now
         elif (
             self.total <= PLAIN_EVERY_STEP
@@ -242,30 +277,30 @@ class _Report:
             or last
             or now - self.last_drawn >= PLAIN_LINE_SECONDS
         ):
-            self.say(self._progress(stats, bar=False))
+            self.say(self._progress(stats, bar=False, width=None))
             self.last_drawn = now
 
     def finished(self, summary: dict) -> None:
         stopped = " (stopped early)" if summary.get("stopped") else ""
         lines = [
             f"done{stopped}: {summary['steps']} steps, {summary['tokens']:,} tokens "
-            f"in {summary['seconds']:.1f} s",
+            f"in {format_seconds(summary['seconds'])}",
         ]
-        if summary.get("mean_step_seconds") is not None:
-            rate = summary.get("tokens_per_second") or 0.0
+        # The pace is the trials' (medians of settled steps), printed below: one definition,
+        # the one the app's table and a saved preset's header use.
+        if summary.get("first_step_seconds") is not None:
             lines.append(
-                f"  mean step {summary['mean_step_seconds']:.3f} s "
-                f"(first {summary['first_step_seconds']:.3f} s), {format_rate(rate)} tokens/s, "
-                f"final loss {summary['final_loss']:.4f}"
+                f"  first step {format_seconds(summary['first_step_seconds'])} (it records "
+                f"the order chunks are used in), final loss {summary['final_loss']:.4f}"
             )
         if summary.get("eval_loss") is not None:
             lines.append(
                 f"  held-out loss {summary['eval_loss']:.4f}, perplexity "
                 f"{summary['eval_perplexity']:.2f} after step {summary['eval_step']}"
             )
-        lines.append(
-            f"  peak device {format_size(summary['peak_device_bytes'])}, "
-            f"peak host {format_size(summary['peak_host_bytes'])}"
+        lines.append(  # the trials' figures are their steps'; these, the whole run's
+            f"  whole run device peak {format_size(summary['peak_device_bytes'])}, "
+            f"host RSS {format_size(summary['peak_host_bytes'])} at most (building included)"
         )
         lines += summary_lines(self.trials.rows())
         if summary.get("metrics"):
@@ -283,6 +318,8 @@ class _Report:
             time.sleep(QUIET_RANK_GRACE_SECONDS)
             return EXIT_BAD_INPUT
         if event.exitcode == EXIT_BAD_INPUT:
+            if not self.said_starting:
+                self.wipe_line()
             self.say_err(f"tuitrain: error: {event.reason}")
             return EXIT_BAD_INPUT
         self.say_err(f"training failed: {event.reason}")
@@ -307,26 +344,43 @@ class _Report:
 
     # --- output ----------------------------------------------------------------------
 
-    def _progress(self, stats: StepStats, *, bar: bool) -> str:
-        rate = stats.tokens / stats.seconds if stats.seconds > 0 else 0.0
-        text = (
-            f"step {stats.step}/{self.total}  loss {stats.loss:.4f}  "
-            f"{stats.seconds:.3f} s/step  {format_rate(rate)} tok/s  "
-            f"policy {stats.policy}  margin {stats.margin_ratio:.2f}  "
-            f"device peak {format_size(stats.memory.device_peak)}"
-        )
+    def _progress(self, stats: StepStats, *, bar: bool, width: int | None) -> str:
+        """The progress line of `stats`, within `width` columns (None: whole). What does
+        not fit is left out a field at a time, least important first, never cut mid-way."""
+        fields = [  # (importance, text): 0 is kept whatever the width
+            (0, f"step {stats.step}/{self.total}"),
+            (1, f"loss {stats.loss:.4f}"),
+            *((2, text) for text in self._pace(stats)),
+            (3, f"device peak {format_size(stats.memory.device_peak)}"),
+            (5, f"policy {stats.policy}"),
+            (6, f"margin {stats.margin_ratio:.2f}"),
+        ]
         if stats.bytes_disk_read or stats.bytes_disk_written:
-            text += (f"  disk read {format_size(stats.bytes_disk_read)} written "
-                     f"{format_size(stats.bytes_disk_written)} waited {stats.disk_wait:.1f} s")
-        if not bar:
-            return text
+            fields.append((4, f"disk read {format_size(stats.bytes_disk_read)} written "
+                              f"{format_size(stats.bytes_disk_written)} waited "
+                              f"{stats.disk_wait:.1f} s"))
         done = min(BAR_WIDTH, BAR_WIDTH * stats.step // max(1, self.total))
-        return f"[{'#' * done}{'.' * (BAR_WIDTH - done)}] {text}"
+        prefix = [f"[{'#' * done}{'.' * (BAR_WIDTH - done)}]"] if bar else []
+        return _fit(prefix, fields, width)
+
+    def _pace(self, stats: StepStats) -> list[str]:
+        """How fast the run goes: its trial's medians over settled steps, the figures its
+        summary and a preset saved from it give; this step's time until one has settled."""
+        current = self.trials.current
+        trial = next((t for t in self.trials.rows() if t.setting == current), None)
+        if trial is None or trial.step_seconds is None:
+            return [f"{format_seconds(stats.seconds)}/step"]
+        rate = trial.tokens_per_second
+        return [f"{format_seconds(trial.step_seconds)}/step",
+                *([f"{format_rate(rate)} tok/s"] if rate is not None else [])]
 
     def close_line(self) -> None:
-        """End a progress line drawn in place, so what follows starts on its own line."""
+        """End a progress line drawn in place, so what follows starts on its own line.
+
+        The line is drawn once more first: a `^C` the terminal echoed onto it is wiped.
+        """
         if self.line_open:
-            self.out.write("\n")
+            self.out.write("\r" + self.drawn + "\x1b[K\n")
             self.out.flush()
             self.line_open = False
 
@@ -368,6 +422,26 @@ class _Prefixed:
 
     def flush(self) -> None:
         self.stream.flush()
+
+
+def _fit(prefix: list[str], fields: list[tuple[int, str]], width: int | None) -> str:
+    """`prefix` (the bar) then `fields` joined by two spaces, in their order, leaving out the least
+    important fields (highest number first) until the line is at most `width` long; the
+    prefix goes too when even the most important field alone does not fit beside it."""
+    def line(kept: list[tuple[int, str]], head: list[str]) -> str:
+        return " ".join([*head, "  ".join(text for _, text in kept)])
+
+    kept = list(fields)
+    while width is not None and len(line(kept, prefix)) > width:
+        least = max(importance for importance, _ in kept)
+        if least == 0:
+            if prefix:
+                prefix = []
+                continue
+            break
+        drop = max(i for i, (importance, _) in enumerate(kept) if importance == least)
+        del kept[drop]
+    return line(kept, prefix)
 
 
 def _width(stream: TextIO) -> int:

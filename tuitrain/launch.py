@@ -33,7 +33,7 @@ def check_nproc(nproc: int) -> int:
     """`nproc` as given to --nproc: ValueError unless it is a whole number of ranks, at
     least 1 (the one line a user sees)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"--nproc must be a whole number of ranks, at least 1, not {nproc!r}")
+        raise ValueError(f"--nproc: must be a whole number of ranks, at least 1 (got {nproc})")
     return nproc
 
 

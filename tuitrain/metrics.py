@@ -105,19 +105,3 @@ def _latest_records(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
         elif isinstance(record.get("eval"), dict):
             evals.append(record["eval"])
     return steps, evals
-
-
-def measure_metrics(path: str | os.PathLike) -> dict[str, float] | None:
-    """What a metrics file says about its latest run, for a preset's header: the device
-    peak, the steady step time and tokens/s, and the last step. None when there is no step.
-    """
-    steps = latest_run(path)
-    measured = pace([(s["tokens"], s["seconds"]) for s in steps])
-    if measured is None:
-        return None
-    return {
-        "device_peak": max(s["memory"]["device_peak"] for s in steps),
-        "step_seconds": measured.step_seconds,
-        "tokens_per_second": measured.tokens_per_second or 0.0,
-        "step": steps[-1]["step"],
-    }

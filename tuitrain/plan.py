@@ -37,36 +37,51 @@ def plan_main(args: argparse.Namespace) -> int:
 
     simulated = not uses_cuda()
     defaults = Settings()
-    try:
-        result = plan(
-            args.model,
-            device_mem=args.device_budget or default_device_budget(simulated),
-            host_mem=default_host_budget(),
-            host_budget=args.host_budget,
-            disk_dir=args.disk_dir,
-            precision=args.precision or defaults.precision_for(simulated),
-            batch_size=args.batch_size or defaults.training.batch_size,
-            seq_len=args.seq_len or defaults.training.seq_len,
-            checkpointing=bool(args.checkpointing),
-            simulated=simulated,
-            nproc=args.nproc,
-        )
-    except ValueError as error:  # UnknownModel and BadCheckpoint are ValueErrors too
-        raise UsageError(" ".join(str(error).split())) from None
+
+    def forecast(device_budget: int | None, host_budget: int | None) -> Plan:
+        try:
+            return plan(
+                args.model,
+                device_mem=device_budget or default_device_budget(simulated),
+                host_mem=default_host_budget(),
+                host_budget=host_budget,
+                disk_dir=args.disk_dir,
+                precision=args.precision or defaults.precision_for(simulated),
+                batch_size=args.batch_size or defaults.training.batch_size,
+                seq_len=args.seq_len or defaults.training.seq_len,
+                checkpointing=bool(args.checkpointing),
+                simulated=simulated,
+                nproc=args.nproc,
+            )
+        except ValueError as error:  # UnknownModel and BadCheckpoint are ValueErrors too
+            raise UsageError(" ".join(str(error).split())) from None
+
+    result = forecast(args.device_budget, args.host_budget)
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
-    else:
-        print_plan(result, sys.stdout)
-        if args.host_budget is None and not result.policies[defaults.engine.policy].fits:
-            for line in what_a_run_would_do(args):
-                print(line)
+        return 0
+    run_here: list[str] = []
+    if args.host_budget is None and not result.policies[defaults.engine.policy].fits:
+        # A run here adapts what was left to the defaults: the plan shown is of the run as
+        # it would start, so that the table and the line below it tell one story.
+        settled, run_here = what_a_run_would_do(args)
+        if settled is not None:
+            e = settled.engine
+            device = e.device_budget.nbytes if e.device_budget is not None else None
+            host = e.host_budget.nbytes if e.host_budget is not None else None
+            if (device, host) != (args.device_budget, None):
+                result = forecast(device or args.device_budget, host)
+    print_plan(result, sys.stdout)
+    for line in run_here:
+        print(line)
     return 0
 
 
-def what_a_run_would_do(args: argparse.Namespace) -> list[str]:
+def what_a_run_would_do(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
     """What `tuitrain run` with the same flags would start with here (tuitrain.fit.settle,
-    with this machine's free memory): the defaults it would adapt, or its refusal."""
+    with this machine's free memory): its settings (None when refused) and, in one block,
+    the defaults it would adapt, or its refusal."""
     from tuitrain.fit import settle
 
     engine: dict[str, object] = {"precision": args.precision, "disk_dir": args.disk_dir}
@@ -81,10 +96,13 @@ def what_a_run_would_do(args: argparse.Namespace) -> list[str]:
     })
     said: list[str] = []
     try:
-        settle(settings, said.append, nproc=args.nproc)
+        settled = settle(settings, said.append, nproc=args.nproc)
     except ValueError as error:
-        return [f"a run here would be refused: {error}"]
-    return [f"a run here would start with {line}" for line in said]
+        return None, [f"a run here would be refused: {error}"]
+    if not said:
+        return settled, []
+    return settled, ["a run here, with these flags, would start with (the plan above is its):",
+                     *(f"  {line}" for line in said)]
 
 
 def print_plan(result: Plan, out: TextIO) -> None:
@@ -104,8 +122,8 @@ def print_plan(result: Plan, out: TextIO) -> None:
         f"{result.model}, {result.precision}, {batch}"
         f"{', checkpointing' if result.checkpointing else ''}",
         f"{device}, {host}",
-        f"{result.parameters:,} parameters in {result.chunks} chunks; model state "
-        f"{format_size(result.model_bytes)}"
+        f"{result.parameters:,} parameters in {result.chunks} chunks; model data "
+        f"{format_size(result.model_bytes)} when on the host"
         f"{', a shard of it per rank' if ranks > 1 else ''}; working set "
         f"{format_size(result.working_set)}{' per rank' if ranks > 1 else ''} "
         f"(activations {format_size(result.non_model_peak)})",

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import site
 import sysconfig
 import tempfile
+import textwrap
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any
 import platformdirs
 import yaml
 
-from engine.config import format_size
+from tuitrain.formatting import format_rate, format_seconds, format_size
 from tuitrain.settings import SETTINGS_VERSION, InvalidSettings, Settings, validate_settings
 
 SUFFIX = ".yaml"
@@ -181,21 +183,23 @@ _Dumper.add_representer(str, _represent_text)
 def _measured_lines(measured: Mapping[str, Any]) -> list[str]:
     """Human lines for the header; well-known keys are formatted, others shown as given.
 
-    Known keys: `device_peak` (bytes), `step_seconds`, `tokens_per_second`, `step` (the last
-    step measured), and from a trial (tuitrain.trials.Trial.measured) `first_step`,
-    `settled_steps` (those the step time is the median of), `bytes_copied_per_step`,
-    `process_rss` (bytes) and `within_budget`.
+    Known keys are those of tuitrain.trials.Trial.measured, read in the trials' words and
+    units (tuitrain.trials.describe_measurements), so that a preset's header, the app's save
+    dialog and a headless summary give a figure alike: `step_seconds` and
+    `tokens_per_second` (medians over `settled_steps`), `device_peak` and `process_rss`
+    (bytes, the highest), `bytes_copied_per_step`, `within_budget`, and the steps measured,
+    `first_step` to `step`.
     """
     parts = []
     rest = dict(measured)
+    if (seconds := rest.pop("step_seconds", None)) is not None:
+        parts.append(f"{format_seconds(seconds)}/step")
+    if (rate := rest.pop("tokens_per_second", None)) is not None:
+        parts.append(f"{format_rate(rate)} tok/s")
     if (peak := rest.pop("device_peak", None)) is not None:
         within = rest.pop("within_budget", None)
-        over = " (over the budget)" if within is False else ""
+        over = " (over budget)" if within is False else ""
         parts.append(f"device peak {format_size(peak)}{over}")
-    if (seconds := rest.pop("step_seconds", None)) is not None:
-        parts.append(f"step time {seconds:.3g} s")
-    if (rate := rest.pop("tokens_per_second", None)) is not None:
-        parts.append(f"{rate:,.0f} tokens/s")
     if (copied := rest.pop("bytes_copied_per_step", None)) is not None:
         parts.append(f"copied {format_size(copied)}/step")
     if (rss := rest.pop("process_rss", None)) is not None:
@@ -211,7 +215,9 @@ def _measured_lines(measured: Mapping[str, Any]) -> list[str]:
             at = f" at step {step}"
         else:
             at = ""
-        counted = f" (median of {settled} settled steps)" if settled is not None else ""
+        counted = ""
+        if settled is not None and (seconds is not None or rate is not None):
+            counted = f" (median of {settled} settled step{'s' if settled != 1 else ''})"
         lines.append(f"measured{at}{counted}: {', '.join(parts)}")
     else:
         rest.update({k: v for k, v in (("step", step), ("first_step", first)) if v is not None})
@@ -342,8 +348,8 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def list_presets() -> list[tuple[str, str]]:
-    """(name, description) of each shipped preset, by name; the description is the text of
-    the file's first comment line."""
+    """(name, description) of each shipped preset, by name; the description is the file's
+    first comment paragraph (its lines up to the first empty comment line), whole."""
     return [(path.stem, _description(path)) for path in sorted(SHIPPED_DIR.glob(f"*{SUFFIX}"))]
 
 
@@ -375,11 +381,14 @@ def _comments(text: str) -> list[str]:
 
 def _description(path: Path) -> str:
     comments = _comments(path.read_text(encoding="utf-8"))
-    return comments[0] if comments else ""
+    paragraph = comments[: comments.index("")] if "" in comments else comments
+    return " ".join(paragraph)
 
 
 def _saved_description(path: Path) -> str:
-    """ "opt-125m: auto, margin 0.30, budget 3GiB; saved 2025-06-01 14:02 CEST; measured …"."""
+    """ "opt-125m: auto, margin 0.30, budget 3GiB; 1.23 s/step, 208 tok/s, device peak
+    2.9 GiB, ...; saved 2025-06-01 14:02 CEST": the setting, what was measured (the figures
+    of the header's `measured` line) and when, most telling first."""
     try:
         text = path.read_text(encoding="utf-8")
         data = yaml.load(text, Loader=_Loader)
@@ -396,25 +405,63 @@ def _saved_description(path: Path) -> str:
         )
         parts.append(f"{data.get('model', '?')}: {settings}")
     comments = _comments(text)
+    measured = [c for c in comments[1:] if c.startswith("measured")][:1]
+    parts += [m.partition(": ")[2] or m for m in measured]
     parts += [c.removeprefix("tuitrain preset, ") for c in comments[:1]]
-    parts += [c for c in comments[1:] if c.startswith("measured")][:1]
     return "; ".join(parts)
 
 
-def preset_listing() -> list[str]:
-    """What `tuitrain presets` prints: the shipped presets, one line each, then the user's
-    saved ones under a line naming their folder (nothing more when there are none)."""
+# `tuitrain presets` keeps its lines this wide: a saved preset's figures are cut at a comma
+# to fit, a shipped preset's description goes on under itself.
+LISTING_WIDTH = 100
+
+
+def preset_listing(width: int = LISTING_WIDTH) -> list[str]:
+    """What `tuitrain presets` prints: the shipped presets, each description whole and
+    wrapped to `width`, then the user's saved ones, one line each, under a line naming
+    their folder (nothing more when there are none)."""
     shipped, saved = list_presets(), list_saved_presets()
-    width = max((len(name) for name, _ in shipped + saved), default=0)
-    lines = [f"{name:<{width}}  {description}" for name, description in shipped]
+    names = max((len(name) for name, _ in shipped + saved), default=0)
+    indent = " " * (names + 2)
+    lines = []
+    for name, description in shipped:
+        lines += textwrap.wrap(description, width, initial_indent=f"{name:<{names}}  ",
+                               subsequent_indent=indent, break_on_hyphens=False) or [name]
     if saved:
         hidden = {name for name, _ in saved} & {name for name, _ in shipped}
         lines.append("")
         lines.append(f"saved, in {saved_dir()} (a name finds these first):")
         for name, description in saved:
             note = "  [hides the shipped one]" if name in hidden else ""
-            lines.append(f"{name:<{width}}  {description}{note}")
+            room = width - len(indent) - len(note)
+            lines.append(f"{name:<{names}}  {_shortened(description, room)}{note}")
     return lines
+
+
+def _shortened(text: str, width: int) -> str:
+    """`text` within `width` columns, dropping whole items (between "; " or ", ") from its
+    end, with "..." where something was left out."""
+    if len(text) <= width:
+        return text
+    pieces = re.split(r"(; |, )", text)  # item, separator, item, ...
+    while len(pieces) > 1 and len("".join(pieces[:-2]) + " ...") > width:
+        del pieces[-2:]
+    return "".join(pieces[:-2]) + " ..." if len(pieces) > 1 else text
+
+
+def default_preset_name(model: str, policy: str, margin_ratio: float,
+                        device_budget: object | None = None) -> str:
+    """The file name a preset saved from a run is offered: model, policy, margin ratio (when
+    not 0) and budget (when one was given), so that two settings of one run, such as auto at
+    two margins, get two names, and neither asks to overwrite the other. A model folder
+    gives its last name."""
+    name = Path(model.rstrip("/\\")).name or "model"
+    parts = [name, policy]
+    if margin_ratio:
+        parts.append(f"margin{margin_ratio:g}")
+    if device_budget is not None:
+        parts.append(str(device_budget))
+    return "-".join(parts) + SUFFIX
 
 
 def find_preset(name_or_path: str | os.PathLike) -> Path:

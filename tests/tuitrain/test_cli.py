@@ -23,7 +23,7 @@ from engine.telemetry import MemorySnapshot, StepStats
 from tests.tuitrain.test_presets import SHIPPED as SHIPPED_STORIES
 from tuitrain import __version__
 from tuitrain.cli import RUN_FLAGS, build_parser, main, resolve_settings
-from tuitrain.metrics import measure_metrics
+from tuitrain.measured import measure_metrics
 from tuitrain.presets import SHIPPED_DIR, load_preset
 from tuitrain.settings import Settings
 
@@ -104,8 +104,53 @@ def test_a_usage_error_from_argparse_is_usage_plus_one_line(tmp_path):
     assert done.returncode == 2
     lines = done.stderr.splitlines()
     assert lines[0].startswith("usage: tuitrain")
-    assert "unrecognized arguments: --stepz" in lines[-1]
+    assert lines[-1] == (
+        "tuitrain run: error: unrecognized argument: --stepz (did you mean --steps?)")
     assert "Traceback" not in done.stderr
+
+
+def argparse_refusal(capsys, argv: list[str]) -> list[str]:
+    """stderr of a command line argparse refuses: usage, then one error line, status 2."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("usage: tuitrain") and "Traceback" not in "\n".join(lines)
+    return lines[-1:]
+
+
+def test_a_mistyped_flag_or_command_gets_what_was_meant(capsys):
+    assert argparse_refusal(capsys, ["run", "tiny", "--polcy", "auto"]) == [
+        "tuitrain run: error: unrecognized argument: --polcy (did you mean --policy?)"]
+    assert argparse_refusal(capsys, ["plan", "tiny", "--device-mem=1GiB", "--jsn"]) == [
+        "tuitrain plan: error: unrecognized argument: --jsn (did you mean --json?)"]
+    assert argparse_refusal(capsys, ["run", "tiny", "--zzz"]) == [
+        "tuitrain run: error: unrecognized argument: --zzz"]  # nothing near: no guess
+    assert argparse_refusal(capsys, ["rnu", "tiny"]) == [
+        "tuitrain: error: unknown command rnu (did you mean run?)"]
+    assert argparse_refusal(capsys, ["xyz"]) == [
+        "tuitrain: error: unknown command xyz (run, plan, presets, models)"]
+
+
+def test_bare_tuitrain_prints_the_help_and_exits_0(capsys):
+    assert main([]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == build_parser().format_help() and captured.err == ""
+
+
+@pytest.mark.parametrize("argv", [["plan", "tiny", "--json"], ["presets"]])
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, argv):
+    """`tuitrain plan --json | head`: the reader went away; no traceback, status 141 as
+    for a tool SIGPIPE ended."""
+    read, write_end = os.pipe()
+    os.close(read)  # the reader has gone before the first write
+    try:
+        done = subprocess.run([sys.executable, "-m", "tuitrain", *argv], cwd=tmp_path,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=240)
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 141
 
 
 # --- bad input, in process ---------------------------------------------------------------
@@ -350,10 +395,13 @@ def test_models_lists_the_zoo_with_sizes(capsys):
 def test_presets_lists_the_four_shipped_presets_with_their_description(capsys):
     assert main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == SHIPPED
-    laptop = next(line for line in lines if line.startswith("laptop-6gb"))
+    assert [line.split()[0] for line in lines if not line.startswith(" ")] == SHIPPED
+    start = next(i for i, line in enumerate(lines) if line.startswith("laptop-6gb"))
+    # A description is never cut mid-sentence: a long one goes on, indented, under itself.
+    listed = " ".join(lines[start:start + 2]).split()[1:]
     first_comment = (SHIPPED_DIR / "laptop-6gb.yaml").read_text().splitlines()[0]
-    assert laptop.split(None, 1)[1] == first_comment.lstrip("# ")
+    assert listed == first_comment.lstrip("# ").split()
+    assert listed[-2:] == ["in", "bf16."]
 
 
 def test_presets_show_prints_the_file(capsys):
@@ -379,7 +427,9 @@ def stats_line(step: int, *, seconds: float, peak: int, tokens: int = 256) -> st
     return json.dumps(asdict(stats))
 
 
-def test_measure_metrics_reads_the_latest_run_and_skips_the_warm_up_step(tmp_path):
+def test_measure_metrics_reads_the_latest_run_as_its_trial_medians_of_settled_steps(tmp_path):
+    """What a preset saved after a headless run records is the run's trial, as the summary
+    printed it: medians over the settled steps, the warm-up step left out."""
     path = tmp_path / "m.jsonl"
     lines = [
         json.dumps({"settings": {"model": "tiny"}}),
@@ -387,14 +437,17 @@ def test_measure_metrics_reads_the_latest_run_and_skips_the_warm_up_step(tmp_pat
         json.dumps({"settings": {"model": "tiny"}}),
         stats_line(1, seconds=5.0, peak=10 << 20),  # warm-up: traced, slow
         stats_line(2, seconds=1.0, peak=12 << 20),
-        stats_line(3, seconds=3.0, peak=11 << 20),
+        stats_line(3, seconds=4.0, peak=11 << 20),
+        stats_line(4, seconds=2.0, peak=11 << 20),
     ]
     path.write_text("\n".join(lines) + "\n")
-    assert measure_metrics(path) == {
-        "device_peak": 12 << 20,
-        "step_seconds": 2.0,
+    measured = measure_metrics(path)
+    assert measured is not None
+    assert {k: measured[k] for k in ("first_step", "step", "settled_steps", "device_peak",
+                                     "step_seconds", "tokens_per_second")} == {
+        "first_step": 1, "step": 4, "settled_steps": 3, "device_peak": 12 << 20,
+        "step_seconds": 2.0,  # the median of 1, 4 and 2 s: not the mean, 2.33 s
         "tokens_per_second": 128.0,
-        "step": 3,
     }
     path.write_text(json.dumps({"settings": {}}) + "\n")
     assert measure_metrics(path) is None
@@ -427,9 +480,10 @@ def test_each_shipped_preset_runs_a_step_of_tiny(capsys, tmp_path, name):
 
 def test_nproc_mistakes_are_one_line_before_any_rank_starts(capsys, monkeypatch):
     run = ["run", "tiny", "--headless", "--steps", "1"]
+    # Worded as every flag's mistake is (`--steps: must be greater than 0 (got 0)`).
     assert refused(capsys, [*run, "--nproc", "0"]) == (
-        "tuitrain: error: --nproc must be a whole number of ranks, at least 1, not 0")
-    assert "not 'two'" in refused(capsys, [*run, "--nproc", "two"])
+        "tuitrain: error: --nproc: must be a whole number of ranks, at least 1 (got 0)")
+    assert "(got two)" in refused(capsys, [*run, "--nproc", "two"])
     assert refused(capsys, [*run, "--nproc", "2", "--batch-size", "3"]) == (
         "tuitrain: error: batch_size 3 does not split evenly over 2 ranks; use a multiple of 2")
     # The app checks the split too, before it needs a terminal.
@@ -484,3 +538,16 @@ def test_a_preset_saved_from_a_data_parallel_run_reproduces_it_on_as_many_ranks(
     assert main([*run, "--save-preset", str(under_torchrun)]) == 0, capsys.readouterr()
     header = [line for line in under_torchrun.read_text().splitlines() if line.startswith("#")]
     assert f"# reproduce: tuitrain run --preset {under_torchrun} --headless --nproc 4" in header
+
+
+def test_a_warm_up_longer_than_the_run_says_so_in_one_line(capsys, monkeypatch, tmp_path):
+    from tuitrain import headless
+
+    monkeypatch.setattr(headless, "run_headless", lambda settings, **streams: 0)
+    preset = write(tmp_path, "version: 1\nmodel: tiny\ntraining:\n  warmup_steps: 10\n")
+    assert main(["run", "--preset", str(preset), "--headless", "--steps", "3"]) == 0
+    assert capsys.readouterr().err == (
+        "tuitrain: warning: the warm-up (10 steps) is longer than the run (3 steps): the "
+        "learning rate never reaches --lr 0.0003\n")
+    assert main(["run", "--preset", str(preset), "--headless", "--steps", "10"]) == 0
+    assert capsys.readouterr().err == ""

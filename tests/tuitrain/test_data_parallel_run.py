@@ -148,7 +148,7 @@ def test_the_launcher_refuses_what_cannot_run_before_starting_a_rank():
     assert rank_arguments(argv) == ["tiny", "--headless", "--steps", "5", "--force"]
 
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="--nproc must be a whole number of ranks"):
+        with pytest.raises(ValueError, match="--nproc: must be a whole number of ranks"):
             check_nproc(bad)
     assert check_nproc(3) == 3
     with pytest.raises(ValueError, match="batch_size 4 does not split evenly over 3 ranks"):

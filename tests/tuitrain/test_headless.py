@@ -77,7 +77,7 @@ def test_a_budget_below_the_working_set_exits_2_with_one_line(tmp_path: Path) ->
     lines = err.getvalue().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("tuitrain: error: device budget 64.0 KiB is below the minimum")
-    assert "Traceback" not in out.getvalue() + err.getvalue()
+    assert out.getvalue() == "", "no `starting tiny (worker log ...)` before the refusal"
 
 
 def test_ctrl_c_stops_the_worker_cleanly_and_exits_130(tmp_path: Path) -> None:
@@ -184,3 +184,85 @@ def test_a_step_with_a_disk_tier_says_what_it_read_wrote_and_waited() -> None:
                      r"waited \d+\.\d s", line), line
     without = printed(fake_stats(3, policy="cpu"))  # no disk: nothing said of it
     assert "step 3/200" in without and "disk" not in without
+
+
+# --- what the lines say, without a worker ----------------------------------------------------
+
+
+def report_on(out: io.StringIO, **training: int):
+    from tuitrain.headless import _Report
+
+    settings = tiny_settings(training=training)
+    return _Report(settings=settings, out=out, err=io.StringIO(), log_path="w.log")
+
+
+class NarrowTerminal(Terminal):
+    """A terminal `columns` wide, as os.get_terminal_size would say."""
+
+    def __init__(self, columns: int) -> None:
+        super().__init__()
+        self.columns = columns
+
+    def fileno(self) -> int:
+        return -1
+
+
+@pytest.mark.parametrize("columns", [120, 80, 60])
+def test_a_progress_line_fits_the_terminal_leaving_out_whole_fields(monkeypatch, columns):
+    from tests.tuitrain.fakeworker import GiB, fake_stats
+    from tuitrain import headless
+
+    monkeypatch.setattr(headless, "_width", lambda stream: columns)
+    monkeypatch.setattr(headless, "REDRAW_SECONDS", 0.0)
+    out = NarrowTerminal(columns)
+    report = report_on(out, steps=200)
+    for step in (1, 2, 3):
+        report.step(fake_stats(step, policy="cpu", host_budget=1 * GiB))
+    drawn = out.getvalue().split("\r")[-1].removesuffix("\x1b[K")
+    assert len(drawn) <= columns - 3, "room left for the terminal's ^C echo"
+    assert drawn.startswith("[" + "." * 24 + "] step 3/200  ")
+    fields = drawn.split("  ")
+    # Each field is whole: a size is a number and its unit, never `device peak 919.`.
+    for field in fields:
+        if field.startswith(("device peak", "disk read")):
+            assert re.fullmatch(r"(device peak|disk read) \d+(\.\d)? [KMG]?i?B.*", field), field
+    assert re.fullmatch(r"loss \d+\.\d{4}", fields[1])
+    if columns == 120:
+        assert fields[2].endswith(" ms/step") and fields[3].endswith(" tok/s")
+        assert "device peak" in drawn and "margin" not in drawn  # the least important goes
+
+
+def test_ctrl_c_ends_the_progress_line_drawn_again_before_the_stopping_message():
+    from tests.tuitrain.fakeworker import fake_stats
+
+    out = Terminal()
+    report = report_on(out, steps=200)
+    report.step(fake_stats(1))
+    drawn = out.getvalue()
+    report.say_err("stopping after the current step (Ctrl-C again to stop now)")
+    # The line is drawn once more from its start (wiping a `^C` echoed onto it), then ended.
+    assert out.getvalue() == drawn + drawn[drawn.index("\r"):] + "\n"
+
+
+def test_a_headless_run_gives_one_pace_its_trials_in_the_progress_and_the_summary():
+    """One definition of the pace, the trials' (medians over settled steps), in one unit:
+    the progress line, the summary and its trials say the same figures in the same words."""
+    from tests.tuitrain.fakeworker import fake_stats
+
+    out = io.StringIO()
+    report = report_on(out, steps=4)
+    for step, seconds in ((1, 2.5), (2, 0.03), (3, 0.05), (4, 0.04)):
+        stats = fake_stats(step)
+        stats.seconds = seconds
+        report.step(stats)
+    progress = out.getvalue().splitlines()[-1]
+    assert "40.0 ms/step  6,400 tok/s" in progress  # medians of steps 2-4, not step 4's own
+    report.finished({"steps": 4, "tokens": 1024, "seconds": 3.0, "first_step_seconds": 2.5,
+                     "mean_step_seconds": 0.04, "tokens_per_second": 341.3, "final_loss": 2.0,
+                     "peak_device_bytes": 2**30, "peak_host_bytes": 2**31, "metrics": None})
+    summary = out.getvalue().split(progress)[-1]
+    assert "first step 2.50 s" in summary
+    assert "40.0 ms/step (median), 6,400 tok/s" in summary
+    # No other rate, and no other spelling of a step time.
+    assert len(re.findall(r"\btok(ens)?/s", summary)) == 1
+    assert not re.search(r"\d s/step|mean step", summary)

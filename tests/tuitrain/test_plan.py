@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -45,6 +46,10 @@ def test_the_table_has_a_row_per_policy_and_the_recommendation(capsys):
     assert main(["plan", "tiny", "--device-mem", "20MiB", "--host-mem", "64GiB", *SMALL]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
+    # One term for the chunks' bytes, as the FITS column says it (`model data ... with its
+    # gradients`), with what the figure counts.
+    assert re.search(r"; model data \d+\.\d [KMG]iB when on the host;", lines[2]), lines[2]
+    assert "model state" not in out
     header = next(i for i, line in enumerate(lines) if line.startswith("POLICY"))
     assert lines[header].split() == [
         "POLICY",
@@ -261,11 +266,22 @@ def test_without_a_host_budget_the_plan_says_what_a_run_here_would_choose(capsys
     monkeypatch.setattr("tuitrain.plan.default_host_budget", lambda: 5 * 2**30 // 2)
     args = namespace(model="opt-125m", precision="fp32", batch_size=1, host_budget=None)
     assert plan_main(args) == 0
-    chosen, last = capsys.readouterr().out.splitlines()[-2:]
-    assert chosen.startswith("a run here would start with host budget ")
+    lines = capsys.readouterr().out.splitlines()
+    heading, chosen, last = lines[-3:]
+    # Said once, and the table above is the run's as it would start: the policy it runs
+    # fits there, with the host budget it would choose, rather than `no: needs ... host`.
+    assert heading == "a run here, with these flags, would start with (the plan above is its):"
+    assert sum("a run here" in line for line in lines) == 1
+    assert chosen.startswith("  host budget ")
     assert "of training state goes to disk under" in chosen
+    budget = chosen.split(":")[0].strip()
+    assert any(line.startswith(f"{budget} (chunks and disk I/O buffers") for line in lines)
+    header = next(i for i, line in enumerate(lines) if line.startswith("POLICY"))
+    assert "ON DISK" in lines[header]
+    auto = next(line for line in lines[header:] if line.startswith("auto "))
+    assert auto.endswith("  yes") and "host memory" not in auto
     # It fits, but only just: the heap is kept steady.
-    assert last.startswith("a run here would start with steady host memory: ")
+    assert last.startswith("  steady host memory: ")
     # Where it fits, nothing more is said.
     monkeypatch.setattr("tuitrain.plan.default_host_budget", lambda: 64 * 2**30)
     assert plan_main(namespace(model="tiny", host_budget=None)) == 0
@@ -356,10 +372,10 @@ def test_nproc_1_is_exactly_the_plan_without_it(capsys):
 
 
 @pytest.mark.parametrize(("nproc", "more", "expected"), [
-    ("0", [], "--nproc must be a whole number of ranks, at least 1, not 0"),
-    ("-2", [], "--nproc must be a whole number of ranks, at least 1, not -2"),
-    ("two", [], "--nproc must be a whole number of ranks, at least 1, not 'two'"),
-    ("1.5", [], "--nproc must be a whole number of ranks, at least 1, not 1.5"),
+    ("0", [], "--nproc: must be a whole number of ranks, at least 1 (got 0)"),
+    ("-2", [], "--nproc: must be a whole number of ranks, at least 1 (got -2)"),
+    ("two", [], "--nproc: must be a whole number of ranks, at least 1 (got two)"),
+    ("1.5", [], "--nproc: must be a whole number of ranks, at least 1 (got 1.5)"),
     ("3", [], "batch_size 4 does not split evenly over 3 ranks; use a multiple of 3"),
     # Each rank's host budget, for its shards: below what one rank needs.
     ("2", ["--host-mem", "3MiB"], "host budget 3.0 MiB is below the 11.0 MiB the host needs "

@@ -22,6 +22,7 @@ from tuitrain.presets import (
     list_presets,
     load_preset,
     merge,
+    preset_listing,
     save_preset,
 )
 from tuitrain.settings import (
@@ -53,6 +54,20 @@ def test_the_hardware_stories_are_shipped_each_with_a_description():
     assert set(listed) == SHIPPED
     for name, description in listed.items():
         assert len(description) > 20, name
+        assert description.endswith("."), f"{name}: its first paragraph, whole: {description}"
+    assert listed["laptop-16gb"].endswith("with the optimizer state that does not fit in RAM "
+                                          "on the SSD.")
+
+
+def test_the_listing_wraps_a_long_description_under_itself_within_100_columns():
+    lines = preset_listing()
+    assert all(len(line) <= 100 for line in lines), [len(line) for line in lines]
+    start = next(i for i, line in enumerate(lines) if line.startswith("laptop-16gb "))
+    words = " ".join(lines[start:start + 2]).split()
+    assert words == ["laptop-16gb", *dict(list_presets())["laptop-16gb"].split()]
+    indent = lines[start].index("Gaming")
+    assert lines[start + 1][:indent].isspace(), "indented under itself"
+    assert lines[start + 1][indent] != " "
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -292,7 +307,8 @@ def test_dump_starts_with_the_reproducing_command_and_the_measurements():
     header = [line for line in text.splitlines() if line.startswith("#")]
     assert text.startswith("# tuitrain preset, saved ")
     assert "# reproduce: tuitrain run --preset p.yaml --headless" in header
-    assert "# measured at step 200: device peak 5.0 GiB, step time 1.25 s, 3,300 tokens/s" in header
+    # In the trials' words and units: a preset, the app and a headless summary read alike.
+    assert "# measured at step 200: 1.25 s/step, 3,300 tok/s, device peak 5.0 GiB" in header
     assert yaml.safe_load(text)["model"] == "tiny"
 
 

@@ -13,6 +13,7 @@ from tuitrain.presets import (
     SHIPPED_DIR,
     PresetError,
     config_dir,
+    default_preset_name,
     dump_preset,
     find_preset,
     list_presets,
@@ -42,16 +43,16 @@ def test_saved_presets_live_in_the_users_config_folder(user_config, monkeypatch)
 
 def test_a_saved_preset_is_listed_apart_from_the_shipped_ones():
     assert list_saved_presets() == []
-    assert preset_listing() == [f"{n:<12}  {d}" for n, d in list_presets()]  # nothing more
+    assert not any(line.startswith("saved, in") or not line for line in preset_listing())
     save_mine("fast-laptop", policy="cpu", margin_ratio=0.25)
     assert set(dict(list_presets())) == SHIPPED  # a saved one is never among the shipped
     ((name, description),) = list_saved_presets()
     assert name == "fast-laptop"
-    assert description.startswith("tiny: cpu, margin 0.25, budget default; saved ")
-    assert description.endswith("measured over steps 4-9: device peak 2.0 GiB, step time 0.5 s")
+    assert description.startswith("tiny: cpu, margin 0.25, budget default; 500.0 ms/step, "
+                                  "device peak 2.0 GiB; saved ")
     lines = preset_listing()
-    assert lines[len(SHIPPED)] == ""
-    assert lines[len(SHIPPED) + 1] == f"saved, in {saved_dir()} (a name finds these first):"
+    apart = lines.index("")
+    assert lines[apart + 1] == f"saved, in {saved_dir()} (a name finds these first):"
     assert lines[-1].startswith("fast-laptop   tiny: cpu")
 
 
@@ -61,7 +62,8 @@ def test_a_name_finds_a_saved_preset_first_then_a_shipped_one():
     assert find_preset("mine") == mine and find_preset("mine.yaml") == mine
     own = save_mine("cpu-only")
     assert find_preset("cpu-only") == own
-    saved = preset_listing()[len(SHIPPED) + 2 :]
+    listing = preset_listing()
+    saved = listing[listing.index("") + 2 :]
     assert saved[0].startswith("cpu-only") and saved[0].endswith("[hides the shipped one]")
     assert not saved[1].endswith("[hides the shipped one]")
 
@@ -87,6 +89,30 @@ def test_a_trials_measurements_in_the_header():
         },
     )
     assert (
-        "# measured over steps 4-9 (median of 5 settled steps): device peak 7.0 GiB "
-        "(over the budget), step time 2 s, copied 3.0 MiB/step, host RSS 12.0 GiB"
+        "# measured over steps 4-9 (median of 5 settled steps): 2.00 s/step, device peak "
+        "7.0 GiB (over budget), copied 3.0 MiB/step, host RSS 12.0 GiB"
     ) in text.splitlines()
+
+
+def test_a_saved_presets_line_fits_100_columns_cut_between_its_figures():
+    """A trial's header names seven figures: the listing keeps what fits, whole."""
+    settings = Settings(model="opt-350m")
+    settings.engine.policy, settings.engine.margin_ratio = "auto", 0.35
+    saved_dir().mkdir(parents=True, exist_ok=True)
+    measured = {"first_step": 12, "step": 180, "settled_steps": 167, "step_seconds": 1.234,
+                "tokens_per_second": 8295.4, "device_peak": 5 * 1024**3,
+                "bytes_copied_per_step": 3 * 1024**3, "process_rss": 14 * 1024**3,
+                "within_budget": True}
+    save_preset(settings, saved_dir() / "opt-350m-auto-margin0.35.yaml", measured=measured)
+    line = preset_listing()[-1]
+    assert len(line) <= 100, line
+    assert line.startswith("opt-350m-auto-margin0.35  opt-350m: auto, margin 0.35, budget "
+                           "default; 1.23 s/step, 8,295 tok/s")
+    assert line.endswith(" ..."), "what did not fit is said to be left out"
+
+
+def test_the_default_name_of_a_saved_preset_tells_its_settings_apart():
+    assert default_preset_name("opt-1.3b", "auto", 0.0) == "opt-1.3b-auto.yaml"
+    assert default_preset_name("opt-1.3b", "auto", 0.1) == "opt-1.3b-auto-margin0.1.yaml"
+    assert default_preset_name("/models/my-opt/", "cpu", 0.25, "3GiB") == (
+        "my-opt-cpu-margin0.25-3GiB.yaml")

@@ -18,7 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
-from tuitrain.presets import SUFFIX, run_command, save_preset, saved_dir
+from tuitrain.presets import SUFFIX, default_preset_name, run_command, save_preset, saved_dir
 from tuitrain.settings import Settings
 
 Measured = Mapping[str, object]  # what presets.save_preset records in the header
@@ -32,11 +32,11 @@ def shown_path(path: Path) -> str:
         return str(path)
 
 
-def default_preset_path(model: str, policy: str) -> str:
-    """<model>-<policy>.yaml in the user's saved presets folder; a model folder gives its
-    name."""
-    name = Path(model.rstrip("/\\")).name or "model"
-    return shown_path(saved_dir() / f"{name}-{policy}{SUFFIX}")
+def default_preset_path(model: str, policy: str, margin_ratio: float = 0.0,
+                        device_budget: object | None = None) -> str:
+    """presets.default_preset_name in the user's saved presets folder."""
+    return shown_path(saved_dir() / default_preset_name(model, policy, margin_ratio,
+                                                        device_budget))
 
 
 def reproducing_command(preset_path: str, nproc: int = 1) -> str:
@@ -166,7 +166,8 @@ class PresetSaving:
         run trains on, which the preset's command runs again."""
         self.nproc = nproc
         settings = settings.model_copy(deep=True)
-        path = default_preset_path(settings.model, settings.engine.policy)
+        e = settings.engine
+        path = default_preset_path(settings.model, e.policy, e.margin_ratio, e.device_budget)
         self.app.push_screen(
             SaveDialog(path, summary=summary), partial(self._chosen, settings, measured)
         )

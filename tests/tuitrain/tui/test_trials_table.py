@@ -6,7 +6,7 @@ import pytest
 
 from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats, follow_settings
 from tuitrain.events import Failed, Step
-from tuitrain.formatting import format_size
+from tuitrain.formatting import format_seconds, format_size
 from tuitrain.presets import load_preset, saved_dir
 from tuitrain.settings import Settings
 from tuitrain.trials import BEST_MIN_SETTLED, Setting
@@ -117,23 +117,23 @@ async def test_s_saves_the_selected_row_with_what_was_measured_for_it():
         await pilot.pause()
         dialog = app.screen
         assert isinstance(dialog, SaveDialog)
-        assert dialog.path == str(saved_dir() / "opt-1.3b-auto.yaml")
+        assert dialog.path == str(saved_dir() / "opt-1.3b-auto-margin0.3-3GiB.yaml")
         assert "policy auto · margin 0.30 · budget 3GiB (tried at steps 1-3)" in dialog.summary
         assert "3 steps, 1.70 s/step, 151 tok/s (median of 2 settled steps, ±0%)" in (
             dialog.summary
         )
         await pilot.press("enter")
         await pilot.pause()
-    path = saved_dir() / "opt-1.3b-auto.yaml"
+    path = saved_dir() / "opt-1.3b-auto-margin0.3-3GiB.yaml"
     saved = load_preset(path)
     assert (saved.engine.policy, saved.engine.margin_ratio) == ("auto", 0.3)
     assert saved.engine.device_budget.nbytes == 3 * GiB
     assert app.settings.engine.policy == "cpu"  # what runs is not what was saved
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
-    assert "# reproduce: tuitrain run --preset opt-1.3b-auto" in header
+    assert "# reproduce: tuitrain run --preset opt-1.3b-auto-margin0.3-3GiB" in header
     (measured,) = [line for line in header if line.startswith("# measured")]
     assert measured.startswith("# measured over steps 1-3 (median of 2 settled steps): ")
-    assert f"step time {auto.step_seconds:.3g} s" in measured
+    assert f"{format_seconds(auto.step_seconds)}/step" in measured
     assert f"device peak {format_size(auto.device_peak)}," in measured
     assert f"host RSS {format_size(auto.process_rss)}" in measured
     assert "copied" in measured and "over the budget" not in measured
@@ -148,12 +148,12 @@ async def test_enter_on_a_row_saves_that_row_and_says_it_went_over_its_budget():
         await pilot.pause()
         dialog = app.screen
         assert isinstance(dialog, SaveDialog)
-        assert dialog.path.endswith("opt-1.3b-cuda.yaml")
+        assert dialog.path.endswith("opt-1.3b-cuda-margin0.3-3GiB.yaml")
         assert "(over budget)" in dialog.summary
         await pilot.press("enter")
         await pilot.pause()
-    text = (saved_dir() / "opt-1.3b-cuda.yaml").read_text()
-    assert "(over the budget)" in text
+    text = (saved_dir() / "opt-1.3b-cuda-margin0.3-3GiB.yaml").read_text()
+    assert "(over budget)" in text
 
 
 async def test_a_save_before_the_first_step_writes_the_settings_in_force():
@@ -165,7 +165,7 @@ async def test_a_save_before_the_first_step_writes_the_settings_in_force():
         assert "nothing measured" in app.screen.summary
         await pilot.press("enter")
         await pilot.pause()
-    saved = load_preset(saved_dir() / "opt-1.3b-auto.yaml")
+    saved = load_preset(saved_dir() / "opt-1.3b-auto-margin0.3-3GiB.yaml")
     assert saved.engine.margin_ratio == 0.3
 
 

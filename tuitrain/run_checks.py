@@ -1,0 +1,62 @@
+"""What `tuitrain run` and `tuitrain plan` check before anything heavy starts: the model,
+and the files and folders a run names. Each mistake is a UsageError, one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tuitrain.errors import UsageError
+from tuitrain.settings import Settings
+
+
+def check_model(name: str, seq_len: int) -> None:
+    """The model exists (zoo name or model folder) and takes sequences of `seq_len` tokens."""
+    from engine.models.zoo import (
+        KNOWN_MODELS,
+        BadCheckpoint,
+        UnknownModel,
+        is_model_folder,
+        model_config,
+    )
+
+    try:
+        config = model_config(name)
+    except (UnknownModel, BadCheckpoint) as error:
+        raise UsageError(str(error)) from None
+    if name not in KNOWN_MODELS and not is_model_folder(name):
+        raise UsageError(f"model folder {name} has no weights (*.safetensors)")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and seq_len > positions:
+        raise UsageError(f"seq_len {seq_len} is longer than the {positions} positions of {name}")
+
+
+def check_runnable(settings: Settings) -> None:
+    """Every check that needs no training: the model, the files and folders named."""
+    check_model(settings.model, settings.training.seq_len)
+    data = settings.data.path
+    if data is not None and not Path(data).expanduser().exists():
+        raise UsageError(f"data path not found: {data}")
+    held_out = settings.data.eval_path
+    if held_out is not None and not Path(held_out).expanduser().exists():
+        raise UsageError(f"eval data path not found: {held_out}")
+    metrics = settings.logging.metrics
+    if metrics is not None:
+        metrics_path = Path(metrics).expanduser()
+        if metrics_path.is_dir():
+            raise UsageError(f"metrics file is a folder: {metrics}")
+        if not metrics_path.parent.is_dir():
+            raise UsageError(f"folder for the metrics file not found: {metrics_path.parent}")
+    if settings.engine.disk_dir is not None:
+        from engine.devices.disk.scratch import ScratchFolder
+
+        try:  # made and removed at once: the run's own is made when its engine starts
+            ScratchFolder(settings.engine.disk_dir).remove()
+        except ValueError as error:
+            raise UsageError(f"--disk: {error}") from None
+    checkpoint = settings.checkpoint
+    if checkpoint.every is not None and checkpoint.dir is None:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    if checkpoint.dir is not None and Path(checkpoint.dir).expanduser().is_file():
+        raise UsageError(f"checkpoint folder is a file: {checkpoint.dir}")
+    if checkpoint.resume is not None and not Path(checkpoint.resume).expanduser().is_dir():
+        raise UsageError(f"checkpoint to resume from not found: {checkpoint.resume}")
