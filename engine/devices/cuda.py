@@ -74,6 +74,7 @@ class CudaDevice:
         # and stream, up to 32 MiB each on Hopper), made by the first step and kept. What
         # was there before (another engine's chunks, a baseline) is under its own cap.
         self.unowned = 0
+        self.reserved_peak = 0  # see allocator_reading
         _TOTAL.setdefault(self.index, int(torch.cuda.mem_get_info(self.index)[1]))
         _LIVE.add(self)
         _apply_process_cap(self.index)
@@ -186,9 +187,13 @@ class CudaDevice:
     def allocator_reading(self) -> tuple[int, int]:
         """(bytes allocated now, peak since `begin_step` or `reset_peak`), less what was
         someone else's at `begin_step`, from one read of the allocator's statistics."""
-        stats = torch.cuda.memory_stats_as_nested_dict(self.index)["allocated_bytes"]["all"]
-        return (max(0, int(stats["current"]) - self._foreign),
-                max(0, int(stats["peak"]) - self._foreign))
+        stats = torch.cuda.memory_stats_as_nested_dict(self.index)
+        allocated = stats["allocated_bytes"]["all"]
+        # The caller resets the peaks (all of them) after each reading: the run's highest
+        # reserved bytes are kept here (with max_memory_reserved since the last reset).
+        self.reserved_peak = max(self.reserved_peak, int(stats["reserved_bytes"]["all"]["peak"]))
+        return (max(0, int(allocated["current"]) - self._foreign),
+                max(0, int(allocated["peak"]) - self._foreign))
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.index)
