@@ -82,6 +82,7 @@ class ChunkManager:
     def begin_step(self, *, tracing: bool) -> None:
         """A traced step has no forecast to trust yet: room that cannot be made is noted as
         an overrun rather than raised."""
+        self.rules = rules.rules_for(self.policy, tracing=tracing)
         if tracing:
             self.strict = False
             self.overrun = 0
@@ -90,6 +91,7 @@ class ChunkManager:
 
     def end_step(self) -> None:
         self.strict = True
+        self.rules = rules.rules_for(self.policy)
 
     def end_backward(self) -> None:
         """Every gradient of this backward is in. Sharded: reduce what is still waiting."""

@@ -69,6 +69,12 @@ class CudaDevice:
         uuid = getattr(props, "uuid", None)  # NVML names a GPU by it, whatever the index
         self._nvml = NvmlProbe(f"GPU-{uuid}" if uuid is not None else None)
         self._foreign = 0  # bytes allocated at the step's start that are not this engine's
+        self._before_steps: int | None = None  # the same, at the first step's start
+        # Of those, what came with the engine's steps: cuBLAS's workspaces (one per handle
+        # and stream, up to 32 MiB each on Hopper), made by the first step and kept. What
+        # was there before (another engine's chunks, a baseline) is under its own cap.
+        self.unowned = 0
+        self.reserved_peak = 0  # see allocator_reading
         _TOTAL.setdefault(self.index, int(torch.cuda.mem_get_info(self.index)[1]))
         _LIVE.add(self)
         _apply_process_cap(self.index)
@@ -89,10 +95,14 @@ class CudaDevice:
             torch.cuda.empty_cache()
 
     def capacity(self) -> int:
-        """What this process can hold now: free memory plus what its allocator reserved
-        (its cache included, which it reuses), never more than the budget."""
+        """What this engine can hold now: free memory plus what its allocator reserved
+        (its cache included, which it reuses), never more than the budget, less what the
+        allocator holds for the engine's steps that is not the engine's (`unowned`): that
+        sits inside the hard cap too, and an engine that filled the whole budget would
+        find the allocator out of memory before its own count said full."""
         free, _ = torch.cuda.mem_get_info(self.index)
-        return int(min(self.budget, free + torch.cuda.memory_reserved(self.index)))
+        room = min(self.budget, free + torch.cuda.memory_reserved(self.index))
+        return int(max(0, room - self.unowned))
 
     def other_processes_bytes(self) -> int | None:
         """Bytes other processes hold on this GPU (NVML), or None where NVML cannot tell."""
@@ -153,6 +163,10 @@ class CudaDevice:
         """Page-locked host bytes this device holds (the staging ring), constant."""
         return self.transfers.pinned_bytes()
 
+    def synchronize(self) -> None:
+        """Wait until every kernel and copy queued on this GPU has run."""
+        torch.cuda.synchronize(self.index)
+
     # --- measuring the step --------------------------------------------------------------
 
     def begin_step(self, model_bytes: int = 0) -> None:
@@ -162,10 +176,24 @@ class CudaDevice:
         self.transfers.settle_host()
         torch.cuda.reset_peak_memory_stats(self.index)
         self._foreign = max(0, torch.cuda.memory_allocated(self.index) - int(model_bytes))
+        if self._before_steps is None:
+            self._before_steps = self._foreign
+        self.unowned = max(0, self._foreign - self._before_steps)
 
     def allocator_bytes(self) -> int | None:
         """Bytes allocated now, less what was someone else's at `begin_step`."""
         return max(0, int(torch.cuda.memory_allocated(self.index)) - self._foreign)
+
+    def allocator_reading(self) -> tuple[int, int]:
+        """(bytes allocated now, peak since `begin_step` or `reset_peak`), less what was
+        someone else's at `begin_step`, from one read of the allocator's statistics."""
+        stats = torch.cuda.memory_stats_as_nested_dict(self.index)
+        allocated = stats["allocated_bytes"]["all"]
+        # The caller resets the peaks (all of them) after each reading: the run's highest
+        # reserved bytes are kept here (with max_memory_reserved since the last reset).
+        self.reserved_peak = max(self.reserved_peak, int(stats["reserved_bytes"]["all"]["peak"]))
+        return (max(0, int(allocated["current"]) - self._foreign),
+                max(0, int(allocated["peak"]) - self._foreign))
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.index)

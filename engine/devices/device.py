@@ -66,11 +66,19 @@ class ComputeDevice(Protocol):
         """Page-locked host bytes the device holds for copies (0 on the simulated device)."""
         ...
 
+    def synchronize(self) -> None:
+        """Wait until the work queued on the device has run (a step's time ends there)."""
+        ...
+
     def begin_step(self, model_bytes: int = 0) -> None:
         """Start measuring a step; bytes allocated now beyond `model_bytes` are not ours."""
         ...
 
     def allocator_bytes(self) -> int | None: ...
+
+    def allocator_reading(self) -> tuple[int, int]:
+        """(allocator_bytes(), allocator_peak()) at once; only where those are not None."""
+        ...
 
     def reset_peak(self) -> None: ...
 

@@ -82,6 +82,9 @@ class SimulatedDevice:
     def pinned_bytes(self) -> int:
         return self.transfers.pinned_bytes()
 
+    def synchronize(self) -> None:
+        pass  # nothing is queued: every op has run by the time it returns
+
     def begin_step(self, model_bytes: int = 0) -> None:
         self.transfers.settle_host()
 

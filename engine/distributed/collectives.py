@@ -1,12 +1,16 @@
 """The collectives the engine issues, on a process group of its own.
 
-Every collective waits with a timeout and fails with a CollectiveError that names this
+Every collective is bounded by a timeout and fails with a CollectiveError that names this
 rank, the operation and the chunk: a dead rank or one that issued something else is an
-error within `timeout` seconds, never a hang. Collectives pair up across ranks by the
-order they are issued in, so every rank must issue the same ones in the same order; each
-one is also added to a running digest (kind, chunk, size), and `agree_step` compares the
-digests of all ranks once per step, so a divergence that happened to pair collectives of
-equal sizes is still an error (with the counts), never silently mixed gradients.
+error within `timeout` seconds, never a hang. On gloo each wait carries the timeout. On
+NCCL a wait with a timeout would block the host until the collective ends (and a gather
+started ahead of use would overlap nothing), so a wait only orders the compute stream after
+the collective, and the process group's own timeout and watchdog end a hung one.
+Collectives pair up across ranks by the order they are issued in, so every rank must issue
+the same ones in the same order; each one is also added to a running digest (kind, chunk,
+size), and `agree_step` compares the digests of all ranks once per step, so a divergence
+that happened to pair collectives of equal sizes is still an error (with the counts), never
+silently mixed gradients.
 
 Collectives run outside any dispatch mode: their outputs are the caller's own tensors,
 written in place, which a counter of new storages (engine.step.non_model) would otherwise
@@ -82,8 +86,8 @@ class Collectives:
         self.world = dist.get_world_size(group)
         self.timeout = float(timeout)
         # Where small tensors of agreements go: NCCL moves only CUDA tensors.
-        nccl = dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else \
+        self.nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.nccl else \
             torch.device("cpu")
         self.issued = 0  # collectives issued since the last agree_step
         self.digest = 0
@@ -125,10 +129,14 @@ class Collectives:
         return Pending(work, what, chunk)
 
     def wait(self, pending: Pending) -> None:
-        """Until `pending` has completed on this rank; CollectiveError past the timeout."""
+        """Until `pending` has completed on this rank (NCCL: until the compute stream has
+        it, see the module docstring); CollectiveError past the timeout."""
         try:
             with _disable_current_modes():
-                pending.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                if self.nccl:
+                    pending.work.wait()
+                else:
+                    pending.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except Exception as error:  # noqa: BLE001
             raise self._fail(pending.what, pending.chunk, error) from error
 

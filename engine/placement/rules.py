@@ -91,8 +91,15 @@ RULES: dict[Policy, type[CudaRules] | type[AutoRules] | type[CpuRules]] = {
     Policy.CUDA: CudaRules, Policy.AUTO: AutoRules, Policy.CPU: CpuRules}
 
 
-def rules_for(policy: Policy | str) -> type[CudaRules] | type[AutoRules] | type[CpuRules]:
-    return RULES[Policy.parse(policy)]
+def rules_for(policy: Policy | str, *, tracing: bool = False
+              ) -> type[CudaRules] | type[AutoRules] | type[CpuRules]:
+    """The rules of `policy`; `tracing`: those of a step being traced (the first, and the
+    first of each new batch shape). With no forecast of the activations to come, auto
+    keeps nothing idle on the device then (cpu's rules): an op that found the device full
+    of idle chunks would fail on a GPU, and evicting them after it cannot undo that. The
+    step is then the minimum working set's, which the budget holds."""
+    chosen = RULES[Policy.parse(policy)]
+    return CpuRules if tracing and chosen is AutoRules else chosen
 
 
 # --- rules every policy shares -----------------------------------------------------------

@@ -185,7 +185,7 @@ class StepReplay:
         # Pieces read ahead and then not used (ChunkManager.release_all, land_grads): the
         # tier read them all the same. Chunk -> pieces.
         self.unused_reads: dict[int, int] = {}
-        self.rules = rules.rules_for(policy)
+        self.rules = rules.rules_for(policy, tracing=trace is None)
         self.itemsize = cost.itemsize
         self.nbytes = [n * cost.itemsize for n in lay.numel]
         self.resident = resident

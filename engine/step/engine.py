@@ -283,10 +283,12 @@ class Engine:
             self.manager.restore_disk_placement()  # payloads gradients brought home
         if not self.manager.flight.active:
             self._raise_disk_errors()  # else once that update is over (_settle_update)
+        self.device.synchronize()  # work still queued on a GPU is this step's time
         t3 = time.perf_counter()
         disk_read, disk_written, disk_wait = m.disk_counters()
-        allocator_peak = self.device.allocator_peak()
-        self._last_peak = allocator_peak if allocator_peak is not None else peak
+        allocator_peak = self.device.allocator_peak()  # CUDA: since the runner's last reading
+        self._last_peak = (peak if allocator_peak is None
+                           else max(peak, self.runner.peak, allocator_peak))
         self._last_non_model_peak = non_model_peak
         self._last_rss_peak = self._resident.read()
         return StepStats(

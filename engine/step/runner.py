@@ -11,6 +11,7 @@ class owns only what happens between the first forward pre-hook and the end of b
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -51,7 +52,10 @@ class StepRunner:
                                     on_change=self._on_model_change)
         self.trace: Trace | None = None  # the latest finished warm-up trace
         self._tracing: Trace | None = None  # the trace being recorded this step
+        self._forecast: Trace | None = None  # the manager's trace before this one began
         self.pos = -1  # index of the latest trace point this step
+        # CUDA: the model bytes and the allocator's bytes at the latest sample.
+        self._model_read = self._allocated_read = 0
         self.step_number = 0  # the optimizer step this forward and backward are for
         self.forward_seconds = 0.0  # wall time of the latest forward, transfers included
         self.peak = 0  # peak device bytes this step
@@ -102,10 +106,12 @@ class StepRunner:
                 self.counter.disown({storage_key(g) for _, g in kept.values()})
 
     def non_model_now(self) -> int:
-        allocated = self.device.allocator_bytes()
-        if allocated is None:
+        if self.device.simulated:
             return self.counter.current
-        return max(0, allocated - self.manager.device_bytes)
+        # The chunk manager asks before it allocates: the allocator's peak so far is read
+        # now, before a chunk's bytes could hide a non-model peak under a higher total.
+        self._sample()
+        return max(0, self.device.allocator_bytes() - self.manager.device_bytes)
 
     def _on_model_change(self) -> None:
         if self._in_step:
@@ -116,27 +122,35 @@ class StepRunner:
         self._keep_room(self._chunks_in_use)
 
     def _keep_room(self, protect: Callable[[], tuple[Chunk, ...]]) -> None:
-        """On the simulated device, keep room for the non-model bytes the trace says are
-        still to come before the next module (rules.forecast), evicting idle chunks but not
-        `protect()`: a real device would fail an allocation that found none. Then sample.
-        Called after every op that allocated, so the common case (room enough) is cheap."""
-        if self._in_step and self.device.simulated:
-            m = self.manager
-            if m.free_bytes(m.rules.forecast(m.trace, self.pos, self.counter.current)) < 0:
-                # Sampled once the evicted chunks are gone: had there been no room for an
-                # allocation that already happened (no trace yet), a real device would
-                # have failed it rather than held both.
-                self._evicting = True
-                try:
-                    m.make_room(0, self.pos, protect())
-                finally:
-                    self._evicting = False
+        """Keep room for the non-model bytes the trace says are still to come before the
+        next module (rules.forecast), evicting idle chunks but not `protect()`. Called at
+        each point, before the module's first allocation, and on the simulated device after
+        every op that allocated, so the common case (room enough) is cheap.
+
+        Sampled first: an allocation that found no room (a forecast short of the truth)
+        shows in the step's peak, as it would on a GPU, rather than being hidden by the
+        evictions that follow it."""
         self._sample()
+        if not self._in_step:
+            return
+        m = self.manager
+        non_model = self.counter.current if self.device.simulated else self.non_model_now()
+        if m.free_bytes(m.rules.forecast(m.trace, self.pos, non_model)) < 0:
+            self._evicting = True
+            try:
+                m.make_room(0, self.pos, protect())
+            finally:
+                self._evicting = False
+            self._sample()
 
     def _sample(self) -> None:
         if self._evicting or not hasattr(self, "manager"):
             return
-        non_model = self.non_model_now()
+        model = self.manager.device_bytes
+        if self.device.simulated:
+            non_model = self.counter.current
+        else:
+            model, non_model = self._read_allocator(model)
         self._interval_peak = max(self._interval_peak, non_model)
         # An interval's working set is what the placement rules keep room for: the most
         # chunk bytes it holds (in use, and gradient buffers opening) beside its whole
@@ -144,7 +158,6 @@ class StepRunner:
         # is the chunk bytes; the interval adds its non-model peak when it closes.
         self._interval_ws = max(self._interval_ws, self._pinned + self._opening_bytes
                                 + self.manager.held_grad_bytes)
-        model = self.manager.device_bytes
         if model + non_model > sum(self._interval_top):
             self._interval_top = (model, non_model)
         self.peak = max(self.peak, model + non_model)
@@ -159,6 +172,26 @@ class StepRunner:
             room = self.device.capacity() - model
             self.counter.quiet_below = (-1 if room < non_model + forecast else
                                         min(self._interval_peak, self.peak - model, room))
+
+    def _read_allocator(self, model: int) -> tuple[int, int]:
+        """On CUDA the allocator counts, with no work per op: each sample (every trace point
+        and every change of model bytes) reads its peak since the last one and resets it.
+        Returns the model and non-model bytes at that peak, or now if nothing rose above
+        where the last sample left it (that moment was the last sample's).
+
+        Model bytes change right before a sample (an allocation) or right around it (a
+        freed tensor may outlive the count by a statement), so at a peak before now they
+        were the last sample's, and now the larger of the two counts."""
+        before, self._model_read = self._model_read, model
+        current, peak = self.device.allocator_reading()
+        self.device.reset_peak()
+        floor, self._allocated_read = self._allocated_read, current
+        at = max(before, model)
+        if peak > current and peak > floor:
+            at = before
+        elif peak <= floor:
+            peak = current
+        return at, max(0, peak - at)
 
     def _chunks_in_use(self) -> tuple[Chunk, ...]:
         return tuple(c for c in self.chunks if c.in_use() or c.grad is not None)
@@ -175,6 +208,8 @@ class StepRunner:
             raise StepInterrupted(f"step {self.step_number} was interrupted in the {phase}")
         self.pos += 1
         chunks = self.module_chunks[key]
+        if not self.device.simulated:
+            self._sample()  # the allocator's peak since the last sample is the closing one's
         self._close_interval()
         if self._tracing is not None:
             self._tracing.points.append(TracePoint(tuple(c.index for c in chunks), phase))
@@ -303,12 +338,17 @@ class StepRunner:
         self._tracing = Trace(shape, key=key) if tracing else None
         self._opening.clear()
         self._opening_bytes = 0
+        if tracing:
+            # A trace of another step is no forecast of this one's activations; it is the
+            # forecast again if this step fails (_abort).
+            self._forecast, self.manager.trace = self.manager.trace, None
         self.manager.begin_step(tracing=tracing)
         self.pos = -1
         self.timeline = []
         self.peak = self.manager.device_bytes
         self.non_model_peak = 0
         self.device.begin_step(self.manager.device_bytes)
+        self._model_read = self._allocated_read = self.manager.device_bytes
         self.counter.reset()
         self._kept_grads: dict[int, int] = {}  # chunk index -> kept gradients adopted
         for chunk in self.chunks:
@@ -326,9 +366,9 @@ class StepRunner:
         self.model.train()
         self._in_step = True
         try:
-            # Every op's allocations: counted on the simulated device, and the moments
-            # to read the allocator at on CUDA.
-            with self.counter:
+            # Every op's allocations, counted on the simulated device; on CUDA the
+            # allocator counts them itself (_read_allocator), with no work per op.
+            with self.counter if self.device.simulated else contextlib.nullcontext():
                 t0, x0 = time.perf_counter(), m.transfer_seconds
                 loss = self.model(**batch).loss
                 self.forward_seconds = time.perf_counter() - t0
@@ -380,6 +420,8 @@ class StepRunner:
                 slot.param.grad = None
             chunk.computing = 0
         self.manager.release_all()
+        if self._tracing is not None:
+            self.manager.trace = self._forecast
         self._tracing = None
         self.counter.reset()
 

@@ -117,7 +117,8 @@ def test_the_budget_caps_what_the_allocator_reserves():
     eng.set_margin(0.9)
     for batch in batches[1:]:
         eng.step(batch)
-    assert torch.cuda.max_memory_reserved() <= budget
+    # The engine resets the allocator's peaks at each of its readings and keeps the highest.
+    assert max(torch.cuda.max_memory_reserved(), eng.device.reserved_peak) <= budget
     eng.close()
     eng.device.close()
 

@@ -1,0 +1,220 @@
+"""The CUDA path's rules, on a GPU modelled on the CPU (no GPU needed).
+
+`ModelledGpu` is the simulated device with a caching allocator's count instead of the
+engine's own: like CudaDevice it is not `simulated`, so the engine measures the step by
+reading the allocator (current bytes and the peak since a reset) and never counts op by
+op. Its allocator sees every byte: the model data the engine allocates through `empty`
+(storages resized in place included) and every op's outputs, counted with the same
+storage-lifetime rule as the engine's counter (engine.step.non_model), plus `spike(n)`: a
+kernel's workspace, allocated and freed inside one op, which no op-by-op count can see.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import build, make_batches
+
+from engine import Engine, EngineConfig
+from engine.devices.cuda import CudaDevice
+from engine.devices.simulated import SimulatedDevice
+from engine.distributed.collectives import Collectives, Pending
+from engine.step.non_model import LiveBytes, storage_key
+
+MiB = 2**20
+
+
+class ModelledGpu(SimulatedDevice):
+    """See the module docstring. Steps run inside `with gpu.allocator():`."""
+
+    simulated = False
+
+    def __init__(self, budget: int, *, queued_seconds: float = 0.0) -> None:
+        super().__init__(budget)
+        self.peak = 0
+        self.highest = 0  # the peak since the step began, which no reading resets
+        self.queued_seconds = queued_seconds  # kernels still running when the host is done
+        self.synchronized = 0
+        self._live: LiveBytes | None = None
+
+    def allocator(self) -> LiveBytes:
+        self._live = LiveBytes(self._grew, is_model=lambda key: key in self._model_keys())
+        return self._live
+
+    def _model_keys(self) -> set[int]:
+        return {storage_key(t) for t in self._device_tensors.keys()}
+
+    def _model_bytes(self) -> int:
+        storages = {storage_key(t): t.untyped_storage() for t in self._device_tensors.keys()}
+        return sum(s.nbytes() for s in storages.values())
+
+    def _current(self) -> int:
+        return self._model_bytes() + (self._live.current if self._live is not None else 0)
+
+    def _reached(self, nbytes: int) -> None:
+        self.peak = max(self.peak, nbytes)
+        self.highest = max(self.highest, nbytes)
+
+    def _grew(self, delta: int) -> None:
+        self._reached(self._current())
+
+    def spike(self, nbytes: int) -> None:
+        self._reached(self._current() + nbytes)
+
+    def begin_step(self, model_bytes: int = 0) -> None:
+        super().begin_step(model_bytes)
+        self.peak = self.highest = self._current()
+
+    def allocator_bytes(self) -> int:
+        return self._current()
+
+    def allocator_reading(self) -> tuple[int, int]:
+        self._reached(self._current())
+        return self._current(), self.peak
+
+    def reset_peak(self) -> None:
+        self.peak = self._current()
+
+    def allocator_peak(self) -> int:
+        self._reached(self._current())
+        return self.peak
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        time.sleep(self.queued_seconds)
+
+
+MODEL = build("opt", layers=2, hidden=64)
+BATCH = make_batches(1)[0]
+
+
+def engine(device, policy: str = "cpu") -> Engine:
+    return Engine(copy.deepcopy(MODEL), EngineConfig(policy=policy, precision="fp32"),
+                  device=device)
+
+
+def gpu_step(eng: Engine, batch=BATCH):
+    with eng.device.allocator():
+        return eng.step(batch)
+
+
+def simulated_trace():
+    with engine(SimulatedDevice(2**30)) as eng:
+        eng.step(BATCH)
+        return eng.trace
+
+
+def test_on_a_gpu_the_allocator_counts_the_trace_and_no_op_is_intercepted():
+    """The same trace as the simulated device's exact count, read from the allocator at
+    the trace points and model changes only: the engine's own counter sees no op."""
+    expected = simulated_trace()
+    with engine(ModelledGpu(2**30)) as eng:
+        gpu_step(eng)
+        assert not eng.runner.counter._ops  # no op went through its dispatch mode
+        got = eng.trace
+    assert [p.chunks for p in got.points] == [p.chunks for p in expected.points]
+    assert [p.non_model_peak for p in got.points] == [p.non_model_peak
+                                                      for p in expected.points]
+    assert [p.working_set for p in got.points] == [p.working_set for p in expected.points]
+
+
+def test_on_a_gpu_memory_allocated_and_freed_inside_one_op_is_in_the_trace():
+    gpu = ModelledGpu(2**30)
+    with engine(gpu) as eng:
+        layer = eng.model.model.decoder.layers[1].fc1
+        layer.register_forward_hook(lambda *_: gpu.spike(64 * MiB))
+        gpu_step(eng)
+        assert eng.trace.non_model_peak >= 64 * MiB
+        assert eng.snapshot().device_peak >= 64 * MiB
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.05])
+@pytest.mark.parametrize("policy", ["auto", "cpu"])
+def test_on_a_gpu_the_first_step_keeps_room_for_its_activations(policy, factor):
+    """Under auto the device must not fill with idle chunks before the step's activations
+    come: a GPU would be out of memory there, whatever the engine evicted afterwards."""
+    minimum = simulated_trace().working_set
+    budget = int(factor * minimum)
+    gpu = ModelledGpu(budget)
+    with engine(gpu, policy) as eng:
+        stats = gpu_step(eng)
+        assert gpu.highest <= budget
+        assert stats.memory.device_peak == gpu.highest
+        # and after a shape change, traced again
+        longer = make_batches(1, seq_len=48)[0]
+        eng.set_budget(int(factor * max(minimum, _working_set(longer))))
+        gpu_step(eng)
+        stats = gpu_step(eng, longer)
+        assert eng.trace.shape == tuple(longer["input_ids"].shape)
+        assert gpu.highest <= eng.settings.device_budget
+        assert stats.memory.device_peak == gpu.highest
+
+
+def _working_set(batch) -> int:
+    with engine(SimulatedDevice(2**30)) as eng:
+        eng.step(batch)
+        return eng.trace.working_set
+
+
+def test_a_steps_time_includes_the_work_still_queued_on_the_gpu():
+    gpu = ModelledGpu(2**30, queued_seconds=0.2)
+    with engine(gpu) as eng:
+        stats = gpu_step(eng)
+    assert gpu.synchronized >= 1
+    assert stats.seconds >= 0.2 and stats.optimizer >= 0.2
+
+
+# --- what the engine can hold on a real GPU -------------------------------------------------
+
+
+def test_what_the_first_step_left_on_the_gpu_that_is_not_the_engines_is_not_room(monkeypatch):
+    """cuBLAS's workspaces, made by the first step and kept, sit inside the hard cap: the
+    engine's room is the budget less those, not the budget."""
+    allocated = {"bytes": 10 * MiB}  # another engine's chunks, before this one's steps
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (8 * 2**30, 8 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index=None: allocated["bytes"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index=None: None)
+    device = CudaDevice.__new__(CudaDevice)
+    device.index, device.budget, device._foreign = 0, 512 * MiB, 0
+    device._before_steps, device.unowned = None, 0
+    device.transfers = SimulatedDevice(1).transfers
+    device.begin_step(model_bytes=0)
+    assert device.capacity() == 512 * MiB  # what was there before is under its own cap
+    allocated["bytes"] += 100 * MiB + 32 * MiB  # the engine's 100 MiB, a workspace of 32
+    device.begin_step(model_bytes=100 * MiB)
+    assert device.capacity() == 512 * MiB - 32 * MiB
+
+
+# --- collectives on NCCL --------------------------------------------------------------------
+
+
+class Work:
+    def __init__(self) -> None:
+        self.waits: list[dict] = []
+
+    def wait(self, **kwargs) -> bool:
+        self.waits.append(kwargs)
+        return True
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_wait_on_nccl_never_blocks_the_host_and_on_gloo_carries_the_timeout(
+        backend, monkeypatch):
+    """NCCL's Work.wait with a timeout blocks the host until the collective ends, so a
+    gather started ahead of use would overlap nothing: there the process group's timeout
+    and watchdog bound it instead."""
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    collectives = Collectives(None, timeout=5)
+    work = Work()
+    collectives.wait(Pending(work, "all-gather", 0))
+    assert work.waits == ([{}] if backend == "nccl"
+                          else [{"timeout": datetime.timedelta(seconds=5)}])
