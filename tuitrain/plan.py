@@ -16,12 +16,14 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from engine.config import format_size
+from tuitrain import plan_forecast
 from tuitrain.errors import UsageError
 from tuitrain.fit import default_device_budget, default_host_budget
 from tuitrain.settings import Settings
 
 if TYPE_CHECKING:
     from engine.planning.planner import Plan
+    from engine.planning.time_model import StepTime
 
 
 def plan_main(args: argparse.Namespace) -> int:
@@ -35,12 +37,14 @@ def plan_main(args: argparse.Namespace) -> int:
     from engine.devices.device import uses_cuda
     from engine.planning.planner import plan
 
-    simulated = not uses_cuda()
+    hardware = getattr(args, "hardware", None)  # a HardwareProfile: a GPU, not this device
+    simulated = not uses_cuda() and hardware is None
     defaults = Settings()
     try:
         result = plan(
             args.model,
-            device_mem=args.device_budget or default_device_budget(simulated),
+            device_mem=args.device_budget or (hardware.memory if hardware is not None
+                                              else default_device_budget(simulated)),
             host_mem=default_host_budget(),
             host_budget=args.host_budget,
             disk_dir=args.disk_dir,
@@ -53,11 +57,14 @@ def plan_main(args: argparse.Namespace) -> int:
         )
     except ValueError as error:  # UnknownModel and BadCheckpoint are ValueErrors too
         raise UsageError(" ".join(str(error).split())) from None
+    accum = getattr(args, "grad_accum", 1)
+    times = plan_forecast.forecast(result, hardware, accum)
     if args.json:
-        json.dump(result.to_dict(), sys.stdout, indent=2)
+        json.dump(plan_forecast.add_to_json(result.to_dict(), result, times, accum), sys.stdout,
+                  indent=2)
         sys.stdout.write("\n")
     else:
-        print_plan(result, sys.stdout)
+        print_plan(result, sys.stdout, times)
         if args.host_budget is None and not result.policies[defaults.engine.policy].fits:
             for line in what_a_run_would_do(args):
                 print(line)
@@ -87,8 +94,8 @@ def what_a_run_would_do(args: argparse.Namespace) -> list[str]:
     return [f"a run here would start with {line}" for line in said]
 
 
-def print_plan(result: Plan, out: TextIO) -> None:
-    """The plan as a table per policy, then the recommendation."""
+def print_plan(result: Plan, out: TextIO, times: dict[str, StepTime] | None = None) -> None:
+    """The plan as a table per policy, the time per step of each, then the recommendation."""
     ranks = result.nproc
     device = f"device {format_size(result.device_mem)}"
     if ranks > 1:
@@ -147,6 +154,7 @@ def print_plan(result: Plan, out: TextIO) -> None:
             s.rjust(w) for s, w in zip(sizes, widths[1:], strict=True)
         ]
         lines.append("  ".join([*cells, fits]))
+    lines += plan_forecast.text_lines(result, times or {})
     rec = result.recommended
     lines.append("")
     if rec.policy is None:
