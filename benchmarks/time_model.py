@@ -116,14 +116,14 @@ def predict(row: Row, cal, disk_dir: str) -> float:
 
 def grid(models: list[str], quick: bool) -> list[Row]:
     if quick:
-        return [Row(models[0], "cuda", 0.0, 2 * 2**30, False, 1, False),
+        return [Row(models[0], "cuda", 0.0, 4 * 2**30, False, 1, False),
                 Row(models[0], "cpu", 0.0, 1 * 2**30, False, 1, False),
                 Row(models[0], "auto", 0.5, 1 * 2**30, False, 1, False),
                 Row(models[0], "cpu", 0.0, 1 * 2**30, True, 1, False),
                 Row(models[0], "cpu", 0.0, 1 * 2**30, False, 2, False)]
     rows = []
     for model, policy, margin, budget, ckpt, accum, disk in itertools.product(
-            models, ("cuda", "auto", "cpu"), (0.0, 0.5), (1 * 2**30, 2 * 2**30),
+            models, ("cuda", "auto", "cpu"), (0.0, 0.5), (1 * 2**30, 4 * 2**30),
             (False, True), (1, 4), (False, True)):
         if policy == "cuda" and (margin or disk):
             continue  # cuda keeps everything on the device: no margin, nothing on disk

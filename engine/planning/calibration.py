@@ -198,17 +198,20 @@ class _Clock:
 
     def __init__(self, limit: float, shares: int) -> None:
         self.share = limit / shares
+        self.deadline = time.perf_counter() + limit
 
     def rate(self, work: float, run: Callable[[], None], sync: Callable[[], None]) -> float:
         """`work` per second of `run`'s fastest run of as many as the share allows (one
-        warm-up excluded, at least three). The fastest: what the machine does when nothing
-        else takes its cores, which a busy moment during the measurement must not change
-        for every later forecast."""
+        warm-up excluded; three unless the whole limit is spent). The fastest: what the
+        machine does when nothing else takes its cores, which a busy moment during the
+        measurement must not change for every later forecast."""
         run()
         sync()
         times: list[float] = []
         start = time.perf_counter()
-        while len(times) < 3 or (time.perf_counter() - start < self.share and len(times) < 50):
+        while not times or (
+                (len(times) < 3 or time.perf_counter() - start < self.share)
+                and len(times) < 50 and time.perf_counter() < self.deadline):
             t0 = time.perf_counter()
             run()
             sync()
@@ -229,6 +232,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     widths = [max(16, int(w * scale)) for w in (CUDA_WIDTHS if cuda else WIDTHS)]
     precisions = list(DTYPES) if cuda else ["fp32", "bf16"]
+    # The engine's steps (_op_overhead) take what is left of the limit, a fifth at least.
     clock = _Clock(limit * 0.8, len(widths) * len(precisions) + 8)
     tokens = max(16, int(TOKENS * scale))
 
@@ -271,7 +275,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         adamw_host=adamw_host, adamw_device=adamw_device,
         disk_read=disk_read, disk_write=disk_write, op_overhead=0.0,
     )
-    cal.op_overhead = _op_overhead(cal, simulate, limit * 0.15)
+    cal.op_overhead = _op_overhead(cal, simulate, started + limit - time.perf_counter())
     cal.seconds = time.perf_counter() - started
     cal.measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return cal
@@ -319,7 +323,11 @@ def _disk(scale: float) -> tuple[float, float]:
 def _op_overhead(cal: Calibration, simulate: bool | None, limit: float) -> float:
     """The engine's own seconds per op (its hooks and live-byte counter see every op): a
     few steps of `tiny` under cpu, whose many small ops cost more than their arithmetic,
-    less what its arithmetic, copies and update take."""
+    less what its arithmetic, copies and update take.
+
+    Timed in the stepping thread's CPU seconds: the engine's own work is Python on that
+    thread, and a busy machine stretches its wall time by however many others share the
+    cores, which is no property of the engine."""
     from engine.config import EngineConfig
     from engine.models.zoo import build_model, model_config
     from engine.planning.flops import step_work
@@ -333,10 +341,10 @@ def _op_overhead(cal: Calibration, simulate: bool | None, limit: float) -> float
     times: list[float] = []
     with Engine(model, config) as eng:
         start = time.perf_counter()
-        while len(times) < 6 or (time.perf_counter() - start < limit and len(times) < 30):
-            t0 = time.perf_counter()
+        while len(times) < 4 or (time.perf_counter() - start < limit and len(times) < 30):
+            t0 = time.thread_time()
             stats = eng.step({"input_ids": ids, "labels": ids})
-            times.append(time.perf_counter() - t0)
+            times.append(time.thread_time() - t0)
     steady = min(times[2:])  # the fastest, as for every rate (_Clock.rate)
     work = step_work(model_config("tiny"), torch.float32, batch_size=batch, seq_len=seq,
                      checkpointing=False)
