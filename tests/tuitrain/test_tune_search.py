@@ -195,3 +195,19 @@ def test_a_trial_takes_at_least_three_settled_steps(steps):
     result = search([B], forecaster({B: 1.0}), ScriptedEngine(clock, {B: 1.0}), clock=clock,
                     trial_steps=steps)
     assert len(result.trials[0].steps) == 3
+
+
+def test_the_plan_forecasts_each_candidate_and_says_why_one_does_not_fit():
+    from tests.calibrations import fixed_calibration
+    from tuitrain.tune_plan import plan_forecaster
+
+    forecast = plan_forecaster("tiny", host_mem=16 * GIB, precision="fp32", seq_len=32,
+                               simulated=True, calibration=fixed_calibration())
+    small = 20 * 2**20
+    too_small = forecast(Candidate("cuda", 0.0, 4, 1, False, small))
+    assert not too_small.fits and "have 20.0 MiB" in too_small.reason
+    whole, split = (forecast(Candidate("cpu", 0.0, micro, 4 // micro, False, small))
+                    for micro in (4, 2))
+    assert whole.fits and split.fits and whole.seconds > 0
+    # Two micro-batches fetch every chunk twice: more copies for the same global batch.
+    assert split.seconds > whole.seconds
