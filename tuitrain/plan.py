@@ -30,7 +30,9 @@ def plan_main(args: argparse.Namespace) -> int:
     """Print the plan for `args`, checked by the command line: model, device_budget (bytes,
     or None for this machine's), host_budget (bytes, or None for none), disk_dir (None for
     the engine's default), precision, batch_size, seq_len (None for what a run would use),
-    checkpointing, nproc (data-parallel ranks on this machine; 1: one process), json.
+    checkpointing, nproc (data-parallel ranks on this machine; 1: one process), json,
+    hardware (an engine.planning.hardware.HardwareProfile to plan for instead of this
+    machine's device, or None).
 
     Raises UsageError for input the planner refuses (one line, status 2).
     """

@@ -104,3 +104,11 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
 def test_the_first_plan_on_a_machine_measures_it_and_says_so(empty_cache, capsys):
     assert main(["plan", "tiny", "--device-mem", "1GiB", "--json", *SMALL]) == 0
     assert "calibrating" in capsys.readouterr().err and empty_cache == [1]
+
+
+def test_the_help_names_every_shipped_profile():
+    from tuitrain.cli import build_parser
+
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    hardware = next(a for a in plan._actions if "--hardware" in a.option_strings)
+    assert [n.strip() for n in hardware.help.split(":", 1)[1].split(",")] == list(HARDWARE)
