@@ -186,7 +186,12 @@ def calibration(*, refresh: bool = False, say: Callable[[str], None] | None = No
         say(f"calibrating this machine's speeds (at most {TIME_LIMIT:.0f} s, once per "
             f"machine; `tuitrain calibrate` shows them)...")
     cal = (measure_fn or measure)()
-    save_calibration(cal)
+    try:
+        save_calibration(cal)
+    except OSError as error:  # a read-only cache: forecast anyway, and measure next time
+        if say is not None:
+            say(f"calibration not cached ({error.strerror or error}): "
+                f"{calibration_path(cal.fingerprint)}")
     return cal
 
 

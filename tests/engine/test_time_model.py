@@ -212,3 +212,13 @@ def test_a_profile_keeps_this_hosts_cpu_figures_and_says_it_is_an_estimate():
     assert "x0.6" in cal.source  # the derating is said
     with pytest.raises(UnknownHardware, match="known: laptop-6gb"):
         hardware_profile("tpu")
+
+
+def test_a_cache_that_cannot_be_written_still_gives_a_calibration(tmp_path, monkeypatch):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("TUITRAIN_CACHE", str(blocked))
+    said = []
+    cal = calibration(say=said.append, measure_fn=lambda: fixed_calibration(*fingerprint()))
+    assert cal.h2d == 1e9
+    assert len(said) == 2 and said[1].startswith("calibration not cached (")
