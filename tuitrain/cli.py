@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
         "batch; the host's memory is shared by all N)",
     )
     plan.add_argument(
+        "--preset", metavar="FILE",
+        help="plan the preset's settings (and the hardware it names); flags override it")
+    plan.add_argument(
         "--hardware",
         metavar="NAME",
         help="plan for a GPU from published specs instead of this machine's device: "
@@ -462,16 +465,18 @@ def _save_after_run(
 def cmd_plan(args: argparse.Namespace) -> int:
     """Check what the user gave, then hand it typed to tuitrain.plan.plan_main."""
     from tuitrain.plan import plan_main
-    from tuitrain.settings import Settings, Size
+    from tuitrain.settings import Size
 
-    settings = _merge(Settings(), args, PLAN, model=args.model)
+    settings = _merge(_plan_base(args.preset), args, PLAN, model=args.model)
     try:
         host_budget = Size(args.host_mem).nbytes if args.host_mem is not None else None
     except ValueError as error:
         raise UsageError(f"--host-mem: {error}") from None
+    if host_budget is None and settings.engine.host_budget is not None:
+        host_budget = settings.engine.host_budget.nbytes  # the preset's
     _check_model(settings.model, settings.training.seq_len)
     nproc = _plan_ranks(args.nproc, settings.training.batch_size)
-    hardware = _hardware(args.hardware)
+    hardware = _hardware(args.hardware or settings.hardware)
     simulated = not _has_cuda() and hardware is None
     if hardware is not None and settings.engine.precision is None:
         settings = _merge(settings, args, (), **{"engine.precision": "bf16"})
@@ -487,8 +492,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         nproc=nproc,
         json=args.json,
         hardware=hardware,
+        grad_accum=settings.training.grad_accum,
     )
     return plan_main(checked)
+
+
+def _plan_base(preset: str | None) -> Settings:
+    """The settings `tuitrain plan` starts from: the preset's, or the built-in defaults."""
+    from tuitrain.presets import PresetError, find_preset, load_preset
+    from tuitrain.settings import Settings
+
+    if preset is None:
+        return Settings()
+    try:
+        return load_preset(find_preset(preset))
+    except PresetError as error:
+        raise UsageError(str(error)) from None
 
 
 def _hardware(name: str | None) -> object:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.planning.calibration import Calibration
+if TYPE_CHECKING:  # no torch here: the application's settings check profile names
+    from engine.planning.calibration import Calibration
 
 __all__ = ["DERATING", "HARDWARE", "HardwareProfile", "UnknownHardware", "hardware_profile"]
 

@@ -112,3 +112,25 @@ def test_the_help_names_every_shipped_profile():
     plan = build_parser()._subparsers._group_actions[0].choices["plan"]
     hardware = next(a for a in plan._actions if "--hardware" in a.option_strings)
     assert [n.strip() for n in hardware.help.split(":", 1)[1].split(",")] == list(HARDWARE)
+
+
+def test_a_preset_names_its_hardware_and_the_plan_forecasts_for_it(capsys):
+    argv = ["plan", "tiny", "--preset", "laptop-6gb", "--seq-len", "64", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["simulated"] is False and data["precision"] == "bf16"
+    assert data["device_mem"] == int(5.5 * 2**30)  # the preset's budget within the 6 GB card
+    assert "RTX 3060 Laptop" in data["step_seconds_source"]
+    assert data["auto"]["settings"]["training"]["grad_accum"] == 8  # the preset's
+    argv = ["plan", "tiny", "--preset", "laptop-6gb", "--seq-len", "64", "--hardware",
+            "h100-80gb", "--json"]
+    assert main(argv) == 0
+    assert "H100" in json.loads(capsys.readouterr().out)["step_seconds_source"]
+
+
+def test_a_preset_naming_unknown_hardware_is_one_line_and_status_2(tmp_path, capsys):
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("version: 1\nhardware: tpu-v9\n")
+    assert main(["plan", "tiny", "--preset", str(preset)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hardware: must be 'laptop-6gb'" in err
