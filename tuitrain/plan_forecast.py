@@ -65,7 +65,7 @@ def text_lines(result: Plan, times: dict[str, StepTime]) -> list[str]:
     if not times:
         return []
     source = next(iter(times.values())).source
-    lines = ["", f"time per step ({source}):"]
+    lines = ["", f"time per step, forecast from {source}:"]
     width = max(len(name) for name in times)
     for policy, time in times.items():
         if not result.policies[policy].fits:

@@ -76,9 +76,9 @@ class Calibration:
     op_overhead: float  # the engine's seconds per op beyond the op itself (hooks, counting)
     measured_at: str = ""  # ISO time
     seconds: float = 0.0  # how long the measurement took
-    # Where the device's figures come from: "measured here", or a hardware profile's
+    # Where the device's figures come from: "this machine's calibration", or a hardware profile's
     # published specs (engine.planning.hardware) beside this host's measured figures.
-    source: str = "measured here"
+    source: str = "this machine's calibration"
     extra: dict = field(default_factory=dict)
 
     def matmul_rate(self, precision: str, hidden: int) -> float:

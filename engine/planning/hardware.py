@@ -70,7 +70,7 @@ class HardwareProfile:
             h2d=self.pcie,
             d2h=self.pcie,
             adamw_device=memory / ADAMW_BYTES,
-            source=(f"an estimate from the published specs of {self.description} "
+            source=(f"the published specs of {self.description}, an estimate "
                     f"(derated: matmul x{DERATING['matmul']}, memory x{DERATING['memory']}, "
                     f"PCIe x{DERATING['pcie']}) with this host's measured CPU and disk"),
         )

@@ -51,7 +51,7 @@ class StepTime:
     disk: float
     collectives: float
     overlap: float
-    source: str  # the calibration's: "measured here" or a hardware profile's specs
+    source: str  # the calibration's: "this machine's calibration" or a hardware profile's specs
 
     @property
     def compute(self) -> float:

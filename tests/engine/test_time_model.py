@@ -180,7 +180,7 @@ def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
              *(r for table in cal.matmul.values() for r in table.values())]
     assert all(math.isfinite(r) and r > 0 for r in rates)
     assert set(cal.matmul) == {"fp32", "bf16", "fp16"}
-    assert cal.op_overhead >= 0 and cal.source == "measured here"
+    assert cal.op_overhead >= 0 and cal.source == "this machine's calibration"
     assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
 
 
@@ -208,7 +208,7 @@ def test_a_profile_keeps_this_hosts_cpu_figures_and_says_it_is_an_estimate():
     assert cal.adamw_host == host.adamw_host and cal.disk_read == host.disk_read
     assert cal.matmul_rate("bf16", 4096) == pytest.approx(989e12 * 0.6)
     assert cal.h2d == pytest.approx(3.938e9 * 16 * 0.8)
-    assert "estimate from the published specs of H100" in cal.source
+    assert "the published specs of H100 80 GB (SXM), an estimate" in cal.source
     assert "x0.6" in cal.source  # the derating is said
     with pytest.raises(UnknownHardware, match="known: laptop-6gb"):
         hardware_profile("tpu")

@@ -36,13 +36,13 @@ def test_json_rows_carry_step_seconds_with_their_parts_and_the_settings_they_ass
     cpu, cuda = data["cpu"]["step_seconds"], data["cuda"]["step_seconds"]
     assert cpu["copy_h2d"] > 0 and cuda["copy_h2d"] == 0
     assert cpu["optimizer_host"] > 0 and cuda["optimizer_device"] > 0
-    assert data["step_seconds_source"] == "measured here"
+    assert data["step_seconds_source"] == "this machine's calibration"
 
 
 def test_the_table_gives_each_row_its_time_per_step(capsys):
     assert main(["plan", "tiny", "--device-mem", "20MiB", "--host-mem", "64GiB", *SMALL]) == 0
     lines = capsys.readouterr().out.splitlines()
-    start = lines.index("time per step (measured here):")
+    start = lines.index("time per step, forecast from this machine's calibration:")
     rows = {line.split()[0]: line for line in lines[start + 1:start + 4]}
     assert list(rows) == ["cuda", "cpu", "auto"]
     assert rows["cuda"].endswith("(does not fit)")  # 20 MiB is too small for it
@@ -56,7 +56,7 @@ def test_hardware_plans_the_profiles_gpu_and_labels_time_an_estimate_from_specs(
     out = capsys.readouterr().out
     assert "device 80.0 GiB" in out and "simulated" not in out.split("\n")[1]
     assert "opt-125m, bf16" in out  # a GPU's precision, not the simulated device's fp32
-    assert "estimate from the published specs of A100 80 GB" in out
+    assert "forecast from the published specs of A100 80 GB (SXM), an estimate" in out
     assert main(["plan", "opt-125m", "--hardware", "laptop-6gb", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["device_mem"] == HARDWARE["laptop-6gb"].memory and data["simulated"] is False
