@@ -74,6 +74,21 @@ def tuitrain_cache(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator
         yield Path(path)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def calibrated(tuitrain_cache: Path) -> None:
+    """This machine's calibration, fixed (tests/calibrations.py): no test waits for the
+    measurement (up to 30 s) that a plan's time forecast makes on a new machine, and
+    forecasts do not depend on the machine. For the simulated device's fingerprint, which
+    every test but those marked `cuda` runs on (asking the GPU's would start CUDA in this
+    process). A test of the measurement sets TUITRAIN_CACHE itself."""
+    from engine.planning.calibration import fingerprint, save_calibration
+    from tests.calibrations import fixed_calibration
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SIMULATE_ENV, "1")
+        save_calibration(fixed_calibration(*fingerprint()))
+
+
 @pytest.fixture(autouse=True)
 def user_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test gets an empty configuration folder of its own (TUITRAIN_CONFIG), so what

@@ -187,8 +187,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan one of N data-parallel ranks on this machine (--batch-size is the global "
         "batch; the host's memory is shared by all N)",
     )
+    plan.add_argument(
+        "--preset", metavar="FILE",
+        help="plan the preset's settings (and the hardware it names); flags override it")
+    plan.add_argument(
+        "--hardware",
+        metavar="NAME",
+        help="plan for a GPU from published specs instead of this machine's device: "
+        "laptop-6gb, laptop-8gb, desktop-12gb, desktop-24gb, a100-40gb, a100-80gb, h100-80gb",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=cmd_plan, command_parser=plan)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="this machine's measured speeds, which the plan's time forecast uses",
+        description="Show this machine's calibration (measured once, at most 30 s, and cached "
+        "per machine), or measure it again.",
+    )
+    calibrate.add_argument("--refresh", action="store_true", help="measure again now")
+    calibrate.add_argument("--json", action="store_true", help="print it as JSON")
+    calibrate.set_defaults(handler=cmd_calibrate)
 
     presets = commands.add_parser(
         "presets",
@@ -381,18 +400,23 @@ def _app_ranks(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Check what the user gave, then hand it typed to tuitrain.plan.plan_main."""
     from tuitrain.plan import plan_main
-    from tuitrain.settings import Settings, Size
+    from tuitrain.settings import Size
 
-    settings = _merge(Settings(), args, PLAN, model=args.model)
+    settings = _merge(_plan_base(args.preset), args, PLAN, model=args.model)
     try:
         host_budget = Size(args.host_mem).nbytes if args.host_mem is not None else None
     except ValueError as error:
         raise UsageError(f"--host-mem: {error}") from None
     from tuitrain.run_checks import check_model
 
+    if host_budget is None and settings.engine.host_budget is not None:
+        host_budget = settings.engine.host_budget.nbytes  # the preset's
     check_model(settings.model, settings.training.seq_len)
     nproc = _plan_ranks(args.nproc, settings.training.batch_size)
-    simulated = not _has_cuda()
+    hardware = _hardware(args.hardware or settings.hardware)
+    simulated = not _has_cuda() and hardware is None
+    if hardware is not None and settings.engine.precision is None:
+        settings = _merge(settings, args, (), **{"engine.precision": "bf16"})
     checked = argparse.Namespace(
         model=settings.model,
         device_budget=settings.device_budget_for(simulated),
@@ -404,8 +428,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
         disk_dir=args.disk,
         nproc=nproc,
         json=args.json,
+        hardware=hardware,
+        grad_accum=settings.training.grad_accum,
     )
     return plan_main(checked)
+
+
+def _plan_base(preset: str | None) -> Settings:
+    """The settings `tuitrain plan` starts from: the preset's, or the built-in defaults."""
+    from tuitrain.presets import PresetError, find_preset, load_preset
+    from tuitrain.settings import Settings
+
+    if preset is None:
+        return Settings()
+    try:
+        return load_preset(find_preset(preset))
+    except PresetError as error:
+        raise UsageError(str(error)) from None
+
+
+def _hardware(name: str | None) -> object:
+    """`--hardware NAME`: the shipped profile, or None without the flag."""
+    if name is None:
+        return None
+    from engine.planning.hardware import hardware_profile
+
+    try:
+        return hardware_profile(name)
+    except ValueError as error:
+        raise UsageError(f"--hardware: {error}") from None
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from tuitrain.calibrate import calibrate_main
+
+    return calibrate_main(refresh=args.refresh, as_json=args.json)
 
 
 def _plan_ranks(nproc: str | None, batch_size: int) -> int:

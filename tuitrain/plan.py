@@ -16,33 +16,39 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from engine.config import format_size
+from tuitrain import plan_forecast
 from tuitrain.errors import UsageError
 from tuitrain.fit import default_device_budget, default_host_budget
 from tuitrain.settings import Settings
 
 if TYPE_CHECKING:
     from engine.planning.planner import Plan
+    from engine.planning.time_model import StepTime
 
 
 def plan_main(args: argparse.Namespace) -> int:
     """Print the plan for `args`, checked by the command line: model, device_budget (bytes,
     or None for this machine's), host_budget (bytes, or None for none), disk_dir (None for
     the engine's default), precision, batch_size, seq_len (None for what a run would use),
-    checkpointing, nproc (data-parallel ranks on this machine; 1: one process), json.
+    checkpointing, nproc (data-parallel ranks on this machine; 1: one process), json,
+    hardware (an engine.planning.hardware.HardwareProfile to plan for instead of this
+    machine's device, or None).
 
     Raises UsageError for input the planner refuses (one line, status 2).
     """
     from engine.devices.device import uses_cuda
     from engine.planning.planner import plan
 
-    simulated = not uses_cuda()
+    hardware = getattr(args, "hardware", None)  # a HardwareProfile: a GPU, not this device
+    simulated = not uses_cuda() and hardware is None
     defaults = Settings()
 
     def forecast(device_budget: int | None, host_budget: int | None) -> Plan:
         try:
             return plan(
                 args.model,
-                device_mem=device_budget or default_device_budget(simulated),
+                device_mem=device_budget or (hardware.memory if hardware is not None
+                                             else default_device_budget(simulated)),
                 host_mem=default_host_budget(),
                 host_budget=host_budget,
                 disk_dir=args.disk_dir,
@@ -57,8 +63,11 @@ def plan_main(args: argparse.Namespace) -> int:
             raise UsageError(" ".join(str(error).split())) from None
 
     result = forecast(args.device_budget, args.host_budget)
+    accum = getattr(args, "grad_accum", 1)
     if args.json:
-        json.dump(result.to_dict(), sys.stdout, indent=2)
+        times = plan_forecast.forecast(result, hardware, accum)
+        json.dump(plan_forecast.add_to_json(result.to_dict(), result, times, accum), sys.stdout,
+                  indent=2)
         sys.stdout.write("\n")
         return 0
     run_here: list[str] = []
@@ -72,7 +81,7 @@ def plan_main(args: argparse.Namespace) -> int:
             host = e.host_budget.nbytes if e.host_budget is not None else None
             if (device, host) != (args.device_budget, None):
                 result = forecast(device or args.device_budget, host)
-    print_plan(result, sys.stdout)
+    print_plan(result, sys.stdout, plan_forecast.forecast(result, hardware, accum))
     for line in run_here:
         print(line)
     return 0
@@ -105,8 +114,8 @@ def what_a_run_would_do(args: argparse.Namespace) -> tuple[Settings | None, list
                      *(f"  {line}" for line in said)]
 
 
-def print_plan(result: Plan, out: TextIO) -> None:
-    """The plan as a table per policy, then the recommendation."""
+def print_plan(result: Plan, out: TextIO, times: dict[str, StepTime] | None = None) -> None:
+    """The plan as a table per policy, the time per step of each, then the recommendation."""
     ranks = result.nproc
     device = f"device {format_size(result.device_mem)}"
     if ranks > 1:
@@ -165,6 +174,7 @@ def print_plan(result: Plan, out: TextIO) -> None:
             s.rjust(w) for s, w in zip(sizes, widths[1:], strict=True)
         ]
         lines.append("  ".join([*cells, fits]))
+    lines += plan_forecast.text_lines(result, times or {})
     rec = result.recommended
     lines.append("")
     if rec.policy is None:

@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import core_schema
 
 from engine.config import EngineConfig, parse_size
+from engine.planning.hardware import HARDWARE
 
 SETTINGS_VERSION = 1  # the `version:` a preset must carry; bumped when a key changes meaning
 # The laptop story's GPU: the simulated device's budget when none is given.
@@ -80,6 +81,9 @@ class Size(str):
                 str, return_schema=core_schema.str_schema(), when_used="json"
             ),
         )
+
+
+HardwareName = Literal[tuple(HARDWARE)]  # type: ignore[valid-type]
 
 
 class _Strict(BaseModel):
@@ -157,6 +161,10 @@ class CheckpointSettings(_Strict):
 class Settings(_Strict):
     version: Literal[1] = 1
     model: str = "opt-125m"
+    # The GPU a preset was written for, one of the shipped hardware profiles
+    # (engine.planning.hardware): `tuitrain plan --preset` plans for it, from its specs,
+    # unless --hardware says otherwise. A run trains on the machine it is on. None: this one.
+    hardware: HardwareName | None = None
     engine: EngineSettings = Field(default_factory=EngineSettings)
     training: TrainingSettings = Field(default_factory=TrainingSettings)
     data: DataSettings = Field(default_factory=DataSettings)

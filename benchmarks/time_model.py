@@ -1,0 +1,168 @@
+"""How close the time model's forecast is to the measured step time, row by row.
+
+For every setting of the grid, the plan's forecast (engine.planning.time_model, with this
+machine's calibration) beside the median of the measured steps (warm-up excluded), and
+their ratio; then every pair of rows whose measured times differ by more than 15%: does
+the forecast order them the same way?
+
+    python benchmarks/time_model.py                    # the whole grid (long)
+    python benchmarks/time_model.py --quick            # a few rows, few steps
+
+The grid: opt-125m and a Llama-shaped model of similar size (`--models`; the Llama one is
+written once to a temporary folder with random weights), policies cuda/auto/cpu, margins
+0 and 0.5, two device budgets, activation checkpointing off and on, accumulation 1 and 4,
+the disk tier off and on (a host budget that holds half the chunks). fp32, batch 2 x 128
+per micro-batch. The calibration is this machine's cached one (measured first if absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import Engine, EngineConfig
+from engine.config import format_size
+from engine.models.zoo import build_model
+from engine.planning.calibration import calibration
+from engine.planning.planner import plan
+from engine.planning.time_model import step_times
+
+BATCH, SEQ = 2, 128
+TOLERANCE = 0.15
+
+
+@dataclass
+class Row:
+    model: str
+    policy: str
+    margin: float
+    budget: int
+    checkpointing: bool
+    accum: int
+    disk: bool
+    predicted: float = 0.0
+    measured: float = 0.0
+    cpu: float = 0.0  # the process's CPU seconds per step: what a busy machine cannot stretch
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.measured if self.measured else float("nan")
+
+    def label(self) -> str:
+        return (f"{self.model} {self.policy} m{self.margin:g} {format_size(self.budget)}"
+                f"{' ckpt' if self.checkpointing else ''} x{self.accum}"
+                f"{' disk' if self.disk else ''}")
+
+
+def llama_folder(root: Path) -> str:
+    """A Llama-shaped model of opt-125m's size (hidden 768, 12 layers), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = root / "llama-125m"
+    if not (folder / "config.json").exists():
+        config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                             num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
+                             max_position_embeddings=2048, tie_word_embeddings=True)
+        LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float]:
+    """(wall, CPU) seconds of a steady step: medians, the traced step and the one after it
+    excluded."""
+    model = build_model(row.model, seed=0)
+    if row.checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH * row.accum, SEQ), generator=gen)
+    host_budget = None
+    if row.disk:
+        host_budget = _half_the_chunks(row)
+    config = EngineConfig(policy=row.policy, margin_ratio=row.margin, device_budget=row.budget,
+                          precision="fp32", grad_accum=row.accum, host_budget=host_budget,
+                          disk_dir=disk_dir if row.disk else None, seed=0)
+    times, cpu = [], []
+    with Engine(model, config) as eng:
+        for _ in range(steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            eng.step({"input_ids": ids, "labels": ids})
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return statistics.median(times[2:]), statistics.median(cpu[2:])
+
+
+def _half_the_chunks(row: Row) -> int:
+    p = plan(row.model, device_mem=row.budget, host_mem="64GiB", precision="fp32",
+             batch_size=BATCH, seq_len=SEQ, checkpointing=row.checkpointing)
+    return p.model_bytes // 2
+
+
+def predict(row: Row, cal, disk_dir: str) -> float:
+    host_budget = _half_the_chunks(row) if row.disk else None
+    p = plan(row.model, device_mem=row.budget, host_mem="64GiB", precision="fp32",
+             batch_size=BATCH, seq_len=SEQ, checkpointing=row.checkpointing,
+             margin_ratio=row.margin, host_budget=host_budget, disk_dir=disk_dir,
+             simulated=not torch.cuda.is_available())
+    if not p.policies[row.policy].fits:
+        row.note = p.policies[row.policy].reason
+    return step_times(p, cal, grad_accum=row.accum)[row.policy].total
+
+
+def grid(models: list[str], quick: bool) -> list[Row]:
+    if quick:
+        return [Row(models[0], "cuda", 0.0, 4 * 2**30, False, 1, False),
+                Row(models[0], "cpu", 0.0, 1 * 2**30, False, 1, False),
+                Row(models[0], "cpu", 0.0, 1 * 2**30, True, 1, False)]
+    rows = []
+    for model, policy, margin, budget, ckpt, accum, disk in itertools.product(
+            models, ("cuda", "auto", "cpu"), (0.0, 0.5), (1 * 2**30, 4 * 2**30),
+            (False, True), (1, 4), (False, True)):
+        if policy == "cuda" and (margin or disk):
+            continue  # cuda keeps everything on the device: no margin, nothing on disk
+        rows.append(Row(model, policy, margin, budget, ckpt, accum, disk))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["opt-125m", "llama"])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="three rows of the first model")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        models = [llama_folder(Path(root)) if m == "llama" else m for m in args.models]
+        cal = calibration(say=print)
+        print(f"calibration: {cal.machine} ({cal.measured_at}); load "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        rows = grid(models, args.quick)
+        print(f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'CPU':>8} "
+              f"{'LOAD':>5}")
+        for row in rows:
+            row.predicted = predict(row, cal, root)
+            if row.note:
+                print(f"{row.label():<44} {row.predicted:9.3f} {'-':>9} {'-':>6}  {row.note}")
+                continue
+            row.measured, row.cpu = measure(row, args.steps, root)
+            print(f"{row.label():<44} {row.predicted:9.3f} {row.measured:9.3f} "
+                  f"{row.ratio:6.2f} {row.cpu:8.3f} {os.getloadavg()[0]:5.1f}", flush=True)
+        done = [r for r in rows if r.measured]
+        within = sum(abs(r.ratio - 1) <= TOLERANCE for r in done)
+        pairs = [(a, b) for a, b in itertools.combinations(done, 2)
+                 if max(a.measured, b.measured) > (1 + TOLERANCE) * min(a.measured, b.measured)]
+        ordered = sum((a.measured < b.measured) == (a.predicted < b.predicted) for a, b in pairs)
+        print(f"within {TOLERANCE:.0%}: {within}/{len(done)} rows; ordered as measured: "
+              f"{ordered}/{len(pairs)} pairs; load now {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

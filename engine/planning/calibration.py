@@ -1,0 +1,362 @@
+"""This machine's speeds, measured once and kept: what the time model turns work into seconds
+with (engine.planning.time_model).
+
+    cal = calibration(say=print)           # the cached one, or measured now (at most ~30 s)
+    cal.matmul_rate("fp32", hidden=768), cal.h2d, cal.adamw_host, cal.disk_read
+
+What is measured, each on the engine's own path: matmuls per compute dtype at a few widths
+on the compute device; the bytes per second that ops other than matmuls write there; copies
+each way through the device's transfers (the staging ring on CUDA); PyTorch's fused AdamW,
+the engine's update, on the host and on the device; the disk tier's sequential probe in the
+scratch folder; and the engine's own cost per module interval (hooks, chunk states), from a
+few steps of the `tiny` model.
+
+The figures are cached under the user cache folder, one file per machine fingerprint: the
+CPU model and cores, the torch version and the GPU's name, driver and memory. A different
+machine, or a new torch, measures again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from engine.data.tokenizer import atomic_write, cache_dir
+
+__all__ = [
+    "Calibration",
+    "calibration",
+    "calibration_path",
+    "fingerprint",
+    "load_calibration",
+    "measure",
+    "save_calibration",
+]
+
+FORMAT = 1  # bump when what is measured changes: older files are measured again
+TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
+# Widths matmuls are measured at (tokens x width @ width x width); a model's own width is
+# interpolated between them. A GPU is measured wider: small matmuls cannot fill it.
+WIDTHS = (256, 768, 2048)
+CUDA_WIDTHS = (768, 2048, 4096)
+TOKENS = 1024
+COPY_BYTES = 64 * 2**20
+ADAMW_ELEMENTS = 4 * 2**20
+ELEMENTWISE_ELEMENTS = 4 * 2**20
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Calibration:
+    """A machine's speeds. Rates are per second: FLOPs, bytes or AdamW elements."""
+
+    fingerprint: str
+    machine: str  # the fingerprint in words
+    device: str  # "simulated" or the GPU's name
+    matmul: dict[str, dict[int, float]]  # dtype -> width -> FLOPs per second on the device
+    elementwise: float  # bytes per second that non-matmul ops write on the device
+    h2d: float  # copy bandwidth host -> device
+    d2h: float  # device -> host
+    adamw_host: float  # elements per second of the fused AdamW update on the host
+    adamw_device: float  # ... on the device
+    disk_read: float  # the scratch folder's sequential bandwidth (0: not measured)
+    disk_write: float
+    op_overhead: float  # the engine's seconds per op beyond the op itself (hooks, counting)
+    measured_at: str = ""  # ISO time
+    seconds: float = 0.0  # how long the measurement took
+    # Where the device's figures come from: "this machine's calibration", or a hardware profile's
+    # published specs (engine.planning.hardware) beside this host's measured figures.
+    source: str = "this machine's calibration"
+    extra: dict = field(default_factory=dict)
+
+    def matmul_rate(self, precision: str, hidden: int) -> float:
+        """FLOPs per second of this precision's matmuls at a model width of `hidden`,
+        interpolated (in log width) between the measured widths, flat beyond them."""
+        table = self.matmul.get(precision) or self.matmul["fp32"]
+        widths = sorted(table)
+        if hidden <= widths[0]:
+            return table[widths[0]]
+        if hidden >= widths[-1]:
+            return table[widths[-1]]
+        import math
+
+        for lo, hi in zip(widths, widths[1:], strict=False):
+            if lo <= hidden <= hi:
+                t = (math.log(hidden) - math.log(lo)) / (math.log(hi) - math.log(lo))
+                return table[lo] * (table[hi] / table[lo]) ** t
+        return table[widths[-1]]
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["matmul"] = {k: {str(w): r for w, r in v.items()} for k, v in self.matmul.items()}
+        out["format"] = FORMAT
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        data = dict(data)
+        data.pop("format", None)
+        data["matmul"] = {k: {int(w): float(r) for w, r in v.items()}
+                          for k, v in data["matmul"].items()}
+        return cls(**data)
+
+
+# --- the machine ----------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu() -> str:
+    """The GPU's name, driver and memory, or "" without one (or when simulating)."""
+    from engine.devices.device import uses_cuda
+
+    if not uses_cuda():
+        return ""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    driver = ""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+    except Exception:  # NVML absent or failing: the name and memory still tell the GPU
+        driver = "driver ?"
+    return f"{props.name}, {driver}, {props.total_memory // 2**20} MiB"
+
+
+def fingerprint() -> tuple[str, str]:
+    """(a short hash, the same in words) of what a calibration depends on."""
+    words = (f"{_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+             f"{_gpu() or 'no GPU (simulated device)'}")
+    return hashlib.sha256(words.encode()).hexdigest()[:16], words
+
+
+def calibration_path(key: str | None = None) -> Path:
+    """The cache file of the machine with fingerprint `key` (default: this one)."""
+    return cache_dir() / "calibration" / f"{key or fingerprint()[0]}.json"
+
+
+def load_calibration(key: str | None = None) -> Calibration | None:
+    """The cached calibration of this machine, or None (none, unreadable, or outdated)."""
+    try:
+        data = json.loads(calibration_path(key).read_text(encoding="utf-8"))
+        if data.get("format") != FORMAT:
+            return None
+        return Calibration.from_dict(data)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def save_calibration(cal: Calibration) -> Path:
+    path = calibration_path(cal.fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(cal.to_dict(), indent=2) + "\n",
+                                                  encoding="utf-8"))
+    return path
+
+
+def calibration(*, refresh: bool = False, say: Callable[[str], None] | None = None,
+                measure_fn: Callable[..., Calibration] | None = None) -> Calibration:
+    """This machine's calibration: the cached one, or measured now and cached (`refresh`:
+    measured now whatever the cache holds). `say` hears one line before a measurement."""
+    if not refresh and (cal := load_calibration()) is not None:
+        return cal
+    if say is not None:
+        say(f"calibrating this machine's speeds (at most {TIME_LIMIT:.0f} s, once per "
+            f"machine; `tuitrain calibrate` shows them)...")
+    cal = (measure_fn or measure)()
+    try:
+        save_calibration(cal)
+    except OSError as error:  # a read-only cache: forecast anyway, and measure next time
+        if say is not None:
+            say(f"calibration not cached ({error.strerror or error}): "
+                f"{calibration_path(cal.fingerprint)}")
+    return cal
+
+
+# --- measuring ------------------------------------------------------------------------
+
+
+class _Clock:
+    """Shares the time limit out: each measurement repeats until its share is spent."""
+
+    def __init__(self, limit: float, shares: int) -> None:
+        self.share = limit / shares
+        self.deadline = time.perf_counter() + limit
+
+    def rate(self, work: float, run: Callable[[], None], sync: Callable[[], None]) -> float:
+        """`work` per second of `run`'s fastest run of as many as the share allows (one
+        warm-up excluded; three unless the whole limit is spent). The fastest: what the
+        machine does when nothing else takes its cores, which a busy moment during the
+        measurement must not change for every later forecast."""
+        run()
+        sync()
+        times: list[float] = []
+        start = time.perf_counter()
+        while not times or (
+                (len(times) < 3 or time.perf_counter() - start < self.share)
+                and len(times) < 50 and time.perf_counter() < self.deadline):
+            t0 = time.perf_counter()
+            run()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return work / max(min(times), 1e-9)
+
+
+def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
+            scale: float = 1.0) -> Calibration:
+    """Measure this machine now (about `limit` seconds). `scale` shrinks every size, for a
+    quick, rougher measurement (tests)."""
+    from engine.devices.device import make_device, uses_cuda
+
+    started = time.perf_counter()
+    cuda = uses_cuda(simulate)
+    device = make_device(2**30, simulate)
+    where = device.torch_device
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    widths = [max(16, int(w * scale)) for w in (CUDA_WIDTHS if cuda else WIDTHS)]
+    precisions = list(DTYPES) if cuda else ["fp32", "bf16"]
+    # The engine's steps (_op_overhead) take what is left of the limit: building `tiny`
+    # and its first steps take a few seconds on a busy machine.
+    clock = _Clock(limit * 0.6, len(widths) * len(precisions) + 8)
+    tokens = max(16, int(TOKENS * scale))
+
+    matmul: dict[str, dict[int, float]] = {}
+    for name in precisions:
+        matmul[name] = {}
+        for width in widths:
+            # Constant values: a matmul's speed does not depend on them, and the run's
+            # random numbers stay untouched.
+            a = torch.full((tokens, width), 0.5, device=where, dtype=DTYPES[name])
+            b = torch.full((width, width), 0.25, device=where, dtype=DTYPES[name])
+            matmul[name][width] = clock.rate(2.0 * tokens * width * width,
+                                             lambda a=a, b=b: a @ b, sync)
+    if not cuda:
+        # fp16 matmuls on a CPU take the bf16 path's speed or worse; not measured apart.
+        matmul["fp16"] = dict(matmul["bf16"])
+
+    n = max(4096, int(ELEMENTWISE_ELEMENTS * scale))
+    x, y = torch.full((n,), 0.5, device=where), torch.full((n,), 0.25, device=where)
+    out = torch.empty(n, device=where)
+    elementwise = clock.rate(out.nbytes, lambda: torch.add(x, y, out=out), sync)
+
+    numel = max(4096, int(COPY_BYTES * scale)) // 4
+    host, dev = device.host_empty(numel, torch.float32), device.empty(numel, torch.float32)
+    host.fill_(1.0)
+    h2d = clock.rate(host.nbytes, lambda: device.copy(dev, host), sync)
+    d2h = clock.rate(host.nbytes, lambda: device.copy(host, dev), sync)
+    device.close()
+
+    elements = max(4096, int(ADAMW_ELEMENTS * scale))
+    adamw_host = _adamw_rate(clock, elements, torch.device("cpu"), lambda: None)
+    adamw_device = _adamw_rate(clock, elements, where, sync) if cuda else adamw_host
+
+    disk_write, disk_read = _disk(scale)
+    key, words = fingerprint()
+    cal = Calibration(
+        fingerprint=key, machine=words,
+        device=torch.cuda.get_device_name() if cuda else "simulated",
+        matmul=matmul, elementwise=elementwise, h2d=h2d, d2h=d2h,
+        adamw_host=adamw_host, adamw_device=adamw_device,
+        disk_read=disk_read, disk_write=disk_write, op_overhead=0.0,
+    )
+    cal.op_overhead = _op_overhead(cal, simulate, started + limit - time.perf_counter())
+    cal.seconds = time.perf_counter() - started
+    cal.measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return cal
+
+
+def _adamw_rate(clock: _Clock, elements: int, where: torch.device,
+                sync: Callable[[], None]) -> float:
+    """Elements per second of the engine's update: PyTorch's fused AdamW over one flat
+    fp32 chunk (engine.step.optimizer)."""
+    param, grad, m, v = (torch.full((elements,), 0.5, device=where) for _ in range(4))
+    step = torch.ones((), device=where)
+
+    def run() -> None:
+        torch._fused_adamw_([param], [grad], [m], [v], [], [step], amsgrad=False,
+                            maximize=False, lr=1e-4, beta1=0.9, beta2=0.999,
+                            weight_decay=0.0, eps=1e-8)
+
+    return clock.rate(elements, run, sync)
+
+
+def _disk(scale: float) -> tuple[float, float]:
+    """(write, read) bytes per second of the disk tier's own probe in the scratch folder's
+    parent; (0, 0) when it cannot be written."""
+    from engine.devices.disk import default_disk_dir
+    from engine.devices.disk.files import ALIGN, direct_io_supported, sequential_bandwidth
+    from engine.devices.disk.tier import BANDWIDTH_PROBE
+
+    base = default_disk_dir()
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=".calibrate-", dir=base))
+    except OSError:
+        return 0.0, 0.0
+    try:
+        size = max(ALIGN * 4, int(BANDWIDTH_PROBE * 4 * scale) // ALIGN * ALIGN)
+        piece = max(ALIGN, size // 4 // ALIGN * ALIGN)
+        return sequential_bandwidth(folder, write_bytes=size, read_bytes=size, piece=piece,
+                                    direct=direct_io_supported(folder))
+    except OSError:
+        return 0.0, 0.0
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _op_overhead(cal: Calibration, simulate: bool | None, limit: float) -> float:
+    """The engine's own seconds per op (its hooks and live-byte counter see every op): a
+    few steps of `tiny` under cpu, whose many small ops cost more than their arithmetic,
+    less what its arithmetic, copies and update take.
+
+    Timed in the stepping thread's CPU seconds: the engine's own work is Python on that
+    thread, and a busy machine stretches its wall time by however many others share the
+    cores, which is no property of the engine."""
+    from engine.config import EngineConfig
+    from engine.models.zoo import build_model, model_config
+    from engine.planning.flops import step_work
+    from engine.step.engine import Engine
+
+    batch, seq = 2, 32
+    model = build_model("tiny", seed=0)
+    config = EngineConfig(policy="cpu", device_budget="1GiB", precision="fp32", seed=0,
+                          simulate=simulate)
+    ids = torch.arange(batch * seq).remainder(model.config.vocab_size).view(batch, seq)
+    times: list[float] = []
+    with Engine(model, config) as eng:
+        start = time.perf_counter()
+        while len(times) < 3 or (time.perf_counter() - start < limit and len(times) < 30):
+            t0 = time.thread_time()
+            stats = eng.step({"input_ids": ids, "labels": ids})
+            times.append(time.thread_time() - t0)
+    steady = min(times[1:])  # the traced step left out; the fastest, as in _Clock.rate
+    work = step_work(model_config("tiny"), torch.float32, batch_size=batch, seq_len=seq,
+                     checkpointing=False)
+    flops = work.forward_flops + work.backward_flops
+    ops = (flops / cal.matmul_rate("fp32", work.hidden)
+           + (work.forward_bytes + work.backward_bytes) / cal.elementwise
+           + stats.bytes_h2d / cal.h2d + stats.bytes_d2h / cal.d2h
+           + sum(p.numel() for p in model.parameters()) / cal.adamw_host)
+    return max(0.0, (steady - ops) / work.ops)

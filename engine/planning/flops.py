@@ -1,0 +1,186 @@
+"""The work of one training step, counted on the meta device: matmul FLOPs and the bytes
+the other ops write, forward, backward and recomputed, and the module intervals.
+
+    work = step_work(model_config("opt-125m"), torch.float32, batch_size=2, seq_len=128,
+                     checkpointing=False)
+    work.forward_flops, work.backward_flops, work.recompute_flops, work.intervals
+
+Matmuls (and attention) are compute-bound: their FLOPs come from torch.utils.flop_counter's
+formulas. Every other op (norms, activations, softmax, the loss, copies) is bound by memory:
+what it costs is the bytes it writes, which the time model prices at the device's elementwise
+bandwidth (engine.planning.calibration). The recomputation of activation checkpointing is
+the backward of a checkpointed step less the backward of a plain one: the same layers run
+their forward again.
+
+The step runs with the recording's own attention (engine.planning.recording) on a shallow
+model: a stack of like layers is counted one and two layers deep and extrapolated, since
+every layer does the same work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+from transformers import PretrainedConfig
+
+from engine.planning.recording import _CpuAttention, _meta_model
+
+__all__ = ["StepWork", "step_work"]
+
+_aten = torch.ops.aten
+# Attention as the recording runs it (the CPU's flash kernel), absent from flop_registry:
+# two matmuls of queries by keys and of scores by values forward; backward recomputes the
+# scores and does three more (flash attention's backward).
+_ATTENTION = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_ATTENTION_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_ATTENTION_BACKWARD_FACTOR = 2.5
+# Ops that move no data (views, metadata): writing nothing, they cost nothing here.
+_FREE = {"view", "_unsafe_view", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze",
+         "slice", "select", "as_strided", "alias", "detach", "split", "split_with_sizes",
+         "unbind", "_reshape_alias", "lift_fresh", "empty", "empty_like", "zeros",
+         "new_empty", "new_zeros", "zeros_like", "empty_strided"}
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The work of one micro-batch's forward and backward, summed over the model.
+
+    FLOPs are multiply-adds counted twice; bytes are what ops other than matmuls write."""
+
+    forward_flops: float
+    backward_flops: float  # the gradients' own, recomputation excluded
+    recompute_flops: float  # the forward run again in backward (activation checkpointing)
+    forward_bytes: float
+    backward_bytes: float
+    recompute_bytes: float
+    intervals: int  # module intervals the engine's hooks see in a step (fetch points)
+    ops: int  # aten ops dispatched: the engine's live-byte counter sees each one
+    hidden: int  # width of the model: the matmul shape its throughput is looked up at
+
+    def scaled(self, factor: float) -> StepWork:
+        """This work `factor` times (micro-batches of one step)."""
+        return dataclasses.replace(
+            self, **{f.name: getattr(self, f.name) * factor for f in dataclasses.fields(self)
+                     if f.name.endswith(("_flops", "_bytes"))},
+            intervals=int(self.intervals * factor), ops=int(self.ops * factor))
+
+
+class _Counter(TorchDispatchMode):
+    """Matmul FLOPs and written bytes of every op, forward apart from backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward = False
+        self.flops = [0.0, 0.0]
+        self.bytes = [0.0, 0.0]
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops += 1
+        phase = int(self.backward)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            self.flops[phase] += flop_registry[packet](*args, **kwargs, out_val=out)
+        elif func in (_ATTENTION, _ATTENTION_BACKWARD):
+            self.flops[phase] += _attention_flops(func, args)
+        elif packet.__name__.rstrip("_") not in _FREE:
+            self.bytes[phase] += sum(t.numel() * t.element_size() for t in _tensors(out))
+        return out
+
+
+def _tensors(out: object) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _attention_flops(func: object, args: tuple) -> float:
+    # Forward: (query, key, value, ...); backward: (grad_out, query, key, value, ...).
+    query, key = (args[0], args[1]) if func is _ATTENTION else (args[1], args[2])
+    *batch, q_len, head_dim = query.shape
+    k_len = key.shape[-2]
+    forward = 4.0 * float(torch.Size(batch).numel()) * q_len * k_len * head_dim
+    return forward if func is _ATTENTION else _ATTENTION_BACKWARD_FACTOR * forward
+
+
+def _count(config: PretrainedConfig, dtype: torch.dtype, batch_size: int, seq_len: int,
+           checkpointing: bool) -> tuple[list[float], list[float], int, int]:
+    """(flops, bytes, intervals, ops) of one step: flops and bytes [forward, backward]."""
+    model = _meta_model(config, dtype, checkpointing)
+    fired = [0]
+    handles = [m.register_forward_pre_hook(lambda *_: fired.__setitem__(0, fired[0] + 1))
+               for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    counter = _Counter()
+    try:
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+        with counter, _CpuAttention():
+            loss = model(input_ids=ids, labels=ids).loss
+            forward_points = fired[0]
+            counter.backward = True
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    # Every module fetched in forward is fetched again in backward; a recomputed one a
+    # third time (its pre-hook fires again in backward).
+    return counter.flops, counter.bytes, forward_points + fired[0], counter.ops
+
+
+def _depth(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    small = config.__class__.from_dict(config.to_dict())
+    small.num_hidden_layers = layers
+    if getattr(small, "layer_types", None):
+        small.layer_types = small.layer_types[:layers]
+    return small
+
+
+@lru_cache(maxsize=32)
+def _cached(config_json: str, config_class: type, dtype: torch.dtype, batch_size: int,
+            seq_len: int, checkpointing: bool) -> tuple[list[float], list[float], int, int]:
+    config = config_class.from_dict(json.loads(config_json))
+    layers = getattr(config, "num_hidden_layers", None)
+    uniform = len(set(getattr(config, "layer_types", None) or [None])) == 1
+    if not (isinstance(layers, int) and layers > 2 and uniform):
+        return _count(config, dtype, batch_size, seq_len, checkpointing)
+    one = _count(_depth(config, 1), dtype, batch_size, seq_len, checkpointing)
+    two = _count(_depth(config, 2), dtype, batch_size, seq_len, checkpointing)
+    # Work grows by the same amount with every layer: base + layers x one layer's.
+    flops, nbytes = ([a + (layers - 1) * (b - a) for a, b in zip(x, y, strict=True)]
+                     for x, y in ((one[0], two[0]), (one[1], two[1])))
+    intervals, ops = (one[i] + (layers - 1) * (two[i] - one[i]) for i in (2, 3))
+    return flops, nbytes, intervals, ops
+
+
+def step_work(config: PretrainedConfig, dtype: torch.dtype, *, batch_size: int, seq_len: int,
+              checkpointing: bool) -> StepWork:
+    """The work of one forward and backward of `config`'s model on a batch of this shape.
+
+    Nothing is allocated (the model lives on the meta device); a few tenths of a second."""
+    key = (config.to_json_string(use_diff=False), type(config), dtype, batch_size, seq_len)
+    flops, nbytes, intervals, ops = _cached(*key, checkpointing)
+    recompute_flops = recompute_bytes = 0.0
+    if checkpointing:
+        plain_flops, plain_bytes, *_ = _cached(*key, False)
+        recompute_flops = max(0.0, flops[1] - plain_flops[1])
+        recompute_bytes = max(0.0, nbytes[1] - plain_bytes[1])
+    return StepWork(
+        forward_flops=flops[0],
+        backward_flops=flops[1] - recompute_flops,
+        recompute_flops=recompute_flops,
+        forward_bytes=nbytes[0],
+        backward_bytes=nbytes[1] - recompute_bytes,
+        recompute_bytes=recompute_bytes,
+        intervals=intervals,
+        ops=ops,
+        hidden=int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0),
+    )

@@ -1,0 +1,158 @@
+"""The time model: a plan's row (engine.planning.planner.PolicyPlan) in seconds per step.
+
+    times = step_times(p, calibration())   # policy -> StepTime, for a Plan p
+    times["auto"].total, times["auto"].parts()
+
+A step is `grad_accum` micro-batches of forward and backward, then one update:
+
+- compute: matmul FLOPs at the calibrated throughput of the precision and the model's width,
+  the bytes other ops write at the device's elementwise bandwidth, and the engine's own cost
+  per op (engine.planning.flops counts both; engine.planning.calibration measures the rates),
+  forward, backward and the forward recomputed under activation checkpointing;
+- copies each way: the plan's copied bytes (fetches to the device, gradients back for the
+  chunks updated on the host) at the calibrated bandwidths;
+- the update: AdamW over the elements updated on the host and on the device;
+- the disk tier: what the plan reads and writes there per step;
+- collectives (data parallel): what a rank gathers and reduce-scatters.
+
+Overlap is the device's: the simulated device copies in line with compute (a copy is a
+memcpy on the same cores), so copies add up; on CUDA the copies stream on their own engine
+while kernels run, so only what exceeds the compute is exposed. The disk tier's reads and
+writes run on threads beside the step on both, and so do a CUDA rank's collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.planning.calibration import Calibration
+from engine.planning.flops import StepWork, step_work
+
+__all__ = ["StepTime", "forecast", "step_times"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, by cause. Every part is its whole duration;
+    `overlap` is the part of them that runs at the same time as another and so does not
+    add to the step: total = sum of the parts - overlap."""
+
+    forward: float
+    backward: float
+    recompute: float
+    copy_h2d: float
+    copy_d2h: float
+    optimizer_host: float
+    optimizer_device: float
+    disk: float
+    collectives: float
+    overlap: float
+    source: str  # the calibration's: "this machine's calibration" or a hardware profile's specs
+
+    @property
+    def compute(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.copy_h2d + self.copy_d2h + self.optimizer_host
+                + self.optimizer_device + self.disk + self.collectives - self.overlap)
+
+    def parts(self) -> dict[str, float]:
+        """The total and every part, in seconds (what `tuitrain plan --json` prints)."""
+        names = ("forward", "backward", "recompute", "copy_h2d", "copy_d2h", "optimizer_host",
+                 "optimizer_device", "disk", "collectives", "overlap")
+        return {"total": self.total, **{n: getattr(self, n) for n in names}}
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one step moves and updates, as the plan replayed it (one rank's)."""
+
+    copied: int  # bytes between host and device per micro-batch, both ways
+    updated_on_host: int  # parameters whose AdamW update runs on the host
+    updated_on_device: int
+    itemsize: int  # bytes per element of the compute dtype (gradients copied back)
+    disk_read: int = 0
+    disk_written: int = 0
+    communicated: int = 0  # bytes gathered and reduce-scattered per micro-batch
+
+
+def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: str,
+             simulated: bool, grad_accum: int = 1) -> StepTime:
+    """Seconds of one step of `grad_accum` micro-batches, each of `work`."""
+    rate = cal.matmul_rate(precision, work.hidden)
+    micro = max(1, grad_accum)
+
+    def seconds(flops: float, nbytes: float, ops: float) -> float:
+        kernels = flops / rate + nbytes / cal.elementwise
+        # The engine's own work per op runs on the host: in line with the ops on the
+        # simulated device; on CUDA beside the kernels it queued, which run asynchronously.
+        host = ops * cal.op_overhead
+        return micro * (kernels + host if simulated else max(kernels, host))
+
+    share = (work.forward_flops + work.backward_flops + work.recompute_flops) or 1.0
+    forward = seconds(work.forward_flops, work.forward_bytes,
+                      work.ops * work.forward_flops / share)
+    backward = seconds(work.backward_flops, work.backward_bytes,
+                       work.ops * work.backward_flops / share)
+    recompute = seconds(work.recompute_flops, work.recompute_bytes,
+                        work.ops * work.recompute_flops / share)
+    # Gradients come back to the host for the chunks updated there; the rest of the
+    # copies are fetches.
+    d2h_bytes = min(traffic.copied, traffic.updated_on_host * traffic.itemsize)
+    h2d = micro * (traffic.copied - d2h_bytes) / cal.h2d
+    d2h = micro * d2h_bytes / cal.d2h
+    opt_host = traffic.updated_on_host / cal.adamw_host
+    opt_device = traffic.updated_on_device / cal.adamw_device
+    disk = 0.0
+    if traffic.disk_read:
+        disk += traffic.disk_read / (cal.disk_read or cal.h2d)
+    if traffic.disk_written:
+        disk += traffic.disk_written / (cal.disk_write or cal.d2h)
+    # Collectives go through host memory on the simulated device (gloo) and over the
+    # interconnect on GPUs; the copy bandwidth stands for both (not measured apart).
+    collectives = micro * traffic.communicated / min(cal.h2d, cal.d2h)
+    compute = forward + backward + recompute
+    overlap = 0.0
+    if not simulated:
+        overlap += min(h2d + d2h, compute)  # copies stream beside the kernels
+        overlap += min(collectives, compute)
+    # The disk tier reads ahead and writes behind on threads, beside whatever else runs.
+    overlap += min(disk, compute + opt_host + opt_device)
+    return StepTime(forward=forward, backward=backward, recompute=recompute, copy_h2d=h2d,
+                    copy_d2h=d2h, optimizer_host=opt_host, optimizer_device=opt_device,
+                    disk=disk, collectives=collectives, overlap=overlap, source=cal.source)
+
+
+def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[str, StepTime]:
+    """The forecast of each of `plan`'s rows (an engine.planning.planner.Plan), policy ->
+    StepTime; `grad_accum` micro-batches of the plan's batch per step."""
+    from engine.models.zoo import model_config
+
+    work = step_work(model_config(plan.model), _DTYPES[plan.precision],
+                     batch_size=plan.batch_size // plan.nproc, seq_len=plan.seq_len,
+                     checkpointing=plan.checkpointing)
+    itemsize = _DTYPES[plan.precision].itemsize
+    # A rank's share of the chunks' state; what is on neither host nor disk is on the
+    # device, whose chunks update there.
+    state = plan.model_bytes / plan.nproc
+    parameters = plan.parameters / plan.nproc
+    out = {}
+    for name, row in plan.policies.items():
+        off_device = (row.host_model + row.disk_bytes) / state if state else 1.0
+        on_device = 1.0 if name == "cuda" else min(1.0, max(0.0, 1.0 - off_device))
+        traffic = Traffic(
+            copied=row.copied, itemsize=itemsize,
+            updated_on_host=int(parameters * (1.0 - on_device)),
+            updated_on_device=int(parameters * on_device),
+            disk_read=row.disk_read, disk_written=row.disk_written,
+            communicated=row.gathered + row.reduce_scattered,
+        )
+        out[name] = forecast(work, traffic, cal, precision=plan.precision,
+                             simulated=plan.simulated, grad_accum=grad_accum)
+    return out

@@ -1,0 +1,224 @@
+"""The time model: a step's work counted on the meta device, its arithmetic in seconds, the
+calibration it reads (measured once per machine and cached) and the hardware profiles."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from engine.models.zoo import count_parameters, model_config
+from engine.planning import calibration as calibration_module
+from engine.planning.calibration import (
+    calibration,
+    calibration_path,
+    fingerprint,
+    load_calibration,
+    measure,
+)
+from engine.planning.flops import StepWork, step_work
+from engine.planning.hardware import HARDWARE, UnknownHardware, hardware_profile
+from engine.planning.planner import plan
+from engine.planning.time_model import Traffic, forecast, step_times
+from tests.calibrations import GFLOP, fixed_calibration
+
+# --- the work of a step -----------------------------------------------------------------
+
+
+def test_a_forward_is_two_flops_per_parameter_and_token_and_a_backward_twice_that():
+    tokens = 2 * 64
+    work = step_work(model_config("tiny"), torch.float32, batch_size=2, seq_len=64,
+                     checkpointing=False)
+    dense = 2 * count_parameters("tiny") * tokens
+    assert work.forward_flops == pytest.approx(dense, rel=0.1)
+    assert work.backward_flops == pytest.approx(2 * work.forward_flops, rel=0.15)
+    assert work.recompute_flops == 0 and work.recompute_bytes == 0
+    assert work.forward_bytes > 0 and work.backward_bytes > 0
+    assert work.ops > work.intervals > 0
+
+
+def test_activation_checkpointing_recomputes_the_layers_forward_in_backward():
+    shape = dict(batch_size=2, seq_len=64)
+    plain = step_work(model_config("opt-125m"), torch.float32, checkpointing=False, **shape)
+    ckpt = step_work(model_config("opt-125m"), torch.float32, checkpointing=True, **shape)
+    assert ckpt.forward_flops == plain.forward_flops
+    assert ckpt.backward_flops == pytest.approx(plain.backward_flops)
+    # The 12 layers run again; the embeddings and the head do not.
+    assert 0.5 * plain.forward_flops < ckpt.recompute_flops < plain.forward_flops
+    assert ckpt.intervals > plain.intervals
+
+
+def test_a_deep_stack_counts_as_its_layers_add_up():
+    """opt-125m is counted one and two layers deep and extrapolated to its twelve: the
+    extrapolation must match the layer count's own arithmetic (2 x params x tokens)."""
+    work = step_work(model_config("opt-125m"), torch.float32, batch_size=1, seq_len=128,
+                     checkpointing=False)
+    assert work.forward_flops == pytest.approx(2 * count_parameters("opt-125m") * 128,
+                                               rel=0.05)
+
+
+# --- the arithmetic ---------------------------------------------------------------------
+
+WORK = StepWork(forward_flops=10 * GFLOP, backward_flops=20 * GFLOP, recompute_flops=0.0,
+                forward_bytes=1e9, backward_bytes=2e9, recompute_bytes=0.0, intervals=10,
+                ops=1000, hidden=768)
+TRAFFIC = Traffic(copied=3_000_000_000, updated_on_host=100_000_000, updated_on_device=0,
+                  itemsize=4)
+
+
+def test_on_the_simulated_device_every_part_adds_up():
+    # fixed_calibration: 10 GFLOP/s, 1 GB/s for bytes, 100 M AdamW elements/s, 10 µs/op.
+    t = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True)
+    assert t.forward == pytest.approx(1.0 + 1.0 + 1000 / 3 * 1e-5)
+    assert t.backward == pytest.approx(2.0 + 2.0 + 2000 / 3 * 1e-5)
+    assert t.copy_d2h == pytest.approx(0.4)  # the host-updated gradients: 100 M x 4 bytes
+    assert t.copy_h2d == pytest.approx(2.6)  # the rest of the copies: fetches
+    assert t.optimizer_host == pytest.approx(1.0) and t.optimizer_device == 0
+    assert t.overlap == 0
+    assert t.total == pytest.approx(t.compute + 3.0 + 1.0)
+    assert t.parts()["total"] == t.total
+
+
+def test_on_cuda_copies_hide_behind_compute_up_to_its_length():
+    cal = fixed_calibration()
+    t = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=False)
+    assert t.overlap == pytest.approx(3.0)  # all 3 s of copies, under 6 s of kernels
+    assert t.total == pytest.approx(t.compute + t.optimizer_host)
+    slow = Traffic(copied=30_000_000_000, updated_on_host=0, updated_on_device=100_000_000,
+                   itemsize=4)
+    t = forecast(WORK, slow, cal, precision="fp32", simulated=False)
+    assert t.total == pytest.approx(30.0 + 0.25)  # the link is the bottleneck, + the update
+
+
+def test_the_precision_picks_its_matmul_rate():
+    fp32 = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True)
+    bf16 = forecast(WORK, TRAFFIC, fixed_calibration(), precision="bf16", simulated=True)
+    assert fp32.forward - bf16.forward == pytest.approx(1.0 - 0.25)
+
+
+def test_accumulation_repeats_forward_backward_and_copies_but_updates_once():
+    one = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True)
+    four = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True,
+                    grad_accum=4)
+    assert four.compute == pytest.approx(4 * one.compute)
+    assert four.copy_h2d == pytest.approx(4 * one.copy_h2d)
+    assert four.optimizer_host == one.optimizer_host
+
+
+def test_the_disk_tier_overlaps_the_step_and_shows_what_it_cannot_hide():
+    traffic = Traffic(copied=0, updated_on_host=0, updated_on_device=0, itemsize=4,
+                      disk_read=20_000_000_000, disk_written=10_000_000_000)
+    t = forecast(WORK, traffic, fixed_calibration(), precision="fp32", simulated=True)
+    assert t.disk == pytest.approx(30.0)
+    assert t.total == pytest.approx(30.0)  # 30 s of disk, the ~6 s of compute beside it
+
+
+def test_a_plans_rows_get_their_own_traffic():
+    p = plan("tiny", device_mem="1GiB", host_mem="16GiB", precision="fp32", batch_size=2,
+             seq_len=32, simulated=True)
+    times = step_times(p, fixed_calibration())
+    cuda, cpu = times["cuda"], times["cpu"]
+    assert cuda.copy_h2d == cuda.copy_d2h == 0
+    assert cuda.optimizer_host == 0 and cuda.optimizer_device > 0
+    assert cpu.optimizer_device == 0
+    assert cpu.optimizer_host == pytest.approx(p.parameters / 1e8)
+    assert cpu.copy_h2d + cpu.copy_d2h == pytest.approx(p.cpu.copied / 1e9)
+    assert cpu.compute == pytest.approx(cuda.compute)
+    assert cpu.total > cuda.total
+
+
+# --- the calibration --------------------------------------------------------------------
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUITRAIN_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_the_calibration_is_measured_once_and_then_read_from_the_cache(empty_cache):
+    measured, said = [], []
+
+    def fake_measure():
+        measured.append(1)
+        return fixed_calibration(*fingerprint())
+
+    first = calibration(say=said.append, measure_fn=fake_measure)
+    again = calibration(say=said.append, measure_fn=fake_measure)
+    assert measured == [1] and len(said) == 1 and "at most 30 s" in said[0]
+    assert again == first
+    assert calibration_path().parent.parent == empty_cache
+    calibration(refresh=True, say=said.append, measure_fn=fake_measure)
+    assert measured == [1, 1]
+
+
+def test_another_machine_or_an_outdated_file_is_measured_again(empty_cache, monkeypatch):
+    key, words = fingerprint()
+    calibration(measure_fn=lambda: fixed_calibration(key, words))
+    assert load_calibration() is not None
+    monkeypatch.setattr(calibration_module, "fingerprint", lambda: ("other", "another machine"))
+    assert load_calibration() is None  # a new GPU or torch: a new fingerprint, no file
+    monkeypatch.undo()
+    monkeypatch.setenv("TUITRAIN_CACHE", str(empty_cache))
+    data = json.loads(calibration_path().read_text())
+    data["format"] = 0
+    calibration_path().write_text(json.dumps(data))
+    assert load_calibration() is None
+
+
+def test_the_fingerprint_names_the_cpu_torch_and_gpu():
+    key, words = fingerprint()
+    assert len(key) == 16 and f"{torch.__version__}" in words and "cores" in words
+    assert "no GPU (simulated device)" in words  # tests run on the simulated device
+
+
+def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
+    cal = measure(simulate=True, limit=0.5, scale=0.01)
+    rates = [cal.elementwise, cal.h2d, cal.d2h, cal.adamw_host, cal.adamw_device,
+             *(r for table in cal.matmul.values() for r in table.values())]
+    assert all(math.isfinite(r) and r > 0 for r in rates)
+    assert set(cal.matmul) == {"fp32", "bf16", "fp16"}
+    assert cal.op_overhead >= 0 and cal.source == "this machine's calibration"
+    assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
+
+
+def test_a_models_width_between_measured_ones_interpolates():
+    cal = fixed_calibration()
+    cal.matmul["fp32"] = {256: 1.0, 1024: 4.0}
+    assert cal.matmul_rate("fp32", 512) == pytest.approx(2.0)
+    assert cal.matmul_rate("fp32", 64) == 1.0 and cal.matmul_rate("fp32", 8192) == 4.0
+
+
+# --- hardware profiles ------------------------------------------------------------------
+
+
+def test_the_shipped_profiles_cover_laptops_desktops_and_datacentre_gpus():
+    assert {"laptop-6gb", "laptop-8gb", "desktop-12gb", "desktop-24gb", "a100-40gb",
+            "a100-80gb", "h100-80gb"} <= set(HARDWARE)
+    for p in HARDWARE.values():
+        assert p.memory > 0 and p.tflops["bf16"] >= p.tflops["fp32"] > 0
+        assert p.pcie_generation in (3, 4, 5) and p.pcie_lanes in (4, 8, 16)
+
+
+def test_a_profile_keeps_this_hosts_cpu_figures_and_says_it_is_an_estimate():
+    host = fixed_calibration()
+    cal = hardware_profile("h100-80gb").calibration(host)
+    assert cal.adamw_host == host.adamw_host and cal.disk_read == host.disk_read
+    assert cal.matmul_rate("bf16", 4096) == pytest.approx(989e12 * 0.6)
+    assert cal.h2d == pytest.approx(3.938e9 * 16 * 0.8)
+    assert "the published specs of H100 80 GB (SXM), an estimate" in cal.source
+    assert "x0.6" in cal.source  # the derating is said
+    with pytest.raises(UnknownHardware, match="known: laptop-6gb"):
+        hardware_profile("tpu")
+
+
+def test_a_cache_that_cannot_be_written_still_gives_a_calibration(tmp_path, monkeypatch):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("TUITRAIN_CACHE", str(blocked))
+    said = []
+    cal = calibration(say=said.append, measure_fn=lambda: fixed_calibration(*fingerprint()))
+    assert cal.h2d == 1e9
+    assert len(said) == 2 and said[1].startswith("calibration not cached (")

@@ -1,0 +1,136 @@
+"""`tuitrain plan` forecasts seconds per step; `--hardware` plans for a GPU from its specs;
+`tuitrain calibrate` shows and refreshes the machine's measured speeds.
+
+The calibration is the fixed one tests/conftest.py caches (tests/calibrations.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.planning import calibration as calibration_module
+from engine.planning.calibration import fingerprint
+from engine.planning.hardware import HARDWARE
+from tests.calibrations import fixed_calibration
+from tuitrain.cli import main
+
+SMALL = ["--batch-size", "2", "--seq-len", "64", "--precision", "fp32"]
+PARTS = {"total", "forward", "backward", "recompute", "copy_h2d", "copy_d2h", "optimizer_host",
+         "optimizer_device", "disk", "collectives", "overlap"}
+
+
+def test_json_rows_carry_step_seconds_with_their_parts_and_the_settings_they_assume(capsys):
+    argv = ["plan", "tiny", "--device-mem", "20MiB", "--host-mem", "64GiB", "--json", *SMALL]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    for policy in ("cuda", "cpu", "auto"):
+        seconds = data[policy]["step_seconds"]
+        assert set(seconds) == PARTS
+        assert seconds["total"] > 0 and seconds["forward"] > 0
+        settings = data[policy]["settings"]
+        assert settings["engine"]["policy"] == policy
+        assert settings["engine"]["device_budget"] == 20 * 2**20
+        assert settings["training"] == {"batch_size": 2, "seq_len": 64, "grad_accum": 1,
+                                        "activation_checkpointing": False}
+    cpu, cuda = data["cpu"]["step_seconds"], data["cuda"]["step_seconds"]
+    assert cpu["copy_h2d"] > 0 and cuda["copy_h2d"] == 0
+    assert cpu["optimizer_host"] > 0 and cuda["optimizer_device"] > 0
+    assert data["step_seconds_source"] == "this machine's calibration"
+
+
+def test_the_table_gives_each_row_its_time_per_step(capsys):
+    assert main(["plan", "tiny", "--device-mem", "20MiB", "--host-mem", "64GiB", *SMALL]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("time per step, forecast from this machine's calibration:")
+    rows = {line.split()[0]: line for line in lines[start + 1:start + 4]}
+    assert list(rows) == ["cuda", "cpu", "auto"]
+    assert rows["cuda"].endswith("(does not fit)")  # 20 MiB is too small for it
+    assert "forward" in rows["cpu"] and "copies in" in rows["cpu"]
+    assert "update on host" in rows["cpu"]
+    assert lines[-1].startswith("recommended: ")
+
+
+def test_hardware_plans_the_profiles_gpu_and_labels_time_an_estimate_from_specs(capsys):
+    assert main(["plan", "opt-125m", "--hardware", "a100-80gb", "--host-mem", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "device 80.0 GiB" in out and "simulated" not in out.split("\n")[1]
+    assert "opt-125m, bf16" in out  # a GPU's precision, not the simulated device's fp32
+    assert "forecast from the published specs of A100 80 GB (SXM), an estimate" in out
+    assert main(["plan", "opt-125m", "--hardware", "laptop-6gb", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["device_mem"] == HARDWARE["laptop-6gb"].memory and data["simulated"] is False
+    assert data["cuda"]["fits"] is True
+    assert "RTX 3060 Laptop" in data["step_seconds_source"]
+    # A device that runs beside its copies: the cpu row hides some of them.
+    assert data["cpu"]["step_seconds"]["overlap"] > 0
+
+
+def test_unknown_hardware_is_one_line_and_status_2(capsys):
+    assert main(["plan", "tiny", "--hardware", "tpu-v9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--hardware: unknown hardware 'tpu-v9'" in err
+    assert "a100-80gb" in err
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """No calibration cached, and a measurement that takes no time."""
+    monkeypatch.setenv("TUITRAIN_CACHE", str(tmp_path))
+    measured = []
+
+    def fake_measure():
+        measured.append(1)
+        return fixed_calibration(*fingerprint())
+
+    monkeypatch.setattr(calibration_module, "measure", fake_measure)
+    return measured
+
+
+def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache, capsys):
+    assert main(["calibrate"]) == 0
+    first = capsys.readouterr()
+    assert "calibrating this machine's speeds (at most 30 s" in first.err
+    assert "matmul fp32: 10.0 GFLOPS at width 768" in first.out
+    assert "AdamW:       100 M parameters/s on the host" in first.out
+    assert main(["calibrate"]) == 0
+    assert capsys.readouterr().err == ""  # cached: nothing measured
+    assert main(["calibrate", "--refresh", "--json"]) == 0
+    again = capsys.readouterr()
+    assert "calibrating" in again.err and json.loads(again.out)["h2d"] == 1e9
+    assert empty_cache == [1, 1]
+
+
+def test_the_first_plan_on_a_machine_measures_it_and_says_so(empty_cache, capsys):
+    assert main(["plan", "tiny", "--device-mem", "1GiB", "--json", *SMALL]) == 0
+    assert "calibrating" in capsys.readouterr().err and empty_cache == [1]
+
+
+def test_the_help_names_every_shipped_profile():
+    from tuitrain.cli import build_parser
+
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    hardware = next(a for a in plan._actions if "--hardware" in a.option_strings)
+    assert [n.strip() for n in hardware.help.split(":", 1)[1].split(",")] == list(HARDWARE)
+
+
+def test_a_preset_names_its_hardware_and_the_plan_forecasts_for_it(capsys):
+    argv = ["plan", "tiny", "--preset", "laptop-6gb", "--seq-len", "64", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["simulated"] is False and data["precision"] == "bf16"
+    assert data["device_mem"] == int(5.5 * 2**30)  # the preset's budget within the 6 GB card
+    assert "RTX 3060 Laptop" in data["step_seconds_source"]
+    assert data["auto"]["settings"]["training"]["grad_accum"] == 8  # the preset's
+    argv = ["plan", "tiny", "--preset", "laptop-6gb", "--seq-len", "64", "--hardware",
+            "h100-80gb", "--json"]
+    assert main(argv) == 0
+    assert "H100" in json.loads(capsys.readouterr().out)["step_seconds_source"]
+
+
+def test_a_preset_naming_unknown_hardware_is_one_line_and_status_2(tmp_path, capsys):
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("version: 1\nhardware: tpu-v9\n")
+    assert main(["plan", "tiny", "--preset", str(preset)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hardware: must be 'laptop-6gb'" in err

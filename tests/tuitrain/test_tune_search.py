@@ -1,0 +1,213 @@
+"""The tuner's search on a fake clock and a scripted engine: what it tries, in what order,
+when it stops early or altogether, and what it keeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuitrain.tune import (
+    Candidate,
+    Failed,
+    Forecast,
+    Refused,
+    StepResult,
+    candidates,
+    search,
+)
+
+GIB = 2**30
+
+
+def cand(policy: str, margin: float = 0.0, micro: int = 8, accum: int = 1,
+         ckpt: bool = False) -> Candidate:
+    return Candidate(policy, margin, micro, accum, ckpt, GIB)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ScriptedEngine:
+    """Steps take the seconds the script gives the applied setting, on the fake clock; the
+    first step after a change re-traces (counted slow) when `retrace` says so."""
+
+    def __init__(self, clock: FakeClock, seconds: dict[Candidate, float], *,
+                 refuse: dict[Candidate, str] | None = None,
+                 fail: dict[Candidate, str] | None = None, retrace: bool = False) -> None:
+        self.clock, self.seconds = clock, seconds
+        self.refuse, self.fail = refuse or {}, fail or {}
+        self.retrace = retrace
+        self.current: Candidate | None = None
+        self.applied: list[Candidate] = []
+        self.steps = 0
+        self.fresh = False
+
+    def apply(self, candidate: Candidate) -> None:
+        if candidate in self.refuse:
+            raise Refused(self.refuse[candidate])
+        self.current = candidate
+        self.applied.append(candidate)
+        self.fresh = True
+
+    def step(self) -> StepResult:
+        self.steps += 1
+        if self.current in self.fail:
+            raise Failed(self.fail[self.current])
+        seconds = self.seconds[self.current]
+        retraced = self.retrace and self.fresh
+        if self.fresh:
+            seconds *= 3  # the step after a change: a re-trace, allocations
+            self.fresh = False
+        self.clock.now += seconds
+        return StepResult(seconds, retraced=retraced)
+
+
+def forecaster(table: dict[Candidate, float], misfits: dict[Candidate, str] | None = None):
+    misfits = misfits or {}
+
+    def forecast(c: Candidate) -> Forecast:
+        if c in misfits:
+            return Forecast(False, 0.0, misfits[c])
+        return Forecast(True, table[c])
+
+    return forecast
+
+
+A, B, C, D = cand("cuda"), cand("auto", 0.5), cand("auto"), cand("cpu")
+
+
+def test_the_space_keeps_the_global_batch_and_gives_cuda_no_margins():
+    space = candidates(global_batch=8, device_budgets=[GIB, 2 * GIB])
+    assert all(c.batch_size * c.grad_accum == 8 for c in space)
+    assert {(c.batch_size, c.grad_accum) for c in space} == {(8, 1), (4, 2), (2, 4), (1, 8)}
+    assert {c.margin_ratio for c in space if c.policy == "cuda"} == {0.0}
+    # per budget: (cuda 1 + auto 3 + cpu 3 margins) x 4 splits x 2 checkpointing
+    assert len(space) == 2 * 7 * 4 * 2
+    assert space[0].settings() == {
+        "engine": {"policy": "cuda", "margin_ratio": 0.0, "device_budget": GIB},
+        "training": {"batch_size": 8, "grad_accum": 1, "activation_checkpointing": False}}
+
+
+def test_it_drops_what_does_not_fit_measures_fastest_forecast_first_and_keeps_the_best():
+    clock = FakeClock()
+    # The model is 20% optimistic about B, so C, forecast a little slower, is truly faster.
+    engine = ScriptedEngine(clock, {B: 1.2, C: 1.1, D: 2.0})
+    result = search([A, B, C, D],
+                    forecaster({B: 1.0, C: 1.05, D: 1.9},
+                               {A: "needs 3.0 GiB on the device, have 1.0 GiB"}),
+                    engine, clock=clock)
+    by = {t.candidate: t for t in result.trials}
+    assert by[A].status == "does not fit" and "3.0 GiB" in by[A].reason
+    assert A not in engine.applied  # never tried: no trial goes over a budget
+    assert engine.applied[:2] == [B, C]
+    assert by[B].measured == 1.2 and by[C].measured == 1.1
+    assert result.best.candidate == C
+    assert engine.current == C  # the best applied and kept
+    # D's forecast, corrected by the model's error so far, cannot come near: not tried.
+    assert by[D].status == "forecast slower" and "+" in by[D].reason
+    assert result.stopped_by == "converged"
+    # Each trial: one step after the change, skipped, then three settled ones.
+    assert by[B].skipped == 1 and len(by[B].steps) == 3
+    assert result.steps == engine.steps == 8
+
+
+def test_a_retraced_step_is_not_measured():
+    clock = FakeClock()
+    engine = ScriptedEngine(clock, {B: 1.0}, retrace=True)
+    result = search([B], forecaster({B: 1.0}), engine, clock=clock)
+    assert result.trials[0].steps == [1.0, 1.0, 1.0]
+
+
+def test_a_clearly_slower_trial_stops_early():
+    clock = FakeClock()
+    engine = ScriptedEngine(clock, {B: 1.0, C: 3.0})
+    # The model thinks C is as fast as B: it must be measured, and is cut short.
+    result = search([B, C], forecaster({B: 1.0, C: 1.0}), engine, clock=clock, trial_steps=5)
+    by = {t.candidate: t for t in result.trials}
+    assert by[C].status == "stopped early" and len(by[C].steps) == 1
+    assert "200% slower than the best after 1 steps" in by[C].reason
+    assert result.best.candidate == B and engine.current == B
+
+
+def test_a_refused_and_a_failed_setting_are_recorded_and_the_search_goes_on():
+    clock = FakeClock()
+    engine = ScriptedEngine(clock, {B: 1.0, C: 1.0, D: 1.5},
+                            refuse={B: "margin 0.5 leaves no room"},
+                            fail={C: "worker died"})
+    result = search([B, C, D], forecaster({B: 1.0, C: 1.1, D: 1.2}), engine, clock=clock)
+    by = {t.candidate: t for t in result.trials}
+    assert (by[B].status, by[B].reason) == ("refused", "margin 0.5 leaves no room")
+    assert (by[C].status, by[C].reason) == ("failed", "worker died")
+    assert by[D].status == "measured" and result.best.candidate == D
+    assert engine.current == D
+
+
+def test_the_time_limit_ends_the_search_with_the_best_so_far():
+    clock = FakeClock()
+    space = [cand("auto", m / 10) for m in range(6)]
+    engine = ScriptedEngine(clock, dict.fromkeys(space, 1.0))
+    # Forecasts all alike: the model cannot rule any out, only time can.
+    result = search(space, forecaster(dict.fromkeys(space, 1.0)), engine, clock=clock,
+                    time_limit=10.0)
+    statuses = [t.status for t in result.trials]
+    # 6 s per trial (a 3 s step after the change, three of 1 s): two fit in 10 s.
+    assert statuses == ["measured"] * 2 + ["not tried"] * 4
+    assert result.stopped_by == "time limit"
+    assert all(t.reason == "time limit" for t in result.trials[2:])
+    assert result.best is not None and engine.current == result.best.candidate
+
+
+def test_the_stop_key_ends_the_search_at_once_keeping_the_best():
+    clock = FakeClock()
+    engine = ScriptedEngine(clock, {B: 1.0, C: 0.9, D: 0.8})
+    asked = []
+
+    def stop() -> bool:
+        asked.append(engine.steps)
+        return engine.steps >= 6  # pressed during C's trial
+
+    result = search([B, C, D], forecaster({B: 1.0, C: 1.0, D: 1.0}), engine, clock=clock,
+                    stop=stop)
+    by = {t.candidate: t for t in result.trials}
+    assert by[B].status == "measured"
+    assert by[C].status == "not tried" and "stopped after 1 of 3 steps" in by[C].reason
+    assert by[D].status == "not tried" and by[D].reason == "stopped"
+    assert result.stopped_by == "stopped" and result.best.candidate == B
+    assert engine.current == B  # C was half-tried: the best goes back in
+
+
+def test_every_trial_change_is_told():
+    clock = FakeClock()
+    seen = []
+    search([A, B], forecaster({B: 1.0}, {A: "too big"}), ScriptedEngine(clock, {B: 1.0}),
+           clock=clock, on_trial=lambda t: seen.append((t.candidate.policy, t.status)))
+    assert seen[0] == ("cuda", "does not fit")
+    assert ("auto", "measuring") in seen and seen[-1] == ("auto", "measured")
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_trial_takes_at_least_three_settled_steps(steps):
+    clock = FakeClock()
+    result = search([B], forecaster({B: 1.0}), ScriptedEngine(clock, {B: 1.0}), clock=clock,
+                    trial_steps=steps)
+    assert len(result.trials[0].steps) == 3
+
+
+def test_the_plan_forecasts_each_candidate_and_says_why_one_does_not_fit():
+    from tests.calibrations import fixed_calibration
+    from tuitrain.tune_plan import plan_forecaster
+
+    forecast = plan_forecaster("tiny", host_mem=16 * GIB, precision="fp32", seq_len=32,
+                               simulated=True, calibration=fixed_calibration())
+    small = 20 * 2**20
+    too_small = forecast(Candidate("cuda", 0.0, 4, 1, False, small))
+    assert not too_small.fits and "have 20.0 MiB" in too_small.reason
+    whole, split = (forecast(Candidate("cpu", 0.0, micro, 4 // micro, False, small))
+                    for micro in (4, 2))
+    assert whole.fits and split.fits and whole.seconds > 0
+    # Two micro-batches fetch every chunk twice: more copies for the same global batch.
+    assert split.seconds > whole.seconds

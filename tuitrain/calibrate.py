@@ -1,0 +1,51 @@
+"""`tuitrain calibrate`: this machine's measured speeds, which the plan's time forecast uses.
+
+Shows the cached calibration (engine.planning.calibration), measuring it first when this
+machine has none; `--refresh` measures again (at most 30 s, said while it runs).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from engine.config import format_size
+from tuitrain.formatting import format_seconds
+
+
+def calibrate_main(*, refresh: bool, as_json: bool) -> int:
+    from engine.planning.calibration import calibration, calibration_path
+
+    cal = calibration(refresh=refresh,
+                      say=lambda line: print(line, file=sys.stderr, flush=True))
+    if as_json:
+        json.dump(cal.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"machine:     {cal.machine}")
+    print(f"fingerprint: {cal.fingerprint}, measured {cal.measured_at} in "
+          f"{format_seconds(cal.seconds)}")
+    print(f"device:      {cal.device}")
+    for precision, table in cal.matmul.items():
+        rates = ", ".join(f"{_flops(r)} at width {w}" for w, r in sorted(table.items()))
+        print(f"matmul {precision}: {rates}")
+    print(f"elementwise: {_bytes(cal.elementwise)} written")
+    print(f"copies:      host to device {_bytes(cal.h2d)}, device to host {_bytes(cal.d2h)}")
+    print(f"AdamW:       {cal.adamw_host / 1e6:,.0f} M parameters/s on the host, "
+          f"{cal.adamw_device / 1e6:,.0f} M/s on the device")
+    disk = (f"read {_bytes(cal.disk_read)}, write {_bytes(cal.disk_write)}" if cal.disk_read
+            else "not measured (the scratch folder could not be written)")
+    print(f"disk:        {disk}")
+    print(f"engine:      {format_seconds(cal.op_overhead)} per op (hooks and byte counting)")
+    print(f"cached in {calibration_path(cal.fingerprint)}; `tuitrain calibrate --refresh` "
+          f"measures again")
+    return 0
+
+
+def _flops(per_second: float) -> str:
+    return f"{per_second / 1e12:.2f} TFLOPS" if per_second >= 1e12 else \
+        f"{per_second / 1e9:.1f} GFLOPS"
+
+
+def _bytes(per_second: float) -> str:
+    return f"{format_size(int(per_second))}/s"

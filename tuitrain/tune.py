@@ -1,0 +1,306 @@
+"""The tuner's search: the fastest setting that fits, found by measuring real steps of the run.
+
+    result = search(candidates(global_batch=8, ...), forecaster, trainer)
+    result.best.candidate, result.trials, result.steps
+
+1. Every candidate is forecast by the plan and the time model (`Forecaster`): those that do
+   not fit any budget are dropped with the reason, and no trial ever runs them.
+2. The rest are tried fastest forecast first, in the running process (`Trainer`): a trial
+   applies the setting, skips the step after the change and any step that re-traced, and
+   takes the median of at least `trial_steps` settled steps. Each is a real step of the run.
+3. A trial whose settled steps are all clearly slower than the best so far stops early. A
+   setting the engine refuses, or a step that fails, is recorded with its reason and the
+   search goes on.
+4. Measured times correct the forecast (their ratio, the model's error on this run), and the
+   search stops when no untried candidate, so corrected and given the model's uncertainty,
+   can beat the best by more than `ENOUGH`, when `time_limit` is reached, or when `stop()`
+   says so (the user's key). The best is then applied, and kept.
+
+No UI here: the CLI and the app show the trials (`on_trial`) as they like.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = [
+    "Candidate",
+    "Failed",
+    "Forecast",
+    "Refused",
+    "StepResult",
+    "Trial",
+    "TuneResult",
+    "candidates",
+    "search",
+]
+
+ENOUGH = 0.03  # an untried candidate must promise a gain above this to be tried
+# How far a forecast may be off, relative to the others, before a run has shown more: the
+# time model's accuracy target. Then the spread of measured / forecast over the trials,
+# never below MIN_UNCERTAINTY.
+UNCERTAINTY = 0.15
+MIN_UNCERTAINTY = 0.05
+CLEARLY_SLOWER = 1.25  # a trial whose fastest settled step is this much slower stops early
+MIN_TRIAL_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting of the run, at the run's global batch (batch_size x grad_accum)."""
+
+    policy: str
+    margin_ratio: float
+    batch_size: int  # sequences per micro-batch
+    grad_accum: int
+    activation_checkpointing: bool
+    device_budget: int
+    host_budget: int | None = None
+
+    def settings(self) -> dict[str, dict[str, object]]:
+        """The setting under the keys of a preset's `engine:` and `training:` sections."""
+        engine: dict[str, object] = {"policy": self.policy, "margin_ratio": self.margin_ratio,
+                                     "device_budget": self.device_budget}
+        if self.host_budget is not None:
+            engine["host_budget"] = self.host_budget
+        return {"engine": engine,
+                "training": {"batch_size": self.batch_size, "grad_accum": self.grad_accum,
+                             "activation_checkpointing": self.activation_checkpointing}}
+
+    def describe(self) -> str:
+        ckpt = ", checkpointing" if self.activation_checkpointing else ""
+        return (f"{self.policy} margin {self.margin_ratio:g}, {self.batch_size} x "
+                f"{self.grad_accum}{ckpt}")
+
+
+def candidates(*, global_batch: int, device_budgets: Iterable[int],
+               policies: Iterable[str] = ("cuda", "auto", "cpu"),
+               margins: Iterable[float] = (0.0, 0.5, 1.0),
+               checkpointing: Iterable[bool] = (False, True),
+               host_budget: int | None = None) -> list[Candidate]:
+    """The space: every policy, margin, split of the global batch into micro-batches,
+    activation checkpointing and device budget. cuda keeps every chunk on the device, so
+    its margin is moot: one candidate per other choice."""
+    splits = [(global_batch // accum, accum) for accum in range(1, global_batch + 1)
+              if global_batch % accum == 0]
+    out: list[Candidate] = []
+    for budget in device_budgets:
+        for policy in policies:
+            for margin in ((0.0,) if policy == "cuda" else tuple(margins)):
+                for micro, accum in splits:
+                    for ckpt in checkpointing:
+                        out.append(Candidate(policy, margin, micro, accum, ckpt, budget,
+                                             host_budget))
+    return out
+
+
+@dataclass(frozen=True)
+class Forecast:
+    fits: bool
+    seconds: float  # predicted seconds per step (meaningless when it does not fit)
+    reason: str = ""  # why it does not fit: which budget, by how much
+
+
+class Forecaster(Protocol):
+    def __call__(self, candidate: Candidate) -> Forecast: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    seconds: float
+    retraced: bool = False  # the step recorded a new trace: not a settled step
+
+
+class Refused(Exception):
+    """The engine would not take the setting (its reason is the message)."""
+
+
+class Failed(Exception):
+    """A step under the setting failed (its reason is the message)."""
+
+
+class Trainer(Protocol):
+    """The running run: changes apply at the next step; every step is a step of the run."""
+
+    def apply(self, candidate: Candidate) -> None:
+        """Raises Refused."""
+
+    def step(self) -> StepResult:
+        """Raises Failed."""
+
+
+# Trial.status values
+PENDING, MEASURING, MEASURED, STOPPED_EARLY = "pending", "measuring", "measured", "stopped early"
+DOES_NOT_FIT, SLOWER, REFUSED, FAILED = "does not fit", "forecast slower", "refused", "failed"
+NOT_REACHED = "not tried"
+
+
+@dataclass
+class Trial:
+    candidate: Candidate
+    forecast: Forecast
+    status: str = PENDING
+    reason: str = ""
+    steps: list[float] = field(default_factory=list)  # settled steps' seconds
+    skipped: int = 0  # steps after the change, or re-traced, not measured
+    measured: float | None = None  # median of the settled steps
+
+    @property
+    def tried(self) -> bool:
+        return self.status in (MEASURED, STOPPED_EARLY, FAILED)
+
+
+@dataclass
+class TuneResult:
+    best: Trial | None
+    trials: list[Trial]
+    steps: int  # steps of the run the search took
+    stopped_by: str  # "converged", "time limit", "stopped", "exhausted"
+    log: list[str] = field(default_factory=list)
+
+
+def search(
+    space: Iterable[Candidate],
+    forecaster: Forecaster,
+    trainer: Trainer,
+    *,
+    trial_steps: int = MIN_TRIAL_STEPS,
+    time_limit: float | None = None,
+    stop: Callable[[], bool] = lambda: False,
+    clock: Callable[[], float] = time.monotonic,
+    on_trial: Callable[[Trial], None] = lambda trial: None,
+) -> TuneResult:
+    """Find the fastest candidate of `space` that fits; see the module's docstring.
+
+    Args:
+        trial_steps: settled steps a trial measures (at least MIN_TRIAL_STEPS).
+        time_limit: seconds of `clock` the search may take; None: no limit. A trial under
+            way when it passes is finished.
+        stop: asked between steps; True ends the search at once, keeping the best so far.
+        on_trial: told every time a trial changes (for a table, a progress line).
+    """
+    trial_steps = max(MIN_TRIAL_STEPS, trial_steps)
+    start = clock()
+    log: list[str] = []
+    trials = [Trial(c, forecaster(c)) for c in space]
+    for t in trials:
+        if not t.forecast.fits:
+            t.status, t.reason = DOES_NOT_FIT, t.forecast.reason
+            on_trial(t)
+    queue = sorted((t for t in trials if t.forecast.fits), key=lambda t: t.forecast.seconds)
+    best: Trial | None = None
+    steps = 0
+    stopped_by = "exhausted"
+    applied: Candidate | None = None
+    for index, trial in enumerate(queue):
+        if best is not None:
+            promise = _corrected(trial, trials) * (1 - _uncertainty(trials)) / best.measured
+            if promise > 1.0 - ENOUGH:
+                stopped_by = "converged"
+                for rest in queue[index:]:
+                    slower = _corrected(rest, trials) / best.measured - 1.0
+                    rest.status = SLOWER
+                    rest.reason = (f"forecast {slower:+.0%} against the best measured"
+                                   if slower > -ENOUGH else "forecast within "
+                                   f"{ENOUGH:.0%} of the best measured")
+                    on_trial(rest)
+                log.append(f"no untried setting can beat {best.candidate.describe()} by more "
+                           f"than {ENOUGH:.0%}: done")
+                break
+        if time_limit is not None and clock() - start >= time_limit:
+            stopped_by = "time limit"
+            break
+        if stop():
+            stopped_by = "stopped"
+            break
+        ran, applied_now = _run_trial(trial, trainer, best, trial_steps, stop, on_trial, log)
+        steps += ran
+        applied = applied_now or applied
+        if trial.status == MEASURED and (best is None or trial.measured < best.measured):
+            best = trial
+    for rest in queue:
+        if rest.status == PENDING:
+            rest.status, rest.reason = NOT_REACHED, stopped_by
+            on_trial(rest)
+    if best is not None and applied != best.candidate:
+        trainer.apply(best.candidate)  # the best is kept for the rest of the run
+        log.append(f"applied the best: {best.candidate.describe()}")
+    return TuneResult(best, trials, steps, stopped_by, log)
+
+
+def _ratios(trials: list[Trial]) -> list[float]:
+    """measured / forecast of every measured trial: the model's error on this run."""
+    return [t.measured / t.forecast.seconds for t in trials
+            if t.status == MEASURED and t.forecast.seconds > 0]
+
+
+def _corrected(trial: Trial, trials: list[Trial]) -> float:
+    """The trial's forecast times the model's error so far (the median ratio)."""
+    ratios = _ratios(trials)
+    return trial.forecast.seconds * (statistics.median(ratios) if ratios else 1.0)
+
+
+def _uncertainty(trials: list[Trial]) -> float:
+    """How much faster than its corrected forecast a candidate may still turn out."""
+    ratios = _ratios(trials)
+    if len(ratios) < 2:
+        return UNCERTAINTY
+    middle = statistics.median(ratios)
+    return max(MIN_UNCERTAINTY, max(abs(r / middle - 1) for r in ratios))
+
+
+def _run_trial(trial: Trial, trainer: Trainer, best: Trial | None, trial_steps: int,
+               stop: Callable[[], bool], on_trial: Callable[[Trial], None],
+               log: list[str]) -> tuple[int, Candidate | None]:
+    """Measure one candidate; returns (steps of the run taken, the candidate if applied)."""
+    try:
+        trainer.apply(trial.candidate)
+    except Refused as error:
+        trial.status, trial.reason = REFUSED, str(error)
+        log.append(f"{trial.candidate.describe()}: refused: {error}")
+        on_trial(trial)
+        return 0, None
+    trial.status = MEASURING
+    on_trial(trial)
+    ran = 0
+    after_change = True
+    while len(trial.steps) < trial_steps:
+        if stop():
+            break
+        try:
+            result = trainer.step()
+        except Failed as error:
+            trial.status, trial.reason = FAILED, str(error)
+            log.append(f"{trial.candidate.describe()}: failed: {error}")
+            on_trial(trial)
+            return ran + 1, trial.candidate
+        ran += 1
+        if after_change or result.retraced:
+            after_change = False
+            trial.skipped += 1
+            continue
+        trial.steps.append(result.seconds)
+        on_trial(trial)
+        if best is not None and min(trial.steps) > CLEARLY_SLOWER * best.measured:
+            trial.status = STOPPED_EARLY
+            trial.measured = statistics.median(trial.steps)
+            trial.reason = (f"{min(trial.steps) / best.measured - 1:.0%} slower than the best "
+                            f"after {len(trial.steps)} steps")
+            log.append(f"{trial.candidate.describe()}: {trial.reason}")
+            on_trial(trial)
+            return ran, trial.candidate
+    if len(trial.steps) < trial_steps:  # stopped before its trial was over: no median
+        trial.status = NOT_REACHED
+        trial.reason = f"stopped after {len(trial.steps)} of {trial_steps} steps"
+        on_trial(trial)
+        return ran, trial.candidate
+    trial.status = MEASURED
+    trial.measured = statistics.median(trial.steps)
+    log.append(f"{trial.candidate.describe()}: {trial.measured:.3f} s/step "
+               f"(forecast {trial.forecast.seconds:.3f})")
+    on_trial(trial)
+    return ran, trial.candidate

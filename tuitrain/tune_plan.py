@@ -1,0 +1,41 @@
+"""The tuner's forecaster: a candidate through the plan (does it fit, and if not, which
+budget by how much) and the time model (seconds per step), with this machine's calibration.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tuitrain.tune import Candidate, Forecast, Forecaster
+
+if TYPE_CHECKING:
+    from engine.planning.calibration import Calibration
+
+
+def plan_forecaster(model: str, *, host_mem: int, precision: str, seq_len: int,
+                    simulated: bool, calibration: Calibration,
+                    disk_dir: str | Path | None = None) -> Forecaster:
+    """A Forecaster for `model` at this batch length on this machine. Plans are shared by
+    the candidates that differ only in policy or accumulation."""
+    from engine.planning.planner import plan
+    from engine.planning.time_model import step_times
+
+    plans: dict[tuple, object] = {}
+
+    def forecast(c: Candidate) -> Forecast:
+        key = (c.device_budget, c.batch_size, c.activation_checkpointing, c.margin_ratio,
+               c.host_budget)
+        if key not in plans:
+            plans[key] = plan(model, device_mem=c.device_budget, host_mem=host_mem,
+                              precision=precision, batch_size=c.batch_size, seq_len=seq_len,
+                              checkpointing=c.activation_checkpointing, simulated=simulated,
+                              margin_ratio=c.margin_ratio, host_budget=c.host_budget,
+                              disk_dir=disk_dir)
+        p = plans[key]
+        row = p.policies[c.policy]
+        if not row.fits:
+            return Forecast(False, 0.0, row.reason)
+        return Forecast(True, step_times(p, calibration, grad_accum=c.grad_accum)[c.policy].total)
+
+    return forecast
