@@ -30,6 +30,7 @@ from engine.devices.device import ComputeDevice, make_device
 from engine.devices.disk import DiskTierError, default_disk_dir
 from engine.devices.host_memory import release_free_host_memory
 from engine.distributed import join
+from engine.models.training import prepare_for_training, untouched
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
@@ -91,6 +92,7 @@ class Engine:
         self._last_peak = 0
         self.closed = False
 
+        prepare_for_training(model)
         uses = first_uses(model)
         self.collectives = join(config.data_parallel, timeout=config.collective_timeout)
         ranks = (self.collectives.rank, self.collectives.world) if self.collectives else None
@@ -343,12 +345,11 @@ class Engine:
         self.manager.flight.wait()
         dev = self.device.torch_device
         batch = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        self.model.eval()
         try:
-            with torch.no_grad():
+            with untouched(self.model), torch.no_grad():
+                self.model.eval()
                 loss = float(self.model(**batch).loss)
         finally:
-            self.model.train()
             self.manager.release_all()
         return loss
 
