@@ -15,6 +15,7 @@ are the whole batch's, and the weights those of one process on the global batch.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
 from engine.placement.trace import Trace
+from engine.step.dropout import WholeBatchDropout
 from engine.step.optimizer import ChunkAdamW
 from engine.step.runner import StepInterrupted, StepRunner
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
@@ -96,6 +98,8 @@ class Engine:
         uses = first_uses(model)
         self.collectives = join(config.data_parallel, timeout=config.collective_timeout)
         ranks = (self.collectives.rank, self.collectives.world) if self.collectives else None
+        # Data parallel: each rank's dropout masks are its rows of the whole batch's.
+        self._dropout = WholeBatchDropout(*ranks) if ranks else contextlib.nullcontext()
         # Under a host budget the chunks are filled one at a time and placed (parts on disk)
         # before the next, so that building never needs the whole state in host memory.
         budgeted = config.host_budget is not None
@@ -256,8 +260,9 @@ class Engine:
                 if self.settings.margin_ratio > 0:
                     self._place(margin=False)  # a new shape may need that room
             part = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in part.items()}
-            loss, fx, bx = self.runner.forward_backward(
-                part, self.optimizer.loss_scale / len(parts))
+            with self._dropout:
+                loss, fx, bx = self.runner.forward_backward(
+                    part, self.optimizer.loss_scale / len(parts))
             traced = self._end_trace() or traced
             losses.append(float(loss.detach()))
             forward += self.runner.forward_seconds
