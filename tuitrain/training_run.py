@@ -277,7 +277,8 @@ class TrainingRun:
             empty = True
             for batch in self.data:
                 empty = False
-                yield self.ranks.slice(batch)  # a global batch; each rank trains on its part
+                # A global batch; each rank trains on its part of each micro-batch.
+                yield self.ranks.slice(batch, self.settings.training.grad_accum)
             if empty:
                 raise ValueError("the data yields no batches")
 
