@@ -20,6 +20,20 @@ def prepare_for_training(model: torch.nn.Module) -> None:
         config.use_cache = False
 
 
+def drops_out(model: torch.nn.Module) -> bool:
+    """Whether `model` may draw dropout masks in training: a dropout module with p > 0, or a
+    config setting some dropout probability above 0 (transformers' models call the
+    function with it, with no module to see). Data-parallel ranks then draw them as one
+    process would (engine.step.dropout), which costs a look at every op; the rest skip it."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+           for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    settings = config.to_dict() if hasattr(config, "to_dict") else {}
+    return any(("dropout" in key or "pdrop" in key) and isinstance(value, int | float)
+               and not isinstance(value, bool) and value > 0 for key, value in settings.items())
+
+
 @contextlib.contextmanager
 def untouched(model: torch.nn.Module) -> Iterator[None]:
     """Run a forward of `model` that the training run must not see: the random state of

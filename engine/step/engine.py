@@ -31,7 +31,7 @@ from engine.devices.device import ComputeDevice, make_device
 from engine.devices.disk import DiskTierError, default_disk_dir
 from engine.devices.host_memory import release_free_host_memory
 from engine.distributed import join
-from engine.models.training import prepare_for_training, untouched
+from engine.models.training import drops_out, prepare_for_training, untouched
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
@@ -99,7 +99,8 @@ class Engine:
         self.collectives = join(config.data_parallel, timeout=config.collective_timeout)
         ranks = (self.collectives.rank, self.collectives.world) if self.collectives else None
         # Data parallel: each rank's dropout masks are its rows of the whole batch's.
-        self._dropout = WholeBatchDropout(*ranks) if ranks else contextlib.nullcontext()
+        self._dropout = (WholeBatchDropout(*ranks) if ranks and drops_out(model)
+                         else contextlib.nullcontext())
         # Under a host budget the chunks are filled one at a time and placed (parts on disk)
         # before the next, so that building never needs the whole state in host memory.
         budgeted = config.host_budget is not None

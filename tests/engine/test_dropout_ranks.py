@@ -31,3 +31,18 @@ def test_outside_training_it_is_torchs_dropout() -> None:
     with WholeBatchDropout(1, 2):
         assert torch.equal(functional.dropout(x, 0.5, training=False), x)
         assert torch.equal(functional.dropout(x, 0.0, training=True), x)
+
+
+def test_only_a_model_that_drops_out_has_its_masks_drawn_so() -> None:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from engine.models.training import drops_out
+
+    def opt(p: float) -> torch.nn.Module:
+        return OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, ffn_dim=32,
+                                        word_embed_proj_dim=16, dropout=p))
+
+    assert drops_out(opt(0.1)) and not drops_out(opt(0.0))
+    assert drops_out(torch.nn.TransformerEncoderLayer(8, 2, dropout=0.1))
+    assert not drops_out(torch.nn.TransformerEncoderLayer(8, 2, dropout=0.0))
