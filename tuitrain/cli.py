@@ -54,7 +54,8 @@ class Flag:
 # fmt: off
 RUN: tuple[Flag, ...] = (
     Flag("--steps", "training.steps", "N", "optimizer steps (default 200)", number=True),
-    Flag("--policy", "engine.policy", "P", "cuda, cpu or auto (default auto)"),
+    Flag("--policy", "engine.policy", "P",
+         "cuda, cpu or auto (default: what the plan recommends for this machine)"),
     Flag("--margin", "engine.margin_ratio", "R",
          "share of the spare device memory that holds optimizer state, 0..1 (default 0)",
          number=True),

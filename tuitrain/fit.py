@@ -145,8 +145,9 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
             disk_dir=e.disk_dir,
             nproc=nproc,
         )
-        return result, result.policies[e.policy]
+        return result, result.policies[chosen.get("policy", e.policy)]
 
+    chosen: dict[str, object] = {}  # what this settles, written into the settings
     device = settings.device_budget_for(simulated) or default_device_budget(simulated)
     host_budget = e.host_budget.nbytes if e.host_budget is not None else None
     try:
@@ -155,7 +156,11 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
         raise
     except Exception:  # the planner cannot read this model; the build will say why
         return settings
-    chosen: dict[str, object] = {}
+    rec = result.recommended
+    if not settings.policy_chosen and rec.policy not in (None, row.policy):
+        row = result.policies[rec.policy]
+        chosen["policy"] = rec.policy
+        say(f"policy {rec.policy}: the plan's choice for this machine ({rec.why})")
     if not row.fits and simulated and e.device_budget is None and here(row) > room:
         # Every rank's device shrinks alike: each gives up its share of the excess.
         excess = -(-(here(row) - room) // local)

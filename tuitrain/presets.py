@@ -143,7 +143,8 @@ def merge(settings: Settings, overrides: Mapping[str, Any]) -> Settings:
         InvalidSettings: a key that does not exist or a value that does not validate, with
             the dotted key of the first problem.
     """
-    data = settings.model_dump()
+    # What was never set stays unset (a policy left to the run, Settings.policy_chosen).
+    data = settings.model_dump(exclude_unset=True)
     for key, value in overrides.items():
         _set(data, key.split("."), value)
     return validate_settings(data)

@@ -57,14 +57,27 @@ class Ranks:
         """"rank 1 of 2", for messages; empty for a single process."""
         return f"rank {self.rank} of {self.world}" if self.parallel else ""
 
-    def slice(self, batch: dict) -> dict:
-        """This rank's contiguous part of a global batch (every tensor along its first
-        dimension; the batch size is a multiple of the world size, see check_batch)."""
+    def slice(self, batch: dict, parts: int = 1) -> dict:
+        """This rank's part of a global batch of `parts` micro-batches (every tensor along
+        its first dimension; a micro-batch is a multiple of the world size, see
+        check_batch): its contiguous part of each micro-batch, in order. So the ranks'
+        k-th micro-batches together are one process's k-th, and each rank's dropout masks
+        are its rows of that process's (engine.step.dropout)."""
         if not self.parallel:
             return batch
-        size = batch["input_ids"].shape[0] // self.world
-        lo = self.rank * size
-        return {k: v[lo:lo + size] if hasattr(v, "shape") else v for k, v in batch.items()}
+        micro = batch["input_ids"].shape[0] // parts
+        size = micro // self.world
+        rows = [slice(k * micro + self.rank * size, k * micro + (self.rank + 1) * size)
+                for k in range(parts)]
+
+        def part(v):
+            if parts == 1:
+                return v[rows[0]]
+            import torch
+
+            return torch.cat([v[r] for r in rows])
+
+        return {k: part(v) if hasattr(v, "shape") else v for k, v in batch.items()}
 
     def eval_part(self, batch: dict) -> tuple[dict, int]:
         """(the rows this rank scores of a held-out batch, how many of them count). Held-out

@@ -91,6 +91,8 @@ class _Strict(BaseModel):
 
 
 class EngineSettings(_Strict):
+    # "auto" until the run settles it; unless the user gave it (Settings.policy_chosen), the
+    # plan's recommendation for this machine replaces it before anything is built.
     policy: Literal["cuda", "cpu", "auto"] = "auto"
     margin_ratio: float = Field(0.0, ge=MARGIN_RATIO_MIN, le=MARGIN_RATIO_MAX)
     # None: the whole GPU on CUDA, SIMULATED_DEVICE_BUDGET on the simulated device.
@@ -193,6 +195,12 @@ class Settings(_Strict):
     def evaluates(self) -> bool:
         """Whether the run measures its loss on held-out text."""
         return self.data.eval_path is not None or self.data.eval_fraction is not None
+
+    @property
+    def policy_chosen(self) -> bool:
+        """Whether the user gave the policy (a flag, a preset key): one left unset is the
+        run's to choose, and it takes the plan's recommendation (tuitrain.fit.settle)."""
+        return "policy" in self.engine.model_fields_set
 
     def precision_for(self, simulated: bool) -> str:
         """The compute precision: the one asked for, else the best for this device."""

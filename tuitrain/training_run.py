@@ -126,6 +126,8 @@ class TrainingRun:
                 self.metrics.close()
 
     def _setup(self) -> None:
+        import torch
+
         from engine.devices.device import uses_cuda
         from engine.devices.host_memory import steady_heap
         from tuitrain.fit import settle
@@ -151,6 +153,12 @@ class TrainingRun:
 
         built = build_run(s, self._say)
         self.model, self.data, self.engine = built.model, built.data, built.engine
+        # Every random number training draws (dropout masks) comes from here on, from the
+        # run's seed: building, planning and evaluating draw none of them (engine/), so
+        # the same command gives the same losses whatever the placement. Every rank seeds
+        # alike and draws the masks of the whole batch (engine.step.dropout). A resumed run
+        # takes the checkpoint's state instead.
+        torch.manual_seed(s.training.seed)
         self.eval_data = built.eval_data
         if resume is not None:
             self.next_step = int(resume(self.engine, self.model, self.data, s)) + 1
@@ -282,7 +290,8 @@ class TrainingRun:
             empty = True
             for batch in self.data:
                 empty = False
-                yield self.ranks.slice(batch)  # a global batch; each rank trains on its part
+                # A global batch; each rank trains on its part of each micro-batch.
+                yield self.ranks.slice(batch, self.settings.training.grad_accum)
             if empty:
                 raise ValueError("the data yields no batches")
 

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from engine.chunks.chunk import Chunk, Slot, chunk_numel, layout
 from engine.devices.device import ComputeDevice
 from engine.distributed.shards import Shard, overlap, padded_numel
+from engine.models.training import untouched
 
 
 @dataclass
@@ -29,7 +30,7 @@ class FirstUse:
     borrowed: dict[int, list[torch.nn.Parameter]] = field(default_factory=dict)
 
 
-class _Reads(TorchFunctionMode):
+class Reads(TorchFunctionMode):
     """Notes the parameters each torch function is handed, for the innermost module running."""
 
     def __init__(self, running: list[torch.nn.Module], note: Callable) -> None:
@@ -38,7 +39,7 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.running:
+        if self.running and not _bookkeeping(func):
             for arg in (*args, *kwargs.values()):
                 for value in arg if isinstance(arg, list | tuple) else (arg,):
                     if isinstance(value, torch.nn.Parameter):
@@ -46,10 +47,32 @@ class _Reads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# Attribute reads that hand out a view of the data: a use of the parameter like any op.
+_VIEWS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+def _bookkeeping(func: Callable) -> bool:
+    """Whether `func` sets or reads a tensor attribute without using its data
+    (`param.data = ...` when a chunk binds its views, `param.requires_grad`, `param.grad`):
+    the engine's own hooks do so for every parameter of a chunk, and a model's forward
+    asking `weight.dtype` uses nothing."""
+    name = getattr(func, "__name__", "")
+    if name == "__set__":
+        return True
+    return name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") \
+        not in _VIEWS
+
+
 def first_uses(model: torch.nn.Module) -> FirstUse:
     """Parameters in first-use order, and who borrows whose, from a two-token forward under
     no_grad; registration order and no borrowing if the model cannot run that way (the
-    order is the same for the usual decoder stacks)."""
+    order is the same for the usual decoder stacks, and the first traced step finds the
+    borrowing then, engine.step.borrowing).
+
+    The trial forward is invisible to the run (models.training.untouched): it runs in eval
+    mode (no dropout mask drawn, no BatchNorm statistic updated) and leaves the random
+    state and every module's mode as they were, so a script that seeds before building the
+    engine draws the masks plain PyTorch would."""
     found = FirstUse([])
     seen: set[int] = set()
     running: list[torch.nn.Module] = []
@@ -78,7 +101,8 @@ def first_uses(model: torch.nn.Module) -> FirstUse:
     handles = [h for m in model.modules()
                for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     try:
-        with torch.no_grad(), _Reads(running, read):
+        with torch.no_grad(), untouched(model), Reads(running, read):
+            model.eval()
             device = next(model.parameters()).device
             model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
     except Exception:

@@ -23,6 +23,8 @@ from transformers import (
     PretrainedConfig,
 )
 
+from engine.models.training import prepare_for_training
+
 __all__ = [
     "KNOWN_MODELS",
     "BadCheckpoint",
@@ -284,6 +286,6 @@ def build_model(
         left = [name for name, p in model.named_parameters() if p.is_meta]
         if left:
             raise RuntimeError(f"{name_or_path}: parameters left without storage: {left}")
-    model.config.use_cache = False
+    prepare_for_training(model)
     model.train()
     return model

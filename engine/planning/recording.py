@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from engine.models.training import prepare_for_training
 from engine.models.zoo import BadCheckpoint
 from engine.step.hooks import hook_gradients, install, wrap_outputs
 from engine.step.non_model import LiveBytes
@@ -100,7 +101,7 @@ def _meta_model(
         except ValueError as error:
             raise BadCheckpoint(f"not a causal language model: {error}") from error
     model.to(dtype)  # parameters only change dtype in place: tied ones stay tied
-    model.config.use_cache = False
+    prepare_for_training(model)
     if checkpointing:
         # As the engine's users enable it (non-reentrant), with the recomputation in
         # backward running under the same attention as the forward.

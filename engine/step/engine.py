@@ -15,6 +15,7 @@ are the whole batch's, and the weights those of one process on the global batch.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Iterator
@@ -29,10 +30,12 @@ from engine.devices.device import ComputeDevice, make_device
 from engine.devices.disk import DiskTierError, default_disk_dir
 from engine.devices.host_memory import PeakResident, release_free_host_memory
 from engine.distributed import join
+from engine.models.training import drops_out, prepare_for_training, untouched
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
 from engine.placement.trace import Trace
+from engine.step.dropout import WholeBatchDropout
 from engine.step.optimizer import ChunkAdamW
 from engine.step.runner import StepInterrupted, StepRunner
 from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
@@ -92,9 +95,13 @@ class Engine:
         self._last_rss_peak: int | None = None
         self.closed = False
 
+        prepare_for_training(model)
         uses = first_uses(model)
         self.collectives = join(config.data_parallel, timeout=config.collective_timeout)
         ranks = (self.collectives.rank, self.collectives.world) if self.collectives else None
+        # Data parallel: each rank's dropout masks are its rows of the whole batch's.
+        self._dropout = (WholeBatchDropout(*ranks) if ranks and drops_out(model)
+                         else contextlib.nullcontext())
         # Under a host budget the chunks are filled one at a time and placed (parts on disk)
         # before the next, so that building never needs the whole state in host memory.
         budgeted = config.host_budget is not None
@@ -256,8 +263,9 @@ class Engine:
                 if self.settings.margin_ratio > 0:
                     self._place(margin=False)  # a new shape may need that room
             part = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in part.items()}
-            loss, fx, bx = self.runner.forward_backward(
-                part, self.optimizer.loss_scale / len(parts))
+            with self._dropout:
+                loss, fx, bx = self.runner.forward_backward(
+                    part, self.optimizer.loss_scale / len(parts))
             traced = self._end_trace() or traced
             losses.append(float(loss.detach()))
             forward += self.runner.forward_seconds
@@ -348,12 +356,11 @@ class Engine:
         self.manager.flight.wait()
         dev = self.device.torch_device
         batch = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        self.model.eval()
         try:
-            with torch.no_grad():
+            with untouched(self.model), torch.no_grad():
+                self.model.eval()
                 loss = float(self.model(**batch).loss)
         finally:
-            self.model.train()
             self.manager.release_all()
         return loss
 

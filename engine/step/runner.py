@@ -11,9 +11,9 @@ class owns only what happens between the first forward pre-hook and the end of b
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -22,6 +22,7 @@ from engine.chunks.manager import ChunkManager
 from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
 from engine.placement.trace import Trace, TracePoint
+from engine.step.borrowing import watch_borrowing
 from engine.step.hooks import hook_gradients, install, wrap_outputs
 from engine.step.non_model import NonModelCounter, storage_key
 from engine.step.optimizer import restore_params
@@ -85,6 +86,7 @@ class StepRunner:
             k: [self.slot_of[id(p)] for p in ps] for k, ps in owned.items()}
         self.module_chunks: dict[int, tuple[Chunk, ...]] = {
             k: tuple(dict.fromkeys(c for c, _ in pairs)) for k, pairs in self.module_slots.items()}
+        self._keys = {id(m): k for k, m in enumerate(model.modules()) if k in owned}
         names = [name or type(model).__name__ for name, _ in model.named_modules()]
         self.module_names = {k: names[k] for k in owned}  # same order as install's keys
 
@@ -274,6 +276,28 @@ class StepRunner:
             if slot.state != S.HOLD_AFTER_BWD:
                 chunk.set_state(slot, S.COMPUTE)
 
+    def _borrow(self, running: list[torch.nn.Module], param: torch.nn.Parameter) -> None:
+        """A traced forward hands `param` to a function while `running` run: if no hook of
+        the innermost hooked one fetches it, that module borrows it from now on, and it is
+        fetched at once (engine.step.borrowing)."""
+        key = next((self._keys[id(m)] for m in reversed(running) if id(m) in self._keys), None)
+        if self._in_backward or key is None or id(param) not in self.slot_of:
+            return
+        pair = self.slot_of[id(param)]
+        if any(s is pair[1] for _, s in self.module_slots[key]):
+            return
+        chunk, slot = pair
+        self.module_slots[key].append(pair)
+        self.module_chunks[key] = tuple(dict.fromkeys((*self.module_chunks[key], chunk)))
+        self.manager.prepare(self.module_chunks[key], self.pos)
+        chunk.set_state(slot, S.COMPUTE)
+        # The module's point in the trace (its latest forward one) needs the chunk too.
+        name = self.module_names[key]
+        at = max(i for i, t in enumerate(self.timeline)
+                 if t.module == name and t.phase == "forward")
+        point = self._tracing.points[at]
+        point.chunks = tuple(dict.fromkeys((*point.chunks, chunk.index)))
+
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is complete, usually once a backward. A parameter that
         autograd accumulates more than once (a module shared by two reentrant-checkpointed
@@ -368,7 +392,9 @@ class StepRunner:
         try:
             # Every op's allocations, counted on the simulated device; on CUDA the
             # allocator counts them itself (_read_allocator), with no work per op.
-            with self.counter if self.device.simulated else contextlib.nullcontext():
+            counting = self.counter if self.device.simulated else nullcontext()
+            watch = watch_borrowing(self.model, self._borrow) if self.tracing else nullcontext()
+            with counting, watch:
                 t0, x0 = time.perf_counter(), m.transfer_seconds
                 loss = self.model(**batch).loss
                 self.forward_seconds = time.perf_counter() - t0

@@ -128,6 +128,20 @@ def test_a_global_batch_splits_into_contiguous_equal_parts():
     single = {"input_ids": torch.arange(2).view(1, 2)}
     assert [ranks.Ranks(r, 2).eval_part(single)[1] for r in range(2)] == [1, 0]
     assert ranks.Ranks(1, 2).eval_part(single)[0]["input_ids"].shape[0] == 1
+
+
+def test_with_accumulation_the_ranks_kth_micro_batches_are_one_process_kth():
+    """So that each rank's dropout masks, its rows of the whole micro-batch's, are one
+    process's (engine.step.dropout)."""
+    import torch
+
+    from engine.step.engine import split_batch
+
+    batch = {"input_ids": torch.arange(24).view(12, 2)}  # 3 micro-batches of 4
+    parts = [split_batch(ranks.Ranks(r, 2).slice(batch, 3), 3) for r in range(2)]
+    for k, whole in enumerate(split_batch(batch, 3)):
+        ranks_kth = torch.cat([parts[r][k]["input_ids"] for r in range(2)])
+        assert torch.equal(ranks_kth, whole["input_ids"]), f"micro-batch {k}"
     with pytest.raises(ValueError, match="batch_size 5 does not split evenly over 2 ranks"):
         ranks.Ranks(0, 2).check_batch(5)
 

@@ -27,7 +27,9 @@ simulated_only = pytest.mark.skipif(torch.cuda.is_available(),
 
 
 def settings(model: str = "tiny", **engine) -> Settings:
-    return Settings.model_validate({"model": model, "engine": {"precision": "fp32", **engine},
+    """A run whose policy the user chose (auto unless given): what adapts is the rest."""
+    engine = {"precision": "fp32", "policy": "auto", **engine}
+    return Settings.model_validate({"model": model, "engine": engine,
                                     "training": {"batch_size": 1, "seq_len": 64}})
 
 
@@ -121,7 +123,42 @@ def test_a_chosen_host_budget_is_kept_and_one_too_small_is_refused(monkeypatch, 
                 16 * GiB)
 
 
+@simulated_only
+def test_a_policy_left_unset_takes_the_plans_recommendation_and_a_chosen_one_is_kept(
+        monkeypatch, tmp_path):
+    unset = Settings.model_validate({"model": "opt-125m", "engine": {
+        "precision": "fp32", "device_budget": "6GiB", "disk_dir": str(tmp_path)},
+        "training": {"batch_size": 1, "seq_len": 64}})
+    roomy = planned(unset, 64 * GiB)
+    # Room for the least host peak of the policies (on the simulated device, cuda's: its
+    # chunks live in the device's bytes alone), not for auto's: auto would send state to
+    # disk, the plan's choice needs none.
+    room = (min(p.host_peak for p in roomy.policies.values()) + roomy.auto.host_peak) // 2
+    best = planned(unset, room).recommended.policy
+    assert best not in (None, "auto")
+    s, said = settled(monkeypatch, unset, room)
+    assert s.engine.policy == best and s.engine.host_budget is None
+    assert forecast(s, room).fits
+    assert said[0].startswith(f"policy {best}: the plan's choice for this machine (")
+    chosen = settings("opt-125m", device_budget="6GiB", disk_dir=str(tmp_path))
+    kept, said = settled(monkeypatch, chosen, room)
+    assert kept.engine.policy == "auto" and not any(line.startswith("policy") for line in said)
+
+
+def test_a_policy_is_chosen_once_given_by_a_flag_or_a_preset_and_stays_chosen(tmp_path):
+    from tuitrain.presets import load_preset, merge
+
+    assert not merge(Settings(), {"engine.margin_ratio": 0.5}).policy_chosen
+    assert merge(Settings(), {"engine.policy": "auto"}).policy_chosen
+    preset = tmp_path / "p.yaml"
+    preset.write_text("version: 1\nengine:\n  policy: cpu\n")
+    assert merge(load_preset(preset), {"training.steps": 3}).policy_chosen
+    preset.write_text("version: 1\nengine:\n  margin_ratio: 0.5\n")
+    assert not merge(load_preset(preset), {"training.steps": 3}).policy_chosen
+
+
 def ranks_settings(model: str = "tiny", batch_size: int = 4, **engine) -> Settings:
+    engine = {"policy": "auto", **engine}  # chosen, as in `settings`
     return Settings.model_validate({"model": model, "engine": {"precision": "fp32", **engine},
                                     "training": {"batch_size": batch_size, "seq_len": 64}})
 

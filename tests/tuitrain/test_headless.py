@@ -30,7 +30,8 @@ class Terminal(io.StringIO):
 
 
 def tiny_settings(**sections: dict) -> Settings:
-    engine = {"precision": "fp32", **sections.pop("engine", {})}
+    # The policy chosen: one left unset would be the plan's choice (cuda, for tiny).
+    engine = {"precision": "fp32", "policy": "auto", **sections.pop("engine", {})}
     training = {"batch_size": 2, "seq_len": 16, **sections.pop("training", {})}
     return Settings(model="tiny", engine=engine, training=training, **sections)
 

@@ -29,15 +29,16 @@ TINY_VOCAB = 8192  # the zoo's tiny, which the planner's scenarios run
 COLLECTIVE_TIMEOUT = 20.0  # seconds: a rank that is gone is an error within this
 
 
-def build(arch: str = "opt", *, layers: int = 2, hidden: int = 64, seed: int = 0
-          ) -> torch.nn.Module:
-    """A tiny OPT (the zoo's `tiny` shape with a byte vocabulary), dropout off."""
+def build(arch: str = "opt", *, layers: int = 2, hidden: int = 64, seed: int = 0,
+          dropout: float = 0.0) -> torch.nn.Module:
+    """A tiny OPT (the zoo's `tiny` shape with a byte vocabulary), dropout off unless
+    given."""
     from transformers import OPTConfig, OPTForCausalLM
 
     torch.manual_seed(seed)
     cfg = OPTConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
                     num_attention_heads=4, ffn_dim=4 * hidden, max_position_embeddings=64,
-                    word_embed_proj_dim=hidden, dropout=0.0, attention_dropout=0.0)
+                    word_embed_proj_dim=hidden, dropout=dropout, attention_dropout=0.0)
     return OPTForCausalLM(cfg)
 
 

@@ -169,15 +169,32 @@ def interrupted(rank: int, world: int, *, steps: int, per_rank: int) -> dict:
     return {"losses": losses, "raised": raised, "weights": weights, "refused": refused}
 
 
+DROPOUT_SEED = 11
+
+
+def dropout(rank: int, world: int, *, steps: int, per_rank: int) -> list[float]:
+    """A model with dropout on, every rank seeded alike before its engine is built, as a
+    run seeds: the losses of the global batch (each rank draws its rows of its masks)."""
+    model = build(dropout=0.1)
+    torch.manual_seed(DROPOUT_SEED)
+    eng = _engine(model, policy="auto", device_budget="64MiB")
+    batches = make_batches(steps, batch_size=per_rank * world)
+    losses = [eng.step(rank_slice(batch, rank, world)).loss for batch in batches]
+    eng.close()
+    return losses
+
+
 # --- one launch per world size (each start of a rank costs seconds of imports) ------------
 
 
 def two_ranks(rank: int, world: int, *, matches_args: dict, unused_args: dict,
-              interrupted_args: dict) -> dict:
-    """What the tests run on two ranks, in one launch: matches, unused, interrupted."""
+              interrupted_args: dict, dropout_args: dict) -> dict:
+    """What the tests run on two ranks, in one launch: matches, unused, interrupted,
+    dropout."""
     return {"matches": matches(rank, world, **matches_args),
             "unused": unused(rank, world, **unused_args),
-            "interrupted": interrupted(rank, world, **interrupted_args)}
+            "interrupted": interrupted(rank, world, **interrupted_args),
+            "dropout": dropout(rank, world, **dropout_args)}
 
 
 def three_ranks(rank: int, world: int, *, matches_args: dict, diverging_args: dict) -> dict:

@@ -63,7 +63,8 @@ def two(tmp_path_factory):
                      matches_args=_matches_args(2),
                      unused_args={"steps": len(GATES), "per_rank": PER_RANK, "gates": GATES,
                                   "policies": ["cpu", "auto"]},
-                     interrupted_args={"steps": 3, "per_rank": PER_RANK}, deadline=180.0)
+                     interrupted_args={"steps": 3, "per_rank": PER_RANK},
+                     dropout_args={"steps": 3, "per_rank": PER_RANK}, deadline=180.0)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,21 @@ def test_ranks_train_as_one_process_on_the_global_batch(ranks, name):
         assert got["tokens"] == PER_RANK * world * 16  # the global batch's
         assert got["applied"] == results[0][name]["applied"]  # the same step everywhere
     assert whole_model_relative_difference(results[0][name]["weights"], ref_weights) <= TOL
+
+
+def test_ranks_with_dropout_draw_one_process_masks(two):
+    """Seeded alike, two ranks train a model with dropout on as one process seeded so on
+    the global batch: each rank's masks are its rows of that process's."""
+    from dp_scenarios import DROPOUT_SEED
+
+    model, batches = build(dropout=0.1), make_batches(3, batch_size=PER_RANK * 2)
+    torch.manual_seed(DROPOUT_SEED)  # after build(), which seeds its initialisation
+    ref_losses, _ = reference_run(model, batches)
+    torch.manual_seed(DROPOUT_SEED + 1)
+    other, _ = reference_run(model, batches)
+    assert other != pytest.approx(ref_losses, rel=TOL)  # the masks do matter
+    for rank, result in enumerate(two):
+        assert result["dropout"] == pytest.approx(ref_losses, rel=TOL), f"rank {rank}"
 
 
 @pytest.mark.parametrize("name", ["live", "steered"])
