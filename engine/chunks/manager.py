@@ -12,6 +12,7 @@ out the same rules on counters.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from engine.chunks.state import TensorState
 from engine.chunks.update_walk import NoDisk, UpdatePipeline
 from engine.config import format_size
 from engine.devices.device import ComputeDevice, DeviceOutOfMemory
-from engine.devices.disk import ALIGN
+from engine.devices.disk import ALIGN, DiskTierError, space_needed
 from engine.distributed.collectives import CollectiveError, Collectives
 from engine.placement import rules
 from engine.placement.policy import Policy
@@ -581,7 +582,9 @@ class ChunkManager:
         that cannot be written) before anything moves. Sharded, the budget is this rank's,
         for its shards."""
         self.host_budget = host_budget
-        self.disk_piece = rules.DISK_PIECE
+        self.disk_piece = rules.disk_piece([c.home_numel for c in self.chunks],
+                                           self.chunks[0].itemsize if self.chunks else 4,
+                                           host_budget=host_budget, block=ALIGN)
         worst = self.disk_placement(set())
         if worst.state:
             self.spill = disk.open_spill(
@@ -599,7 +602,17 @@ class ChunkManager:
             fill(chunk)
             self.count_host([chunk])
             if self.spill is not None and worst.level(chunk.index):
-                self.spill.move(chunk, worst.level(chunk.index))
+                try:
+                    self.spill.move(chunk, worst.level(chunk.index))
+                except DiskTierError as e:
+                    # Filled by someone else since the check: still a folder too small.
+                    parent = self.spill.tier.folder.parent
+                    self.spill.close()
+                    self.spill = None
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    raise disk.too_small(parent, space_needed(worst.disk_bytes),
+                                         disk.free_space(parent)) from None
 
     def disk_placement(self, resident: set[int]) -> rules.DiskPlacement:
         """rules.disk_placement for the chunks not in `resident`."""

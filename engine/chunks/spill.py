@@ -32,6 +32,8 @@ place in the device payload before the gather. Each rank has a scratch folder of
 from __future__ import annotations
 
 import contextlib
+import errno
+import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -41,7 +43,14 @@ import torch
 from engine.chunks.chunk import Chunk, squared_norm
 from engine.chunks.flight import UpdateInFlight
 from engine.config import format_size
-from engine.devices.disk import ALIGN, DiskTier, Region, ScratchFolder
+from engine.devices.disk import (
+    ALIGN,
+    DiskTier,
+    DiskTierError,
+    Region,
+    ScratchFolder,
+    space_needed,
+)
 from engine.placement import rules
 
 STATE = "state"  # the state region, and the pool of buffers that carries its pieces
@@ -69,6 +78,11 @@ def host_parts(chunk: Chunk, region: str) -> tuple[str, ...]:
     return ("host_grad",) if region == GRAD else ("payload",)
 
 
+def _file_name(chunk: Chunk, region: str) -> str:
+    """The file of the chunk's state, or of its payload (and fp32's gradients)."""
+    return f"chunk-{chunk.index:05d}-{STATE if region == STATE else PAYLOAD}"
+
+
 class ScratchTooSmall(ValueError):
     """The scratch folder's filesystem has less free space than the disk tier may need."""
 
@@ -77,20 +91,41 @@ def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int, piece: int,
                flight: UpdateInFlight, empty: Callable[[int, torch.dtype], torch.Tensor],
                alloc: Callable[[int, torch.dtype], torch.Tensor],
                free: Callable[[torch.Tensor], None]) -> Spill:
-    """A Spill over a new scratch folder under `disk_dir` that has room for `need` bytes.
+    """A Spill over a new scratch folder under `disk_dir` that has room for `need` bytes
+    of chunk parts (and for the tier's bandwidth probe before them: space_needed).
 
     Raises ValueError naming the folder when it cannot be written, ScratchTooSmall (with
-    what is needed and what is free) when its filesystem lacks the space."""
+    what is needed and what is free) when its filesystem lacks the space, now or when the
+    probe finds the disk full after all."""
     folder = ScratchFolder(disk_dir)
+    need = space_needed(need)
     available = folder.free_bytes()
     if need > available:
         folder.remove()
-        raise ScratchTooSmall(
-            f"the host budget needs {format_size(need)} on disk, but the scratch folder "
-            f"{folder.parent} has {format_size(available)} free; free some space, give "
-            f"another folder (disk_dir) or a larger host budget")
-    return Spill(chunks, DiskTier(folder, empty=empty), piece=piece, flight=flight, alloc=alloc,
-                 free=free)
+        raise too_small(folder.parent, need, available)
+    try:
+        tier = DiskTier(folder, empty=empty)
+    except DiskTierError as e:
+        folder.remove()
+        if e.errno != errno.ENOSPC:
+            raise
+        raise too_small(folder.parent, need, free_space(folder.parent)) from None
+    return Spill(chunks, tier, piece=piece, flight=flight, alloc=alloc, free=free)
+
+
+def too_small(parent: Path, need: int, available: int) -> ScratchTooSmall:
+    """The one-line error for a scratch folder whose filesystem lacks `need` bytes."""
+    return ScratchTooSmall(
+        f"the host budget needs {format_size(need)} on disk, but the scratch folder "
+        f"{parent} has {format_size(available)} free; free some space, give "
+        f"another folder (disk_dir) or a larger host budget")
+
+
+def free_space(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 0
 
 
 class Spill:
@@ -139,18 +174,30 @@ class Spill:
                 GRAD: cost.grad_piece}[region]
 
     def region(self, chunk: Chunk, region: str, i: int) -> Region:
-        """Piece `i` of one of the chunk's regions; the chunk's file is made (its space
-        reserved) on first use."""
-        if chunk.index not in self._regions:
+        """Piece `i` of one of the chunk's regions. The state has a file of its own, the
+        payload another (with fp32's gradients), made (their space reserved) on first use
+        and removed when the part comes home: the folder holds what the placement has on
+        disk, no more (rules.DiskCost.state_region, payload_region)."""
+        regions = self._regions.setdefault(chunk.index, {})
+        if region not in regions:
             cost = self.cost(chunk)
-            sizes = {STATE: cost.pieces * cost.state_piece,
-                     PAYLOAD: cost.pieces * cost.payload_piece}
-            if chunk.aliased:
-                sizes[GRAD] = cost.pieces * cost.grad_piece
-            self._regions[chunk.index] = self.tier.regions(f"chunk-{chunk.index:05d}", sizes)
-        whole = self._regions[chunk.index][region]
+            if region == STATE:
+                sizes = {STATE: cost.pieces * cost.state_piece}
+            else:
+                sizes = {PAYLOAD: cost.pieces * cost.payload_piece}
+                if chunk.aliased:
+                    sizes[GRAD] = cost.pieces * cost.grad_piece
+            regions.update(self.tier.regions(_file_name(chunk, region), sizes))
+        whole = regions[region]
         size = self._piece_bytes(chunk, region)
         return Region(whole.file, whole.offset + i * size, size)
+
+    def _remove_file(self, chunk: Chunk, region: str) -> None:
+        """The part of `region` is home again: its file (and the space it reserved) goes."""
+        regions = self._regions.get(chunk.index, {})
+        for name in (STATE,) if region == STATE else (PAYLOAD, GRAD):
+            regions.pop(name, None)
+        self.tier.drop_file(_file_name(chunk, region))
 
     def views(self, chunk: Chunk, region: str, buffer: torch.Tensor, numel: int
                ) -> dict[str, torch.Tensor]:
@@ -271,9 +318,11 @@ class Spill:
                     chunk.host_grad = self.alloc(chunk.home_numel, torch.float32)
             chunk.payload_on_disk = False
             chunk.grad_sq = None
+            self._remove_file(chunk, PAYLOAD)
         if level == 0 and chunk.state_on_disk:
             self._bring(chunk, STATE)
             chunk.state_on_disk = False
+            self._remove_file(chunk, STATE)
 
     def _drop(self, chunk: Chunk, region: str) -> None:
         """Free the host tensors of a region that is on disk now."""

@@ -2,7 +2,7 @@
 budget, and what a step then reads and writes there.
 
 Where each chunk's parts go is rules.disk_placement's, asked with the costs the chunk
-manager asks it with (rules.disk_cost at the disk's block size and rules.DISK_PIECE) and the
+manager asks it with (rules.disk_cost at the disk's block size and rules.disk_piece) and the
 same chunks on the host (every chunk not resident on the device). What the step reads and
 writes follows from the spill's mechanics (engine.chunks.spill, engine.chunks.update_walk),
 counted here from the replayed step's fetches and the chunks it updates on the host:
@@ -34,9 +34,15 @@ __all__ = ["DiskTraffic", "chunk_costs", "folder_problem", "free_space", "placem
            "traffic"]
 
 
-def chunk_costs(numel: list[int], itemsize: int) -> list[rules.DiskCost]:
+def piece(numel: list[int], itemsize: int, host_budget: int | None) -> int:
+    """Elements per piece of disk I/O, as ChunkManager.use_host_budget picks it
+    (rules.disk_piece: the I/O buffers sized to the model under the budget)."""
+    return rules.disk_piece(numel, itemsize, host_budget=host_budget, block=ALIGN)
+
+
+def chunk_costs(numel: list[int], itemsize: int, piece: int) -> list[rules.DiskCost]:
     """Each chunk's DiskCost, as ChunkManager.disk_placement asks for it."""
-    return [rules.disk_cost(n, itemsize, ALIGN, rules.DISK_PIECE) for n in numel]
+    return [rules.disk_cost(n, itemsize, ALIGN, piece) for n in numel]
 
 
 def placement(costs: list[rules.DiskCost], resident: Iterable[int],
@@ -58,7 +64,7 @@ class DiskTraffic:
 
 def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list[int], *,
             fetches: Iterable[tuple[int, bool]], updated: Iterable[int],
-            unused: dict[int, int] | None = None) -> DiskTraffic:
+            unused: dict[int, int] | None = None, piece: int | None = None) -> DiskTraffic:
     """What a step reads and writes in the scratch folder.
 
     Args:
@@ -69,6 +75,7 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
             master): whether its gradients were home already (StepReplay.fetches).
         updated: the non-resident chunks whose gradients came home (updated on the host).
         unused: payload pieces read ahead and then not used, per chunk (read all the same).
+        piece: elements per piece (the `piece` the costs were made with).
     """
     read = written = 0
     for chunk, pieces in (unused or {}).items():
@@ -76,7 +83,7 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
     for chunk, from_master in fetches:
         cost = costs[chunk]
         if from_master and not cost.aliased and chunk in where.state:
-            read += sum(aligned(4 * n) for n in _pieces(numel[chunk]))
+            read += sum(aligned(4 * n) for n in _pieces(numel[chunk], piece))
         elif chunk in where.payload:
             read += cost.pieces * cost.payload_piece
     for chunk in updated:
@@ -92,9 +99,9 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
     return DiskTraffic(read, written)
 
 
-def _pieces(numel: int) -> list[int]:
+def _pieces(numel: int, piece: int | None) -> list[int]:
     """Elements of each piece of a chunk of `numel` elements (Spill.spans)."""
-    step = min(numel, rules.DISK_PIECE)
+    step = min(numel, piece or rules.DISK_PIECE)
     return [min(step, numel - lo) for lo in range(0, numel, step)]
 
 

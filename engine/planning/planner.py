@@ -252,7 +252,9 @@ class _Planner:
         self.device_mem, self.host_mem, self.simulated = device_mem, host_mem, simulated
         self.host_budget, self.disk_dir = host_budget, disk_dir
         self.ranks = cost.world  # sharded: every figure is one rank's, its chunks' shards
-        self.disk_costs = disk.chunk_costs([cost.home(n) for n in lay.numel], cost.itemsize)
+        homes = [cost.home(n) for n in lay.numel]
+        self.disk_piece = disk.piece(homes, cost.itemsize, host_budget)
+        self.disk_costs = disk.chunk_costs(homes, cost.itemsize, self.disk_piece)
         self._placements: dict[frozenset[int], rules.DiskPlacement] = {}
         # The engine places every chunk on the host first (ChunkManager.use_host_budget):
         # a budget too small for that is refused before anything runs, whatever the policy
@@ -425,7 +427,8 @@ class _Planner:
         step = outcome.step
         return disk.traffic(self.placement(outcome.resident), self.disk_costs,
                             [self.cost.home(n) for n in self.lay.numel],
-                            fetches=step.fetches, updated=step.home, unused=step.unused_reads)
+                            fetches=step.fetches, updated=step.home, unused=step.unused_reads,
+                            piece=self.disk_piece)
 
     def _disk_reason(self) -> str:
         """Why the scratch folder cannot take what the host budget sends it, or "".

@@ -11,7 +11,7 @@ out on chunks by engine.chunks.spill.
 
 from engine.devices.disk.files import ALIGN, ScratchFile, aligned, direct_io_supported
 from engine.devices.disk.scratch import ScratchFolder, default_disk_dir, remove_stale
-from engine.devices.disk.tier import DiskTier, DiskTierError, Region
+from engine.devices.disk.tier import DiskTier, DiskTierError, Region, space_needed
 
 __all__ = [
     "ALIGN",
@@ -24,4 +24,5 @@ __all__ = [
     "default_disk_dir",
     "direct_io_supported",
     "remove_stale",
+    "space_needed",
 ]

@@ -43,6 +43,12 @@ from engine.devices.disk.scratch import ScratchFolder
 
 BANDWIDTH_PROBE = 16 * 2**20  # bytes written and read back to measure the disk at start
 
+
+def space_needed(region_bytes: int) -> int:
+    """Free bytes a new tier needs for `region_bytes` of regions: the bandwidth probe's
+    file comes and goes before any region is made, so the larger of the two."""
+    return max(region_bytes, BANDWIDTH_PROBE)
+
 Empty = Callable[[int, torch.dtype], torch.Tensor]
 
 
@@ -124,9 +130,15 @@ class DiskTier:
         self.closed = False
         # The disk's sequential (write, read) bytes per second, measured once here with
         # BANDWIDTH_PROBE bytes: what the tier's own throughput is shown against.
-        self.bandwidth = sequential_bandwidth(folder.path, write_bytes=BANDWIDTH_PROBE,
-                                              read_bytes=BANDWIDTH_PROBE,
-                                              piece=BANDWIDTH_PROBE // 4, direct=self.direct)
+        try:
+            self.bandwidth = sequential_bandwidth(folder.path, write_bytes=BANDWIDTH_PROBE,
+                                                  read_bytes=BANDWIDTH_PROBE,
+                                                  piece=BANDWIDTH_PROBE // 4,
+                                                  direct=self.direct)
+        except OSError as e:
+            self.close()
+            raise self._error(f"could not measure the disk with {format_size(BANDWIDTH_PROBE)} "
+                              f"in {folder.path}", e) from e
 
     # --- files and buffers ----------------------------------------------------------------
 
@@ -146,10 +158,17 @@ class DiskTier:
         return {part: Region(file, off, n) for part, (off, n) in offsets.items()}
 
     def drop_file(self, name: str) -> None:
+        """Delete file `name`, once the writes still going to it are done (and what failed
+        writes of it held is let go: the caller has the bytes home)."""
         file = self._files.pop(name, None)
-        if file is not None:
-            file.close()
-            file.path.unlink(missing_ok=True)
+        if file is None:
+            return
+        for write in [w for w in self._writes if w.region.file is file]:
+            self._wait_write(write)
+        for key in [k for k, w in self._failed.items() if w.region.file is file]:
+            self.forget(key)
+        file.close()
+        file.path.unlink(missing_ok=True)
 
     def size_pools(self, sizes: dict[str, tuple[int, int]]) -> None:
         """Pools named in `sizes` get (count, bytes per buffer); a pool whose buffers are
