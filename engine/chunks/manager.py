@@ -60,6 +60,9 @@ class ChunkManager:
         self.spill: disk.Spill | None = None  # the disk tier, when the host budget needs it
         self._disk_base = (0, 0, 0.0)  # the tier's counters when a step last reported
         self.flight = UpdateInFlight()  # the last step's update, while the next forward runs
+        # Chunk -> the parameters (offsets) whose late gradients (add_late_grad) its device
+        # buffer holds, while that buffer gathers them.
+        self._late: dict[int, set[int]] = {}
         self.sharding: ShardedChunks | None = None  # data parallel: gathers and reductions
 
     def use_sharding(self, collectives: Collectives) -> None:
@@ -143,6 +146,7 @@ class ChunkManager:
         any reduction still in flight."""
         if self.sharding is not None:
             self.sharding.drop()
+        self._late.pop(chunk.index, None)
         if chunk.grad is not None:
             self.grad_bytes -= chunk.nbytes
             self._free("device", chunk.grad)
@@ -394,9 +398,10 @@ class ChunkManager:
             # Not zeroed: every gradient that arrives overwrites its slot, and finish_grads
             # zeroes what none wrote (a chunk-sized memset per chunk per step, saved).
             chunk.grad = self._alloc("device", chunk.numel, chunk.dtype)
-            if chunk.sharded:
-                # Gradients add up in it (one may come after its chunk was reduced), and
-                # the padding and unused parameters are zeros in the sum over the ranks.
+            if chunk.sharded or chunk.holds_grads:
+                # Gradients add up in it (one may come after its chunk was reduced, or
+                # after its gradients went to disk), and the padding and unused parameters
+                # are zeros in the sum over the ranks (or with what is on disk).
                 chunk.grad.zero_()
         return chunk.grad
 
@@ -419,15 +424,31 @@ class ChunkManager:
         self._free("device", buffer)
 
     def grad_home(self, chunk: Chunk) -> torch.Tensor:
-        """Where a non-resident chunk's gradients land on the host.
-
-        A chunk whose payload is on disk has none: one more gradient after its gradients
-        went there (a later micro-batch, a module run twice) brings its payload home to
-        add up in, until the step's end puts it back (restore_disk_placement)."""
+        """Where a non-resident chunk's gradients land on the host (not one whose payload
+        is on disk: its gradients land in I/O buffers, Spill.land_grads, add_grads)."""
         self.flight.wait(chunk)
-        if chunk.payload_on_disk:
-            self.spill.move(chunk, 1)
         return chunk.host_grad if chunk.aliased else chunk.payload
+
+    def add_late_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
+        """A parameter's gradient after its chunk's went home (a later micro-batch, a module
+        run twice): added where they are. On the host, at once. On disk, never brought
+        home (the host budget holds at any accumulation): the gradients gather in a device
+        buffer as in the first micro-batch, which is added to what the disk holds once
+        every parameter of the chunk has its gradient again, or at the end of backward."""
+        if not chunk.payload_on_disk:
+            self.device.settle_host()  # the gradients sent home may still be in flight
+            home = self.grad_home(chunk)[slot.offset:slot.offset + slot.numel]
+            home.add_(grad.to(home.device))
+            return
+        self.grad_buffer(chunk, pos)[slot.offset:slot.offset + slot.numel].add_(grad)
+        arrived = self._late.setdefault(chunk.index, set())
+        if slot.offset in arrived:
+            return
+        arrived.add(slot.offset)
+        if chunk.grads_pending > 0:
+            chunk.grads_pending -= 1
+            if chunk.grads_pending == 0:
+                self.finish_grads(chunk)
 
     def finish_grads(self, chunk: Chunk) -> None:
         """Every gradient of a non-resident chunk is in: move them to the host. Sharded:
@@ -440,7 +461,12 @@ class ChunkManager:
             return
         self.settle(chunk)  # the home may be the payload a prefetch reads
         _zero_unwritten(chunk)
-        if chunk.payload_on_disk:
+        if chunk.payload_on_disk and chunk.holds_grads:
+            self._late.pop(chunk.index, None)
+            self.spill.add_grads(chunk, chunk.grad,
+                                 lambda home, grads: self._copy(home, grads, "d2h"),
+                                 lambda grads, home: self._copy(grads, home, "h2d"))
+        elif chunk.payload_on_disk:
             # Into I/O buffers, which go to disk as soon as the bytes are in.
             self.spill.land_grads(chunk, chunk.grad,
                                   lambda home, grads: self._copy(home, grads, "d2h"))
@@ -675,6 +701,11 @@ class ChunkManager:
         with self.spill.opened(chunk, write=regions, read=read):
             yield
 
+    def flush_disk(self) -> None:
+        """Wait for every write the disk tier has issued."""
+        if self.spill is not None:
+            self.spill.tier.flush()
+
     def retry_disk(self) -> None:
         """Write again what a failed write left held in memory (DiskTierError if it fails)."""
         if self.spill is not None:
@@ -712,26 +743,20 @@ class ChunkManager:
 
     # --- the end ------------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, *, keep_weights: bool = True) -> None:
         """Give every parameter its latest weights as a plain CPU tensor of its own (in the
-        compute dtype), then drop every chunk tensor: nothing of the engine stays alive."""
+        compute dtype; `keep_weights=False`: empty ones), then drop every chunk tensor and
+        the scratch folder: nothing of the engine stays alive. The last update, and its
+        writes, end first."""
         self.flight.close()
         self.device.settle_host()
         for chunk in self.chunks:
             self.settle(chunk)
-            with self.opened(chunk):
-                master = chunk.master
-                if chunk.sharded:
-                    try:
-                        master = self.whole(chunk, chunk.master)
-                    except CollectiveError:
-                        master = None  # another rank is gone: no whole weights to give
+            if keep_weights:
+                self._give_weights(chunk)
+            else:
                 for slot in chunk.slots:
-                    if master is None:
-                        slot.param.data = torch.empty(0, dtype=chunk.dtype)
-                        continue
-                    weights = master[slot.offset:slot.offset + slot.numel]
-                    slot.param.data = weights.to("cpu", chunk.dtype, copy=True).view(slot.shape)
+                    slot.param.data = torch.empty(0, dtype=chunk.dtype)
                     slot.param.grad = None
             chunk.payload = chunk.device_payload = chunk.grad = chunk.host_grad = None
             chunk.master = chunk.exp_avg = chunk.exp_avg_sq = None
@@ -740,6 +765,23 @@ class ChunkManager:
             self.spill.close()  # the scratch folder goes with it
             self.spill = None
         self.device_bytes = self.host_bytes = self.grad_bytes = 0
+
+    def _give_weights(self, chunk: Chunk) -> None:
+        """Each parameter of the chunk its latest weights, as a CPU tensor of its own."""
+        with self.opened(chunk):
+            master = chunk.master
+            if chunk.sharded:
+                try:
+                    master = self.whole(chunk, chunk.master)
+                except CollectiveError:
+                    master = None  # another rank is gone: no whole weights to give
+            for slot in chunk.slots:
+                if master is None:
+                    slot.param.data = torch.empty(0, dtype=chunk.dtype)
+                    continue
+                weights = master[slot.offset:slot.offset + slot.numel]
+                slot.param.data = weights.to("cpu", chunk.dtype, copy=True).view(slot.shape)
+                slot.param.grad = None
 
 
 def _zero_unwritten(chunk: Chunk) -> None:

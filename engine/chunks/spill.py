@@ -501,6 +501,37 @@ class Spill:
                 raise
             self.store_piece(chunk, region, i, buffer)
 
+    def add_grads(self, chunk: Chunk, grads: torch.Tensor,
+                  to_host: Callable[[torch.Tensor, torch.Tensor], None],
+                  to_device: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """More gradients, in `grads` (on the device), for a chunk whose gradients are on
+        disk already (a later micro-batch, a module run twice): piece by piece, what the
+        disk holds is read, `to_host(dst, src)` brings the new ones beside it, their sum
+        (the same arithmetic as adding on the host) goes back to disk, and
+        `to_device(dst, src)` into `grads`, whose norm is then the sum's. The host holds
+        two I/O buffers for it, never the chunk."""
+        region = GRAD if chunk.aliased else PAYLOAD
+        dtype = torch.float32 if chunk.aliased else chunk.dtype
+        self._forget_ahead(chunk, PAYLOAD)
+        for i, (lo, hi) in enumerate(self.spans(chunk)):
+            n = (hi - lo) * dtype.itemsize
+            loaded = self.load_piece(chunk, region, i)
+            arrived = self.tier.acquire(PAYLOAD)
+            try:
+                self.tier.finish(loaded[1])
+                total = loaded[0][:n].view(dtype)
+                new = arrived[:n].view(dtype)
+                to_host(new, grads[lo:hi])
+                total.add_(new)
+                to_device(grads[lo:hi], total)
+            except BaseException:
+                self.tier.release(PAYLOAD, loaded[0])
+                raise
+            finally:
+                self.tier.release(PAYLOAD, arrived)
+            self.store_piece(chunk, region, i, loaded[0])
+        chunk.grad_sq = squared_norm(grads)
+
     # --- the end --------------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -253,9 +253,9 @@ DISK_PIECE = 2**22
 
 
 # The smallest piece the I/O buffers shrink to for a model whose pieces at DISK_PIECE would
-# not leave the host budget room (`disk_piece`): 64K elements, 512 KiB of fp32 moments per
-# state piece, still far above the disk's block.
-MIN_DISK_PIECE = 2**16
+# not leave the host budget room (`disk_piece`): 16K elements, 128 KiB of fp32 moments per
+# state piece, still 32 of the disk's blocks per read and write.
+MIN_DISK_PIECE = 2**14
 
 
 def disk_piece(numel: Sequence[int], itemsize: int, *, host_budget: int | None,

@@ -10,7 +10,12 @@ out on chunks by engine.chunks.spill.
 """
 
 from engine.devices.disk.files import ALIGN, ScratchFile, aligned, direct_io_supported
-from engine.devices.disk.scratch import ScratchFolder, default_disk_dir, remove_stale
+from engine.devices.disk.scratch import (
+    ScratchFolder,
+    default_disk_dir,
+    remove_all,
+    remove_stale,
+)
 from engine.devices.disk.tier import DiskTier, DiskTierError, Region, space_needed
 
 __all__ = [
@@ -23,6 +28,7 @@ __all__ = [
     "aligned",
     "default_disk_dir",
     "direct_io_supported",
+    "remove_all",
     "remove_stale",
     "space_needed",
 ]
