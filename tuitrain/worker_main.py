@@ -135,7 +135,8 @@ def _terminated() -> None:
     _leave_nothing()
     sys.stdout.flush()
     sys.stderr.flush()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Its disposition is the default (nothing here sets one): unblocked in this thread
+    # alone, the signal is this thread's to take, and ends the process.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(60)  # the signal ends the process; nothing after it runs
