@@ -49,6 +49,7 @@ from engine.devices.disk import (
     DiskTierError,
     Region,
     ScratchFolder,
+    probe_bytes,
     space_needed,
 )
 from engine.placement import rules
@@ -98,13 +99,14 @@ def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int, piece: int,
     what is needed and what is free) when its filesystem lacks the space, now or when the
     probe finds the disk full after all."""
     folder = ScratchFolder(disk_dir)
+    probe = probe_bytes(need)
     need = space_needed(need)
     available = folder.free_bytes()
     if need > available:
         folder.remove()
         raise too_small(folder.parent, need, available)
     try:
-        tier = DiskTier(folder, empty=empty)
+        tier = DiskTier(folder, empty=empty, probe=probe)
     except DiskTierError as e:
         folder.remove()
         if e.errno != errno.ENOSPC:
@@ -437,14 +439,22 @@ class Spill:
         region = STATE if master else PAYLOAD
         for i, (lo, hi) in enumerate(self.spans(chunk)):
             n = hi - lo
-            loaded = self.load_piece(chunk, region, i, nbytes=4 * n if master else None)
+            # A state piece read ahead is the update's: the master is copied from it, and
+            # it stays read ahead (a later micro-batch fetches the master again and again).
+            key = (chunk.index, region, i)
+            kept = master and key in self._ahead
+            loaded = (self._ahead[key] if kept
+                      else self.load_piece(chunk, region, i, nbytes=4 * n if master else None))
             try:
                 self.tier.finish(loaded[1])
+                if kept:
+                    self._ahead[key] = (loaded[0], None)
                 buffer = loaded[0]
                 yield (buffer[:4 * n].view(torch.float32) if master
                        else buffer[:n * chunk.itemsize].view(chunk.dtype)), lo, hi
             finally:
-                self.tier.release(POOL[region], loaded[0])
+                if not kept:
+                    self.tier.release(POOL[region], loaded[0])
 
     def ready(self, index: int) -> bool:
         """Every payload piece of chunk `index` has been read ahead, and the reads are done."""

@@ -64,7 +64,8 @@ class DiskTraffic:
 
 def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list[int], *,
             fetches: Iterable[tuple[int, bool]], updated: Iterable[int],
-            unused: dict[int, int] | None = None, piece: int | None = None) -> DiskTraffic:
+            unused: dict[int, int] | None = None, piece: int | None = None,
+            micro_batches: int = 1) -> DiskTraffic:
     """What a step reads and writes in the scratch folder.
 
     Args:
@@ -76,16 +77,35 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
         updated: the non-resident chunks whose gradients came home (updated on the host).
         unused: payload pieces read ahead and then not used, per chunk (read all the same).
         piece: elements per piece (the `piece` the costs were made with).
+        micro_batches: a step's micro-batches (gradient accumulation), each a forward and
+            backward as the replayed one, but with every updated chunk's gradients home
+            from the start: its payload copied from the master, and the gradients of one
+            whose payload is on disk added to those there (read and written again).
     """
     read = written = 0
-    for chunk, pieces in (unused or {}).items():
-        read += pieces * costs[chunk].payload_piece
-    for chunk, from_master in fetches:
-        cost = costs[chunk]
-        if from_master and not cost.aliased and chunk in where.state:
-            read += sum(aligned(4 * n) for n in _pieces(numel[chunk], piece))
-        elif chunk in where.payload:
-            read += cost.pieces * cost.payload_piece
+    fetches, updated = list(fetches), list(updated)
+    home = set(updated)
+    # The state pieces read ahead for the update while the step runs (one state buffer
+    # left free; Spill.read_ahead_state): a fetch of a master from them reads nothing more.
+    ahead = [(c, p) for c in sorted(home & where.state) for p in range(costs[c].pieces)]
+    ahead = set(ahead[:rules.STATE_BUFFERS - 1])
+    for later in range(micro_batches):
+        for chunk, pieces in (unused or {}).items():
+            if not (later and chunk in home):  # no read ahead of a payload holding gradients
+                read += pieces * costs[chunk].payload_piece
+        for chunk, from_master in fetches:
+            cost = costs[chunk]
+            if (from_master or (later and chunk in home)) and not cost.aliased \
+                    and chunk in where.state:
+                read += sum(aligned(4 * n) for p, n in enumerate(_pieces(numel[chunk], piece))
+                            if (chunk, p) not in ahead)
+            elif chunk in where.payload:
+                read += cost.pieces * cost.payload_piece
+        if later:
+            for chunk in home & where.payload:
+                grads = costs[chunk].pieces * (costs[chunk].grad_piece
+                                               or costs[chunk].payload_piece)
+                read, written = read + grads, written + grads
     for chunk in updated:
         cost = costs[chunk]
         if chunk in where.payload:

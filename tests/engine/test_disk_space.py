@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import build, make_batches
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, format_size
 from engine.chunks.spill import ScratchTooSmall
 from engine.devices.disk import files, scratch
 from engine.devices.disk.tier import BANDWIDTH_PROBE
@@ -142,18 +142,26 @@ def state_on_disk(folder: Path) -> Engine:
         disk_dir=folder))
 
 
-def test_the_bandwidth_probe_is_counted_in_the_space_needed(tmp_path, monkeypatch):
+def test_the_bandwidth_probe_fits_where_the_regions_fit(tmp_path, monkeypatch):
+    """It wrote 16 MiB that the check did not count: a disk with room for a small tier's
+    regions failed with a bare ENOSPC. It writes no more than the regions will take."""
     eng = state_on_disk(tmp_path / "sized")
     need = eng.manager.disk_bytes
     eng.close()
-    assert need < BANDWIDTH_PROBE  # the probe, not the chunks, is what does not fit
-    fake_disk(monkeypatch, need + MiB)
+    assert need < BANDWIDTH_PROBE
+    fake_disk(monkeypatch, need)
+    eng = state_on_disk(tmp_path / "just")
+    assert eng.manager.spill.tier.bandwidth[0] > 0
+    eng.step(make_batches(1)[0])
+    eng.close()
+    fake_disk(monkeypatch, need - 1)
     with pytest.raises(ScratchTooSmall) as caught:
-        state_on_disk(tmp_path / "full")
+        state_on_disk(tmp_path / "short")
     said = str(caught.value)
-    assert "\n" not in said and str(tmp_path / "full") in said
-    assert "needs 16.0 MiB on disk" in said and "has" in said and "free" in said
-    assert not list((tmp_path / "full").iterdir())
+    assert "\n" not in said and str(tmp_path / "short") in said
+    assert f"needs {format_size(need)} on disk" in said
+    assert f"has {format_size(need - 1)} free" in said
+    assert not list((tmp_path / "short").iterdir())
 
 
 def test_a_disk_that_fills_up_while_the_engine_starts_is_one_clear_value_error(

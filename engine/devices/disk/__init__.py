@@ -16,7 +16,13 @@ from engine.devices.disk.scratch import (
     remove_all,
     remove_stale,
 )
-from engine.devices.disk.tier import DiskTier, DiskTierError, Region, space_needed
+from engine.devices.disk.tier import (
+    DiskTier,
+    DiskTierError,
+    Region,
+    probe_bytes,
+    space_needed,
+)
 
 __all__ = [
     "ALIGN",
@@ -28,6 +34,7 @@ __all__ = [
     "aligned",
     "default_disk_dir",
     "direct_io_supported",
+    "probe_bytes",
     "remove_all",
     "remove_stale",
     "space_needed",
