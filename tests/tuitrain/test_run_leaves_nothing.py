@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.placement import rules
 from engine.step.engine import Engine
 from tuitrain.events import Failed, Finished, Started, Step
 from tuitrain.settings import Settings
@@ -25,6 +26,12 @@ START_SECONDS = 240.0
 class Sink(list):
     def put(self, event) -> None:
         self.append(event)
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process runs: pieces of disk I/O small enough for tiny whatever the sizing."""
+    monkeypatch.setattr(rules, "DISK_PIECE", 2**14)
 
 
 def settings(disk: Path, steps: int = 2) -> Settings:
@@ -51,7 +58,7 @@ def leftovers(disk: Path) -> list[Path]:
 
 
 def test_a_finished_run_leaves_nothing_and_reports_its_last_updates_writes(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, small_pieces):
     written: list[int] = []  # the tier's own count: before the first step, at the end
     step, finish = Engine.step, Engine.finish_update
 
@@ -79,7 +86,7 @@ def test_a_finished_run_leaves_nothing_and_reports_its_last_updates_writes(
     assert leftovers(disk) == []
 
 
-def test_a_failed_run_leaves_nothing(tmp_path, monkeypatch):
+def test_a_failed_run_leaves_nothing(tmp_path, monkeypatch, small_pieces):
     step = Engine.step
 
     def fails_second(self, batch):
