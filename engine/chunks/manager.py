@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from engine.chunks import scratch_space
 from engine.chunks import spill as disk
 from engine.chunks.chunk import Chunk, DeviceCopy, Slot
 from engine.chunks.flight import UpdateInFlight
@@ -613,7 +614,7 @@ class ChunkManager:
                                            host_budget=host_budget, block=ALIGN)
         worst = self.disk_placement(set())
         if worst.state:
-            self.spill = disk.open_spill(
+            self.spill = scratch_space.open_spill(
                 self.chunks, disk_dir=disk_dir, need=worst.disk_bytes, piece=self.disk_piece,
                 flight=self.flight, empty=self.device.host_empty,
                 alloc=lambda numel, dtype: self._alloc("host", numel, dtype),
@@ -637,8 +638,8 @@ class ChunkManager:
                     self.spill = None
                     if e.errno != errno.ENOSPC:
                         raise
-                    raise disk.too_small(parent, space_needed(worst.disk_bytes),
-                                         disk.free_space(parent)) from None
+                    raise scratch_space.too_small(parent, space_needed(worst.disk_bytes),
+                                                  scratch_space.free_space(parent)) from None
 
     def disk_placement(self, resident: set[int]) -> rules.DiskPlacement:
         """rules.disk_placement for the chunks not in `resident`."""
