@@ -114,7 +114,8 @@ RUN: tuple[Flag, ...] = (
 PLAN = tuple(
     f
     for f in RUN
-    if f.name in ("--device-mem", "--precision", "--batch-size", "--seq-len", "--checkpointing")
+    if f.name in ("--margin", "--device-mem", "--precision", "--batch-size", "--grad-accum",
+                  "--seq-len", "--checkpointing")
 )
 RUN_FLAGS: dict[str, str] = {f.name: f.key for f in RUN}  # flag -> the settings key it sets
 
@@ -426,11 +427,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         batch_size=settings.training.batch_size,
         seq_len=settings.training.seq_len,
         checkpointing=settings.training.activation_checkpointing,
+        grad_accum=settings.training.grad_accum,
+        margin_ratio=settings.engine.margin_ratio,
         disk_dir=args.disk,
         nproc=nproc,
         json=args.json,
         hardware=hardware,
-        grad_accum=settings.training.grad_accum,
     )
     return plan_main(checked)
 

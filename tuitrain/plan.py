@@ -30,9 +30,10 @@ def plan_main(args: argparse.Namespace) -> int:
     """Print the plan for `args`, checked by the command line: model, device_budget (bytes,
     or None for this machine's), host_budget (bytes, or None for none), disk_dir (None for
     the engine's default), precision, batch_size, seq_len (None for what a run would use),
-    checkpointing, nproc (data-parallel ranks on this machine; 1: one process), json,
-    hardware (an engine.planning.hardware.HardwareProfile to plan for instead of this
-    machine's device, or None).
+    checkpointing, grad_accum and margin_ratio (optional: 1 and 0), nproc (data-parallel
+    ranks on this machine; 1: one process), json, hardware (an
+    engine.planning.hardware.HardwareProfile to plan for instead of this machine's device,
+    or None).
 
     Raises UsageError for input the planner refuses (one line, status 2).
     """
@@ -56,6 +57,8 @@ def plan_main(args: argparse.Namespace) -> int:
                 batch_size=args.batch_size or defaults.training.batch_size,
                 seq_len=args.seq_len or defaults.training.seq_len,
                 checkpointing=bool(args.checkpointing),
+                grad_accum=getattr(args, "grad_accum", 1),
+                margin_ratio=getattr(args, "margin_ratio", 0.0),
                 simulated=simulated,
                 nproc=args.nproc,
             )
@@ -101,7 +104,8 @@ def what_a_run_would_do(args: argparse.Namespace) -> tuple[Settings | None, list
         "engine": engine,
         "training": {"batch_size": args.batch_size or Settings().training.batch_size,
                      "seq_len": args.seq_len or Settings().training.seq_len,
-                     "activation_checkpointing": bool(args.checkpointing)},
+                     "activation_checkpointing": bool(args.checkpointing),
+                     "grad_accum": getattr(args, "grad_accum", 1)},
     })
     said: list[str] = []
     try:

@@ -83,6 +83,7 @@ class TrainingRun:
         self.tokens = 0
         self.paced: list[tuple[int, float]] = []  # (tokens, seconds) of each step
         self.peak_device = 0
+        self.disk_read = self.disk_written = 0  # bytes, the last step's update included
         self.last_loss: float | None = None
         self.started_at = time.monotonic()
         self.metrics: MetricsWriter | None = None
@@ -124,6 +125,17 @@ class TrainingRun:
         finally:
             if self.metrics is not None:
                 self.metrics.close()
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        """However the run ends, the engine's last update lands and its scratch folder
+        goes (the process exits without the interpreter's cleanup, tuitrain.worker_main)."""
+        if self.engine is None:
+            return
+        try:
+            self.engine.close(keep_weights=False)
+        except BaseException:  # noqa: B036 - the run's outcome is already decided
+            traceback.print_exc()
 
     def _setup(self) -> None:
         import torch
@@ -231,6 +243,9 @@ class TrainingRun:
             self._record(stats, ended)
             if self._evaluates_after(stats.step):
                 self._evaluate(stats.step)
+        # The last step's update may still be writing (state on disk): counted once done.
+        read, written, _ = self.engine.finish_update()
+        self.disk_read, self.disk_written = self.disk_read + read, self.disk_written + written
         self._final_checkpoint()
 
     def _step_boundary(self) -> None:
@@ -302,6 +317,8 @@ class TrainingRun:
         self.peak_device = max(self.peak_device, stats.memory.device_peak)
         self.last_loss = stats.loss
         self.next_step = stats.step + 1
+        self.disk_read += stats.bytes_disk_read
+        self.disk_written += stats.bytes_disk_written
         # When the step ended, so a consumer can measure how late samples reach it.
         self.outbox.put(Step(stats, time=ended))
         if self.metrics is not None and stats.step % self.settings.logging.every == 0:
@@ -391,6 +408,8 @@ class TrainingRun:
             "final_loss": self.last_loss,
             "peak_device_bytes": self.peak_device,
             "peak_host_bytes": peak_rss,
+            "bytes_disk_read": self.disk_read,
+            "bytes_disk_written": self.disk_written,
             "metrics": self.settings.logging.metrics,
             "log": self.log_path,
             **self._eval_summary(),

@@ -81,11 +81,28 @@ def worker_main(
     )
     code = run.execute()
     outbox.close(FLUSH_SECONDS)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End the process now, leaving nothing behind: its scratch folders (the run closed its
+    engine; this covers one that failed while being built) and what multiprocessing would
+    clean at exit (its semaphores, or the resource tracker warns of leaks). Skips the rest
+    of interpreter teardown: a library thread that never ends cannot keep a finished worker
+    alive."""
+    _leave_nothing()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skips interpreter teardown: a library thread that never ends cannot keep a finished
-    # worker alive.
     os._exit(code)
+
+
+def _leave_nothing() -> None:
+    scratch = sys.modules.get("engine.devices.disk.scratch")
+    if scratch is not None:  # not imported: no folder was ever made
+        scratch.remove_all()
+    from multiprocessing import util
+
+    util._run_finalizers(0)  # what its atexit hook runs first: semaphores unlinked
 
 
 def _route_interrupts(callback: Callable[[], None]) -> None:
@@ -99,15 +116,30 @@ def _route_interrupts(callback: Callable[[], None]) -> None:
     started earlier by a library take delivery: never the default action, which would end
     the process.
     """
-    signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL, signal.SIGTERM})
     signal.signal(INTERRUPT_SIGNAL, lambda _signum, _frame: callback())
 
     def listen() -> None:
         while True:
-            signal.sigwait({INTERRUPT_SIGNAL})
+            if signal.sigwait({INTERRUPT_SIGNAL, signal.SIGTERM}) == signal.SIGTERM:
+                _terminated()
             callback()
 
     threading.Thread(target=listen, name="tuitrain-interrupt", daemon=True).start()
+
+
+def _terminated() -> None:
+    """SIGTERM (a stop that took too long, the launcher ending a rank): what it would do,
+    but with nothing left behind first. The same signal, unblocked here, ends the process
+    as it would have, so its exit status still says SIGTERM."""
+    _leave_nothing()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Its disposition is the default (nothing here sets one): unblocked in this thread
+    # alone, the signal is this thread's to take, and ends the process.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)  # the signal ends the process; nothing after it runs
 
 
 def _redirect_output(log_path: str) -> None:
@@ -142,8 +174,7 @@ def _watch_parent(parent_pid: int) -> None:
                 gone = False
             if gone or os.getppid() != parent_pid:
                 print("the parent process is gone; the worker exits", file=sys.stderr)
-                sys.stderr.flush()
-                os._exit(EXIT_ORPHANED)
+                _exit(EXIT_ORPHANED)
 
     threading.Thread(target=watch, name="tuitrain-parent-watch", daemon=True).start()
 

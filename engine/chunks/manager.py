@@ -12,12 +12,14 @@ out the same rules on counters.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from engine.chunks import scratch_space
 from engine.chunks import spill as disk
 from engine.chunks.chunk import Chunk, DeviceCopy, Slot
 from engine.chunks.flight import UpdateInFlight
@@ -26,7 +28,7 @@ from engine.chunks.state import TensorState
 from engine.chunks.update_walk import NoDisk, UpdatePipeline
 from engine.config import format_size
 from engine.devices.device import ComputeDevice, DeviceOutOfMemory
-from engine.devices.disk import ALIGN
+from engine.devices.disk import ALIGN, DiskTierError, space_needed
 from engine.distributed.collectives import CollectiveError, Collectives
 from engine.placement import rules
 from engine.placement.policy import Policy
@@ -59,6 +61,9 @@ class ChunkManager:
         self.spill: disk.Spill | None = None  # the disk tier, when the host budget needs it
         self._disk_base = (0, 0, 0.0)  # the tier's counters when a step last reported
         self.flight = UpdateInFlight()  # the last step's update, while the next forward runs
+        # Chunk -> the parameters (offsets) whose late gradients (add_late_grad) its device
+        # buffer holds, while that buffer gathers them.
+        self._late: dict[int, set[int]] = {}
         self.sharding: ShardedChunks | None = None  # data parallel: gathers and reductions
 
     def use_sharding(self, collectives: Collectives) -> None:
@@ -144,6 +149,7 @@ class ChunkManager:
         any reduction still in flight."""
         if self.sharding is not None:
             self.sharding.drop()
+        self._late.pop(chunk.index, None)
         if chunk.grad is not None:
             self.grad_bytes -= chunk.nbytes
             self._free("device", chunk.grad)
@@ -395,9 +401,10 @@ class ChunkManager:
             # Not zeroed: every gradient that arrives overwrites its slot, and finish_grads
             # zeroes what none wrote (a chunk-sized memset per chunk per step, saved).
             chunk.grad = self._alloc("device", chunk.numel, chunk.dtype)
-            if chunk.sharded:
-                # Gradients add up in it (one may come after its chunk was reduced), and
-                # the padding and unused parameters are zeros in the sum over the ranks.
+            if chunk.sharded or chunk.holds_grads:
+                # Gradients add up in it (one may come after its chunk was reduced, or
+                # after its gradients went to disk), and the padding and unused parameters
+                # are zeros in the sum over the ranks (or with what is on disk).
                 chunk.grad.zero_()
         return chunk.grad
 
@@ -420,15 +427,31 @@ class ChunkManager:
         self._free("device", buffer)
 
     def grad_home(self, chunk: Chunk) -> torch.Tensor:
-        """Where a non-resident chunk's gradients land on the host.
-
-        A chunk whose payload is on disk has none: one more gradient after its gradients
-        went there (a later micro-batch, a module run twice) brings its payload home to
-        add up in, until the step's end puts it back (restore_disk_placement)."""
+        """Where a non-resident chunk's gradients land on the host (not one whose payload
+        is on disk: its gradients land in I/O buffers, Spill.land_grads, add_grads)."""
         self.flight.wait(chunk)
-        if chunk.payload_on_disk:
-            self.spill.move(chunk, 1)
         return chunk.host_grad if chunk.aliased else chunk.payload
+
+    def add_late_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
+        """A parameter's gradient after its chunk's went home (a later micro-batch, a module
+        run twice): added where they are. On the host, at once. On disk, never brought
+        home (the host budget holds at any accumulation): the gradients gather in a device
+        buffer as in the first micro-batch, which is added to what the disk holds once
+        every parameter of the chunk has its gradient again, or at the end of backward."""
+        if not chunk.payload_on_disk:
+            self.device.settle_host()  # the gradients sent home may still be in flight
+            home = self.grad_home(chunk)[slot.offset:slot.offset + slot.numel]
+            home.add_(grad.to(home.device))
+            return
+        self.grad_buffer(chunk, pos)[slot.offset:slot.offset + slot.numel].add_(grad)
+        arrived = self._late.setdefault(chunk.index, set())
+        if slot.offset in arrived:
+            return
+        arrived.add(slot.offset)
+        if chunk.grads_pending > 0:
+            chunk.grads_pending -= 1
+            if chunk.grads_pending == 0:
+                self.finish_grads(chunk)
 
     def finish_grads(self, chunk: Chunk) -> None:
         """Every gradient of a non-resident chunk is in: move them to the host. Sharded:
@@ -441,7 +464,12 @@ class ChunkManager:
             return
         self.settle(chunk)  # the home may be the payload a prefetch reads
         _zero_unwritten(chunk)
-        if chunk.payload_on_disk:
+        if chunk.payload_on_disk and chunk.holds_grads:
+            self._late.pop(chunk.index, None)
+            self.spill.add_grads(chunk, chunk.grad,
+                                 lambda home, grads: self._copy(home, grads, "d2h"),
+                                 lambda grads, home: self._copy(grads, home, "h2d"))
+        elif chunk.payload_on_disk:
             # Into I/O buffers, which go to disk as soon as the bytes are in.
             self.spill.land_grads(chunk, chunk.grad,
                                   lambda home, grads: self._copy(home, grads, "d2h"))
@@ -583,10 +611,12 @@ class ChunkManager:
         that cannot be written) before anything moves. Sharded, the budget is this rank's,
         for its shards."""
         self.host_budget = host_budget
-        self.disk_piece = rules.DISK_PIECE
+        self.disk_piece = rules.disk_piece([c.home_numel for c in self.chunks],
+                                           self.chunks[0].itemsize if self.chunks else 4,
+                                           host_budget=host_budget, block=ALIGN)
         worst = self.disk_placement(set())
         if worst.state:
-            self.spill = disk.open_spill(
+            self.spill = scratch_space.open_spill(
                 self.chunks, disk_dir=disk_dir, need=worst.disk_bytes, piece=self.disk_piece,
                 flight=self.flight, empty=self.device.host_empty,
                 alloc=lambda numel, dtype: self._alloc("host", numel, dtype),
@@ -601,7 +631,17 @@ class ChunkManager:
             fill(chunk)
             self.count_host([chunk])
             if self.spill is not None and worst.level(chunk.index):
-                self.spill.move(chunk, worst.level(chunk.index))
+                try:
+                    self.spill.move(chunk, worst.level(chunk.index))
+                except DiskTierError as e:
+                    # Filled by someone else since the check: still a folder too small.
+                    parent = self.spill.tier.folder.parent
+                    self.spill.close()
+                    self.spill = None
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    raise scratch_space.too_small(parent, space_needed(worst.disk_bytes),
+                                                  scratch_space.free_space(parent)) from None
 
     def disk_placement(self, resident: set[int]) -> rules.DiskPlacement:
         """rules.disk_placement for the chunks not in `resident`."""
@@ -664,6 +704,11 @@ class ChunkManager:
         with self.spill.opened(chunk, write=regions, read=read):
             yield
 
+    def flush_disk(self) -> None:
+        """Wait for every write the disk tier has issued."""
+        if self.spill is not None:
+            self.spill.tier.flush()
+
     def retry_disk(self) -> None:
         """Write again what a failed write left held in memory (DiskTierError if it fails)."""
         if self.spill is not None:
@@ -701,26 +746,20 @@ class ChunkManager:
 
     # --- the end ------------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, *, keep_weights: bool = True) -> None:
         """Give every parameter its latest weights as a plain CPU tensor of its own (in the
-        compute dtype), then drop every chunk tensor: nothing of the engine stays alive."""
+        compute dtype; `keep_weights=False`: empty ones), then drop every chunk tensor and
+        the scratch folder: nothing of the engine stays alive. The last update, and its
+        writes, end first."""
         self.flight.close()
         self.device.settle_host()
         for chunk in self.chunks:
             self.settle(chunk)
-            with self.opened(chunk):
-                master = chunk.master
-                if chunk.sharded:
-                    try:
-                        master = self.whole(chunk, chunk.master)
-                    except CollectiveError:
-                        master = None  # another rank is gone: no whole weights to give
+            if keep_weights:
+                self._give_weights(chunk)
+            else:
                 for slot in chunk.slots:
-                    if master is None:
-                        slot.param.data = torch.empty(0, dtype=chunk.dtype)
-                        continue
-                    weights = master[slot.offset:slot.offset + slot.numel]
-                    slot.param.data = weights.to("cpu", chunk.dtype, copy=True).view(slot.shape)
+                    slot.param.data = torch.empty(0, dtype=chunk.dtype)
                     slot.param.grad = None
             chunk.payload = chunk.device_payload = chunk.grad = chunk.host_grad = None
             chunk.master = chunk.exp_avg = chunk.exp_avg_sq = None
@@ -729,6 +768,23 @@ class ChunkManager:
             self.spill.close()  # the scratch folder goes with it
             self.spill = None
         self.device_bytes = self.host_bytes = self.grad_bytes = 0
+
+    def _give_weights(self, chunk: Chunk) -> None:
+        """Each parameter of the chunk its latest weights, as a CPU tensor of its own."""
+        with self.opened(chunk):
+            master = chunk.master
+            if chunk.sharded:
+                try:
+                    master = self.whole(chunk, chunk.master)
+                except CollectiveError:
+                    master = None  # another rank is gone: no whole weights to give
+            for slot in chunk.slots:
+                if master is None:
+                    slot.param.data = torch.empty(0, dtype=chunk.dtype)
+                    continue
+                weights = master[slot.offset:slot.offset + slot.numel]
+                slot.param.data = weights.to("cpu", chunk.dtype, copy=True).view(slot.shape)
+                slot.param.grad = None
 
 
 def _zero_unwritten(chunk: Chunk) -> None:

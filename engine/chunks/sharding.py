@@ -222,6 +222,9 @@ class ShardedChunks:
         if chunk.payload_on_disk and not chunk.holds_grads:
             # Into I/O buffers, which go to disk as soon as the bytes are in (Spill).
             m.spill.land_grads(chunk, shard, lambda dst, src: m._copy(dst, src, direction))
+        elif chunk.holds_grads and chunk.payload_on_disk:  # added to what the disk holds
+            m.spill.add_grads(chunk, shard, lambda dst, src: m._copy(dst, src, direction),
+                              lambda dst, src: m._copy(dst, src, "h2d" if direction else ""))
         elif chunk.holds_grads:  # a later micro-batch, or a module used twice
             home = m.grad_home(chunk)
             arrived = m.device.host_empty(shard.numel(), shard.dtype) if direction else shard

@@ -34,14 +34,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from pathlib import Path
 
 import torch
 
 from engine.chunks.chunk import Chunk, squared_norm
 from engine.chunks.flight import UpdateInFlight
-from engine.config import format_size
-from engine.devices.disk import ALIGN, DiskTier, Region, ScratchFolder
+from engine.devices.disk import ALIGN, DiskTier, Region
 from engine.placement import rules
 
 STATE = "state"  # the state region, and the pool of buffers that carries its pieces
@@ -69,28 +67,13 @@ def host_parts(chunk: Chunk, region: str) -> tuple[str, ...]:
     return ("host_grad",) if region == GRAD else ("payload",)
 
 
+def _file_name(chunk: Chunk, region: str) -> str:
+    """The file of the chunk's state, or of its payload (and fp32's gradients)."""
+    return f"chunk-{chunk.index:05d}-{STATE if region == STATE else PAYLOAD}"
+
+
 class ScratchTooSmall(ValueError):
     """The scratch folder's filesystem has less free space than the disk tier may need."""
-
-
-def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int, piece: int,
-               flight: UpdateInFlight, empty: Callable[[int, torch.dtype], torch.Tensor],
-               alloc: Callable[[int, torch.dtype], torch.Tensor],
-               free: Callable[[torch.Tensor], None]) -> Spill:
-    """A Spill over a new scratch folder under `disk_dir` that has room for `need` bytes.
-
-    Raises ValueError naming the folder when it cannot be written, ScratchTooSmall (with
-    what is needed and what is free) when its filesystem lacks the space."""
-    folder = ScratchFolder(disk_dir)
-    available = folder.free_bytes()
-    if need > available:
-        folder.remove()
-        raise ScratchTooSmall(
-            f"the host budget needs {format_size(need)} on disk, but the scratch folder "
-            f"{folder.parent} has {format_size(available)} free; free some space, give "
-            f"another folder (disk_dir) or a larger host budget")
-    return Spill(chunks, DiskTier(folder, empty=empty), piece=piece, flight=flight, alloc=alloc,
-                 free=free)
 
 
 class Spill:
@@ -139,18 +122,30 @@ class Spill:
                 GRAD: cost.grad_piece}[region]
 
     def region(self, chunk: Chunk, region: str, i: int) -> Region:
-        """Piece `i` of one of the chunk's regions; the chunk's file is made (its space
-        reserved) on first use."""
-        if chunk.index not in self._regions:
+        """Piece `i` of one of the chunk's regions. The state has a file of its own, the
+        payload another (with fp32's gradients), made (their space reserved) on first use
+        and removed when the part comes home: the folder holds what the placement has on
+        disk, no more (rules.DiskCost.state_region, payload_region)."""
+        regions = self._regions.setdefault(chunk.index, {})
+        if region not in regions:
             cost = self.cost(chunk)
-            sizes = {STATE: cost.pieces * cost.state_piece,
-                     PAYLOAD: cost.pieces * cost.payload_piece}
-            if chunk.aliased:
-                sizes[GRAD] = cost.pieces * cost.grad_piece
-            self._regions[chunk.index] = self.tier.regions(f"chunk-{chunk.index:05d}", sizes)
-        whole = self._regions[chunk.index][region]
+            if region == STATE:
+                sizes = {STATE: cost.pieces * cost.state_piece}
+            else:
+                sizes = {PAYLOAD: cost.pieces * cost.payload_piece}
+                if chunk.aliased:
+                    sizes[GRAD] = cost.pieces * cost.grad_piece
+            regions.update(self.tier.regions(_file_name(chunk, region), sizes))
+        whole = regions[region]
         size = self._piece_bytes(chunk, region)
         return Region(whole.file, whole.offset + i * size, size)
+
+    def _remove_file(self, chunk: Chunk, region: str) -> None:
+        """The part of `region` is home again: its file (and the space it reserved) goes."""
+        regions = self._regions.get(chunk.index, {})
+        for name in (STATE,) if region == STATE else (PAYLOAD, GRAD):
+            regions.pop(name, None)
+        self.tier.drop_file(_file_name(chunk, region))
 
     def views(self, chunk: Chunk, region: str, buffer: torch.Tensor, numel: int
                ) -> dict[str, torch.Tensor]:
@@ -271,9 +266,11 @@ class Spill:
                     chunk.host_grad = self.alloc(chunk.home_numel, torch.float32)
             chunk.payload_on_disk = False
             chunk.grad_sq = None
+            self._remove_file(chunk, PAYLOAD)
         if level == 0 and chunk.state_on_disk:
             self._bring(chunk, STATE)
             chunk.state_on_disk = False
+            self._remove_file(chunk, STATE)
 
     def _drop(self, chunk: Chunk, region: str) -> None:
         """Free the host tensors of a region that is on disk now."""
@@ -388,14 +385,22 @@ class Spill:
         region = STATE if master else PAYLOAD
         for i, (lo, hi) in enumerate(self.spans(chunk)):
             n = hi - lo
-            loaded = self.load_piece(chunk, region, i, nbytes=4 * n if master else None)
+            # A state piece read ahead is the update's: the master is copied from it, and
+            # it stays read ahead (a later micro-batch fetches the master again and again).
+            key = (chunk.index, region, i)
+            kept = master and key in self._ahead
+            loaded = (self._ahead[key] if kept
+                      else self.load_piece(chunk, region, i, nbytes=4 * n if master else None))
             try:
                 self.tier.finish(loaded[1])
+                if kept:
+                    self._ahead[key] = (loaded[0], None)
                 buffer = loaded[0]
                 yield (buffer[:4 * n].view(torch.float32) if master
                        else buffer[:n * chunk.itemsize].view(chunk.dtype)), lo, hi
             finally:
-                self.tier.release(POOL[region], loaded[0])
+                if not kept:
+                    self.tier.release(POOL[region], loaded[0])
 
     def ready(self, index: int) -> bool:
         """Every payload piece of chunk `index` has been read ahead, and the reads are done."""
@@ -451,6 +456,37 @@ class Spill:
                 self.tier.release(PAYLOAD, buffer)
                 raise
             self.store_piece(chunk, region, i, buffer)
+
+    def add_grads(self, chunk: Chunk, grads: torch.Tensor,
+                  to_host: Callable[[torch.Tensor, torch.Tensor], None],
+                  to_device: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """More gradients, in `grads` (on the device), for a chunk whose gradients are on
+        disk already (a later micro-batch, a module run twice): piece by piece, what the
+        disk holds is read, `to_host(dst, src)` brings the new ones beside it, their sum
+        (the same arithmetic as adding on the host) goes back to disk, and
+        `to_device(dst, src)` into `grads`, whose norm is then the sum's. The host holds
+        two I/O buffers for it, never the chunk."""
+        region = GRAD if chunk.aliased else PAYLOAD
+        dtype = torch.float32 if chunk.aliased else chunk.dtype
+        self._forget_ahead(chunk, PAYLOAD)
+        for i, (lo, hi) in enumerate(self.spans(chunk)):
+            n = (hi - lo) * dtype.itemsize
+            loaded = self.load_piece(chunk, region, i)
+            arrived = self.tier.acquire(PAYLOAD)
+            try:
+                self.tier.finish(loaded[1])
+                total = loaded[0][:n].view(dtype)
+                new = arrived[:n].view(dtype)
+                to_host(new, grads[lo:hi])
+                total.add_(new)
+                to_device(grads[lo:hi], total)
+            except BaseException:
+                self.tier.release(PAYLOAD, loaded[0])
+                raise
+            finally:
+                self.tier.release(PAYLOAD, arrived)
+            self.store_piece(chunk, region, i, loaded[0])
+        chunk.grad_sq = squared_norm(grads)
 
     # --- the end --------------------------------------------------------------------------------
 

@@ -259,6 +259,33 @@ STATE_BUFFERS = 3  # the update reads piece k+1's state while updating k and wri
 DISK_PIECE = 2**22
 
 
+# The smallest piece the I/O buffers shrink to for a model whose pieces at DISK_PIECE would
+# not leave the host budget room (`disk_piece`): 16K elements, 128 KiB of fp32 moments per
+# state piece, still 32 of the disk's blocks per read and write.
+MIN_DISK_PIECE = 2**14
+
+
+def disk_piece(numel: Sequence[int], itemsize: int, *, host_budget: int | None,
+               block: int) -> int:
+    """Elements per piece of disk I/O for chunks of `numel` elements: DISK_PIECE, or, when
+    the I/O buffers of pieces that size would not leave the host budget room for the chunk
+    bytes the host must keep (a small model, whose largest chunk's pieces are a large part
+    of it), the largest half of it down to MIN_DISK_PIECE that does. With all chunks on the
+    host (the most any placement sends to disk). None of them fitting, the smallest: what
+    HostBudgetTooSmall then says is the least the host can do with."""
+    piece = DISK_PIECE
+    while True:
+        costs = [disk_cost(n, itemsize, block, piece) for n in numel]
+        try:
+            disk_placement(costs, on_host=range(len(costs)), host_budget=host_budget,
+                           block=block)
+            return piece
+        except HostBudgetTooSmall:
+            if piece // 2 < MIN_DISK_PIECE:
+                return piece
+            piece //= 2
+
+
 def payload_buffers(aliased: bool) -> int:
     """Payload-piece-sized I/O buffers when payloads are on disk. An update holds one per
     stage (read, update, write), and in fp32 a second one for the gradients (the payload is

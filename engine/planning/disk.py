@@ -2,7 +2,7 @@
 budget, and what a step then reads and writes there.
 
 Where each chunk's parts go is rules.disk_placement's, asked with the costs the chunk
-manager asks it with (rules.disk_cost at the disk's block size and rules.DISK_PIECE) and the
+manager asks it with (rules.disk_cost at the disk's block size and rules.disk_piece) and the
 same chunks on the host (every chunk not resident on the device). What the step reads and
 writes follows from the spill's mechanics (engine.chunks.spill, engine.chunks.update_walk),
 counted here from the replayed step's fetches and the chunks it updates on the host:
@@ -34,9 +34,15 @@ __all__ = ["DiskTraffic", "chunk_costs", "folder_problem", "free_space", "placem
            "traffic"]
 
 
-def chunk_costs(numel: list[int], itemsize: int) -> list[rules.DiskCost]:
+def piece(numel: list[int], itemsize: int, host_budget: int | None) -> int:
+    """Elements per piece of disk I/O, as ChunkManager.use_host_budget picks it
+    (rules.disk_piece: the I/O buffers sized to the model under the budget)."""
+    return rules.disk_piece(numel, itemsize, host_budget=host_budget, block=ALIGN)
+
+
+def chunk_costs(numel: list[int], itemsize: int, piece: int) -> list[rules.DiskCost]:
     """Each chunk's DiskCost, as ChunkManager.disk_placement asks for it."""
-    return [rules.disk_cost(n, itemsize, ALIGN, rules.DISK_PIECE) for n in numel]
+    return [rules.disk_cost(n, itemsize, ALIGN, piece) for n in numel]
 
 
 def placement(costs: list[rules.DiskCost], resident: Iterable[int],
@@ -58,7 +64,8 @@ class DiskTraffic:
 
 def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list[int], *,
             fetches: Iterable[tuple[int, bool]], updated: Iterable[int],
-            unused: dict[int, int] | None = None) -> DiskTraffic:
+            unused: dict[int, int] | None = None, piece: int | None = None,
+            micro_batches: int = 1) -> DiskTraffic:
     """What a step reads and writes in the scratch folder.
 
     Args:
@@ -69,16 +76,36 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
             master): whether its gradients were home already (StepReplay.fetches).
         updated: the non-resident chunks whose gradients came home (updated on the host).
         unused: payload pieces read ahead and then not used, per chunk (read all the same).
+        piece: elements per piece (the `piece` the costs were made with).
+        micro_batches: a step's micro-batches (gradient accumulation), each a forward and
+            backward as the replayed one, but with every updated chunk's gradients home
+            from the start: its payload copied from the master, and the gradients of one
+            whose payload is on disk added to those there (read and written again).
     """
     read = written = 0
-    for chunk, pieces in (unused or {}).items():
-        read += pieces * costs[chunk].payload_piece
-    for chunk, from_master in fetches:
-        cost = costs[chunk]
-        if from_master and not cost.aliased and chunk in where.state:
-            read += sum(aligned(4 * n) for n in _pieces(numel[chunk]))
-        elif chunk in where.payload:
-            read += cost.pieces * cost.payload_piece
+    fetches, updated = list(fetches), list(updated)
+    home = set(updated)
+    # The state pieces read ahead for the update while the step runs (one state buffer
+    # left free; Spill.read_ahead_state): a fetch of a master from them reads nothing more.
+    ahead = [(c, p) for c in sorted(home & where.state) for p in range(costs[c].pieces)]
+    ahead = set(ahead[:rules.STATE_BUFFERS - 1])
+    for later in range(micro_batches):
+        for chunk, pieces in (unused or {}).items():
+            if not (later and chunk in home):  # no read ahead of a payload holding gradients
+                read += pieces * costs[chunk].payload_piece
+        for chunk, from_master in fetches:
+            cost = costs[chunk]
+            if (from_master or (later and chunk in home)) and not cost.aliased \
+                    and chunk in where.state:
+                read += sum(aligned(4 * n) for p, n in enumerate(_pieces(numel[chunk], piece))
+                            if (chunk, p) not in ahead)
+            elif chunk in where.payload:
+                read += cost.pieces * cost.payload_piece
+        if later:
+            for chunk in home & where.payload:
+                grads = costs[chunk].pieces * (costs[chunk].grad_piece
+                                               or costs[chunk].payload_piece)
+                read, written = read + grads, written + grads
     for chunk in updated:
         cost = costs[chunk]
         if chunk in where.payload:
@@ -92,9 +119,9 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
     return DiskTraffic(read, written)
 
 
-def _pieces(numel: int) -> list[int]:
+def _pieces(numel: int, piece: int | None) -> list[int]:
     """Elements of each piece of a chunk of `numel` elements (Spill.spans)."""
-    step = min(numel, rules.DISK_PIECE)
+    step = min(numel, piece or rules.DISK_PIECE)
     return [min(step, numel - lo) for lo in range(0, numel, step)]
 
 

@@ -45,7 +45,7 @@ import torch
 
 from engine.config import PRECISIONS, format_size, parse_size
 from engine.devices.cuda import DEFAULT_STAGING
-from engine.devices.disk import default_disk_dir
+from engine.devices.disk import default_disk_dir, space_needed
 from engine.models.zoo import meta_model, model_config
 from engine.placement import rules
 from engine.placement.policy import Policy
@@ -165,6 +165,9 @@ class Plan:
     # batch_size / nproc sequences), and every byte count of the policies, working_set and
     # non_model_peak are one rank's (model_bytes stays the whole model's).
     nproc: int = 1
+    # Micro-batches of batch_size sequences per step (gradient accumulation): the memory of
+    # one, whatever their number (the host budget holds at any), the disk traffic of all.
+    grad_accum: int = 1
 
     @property
     def uses_disk(self) -> bool:
@@ -216,6 +219,7 @@ class Plan:
             "disk_dir",
             "disk_needed",
             "disk_free",
+            "grad_accum",
         ):
             out[key] = getattr(self, key)
         return out
@@ -247,12 +251,16 @@ class _Planner:
         simulated: bool,
         host_budget: int | None = None,
         disk_dir: Path | None = None,
+        grad_accum: int = 1,
     ) -> None:
         self.lay, self.events, self.cost = lay, events, cost
+        self.grad_accum = grad_accum
         self.device_mem, self.host_mem, self.simulated = device_mem, host_mem, simulated
         self.host_budget, self.disk_dir = host_budget, disk_dir
         self.ranks = cost.world  # sharded: every figure is one rank's, its chunks' shards
-        self.disk_costs = disk.chunk_costs([cost.home(n) for n in lay.numel], cost.itemsize)
+        homes = [cost.home(n) for n in lay.numel]
+        self.disk_piece = disk.piece(homes, cost.itemsize, host_budget)
+        self.disk_costs = disk.chunk_costs(homes, cost.itemsize, self.disk_piece)
         self._placements: dict[frozenset[int], rules.DiskPlacement] = {}
         # The engine places every chunk on the host first (ChunkManager.use_host_budget):
         # a budget too small for that is refused before anything runs, whatever the policy
@@ -425,7 +433,8 @@ class _Planner:
         step = outcome.step
         return disk.traffic(self.placement(outcome.resident), self.disk_costs,
                             [self.cost.home(n) for n in self.lay.numel],
-                            fetches=step.fetches, updated=step.home, unused=step.unused_reads)
+                            fetches=step.fetches, updated=step.home, unused=step.unused_reads,
+                            piece=self.disk_piece, micro_batches=self.grad_accum)
 
     def _disk_reason(self) -> str:
         """Why the scratch folder cannot take what the host budget sends it, or "".
@@ -434,11 +443,12 @@ class _Planner:
             return ""
         if problem := disk.folder_problem(self.disk_dir):
             return problem
-        if self.ranks * self.disk_needed <= self.disk_free:
+        needed = space_needed(self.disk_needed)  # the engine's check: its probe counted
+        if self.ranks * needed <= self.disk_free:
             return ""
-        need = format_size(self.disk_needed)
+        need = format_size(needed)
         if self.cost.sharded:
-            need = f"{format_size(self.ranks * self.disk_needed)} ({need} per rank)"
+            need = f"{format_size(self.ranks * needed)} ({need} per rank)"
         return (
             f"the host budget {format_size(self.host_budget)} needs {need} on disk, but "
             f"{self.disk_dir} has {format_size(self.disk_free)} free"
@@ -610,6 +620,7 @@ def plan(
     host_budget: int | str | None = None,
     disk_dir: str | Path | None = None,
     nproc: int = 1,
+    grad_accum: int = 1,
 ) -> Plan:
     """Forecast a training step's device and host memory under each policy.
 
@@ -636,6 +647,9 @@ def plan(
             `device_mem` is each rank's device; `host_mem` is the machine's, which every
             rank's host peak shares (ranks on one machine). A host budget is then each
             rank's, for its shards, and so are the disk figures.
+        grad_accum: micro-batches of `batch_size` sequences per step (EngineConfig's):
+            the memory is one micro-batch's whatever their number, the host budget
+            included; disk_read and disk_written are the whole step's.
 
     Nothing is allocated: the model only ever exists on the meta device.
 
@@ -661,6 +675,9 @@ def plan(
     folder = None
     if budget is not None:
         folder = Path(disk_dir).expanduser() if disk_dir is not None else default_disk_dir()
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a whole number of micro-batches, at least 1, "
+                         f"not {grad_accum!r}")
     if batch_size < 1 or seq_len < 2:
         raise ValueError(
             f"batch_size must be at least 1 and seq_len at least 2, not {batch_size} and {seq_len}"
@@ -697,6 +714,7 @@ def plan(
         simulated=simulated,
         host_budget=budget,
         disk_dir=folder,
+        grad_accum=grad_accum,
     )
     plans, outcomes = {}, {}
     for policy in Policy:
@@ -726,4 +744,5 @@ def plan(
         disk_needed=planner.disk_needed,
         disk_free=planner.disk_free,
         nproc=nproc,
+        grad_accum=grad_accum,
     )

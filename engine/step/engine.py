@@ -326,6 +326,16 @@ class Engine:
             slot.got_grad = got
         return loss, tokens
 
+    def finish_update(self) -> tuple[int, int, float]:
+        """Wait for the last step's update if it still runs (state on disk: it overlaps the
+        next step, engine.chunks.flight) and for every write it issued to land; returns the
+        (bytes read, bytes written, seconds waited) of the disk tier that no step reported
+        yet: what a run reports after its last step. Raises DiskTierError as a step would."""
+        self._settle_update()
+        self.manager.flush_disk()
+        self._raise_disk_errors()
+        return self.manager.disk_counters()
+
     def _settle_update(self) -> None:
         """Wait for the update still running from the last step, if any (it overlaps the
         next forward: engine.chunks.flight), and raise what went wrong in it."""
@@ -388,18 +398,21 @@ class Engine:
 
     # --- the end ------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Remove every hook and free every chunk, on the device and the host.
+    def close(self, *, keep_weights: bool = True) -> None:
+        """Remove every hook and free every chunk, on the device and the host; the scratch
+        folder goes too, once the last update and its writes are done.
 
         The model stays usable without the engine: each parameter gets its latest weights
         as a plain CPU tensor in the compute dtype (model_state_dict() before close gives
-        the fp32 master). Closing twice is harmless; stepping after close is an error.
+        the fp32 master). `keep_weights=False`: the model is not used again (a process
+        that ends), so none are read back from the disk for it. Closing twice is
+        harmless; stepping after close is an error.
         """
         if self.closed:
             return
         self.closed = True
         self.runner.remove_hooks()
-        self.manager.close()
+        self.manager.close(keep_weights=keep_weights)
         if self._owns_device:
             self.device.close()  # its share of the CUDA cap and its pinned staging ring
         gc.collect()  # the runner and manager reference each other through callbacks

@@ -313,9 +313,7 @@ class StepRunner:
         elif chunk.resident:
             self.manager.keep_slot_grad(chunk, slot, grad, self.pos)
         elif chunk.holds_grads:
-            self.device.settle_host()  # the gradients sent home may still be in flight
-            home = self.manager.grad_home(chunk)[slot.offset:slot.offset + slot.numel]
-            home.add_(grad.to(home.device))
+            self.manager.add_late_grad(chunk, slot, grad, self.pos)
         else:
             buf = self.manager.grad_buffer(chunk, self.pos)[slot.offset:slot.offset + slot.numel]
             buf.copy_(grad) if first else buf.add_(grad)

@@ -502,6 +502,46 @@ def test_the_disk_tier_is_forecast_byte_for_byte(small_pieces, tmp_path, precisi
     engine.close()
 
 
+@pytest.mark.parametrize(("precision", "accum"), [("fp32", 2), ("bf16", 3)])
+def test_accumulation_under_a_host_budget_is_forecast_byte_for_byte(
+        small_pieces, tmp_path, precision, accum):
+    """The memory of one micro-batch whatever their number, the host budget's included;
+    the disk traffic of all of them: later micro-batches fetch from the master and add
+    their gradients to those on disk."""
+    host_budget = int(SHARE["payload"] * host_state("tiny", precision))
+    forecast = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision=precision,
+                    simulated=True, host_budget=host_budget, disk_dir=tmp_path,
+                    grad_accum=accum, **SHAPE)
+    engine = Engine(build_model("tiny"), EngineConfig(
+        policy="cpu", device_budget="6GiB", precision=precision, host_budget=host_budget,
+        disk_dir=tmp_path, simulate=True, grad_accum=accum))
+    assert 2 in levels(engine)
+    tier, peak = engine.manager.spill.tier, [0]
+    inner = engine.manager.on_change
+
+    def sample() -> None:
+        peak[0] = max(peak[0], engine.manager.host_bytes + engine.manager.io_buffer_bytes)
+        inner()
+
+    engine.manager.on_change = sample
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, 512, (accum * SHAPE["batch_size"], SHAPE["seq_len"]),
+                            generator=g)
+        before = tier.bytes_read, tier.bytes_written
+        stats = engine.step({"input_ids": ids, "labels": ids})
+        engine.manager.flight.wait()
+    row = forecast.cpu
+    assert forecast.grad_accum == forecast.to_dict()["grad_accum"] == accum
+    assert row.fits, row.reason
+    assert row.host_model + row.io_buffers <= host_budget
+    assert 0 < peak[0] <= host_budget
+    assert row.host_model == stats.memory.host_model
+    assert (row.disk_read, row.disk_written) == (tier.bytes_read - before[0],
+                                                 tier.bytes_written - before[1])
+    engine.close()
+
+
 @pytest.mark.parametrize("level", ["state", "payload"])
 def test_a_small_opt_model_folder_is_forecast_byte_for_byte_under_a_host_budget(
         small_pieces, tmp_path, level):
@@ -540,12 +580,13 @@ def test_a_host_budget_that_holds_every_chunk_sends_nothing_to_disk(tmp_path):
 
 
 def test_a_host_budget_below_the_minimum_is_refused_like_the_engine_refuses_it(tmp_path):
-    with pytest.raises(rules.HostBudgetTooSmall, match=r"host budget 1\.0 MiB is below") as e:
+    # Below even the smallest I/O buffers (rules.MIN_DISK_PIECE) with every part on disk.
+    with pytest.raises(rules.HostBudgetTooSmall, match=r"host budget 512\.0 KiB is below") as e:
         plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16", simulated=True,
-             host_budget="1MiB", disk_dir=tmp_path, **SHAPE)
+             host_budget="512KiB", disk_dir=tmp_path, **SHAPE)
     with pytest.raises(rules.HostBudgetTooSmall) as engine_error:
         Engine(build_model("tiny"), EngineConfig(
-            policy="cpu", device_budget="6GiB", precision="bf16", host_budget="1MiB",
+            policy="cpu", device_budget="6GiB", precision="bf16", host_budget="512KiB",
             disk_dir=tmp_path, simulate=True))
     assert str(e.value) == str(engine_error.value)  # the same rule, the same numbers
 

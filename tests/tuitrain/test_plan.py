@@ -240,12 +240,34 @@ def test_json_carries_the_disk_figures(small_pieces, tmp_path, capsys):
             assert data[name][key] == getattr(row, key)
 
 
+def test_the_plan_takes_the_run_flags_that_change_memory_or_traffic(small_pieces, tmp_path,
+                                                                     capsys):
+    budget = tiny_state() // 4
+    argv = ["plan", "tiny", "--device-mem", "20MiB", "--host-mem", str(budget),
+            "--disk", str(tmp_path), "--grad-accum", "3", "--margin", "0.5", "--json", *SMALL]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    common = dict(device_mem="20MiB", host_mem=psutil.virtual_memory().total,
+                  precision="bf16", batch_size=2, seq_len=64, host_budget=budget,
+                  disk_dir=tmp_path)
+    expected = plan("tiny", grad_accum=3, margin_ratio=0.5, **common)
+    assert data["grad_accum"] == 3
+    for name, row in expected.policies.items():
+        for key in ("device_peak", "host_model", "disk_read", "disk_written"):
+            assert data[name][key] == getattr(row, key)
+    # Later micro-batches read and write again; the host holds the same.
+    once = plan("tiny", margin_ratio=0.5, **common)
+    assert data["cpu"]["disk_read"] > once.cpu.disk_read
+    assert data["cpu"]["host_model"] == once.cpu.host_model
+
+
 def test_a_host_budget_below_the_minimum_is_one_line_and_status_2(capsys):
-    assert main(["plan", "tiny", "--device-mem", "6GiB", "--host-mem", "1MiB", *SMALL]) == 2
+    # Below even the smallest I/O buffers (rules.MIN_DISK_PIECE) with every part on disk.
+    assert main(["plan", "tiny", "--device-mem", "6GiB", "--host-mem", "512KiB", *SMALL]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert len(captured.err.splitlines()) == 1
-    assert captured.err.startswith("tuitrain: error: host budget 1.0 MiB is below the ")
+    assert captured.err.startswith("tuitrain: error: host budget 512.0 KiB is below the ")
 
 
 def test_a_host_budget_that_holds_everything_says_so_and_keeps_the_plain_table(capsys):
@@ -378,8 +400,8 @@ def test_nproc_1_is_exactly_the_plan_without_it(capsys):
     ("1.5", [], "--nproc: must be a whole number of ranks, at least 1 (got 1.5)"),
     ("3", [], "batch_size 4 does not split evenly over 3 ranks; use a multiple of 3"),
     # Each rank's host budget, for its shards: below what one rank needs.
-    ("2", ["--host-mem", "3MiB"], "host budget 3.0 MiB is below the 11.0 MiB the host needs "
-     "with every non-resident chunk on disk (I/O buffers 11.0 MiB)"),
+    ("2", ["--host-mem", "512KiB"], "host budget 512.0 KiB is below the 732.0 KiB the host "
+     "needs with every non-resident chunk on disk (I/O buffers 732.0 KiB)"),
 ])
 def test_a_bad_nproc_is_one_line_and_status_2(capsys, nproc, more, expected):
     assert main([*RANKS, "--nproc", nproc, *more]) == 2

@@ -10,8 +10,19 @@ out on chunks by engine.chunks.spill.
 """
 
 from engine.devices.disk.files import ALIGN, ScratchFile, aligned, direct_io_supported
-from engine.devices.disk.scratch import ScratchFolder, default_disk_dir, remove_stale
-from engine.devices.disk.tier import DiskTier, DiskTierError, Region
+from engine.devices.disk.scratch import (
+    ScratchFolder,
+    default_disk_dir,
+    remove_all,
+    remove_stale,
+)
+from engine.devices.disk.tier import (
+    DiskTier,
+    DiskTierError,
+    Region,
+    probe_bytes,
+    space_needed,
+)
 
 __all__ = [
     "ALIGN",
@@ -23,5 +34,8 @@ __all__ = [
     "aligned",
     "default_disk_dir",
     "direct_io_supported",
+    "probe_bytes",
+    "remove_all",
     "remove_stale",
+    "space_needed",
 ]

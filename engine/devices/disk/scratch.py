@@ -8,7 +8,8 @@ that starts under the same `disk_dir` removes it. The pid in the name covers the
 between creating a folder and locking it, and filesystems without `flock`.
 
 The folder is removed at `remove()` (Engine.close) and, for an engine nobody closed, when it
-is collected or at interpreter exit.
+is collected or at interpreter exit; a process that ends without the interpreter's exit
+(os._exit, a signal handler) calls `remove_all` first.
 """
 
 from __future__ import annotations
@@ -96,6 +97,18 @@ def remove_stale(parent: Path) -> list[Path]:
     return removed
 
 
+# Every folder of this process not removed yet (their finalizers; a finalizer that has run
+# is dead and harmless to call again).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def remove_all() -> None:
+    """Remove every scratch folder this process still has, whoever holds it: for a process
+    about to end without the interpreter's exit (which would run their finalizers)."""
+    for folder in list(_LIVE):
+        folder.remove()
+
+
 def _remove(path: Path, lock_fd: int, owner: int) -> None:
     if os.getpid() != owner:  # a forked child inherits the finalizer, not the folder
         return
@@ -135,6 +148,7 @@ class ScratchFolder:
         self.path = self.parent / f"{PREFIX}{token}"
         os.rename(staging, self.path)
         self._finalizer = weakref.finalize(self, _remove, self.path, fd, os.getpid())
+        _LIVE.add(self)
 
     def file(self, name: str) -> Path:
         return self.path / name

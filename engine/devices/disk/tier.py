@@ -43,6 +43,20 @@ from engine.devices.disk.scratch import ScratchFolder
 
 BANDWIDTH_PROBE = 16 * 2**20  # bytes written and read back to measure the disk at start
 
+
+def probe_bytes(region_bytes: int) -> int:
+    """Bytes the bandwidth probe of a tier for `region_bytes` of regions writes: at most
+    BANDWIDTH_PROBE, and no more than the regions will take (whole probe pieces), so that a
+    disk with room for the regions has room for the probe (its file goes before any region
+    is made)."""
+    piece = 4 * ALIGN  # the probe writes in 4 pieces, each a whole block
+    return min(BANDWIDTH_PROBE, max(piece, region_bytes // piece * piece))
+
+
+def space_needed(region_bytes: int) -> int:
+    """Free bytes a new tier needs for `region_bytes` of regions, its probe counted."""
+    return max(region_bytes, probe_bytes(region_bytes))
+
 Empty = Callable[[int, torch.dtype], torch.Tensor]
 
 
@@ -94,10 +108,11 @@ class DiskTier:
         folder: the run's own scratch folder (removed by `close`).
         empty: the host allocator I/O buffers come from (the device's `host_empty`).
         direct: use O_DIRECT; None = where the filesystem accepts it.
+        probe: bytes written and read to measure the disk (probe_bytes).
     """
 
     def __init__(self, folder: ScratchFolder, *, empty: Empty | None = None,
-                 direct: bool | None = None) -> None:
+                 direct: bool | None = None, probe: int = BANDWIDTH_PROBE) -> None:
         self.folder = folder
         self.empty = empty
         self.direct = direct_io_supported(folder.path) if direct is None else direct
@@ -123,10 +138,15 @@ class DiskTier:
         self.failing = False  # a write failed, and no retry has succeeded since
         self.closed = False
         # The disk's sequential (write, read) bytes per second, measured once here with
-        # BANDWIDTH_PROBE bytes: what the tier's own throughput is shown against.
-        self.bandwidth = sequential_bandwidth(folder.path, write_bytes=BANDWIDTH_PROBE,
-                                              read_bytes=BANDWIDTH_PROBE,
-                                              piece=BANDWIDTH_PROBE // 4, direct=self.direct)
+        # `probe` bytes: what the tier's own throughput is shown against.
+        try:
+            self.bandwidth = sequential_bandwidth(folder.path, write_bytes=probe,
+                                                  read_bytes=probe, piece=probe // 4,
+                                                  direct=self.direct)
+        except OSError as e:
+            self.close()
+            raise self._error(f"could not measure the disk with {format_size(probe)} "
+                              f"in {folder.path}", e) from e
 
     # --- files and buffers ----------------------------------------------------------------
 
@@ -146,10 +166,17 @@ class DiskTier:
         return {part: Region(file, off, n) for part, (off, n) in offsets.items()}
 
     def drop_file(self, name: str) -> None:
+        """Delete file `name`, once the writes still going to it are done (and what failed
+        writes of it held is let go: the caller has the bytes home)."""
         file = self._files.pop(name, None)
-        if file is not None:
-            file.close()
-            file.path.unlink(missing_ok=True)
+        if file is None:
+            return
+        for write in [w for w in self._writes if w.region.file is file]:
+            self._wait_write(write)
+        for key in [k for k, w in self._failed.items() if w.region.file is file]:
+            self.forget(key)
+        file.close()
+        file.path.unlink(missing_ok=True)
 
     def size_pools(self, sizes: dict[str, tuple[int, int]]) -> None:
         """Pools named in `sizes` get (count, bytes per buffer); a pool whose buffers are
