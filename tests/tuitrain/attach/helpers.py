@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import io
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from tuitrain.fakeworker import FakeWorker, fake_run
+from tuitrain.events import Event, Step
+from tuitrain.fakeworker import FakeWorker, fake_started, fake_stats, follow_settings
 from tuitrain.served import ServedWorker, serve
 from tuitrain.settings import Settings
 from tuitrain.wire import MAX_EVENT_BYTES, read_frame
@@ -20,7 +22,12 @@ def served_fake(steps: int = 100, *, settings: Settings | None = None
                 ) -> tuple[ServedWorker, FakeWorker]:
     """A fake run of `steps` steps served on a socket in the test's runtime folder, started;
     each poll plays one step."""
-    fake = FakeWorker(fake_run(steps, model="tiny"), steps_per_poll=1)
+    def script() -> Iterator[Event]:  # made as played: a long fake run costs nothing
+        yield fake_started(model="tiny")
+        for step in range(1, steps + 1):
+            yield Step(fake_stats(step))
+
+    fake = FakeWorker(script, steps_per_poll=1, restep=follow_settings())
     served = serve(fake, settings or Settings(model="tiny"), err=io.StringIO())
     assert served is not None
     served.start()
@@ -69,3 +76,28 @@ class RawViewer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class Pump:
+    """The headless loop of a served fake run, in a thread: polls until stopped, keeping
+    what the run itself saw."""
+
+    def __init__(self, served: ServedWorker) -> None:
+        self.served = served
+        self.seen: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Pump:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.served.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.seen.extend(self.served.poll())
+            time.sleep(0.02)
