@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TextIO
 
 from tuitrain.errors import EXIT_FAILED, EXIT_OK, UsageError
-from tuitrain.events import Applied, Failed, Finished, Rejected, Stop
-from tuitrain.replay import ReplayClient, ReplayError
+from tuitrain.events import Applied, Command, Event, Failed, Finished, Rejected, Step, Stop
+from tuitrain.replay import ReplayClient, ReplayError, earlier_history
 from tuitrain.runs import RunRecord, RuntimeFolderError, find_run, list_runs, runtime_folder
 from tuitrain.settings import Settings, validate_settings
 from tuitrain.socket_client import AttachError, SocketClient
@@ -36,8 +36,47 @@ def attach(name: str | None, *, read_only: bool = False) -> int:
     return app.return_code or EXIT_OK
 
 
-def open_run(name: str | None, *, read_only: bool) -> tuple[SocketClient | ReplayClient,
-                                                           Settings]:
+class _WithEarlier:
+    """A live run's client whose history goes back to the run's first step: the socket
+    sends the latest events (tuitrain.listener.HISTORY_EVENTS); the steps before them come
+    from the run's metrics file, read when the first step arrives."""
+
+    def __init__(self, client: SocketClient, metrics: str) -> None:
+        self.client = client
+        self.metrics = metrics
+        self._first_step_seen = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.client, name)
+
+    def start(self) -> None:
+        self.client.start()
+
+    def send(self, command: Command) -> int:
+        return self.client.send(command)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.client.stop(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.client.alive
+
+    def poll(self) -> list[Event]:
+        events = self.client.poll()
+        if self._first_step_seen:
+            return events
+        for i, event in enumerate(events):
+            if isinstance(event, Step):
+                self._first_step_seen = True
+                if event.stats.step > 1:
+                    events[i:i] = earlier_history(self.metrics, event.stats.step)
+                break
+        return events
+
+
+def open_run(name: str | None, *, read_only: bool
+             ) -> tuple[SocketClient | _WithEarlier | ReplayClient, Settings]:
     """The client for run `name`, and the run's settings. `name` may also be a metrics
     file, shown as a finished run."""
     if name is not None and name.endswith(".jsonl") and Path(name).is_file():
@@ -48,7 +87,10 @@ def open_run(name: str | None, *, read_only: bool) -> tuple[SocketClient | Repla
             client = SocketClient(record.socket, read_only=read_only)
         except AttachError as error:
             raise UsageError(f"run {record.id}: {error}") from None
-        return client, _settings(client.hello.get("settings"), record.id)
+        settings = _settings(client.hello.get("settings"), record.id)
+        if record.metrics:
+            return _WithEarlier(client, record.metrics), settings
+        return client, settings
     if not record.metrics:
         raise UsageError(f"run {record.id} has {_ended(record)} and wrote no metrics file "
                          "(--metrics FILE.jsonl): there is nothing to show")

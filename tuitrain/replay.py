@@ -52,6 +52,19 @@ class ReplayClient:
         return False
 
 
+def earlier_history(path: str | os.PathLike, before: int) -> list[Event]:
+    """The steps and evaluations of the latest run in a metrics file from before step
+    `before`: what a viewer attaching late misses of a long run. Empty when the file
+    cannot be read."""
+    try:
+        _, events = _read_run(Path(path))
+    except ReplayError:
+        return []
+    return [e for e in events
+            if (isinstance(e, Step) and e.stats.step < before)
+            or (isinstance(e, Eval) and e.step < before)]
+
+
 def _read_run(path: Path) -> tuple[dict, list[Event]]:
     """The latest run's settings (as used) and its events, in the order they came."""
     try:

@@ -3,6 +3,7 @@ viewer costs the run (nothing), two viewers steering, and the end of a run."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -11,12 +12,16 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from tuitrain import listener as listener_module
-from tuitrain.events import Applied, Failed, Finished, Log, SetPolicy, Step
+from tuitrain.attach import open_run
+from tuitrain.events import Applied, Failed, Finished, Log, SetPolicy, Started, Step
 from tuitrain.fakeworker import fake_stats
+from tuitrain.metrics import MetricsWriter
 from tuitrain.runs import list_runs
+from tuitrain.settings import Settings
 from tuitrain.socket_client import SocketClient
 from tuitrain.wire import encode_command, frame
 
@@ -192,5 +197,32 @@ def test_a_command_over_the_limit_is_garbage() -> None:
         bad.sock.sendall(frame({**encode_command(SetPolicy(policy="cpu")), "pad": "x" * 70_000}))
         seen: list = []
         until(served, lambda: any("not a command" in m for m in logs(seen)), collect=seen)
+    finally:
+        served.close()
+
+
+def test_a_viewer_attaching_late_gets_the_steps_before_the_sockets_history_from_metrics(
+        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(listener_module, "HISTORY_EVENTS", 5)
+    metrics = tmp_path / "m.jsonl"
+    writer = MetricsWriter(metrics)
+    writer.write({"settings": Settings(model="tiny").model_dump(mode="json")})
+    for step in range(1, 21):
+        writer.write(dataclasses.asdict(fake_stats(step)))
+    writer.close()
+    served, _ = served_fake(settings=Settings(model="tiny", logging={"metrics": str(metrics)}))
+    try:
+        run: list = []
+        until(served, lambda: sum(isinstance(e, Step) for e in run) >= 20, collect=run)
+        client, _ = open_run(served.record.id, read_only=True)
+        client.start()
+        seen: list = []
+        deadline = time.monotonic() + 10
+        while sum(isinstance(e, Step) for e in seen) < 20 and time.monotonic() < deadline:
+            seen.extend(client.poll())
+        steps = [e.stats.step for e in seen if isinstance(e, Step)]
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 20
+        assert isinstance(seen[0], Started)
+        client.stop()
     finally:
         served.close()
