@@ -7,6 +7,7 @@ run goes on. Stopping a run is asked for apart (`--stop`) and confirmed first.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -194,3 +195,37 @@ def _ended(record: RunRecord) -> str:
         "gone": "gone (its process ended without a word)",
         "interrupted": "been interrupted",
     }.get(record.state, record.state)
+
+
+# --- the command line -------------------------------------------------------------------
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """`attach` and `runs`, on the command line's subcommands."""
+    attach = commands.add_parser(
+        "attach",
+        help="the app on a headless run: live, or a finished one from its metrics",
+        description="Open the app on a headless run of yours on this machine (over ssh: "
+        "`ssh -t HOST tuitrain attach`). q detaches; the run goes on.",
+    )
+    attach.add_argument("run", nargs="?", metavar="RUN",
+                        help="a run id or pid from `tuitrain runs`, or a metrics file "
+                        "(default: the newest live run)")
+    attach.add_argument("--read-only", action="store_true", help="watch; send nothing")
+    attach.add_argument("--stop", action="store_true",
+                        help="stop the run after its current step, once you confirm")
+    attach.add_argument("--yes", action="store_true", help="with --stop: do not ask")
+    attach.set_defaults(handler=cmd_attach)
+    runs = commands.add_parser("runs", help="list your live and finished headless runs")
+    runs.set_defaults(handler=cmd_runs)
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    if args.stop:
+        return stop_run(args.run, yes=args.yes)
+    return attach(args.run, read_only=args.read_only)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    print("\n".join(runs_listing()))
+    return EXIT_OK

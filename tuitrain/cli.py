@@ -203,42 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser("models", help="list the model zoo")
     models.set_defaults(handler=cmd_models)
-    _add_attach_commands(commands)
+    from tuitrain.attach import add_commands  # `attach` and `runs`
+
+    add_commands(commands)
     return parser
 
-
-def _add_attach_commands(commands: argparse._SubParsersAction) -> None:
-    attach = commands.add_parser(
-        "attach",
-        help="the app on a headless run: live, or a finished one from its metrics",
-        description="Open the app on a headless run of yours on this machine (over ssh: "
-        "`ssh -t HOST tuitrain attach`). q detaches; the run goes on.",
-    )
-    attach.add_argument("run", nargs="?", metavar="RUN",
-                        help="a run id or pid from `tuitrain runs`, or a metrics file "
-                        "(default: the newest live run)")
-    attach.add_argument("--read-only", action="store_true", help="watch; send nothing")
-    attach.add_argument("--stop", action="store_true",
-                        help="stop the run after its current step, once you confirm")
-    attach.add_argument("--yes", action="store_true", help="with --stop: do not ask")
-    attach.set_defaults(handler=cmd_attach)
-    runs = commands.add_parser("runs", help="list your live and finished headless runs")
-    runs.set_defaults(handler=cmd_runs)
-
-
-def cmd_attach(args: argparse.Namespace) -> int:
-    from tuitrain.attach import attach, stop_run
-
-    if args.stop:
-        return stop_run(args.run, yes=args.yes)
-    return attach(args.run, read_only=args.read_only)
-
-
-def cmd_runs(args: argparse.Namespace) -> int:
-    from tuitrain.attach import runs_listing
-
-    print("\n".join(runs_listing()))
-    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
