@@ -9,6 +9,11 @@ the worker reported (the first step left out), the headless process's own CPU se
 threads included, the worker process not) and the wall time from start to summary. The
 last line gives each as a ratio, socket / none; the machine's load average is printed with
 it, since on a shared machine it moves the figures more than the socket does.
+
+Then, apart from any machine noise, what the runner's loop spends per event on the socket
+while nobody is attached: `poll` of the served worker against `poll` of the worker alone,
+over a worker that has one step ready at every poll (`--polls` of them), in microseconds
+and as a fraction of the median step.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from pathlib import Path
 from unittest import mock
 
 from tuitrain import headless
+from tuitrain.events import Step
+from tuitrain.fakeworker import fake_stats
 from tuitrain.headless import run_headless
+from tuitrain.served import serve
 from tuitrain.settings import Settings
 
 
@@ -53,6 +61,34 @@ def one_run(settings: Settings, folder: Path, *, socket: bool) -> dict[str, floa
     }
 
 
+class _OneStep:
+    """A worker with a step ready at every poll."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+
+    def poll(self) -> list[Step]:
+        return [self.step]
+
+
+def per_event_seconds(polls: int, folder: Path) -> tuple[float, float]:
+    """Seconds per poll of a bare worker and of the same worker served, nobody attached."""
+    step = Step(fake_stats(1))
+    bare = _OneStep(step)
+    served = serve(bare, Settings(model="tiny"), err=io.StringIO())
+    assert served is not None
+    try:
+        timings = {}
+        for name, worker in (("bare", bare), ("served", served), ("bare2", bare)):
+            started = time.perf_counter()
+            for _ in range(polls):
+                worker.poll()
+            timings[name] = (time.perf_counter() - started) / polls
+    finally:
+        served.close()
+    return min(timings["bare"], timings["bare2"]), timings["served"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
@@ -60,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--polls", type=int, default=20_000)
     args = ap.parse_args(argv)
     settings = Settings(
         model=args.model,
@@ -82,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         / statistics.median(r[key] for r in results[False])
         for key in ("step_seconds", "cpu_seconds", "wall_seconds")
     }
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TUITRAIN_RUNTIME_DIR"] = str(Path(tmp) / "runtime")
+        bare, served = per_event_seconds(args.polls, Path(tmp))
+    step = statistics.median(r["step_seconds"] for r in results[True] + results[False])
+    print(f"per event, nobody attached: {(served - bare) * 1e6:.1f} us on the socket "
+          f"({bare * 1e6:.2f} us bare, {served * 1e6:.2f} us served), "
+          f"{(served - bare) / step:.2e} of a median step ({step:.3f} s)")
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"{args.model}, {args.steps} steps x {args.rounds} rounds, socket / none: "
           + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())

@@ -142,6 +142,8 @@ class Listener:
 
     def take_commands(self) -> list[tuple[Viewer, Command]]:
         """The commands viewers sent since the last call, oldest first."""
+        if self._commands.empty():  # the usual case, and the cheapest answer
+            return []
         taken = []
         with contextlib.suppress(queue.Empty):
             while True:
@@ -150,6 +152,8 @@ class Listener:
 
     def take_notices(self) -> list[Log]:
         """What happened on the socket that the run's log should say (one line each)."""
+        if self._notices.empty():
+            return []
         taken = []
         with contextlib.suppress(queue.Empty):
             while True:

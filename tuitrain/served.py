@@ -32,6 +32,7 @@ class ServedWorker:
         self._asked: dict[int, tuple[Viewer, Command]] = {}  # worker's id -> who asked
         self._recorded_at = time.monotonic()
         self._end: Event | None = None
+        self._step = 0  # the latest step, written to the record now and then
 
     def __getattr__(self, name: str) -> object:  # wait, pid, log_path, ...: the worker's
         return getattr(self.worker, name)
@@ -59,7 +60,8 @@ class ServedWorker:
     def close(self) -> None:
         """The run has ended: viewers get the last events, the record says how it ended."""
         self.listener.close()
-        self.record = self._updated(state=ended_state(self._end), socket="", ended=time.time())
+        self.record = replace(self.record, state=ended_state(self._end), socket="",
+                              ended=time.time())
         self._write()
 
     def _pass_on(self, event: Event) -> Event:
@@ -77,18 +79,16 @@ class ServedWorker:
             return others
         self.listener.publish(event)
         if isinstance(event, Step):
-            self.record = self._updated(step=event.stats.step)
+            self._step = event.stats.step
             if time.monotonic() - self._recorded_at >= RECORD_SECONDS:
                 self._write()
         elif isinstance(event, (Finished, Failed)):
             self._end = event
         return event
 
-    def _updated(self, **fields: object) -> RunRecord:
-        return replace(self.record, **fields)
-
     def _write(self) -> None:
         self._recorded_at = time.monotonic()
+        self.record = replace(self.record, step=self._step)
         try:
             write_record(self.listener.path.parent, self.record)
         except OSError:
