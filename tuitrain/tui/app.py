@@ -123,8 +123,6 @@ class TuitrainApp(App[None]):
         attached: bool = False,
     ):
         super().__init__()
-        # Attached to a run this app did not start (tuitrain.attach): q detaches, and there
-        # is nothing to restart.
         self.attached = attached
         self.settings = settings.model_copy(deep=True)
         self.worker_factory = worker_factory or default_worker_factory
