@@ -32,6 +32,10 @@ def attach(name: str | None, *, read_only: bool = False) -> int:
     from tuitrain.tui.app import TuitrainApp
 
     client, settings = open_run(name, read_only=read_only)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        client.stop()
+        raise UsageError("the app needs a terminal (this is not one); over ssh, `ssh -t HOST "
+                         "tuitrain attach` gives it one")
     app = TuitrainApp(settings, worker_factory=lambda _: client, attached=True)
     app.run()
     return app.return_code or EXIT_OK

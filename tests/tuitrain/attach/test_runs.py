@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -23,6 +24,7 @@ from tuitrain.runs import (
     runtime_folder,
     write_record,
 )
+from tuitrain.settings import Settings
 
 
 def dead_pid() -> int:
@@ -104,3 +106,13 @@ def test_runs_are_found_by_id_prefix_or_pid_and_listed(runtime_dir: Path) -> Non
     assert lines[0].split() == ["RUN", "MODEL", "STEP", "STATE", "STARTED", "ATTACH", "TO"]
     assert "finished" in lines[1] and "10/10" in lines[1] and lines[1].endswith("m.jsonl")
     assert "failed" in lines[2]
+
+
+def test_attach_without_a_terminal_names_ssh_t_in_one_line_with_exit_2(
+        tmp_path: Path, capsys) -> None:
+    metrics = tmp_path / "run.jsonl"
+    metrics.write_text(json.dumps({"settings": Settings(model="tiny").model_dump(mode="json")}))
+    # pytest's stdin is not a terminal, as a command's under `ssh host command` is not
+    assert main(["attach", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ssh -t HOST tuitrain attach" in err
