@@ -46,7 +46,7 @@ HISTORY_EVENTS = 5000  # events a viewer that attaches late is sent first (steps
 QUEUED_FRAMES = 2000  # a viewer this far behind is dropped: it would only fall further
 SEND_TIMEOUT_SECONDS = 10.0  # a viewer that takes no bytes for this long is dropped
 CLOSE_SECONDS = 2.0  # at the end, how long viewers get to read the last events
-ACCEPT_POLL_SECONDS = 0.5  # how soon the accepting thread notices the listener closed
+ACCEPT_JOIN_SECONDS = 1.0  # at the end, how long the accepting thread gets to return
 PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 SETTING_OF = {SetPolicy: "policy", SetMargin: "margin_ratio", SetBudget: "device_budget"}
 
@@ -104,7 +104,6 @@ class Listener:
             os.umask(old_mask)
         os.chmod(self.path, 0o600)
         self._server.listen(8)
-        self._server.settimeout(ACCEPT_POLL_SECONDS)
         self._acceptor = threading.Thread(target=self._accept, name="tuitrain-listener",
                                           daemon=True)
         self._acceptor.start()
@@ -178,7 +177,7 @@ class Listener:
             self._server.close()
         with contextlib.suppress(OSError):
             self.path.unlink()
-        self._acceptor.join(ACCEPT_POLL_SECONDS * 2)
+        self._acceptor.join(ACCEPT_JOIN_SECONDS)
 
     # --- the socket's side (threads) ------------------------------------------------------
 
@@ -201,12 +200,10 @@ class Listener:
     def _accept(self) -> None:
         while not self._closing.is_set():
             try:
+                # Blocks, waking for nothing else: close() shuts the socket down to end it.
                 conn, _ = self._server.accept()
-            except TimeoutError:
-                continue
             except OSError:
                 return  # closed
-            conn.settimeout(None)
             pid, uid, _ = PEER_CREDENTIALS.unpack(conn.getsockopt(
                 socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size))
             if uid != os.getuid():
