@@ -25,7 +25,7 @@ from tuitrain.tui.log_panel import LogPanel
 from .helpers import WAIT_SECONDS, Pump, served_fake
 
 pytestmark = pytest.mark.anyio
-SIZE = (120, 40)  # every panel on screen
+SIZE = (80, 24)  # the smallest screen: the least to draw
 
 
 @pytest.fixture
