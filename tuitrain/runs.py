@@ -89,8 +89,8 @@ def write_record(folder: Path, record: RunRecord) -> None:
 
 
 def list_runs(folder: Path) -> list[RunRecord]:
-    """Every run recorded, oldest first. A run said to be live whose process is gone (killed)
-    is recorded as "gone" and its socket removed; the oldest ended runs past
+    """Every run recorded, oldest first. A run said to be live whose process or socket is gone
+    (killed) is recorded as "gone" and its socket removed; the oldest ended runs past
     KEPT_ENDED_RUNS are forgotten."""
     records = []
     for path in sorted(folder.glob("*.json")):
@@ -98,7 +98,9 @@ def list_runs(folder: Path) -> list[RunRecord]:
             record = RunRecord(**json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError):
             continue  # half-written by a run killed mid-write, or not ours: not a run
-        if record.live and not _alive(record.pid):
+        # A run makes its socket before its record: a live record with no socket is a run
+        # whose pid another process has taken since.
+        if record.live and not (_alive(record.pid) and Path(record.socket).exists()):
             with contextlib.suppress(OSError):
                 os.unlink(record.socket)
             record = replace(record, state="gone", socket="")

@@ -15,6 +15,7 @@ import pytest
 
 from tuitrain.attach import open_run, runs_listing
 from tuitrain.cli import main
+from tuitrain.errors import UsageError
 from tuitrain.runs import (
     ENV_FOLDER,
     RuntimeFolderError,
@@ -84,9 +85,20 @@ def test_attaching_to_a_dead_run_says_so_in_one_line_with_exit_2(
 def test_a_live_record_whose_socket_refuses_is_an_error_not_a_hang(
         runtime_dir: Path) -> None:
     record = new_record(model="tiny", metrics="", steps=10, folder=runtime_dir)
-    write_record(runtime_dir, record)  # this process lives; its socket was never made
-    with pytest.raises(Exception, match="cannot attach"):
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(record.socket)  # this process lives, but nothing listens there
+    stale.close()
+    write_record(runtime_dir, record)
+    with pytest.raises(UsageError, match="cannot attach"):
         open_run(record.id, read_only=False)
+
+
+def test_a_live_record_without_its_socket_is_a_pid_taken_by_another_process(
+        runtime_dir: Path) -> None:
+    record = new_record(model="tiny", metrics="", steps=10, folder=runtime_dir)
+    write_record(runtime_dir, record)  # this process lives; it never made that socket
+    [listed] = list_runs(runtime_dir)
+    assert listed.state == "gone"
 
 
 def test_runs_are_found_by_id_prefix_or_pid_and_listed(runtime_dir: Path) -> None:
