@@ -11,6 +11,7 @@ import pytest
 
 from engine.devices.device import SIMULATE_ENV
 from tuitrain.presets import CONFIG_ENV
+from tuitrain.runs import ENV_FOLDER
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -96,4 +97,15 @@ def user_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
     An environment variable, so worker processes see the same folder."""
     path = tmp_path_factory.mktemp("config")
     monkeypatch.setenv(CONFIG_ENV, str(path))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+                   ) -> Path:
+    """Each test gets a private runtime folder of its own (TUITRAIN_RUNTIME_DIR), so the
+    headless runs of tests neither list among the user's runs nor see each other. Made
+    under the base temporary folder, whose short path leaves room for a socket's name."""
+    path = tmp_path_factory.mktemp("run")
+    monkeypatch.setenv(ENV_FOLDER, str(path))
     return path

@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser("models", help="list the model zoo")
     models.set_defaults(handler=cmd_models, command_parser=models)
+    from tuitrain.attach import add_commands  # `attach` and `runs`
+
+    add_commands(commands)
     return parser
 
 

@@ -21,6 +21,7 @@ from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
 from tuitrain.formatting import format_count, format_rate, format_seconds, format_size
+from tuitrain.served import serve
 from tuitrain.settings import Settings
 from tuitrain.trials import TrialBook, append_summary, summary_lines
 from tuitrain.worker import ProcessWorker
@@ -80,6 +81,9 @@ def run_headless(
             settings = merge(settings, {"logging.metrics": None})  # rank 0's to write
             out, err = _Discard(), _Prefixed(err, f"rank {place.rank}: ")
     worker = ProcessWorker(settings=settings, log_path=log_path)
+    # Rank 0 speaks for the run: viewers attach to it (tuitrain.served).
+    served = serve(worker, settings, err=err) if place.leader else None
+    worker = served or worker
     report = _Report(settings=settings, out=out, err=err, log_path=str(worker.log_path))
     interrupts = _Interrupts()
     code: int | None = None
@@ -94,6 +98,8 @@ def run_headless(
             outcome = report.handle(event)
             code = outcome if code is None else code
         report.close_line()
+    if served is not None:
+        served.close()
     if interrupts.count:
         report.interrupted()
         return EXIT_INTERRUPTED

@@ -82,6 +82,8 @@ class TuitrainApp(App[None]):
             are applied, so a saved preset or a restart uses what actually ran.
         worker_factory: builds the worker for these settings (default: a real worker
             process, see default_worker_factory). Tests pass a FakeWorker.
+        attached: the worker is a run this app did not start (tuitrain.attach): quitting
+            detaches from it, and it cannot be restarted from here.
     """
 
     TITLE = "tuitrain"
@@ -117,8 +119,15 @@ class TuitrainApp(App[None]):
     """
     BINDINGS = bindings()
 
-    def __init__(self, settings: Settings, *, worker_factory: WorkerFactory | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        worker_factory: WorkerFactory | None = None,
+        attached: bool = False,
+    ):
         super().__init__()
+        self.attached = attached
         self.settings = settings.model_copy(deep=True)
         self.worker_factory = worker_factory or default_worker_factory
         self.worker: WorkerClient | None = None
@@ -482,7 +491,8 @@ class TuitrainApp(App[None]):
         if action == "checkpoint":
             return self.live and self.settings.checkpoint.dir is not None
         if action == "restart":
-            return self.run_state in ENDED_STATES  # a live run is steered, not restarted
+            # a live run is steered, not restarted; an attached one is not ours to restart
+            return self.run_state in ENDED_STATES and not self.attached
         return True
 
     def action_cycle_policy(self) -> None:
@@ -545,7 +555,9 @@ class TuitrainApp(App[None]):
         # Taken before stopping: a worker terminated now because its step ran long has not
         # failed, as far as the user is concerned.
         self.failure_at_quit = self.failure
-        if self.live:
+        if self.live and self.attached:
+            self.add_log("detaching: the run goes on")
+        elif self.live:
             self.set_state("stopping")
             message = (
                 "stopping: the step under way ends at its next layer, and nothing of it is kept"

@@ -11,7 +11,12 @@ from typing import Protocol
 
 from engine.placement.policy import Policy
 from tuitrain.events import Applied, Checkpoint, Command, Pause, Rejected, Resume
-from tuitrain.settings import MARGIN_RATIO_MAX, MARGIN_RATIO_MIN, EngineSettings
+from tuitrain.settings import (
+    MARGIN_RATIO_MAX,
+    MARGIN_RATIO_MIN,
+    EngineSettings,
+    check_engine_setting,
+)
 from tuitrain.tui.changes import (
     LABELS,
     SETTINGS,
@@ -129,6 +134,7 @@ class Steering:
     def applied(self, event: Applied) -> None:
         change = self.changes.applied(event.id, event.step)
         if change is None:
+            self._applied_elsewhere(event)
             self.screen.add_log(f"applied at step {event.step}: {event.what}", level="change")
             return
         if change.setting in SETTINGS:
@@ -144,6 +150,24 @@ class Steering:
         # applies at (the next one, for a setting), so the column never runs backwards.
         self.screen.add_log(change.describe() + detail, level="change")
         self.show_changes()
+
+    def _applied_elsewhere(self, event: Applied) -> None:
+        """A change this screen did not ask for: another viewer of an attached run made it
+        (tuitrain.listener words it "<setting> <value> (by ...)"). It is in force now."""
+        name, _, rest = event.what.partition(" ")
+        if name in ("paused", "resumed"):
+            self.screen.set_state("paused" if name == "paused" else "running")
+        if name not in SETTINGS:
+            return
+        try:
+            value = check_engine_setting(name, rest.split(" (by ")[0])
+        except ValueError:
+            return
+        self.in_force[name] = value
+        if self.changes.latest_pending(name) is None:
+            self.target[name] = value
+            self.show_targets()
+        self.screen.use_setting(name, value, from_step=event.step)
 
     def rejected(self, event: Rejected) -> None:
         change = self.changes.rejected(event.id, event.reason)

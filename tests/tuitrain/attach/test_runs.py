@@ -1,0 +1,130 @@
+"""The runtime folder and its records: private, listed newest last, stale runs cleaned."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tuitrain.attach import open_run, runs_listing
+from tuitrain.cli import main
+from tuitrain.errors import UsageError
+from tuitrain.runs import (
+    ENV_FOLDER,
+    RuntimeFolderError,
+    find_run,
+    list_runs,
+    new_record,
+    runtime_folder,
+    write_record,
+)
+from tuitrain.settings import Settings
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_the_folder_is_made_owner_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV_FOLDER, str(tmp_path / "made"))
+    folder = runtime_folder()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    os.chmod(folder, 0o755)  # ours, opened up by hand: made private again
+    assert stat.S_IMODE(runtime_folder().stat().st_mode) == 0o700
+
+
+def test_a_folder_of_another_user_is_refused(runtime_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(os, "getuid", lambda: runtime_dir.stat().st_uid + 1)
+    with pytest.raises(RuntimeFolderError, match="belongs to another user"):
+        runtime_folder()
+
+
+def test_runs_on_a_folder_of_another_user_is_one_line_and_exit_2(
+        runtime_dir: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(os, "getuid", lambda: runtime_dir.stat().st_uid + 1)
+    assert main(["runs"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "belongs to another user" in err
+
+
+def test_a_live_record_of_a_dead_process_is_gone_and_its_socket_removed(
+        runtime_dir: Path) -> None:
+    record = replace(new_record(model="tiny", metrics="", steps=10, folder=runtime_dir),
+                     pid=dead_pid())
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(record.socket)  # a socket file that nobody listens on any more
+    stale.close()
+    write_record(runtime_dir, record)
+    [listed] = list_runs(runtime_dir)
+    assert listed.state == "gone" and not Path(record.socket).exists()
+    with pytest.raises(LookupError, match="no live run"):
+        find_run(runtime_dir, None)
+
+
+def test_attaching_to_a_dead_run_says_so_in_one_line_with_exit_2(
+        runtime_dir: Path, capsys) -> None:
+    record = replace(new_record(model="tiny", metrics="", steps=10, folder=runtime_dir),
+                     pid=dead_pid())
+    write_record(runtime_dir, record)
+    assert main(["attach", record.id]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "gone (its process ended without a word)" in err and "no metrics file" in err
+
+
+def test_a_live_record_whose_socket_refuses_is_an_error_not_a_hang(
+        runtime_dir: Path) -> None:
+    record = new_record(model="tiny", metrics="", steps=10, folder=runtime_dir)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(record.socket)  # this process lives, but nothing listens there
+    stale.close()
+    write_record(runtime_dir, record)
+    with pytest.raises(UsageError, match="cannot attach"):
+        open_run(record.id, read_only=False)
+
+
+def test_a_live_record_without_its_socket_is_a_pid_taken_by_another_process(
+        runtime_dir: Path) -> None:
+    record = new_record(model="tiny", metrics="", steps=10, folder=runtime_dir)
+    write_record(runtime_dir, record)  # this process lives; it never made that socket
+    [listed] = list_runs(runtime_dir)
+    assert listed.state == "gone"
+
+
+def test_runs_are_found_by_id_prefix_or_pid_and_listed(runtime_dir: Path) -> None:
+    first = replace(new_record(model="tiny", metrics="m.jsonl", steps=10,
+                               folder=runtime_dir), id="20260101-000000-11", pid=11,
+                    started=1.0, state="finished", step=10, socket="")
+    second = replace(first, id="20260102-000000-12", pid=12, started=2.0, state="failed")
+    for record in (first, second):
+        write_record(runtime_dir, record)
+    assert find_run(runtime_dir, "12").id == second.id
+    assert find_run(runtime_dir, "20260101").id == first.id
+    with pytest.raises(LookupError, match="names 2 runs"):
+        find_run(runtime_dir, "2026010")
+    with pytest.raises(LookupError, match="no run 'nope'"):
+        find_run(runtime_dir, "nope")
+    lines = runs_listing()
+    assert lines[0].split() == ["RUN", "MODEL", "STEP", "STATE", "STARTED", "ATTACH", "TO"]
+    assert "finished" in lines[1] and "10/10" in lines[1] and lines[1].endswith("m.jsonl")
+    assert "failed" in lines[2]
+
+
+def test_attach_without_a_terminal_names_ssh_t_in_one_line_with_exit_2(
+        tmp_path: Path, capsys) -> None:
+    metrics = tmp_path / "run.jsonl"
+    metrics.write_text(json.dumps({"settings": Settings(model="tiny").model_dump(mode="json")}))
+    # pytest's stdin is not a terminal, as a command's under `ssh host command` is not
+    assert main(["attach", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ssh -t HOST tuitrain attach" in err
