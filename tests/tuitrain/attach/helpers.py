@@ -15,7 +15,7 @@ from tuitrain.served import ServedWorker, serve
 from tuitrain.settings import Settings
 from tuitrain.wire import MAX_EVENT_BYTES, read_frame
 
-WAIT_SECONDS = 10.0  # threads on a loaded machine; a passing test takes milliseconds
+WAIT_SECONDS = 30.0  # threads on a loaded machine; a passing test takes milliseconds
 
 
 def served_fake(steps: int = 100, *, settings: Settings | None = None
