@@ -1,10 +1,10 @@
-"""The engine's chunk layout and its step, replayed in bytes.
+"""The engine's step, replayed in bytes.
 
-`model_layout` lays a model's parameters out in chunks as engine.chunks.chunk does, and
-`StepReplay` runs a recording (engine.planning.recording) against that layout under one
-placement policy, counting device bytes and copies. Nothing is allocated. Data parallel, it
-is one rank's step (`sharded_layout`, ChunkBytes.world): the gathers and gradient
-reductions are engine.planning.sharded's, as the engine's are engine.chunks.sharding's.
+`StepReplay` runs a recording (engine.planning.recording) against a chunk layout
+(engine.planning.layout) under one placement policy, counting device bytes and copies.
+Nothing is allocated. Data parallel, it is one rank's step (`sharded_layout`,
+ChunkBytes.world), and the gathers and gradient reductions are its `sharding`'s: a layer
+over this replay (engine.planning.sharded), as the engine's are engine.chunks.sharding's.
 
 Every decision (what to release, which chunk to evict, what to prefetch, what stays
 resident, how much room the forecast keeps) is asked of engine.placement.rules, the same
@@ -14,146 +14,47 @@ the engine's own bookkeeping of which parameter is in which TensorState.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Protocol
 
-import torch
-
-from engine.chunks.chunk import chunk_numel, layout
 from engine.chunks.state import TensorState
 from engine.config import format_size
-from engine.distributed.shards import padded_numel
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace, TracePoint
+from engine.planning.layout import ChunkBytes, DiskPayloads, Layout
 from engine.planning.recording import Event
-from engine.planning.sharded import ShardedReplay
 
-__all__ = [
-    "ChunkBytes",
-    "DiskPayloads",
-    "Layout",
-    "OutOfMemory",
-    "StepReplay",
-    "model_layout",
-    "resident_chunks",
-    "sharded_layout",
-]
+__all__ = ["DataParallel", "OutOfMemory", "StepReplay"]
 
 S = TensorState
-
-
-# --- the engine's layout and its step, in bytes -------------------------------------------
-
-
-@dataclass
-class Layout:
-    """engine.chunks.chunk.layout over the full model, with who owns which parameter."""
-
-    chunk_size: int
-    numel: list[int]  # elements per chunk
-    params: list[list[str]]  # parameter names per chunk
-    chunk_of: dict[str, int]
-    module_params: dict[str, list[str]]  # module name -> parameters it owns directly
-    module_chunks: dict[str, tuple[int, ...]]
-    sizes: dict[str, int]  # parameter -> elements
-
-
-def model_layout(model: torch.nn.Module, events: list[Event], chunk_size: int | None) -> Layout:
-    canonical = {id(p): name for name, p in model.named_parameters()}
-    sizes = {name: p.numel() for name, p in model.named_parameters()}
-    module_params = {}
-    for name, module in model.named_modules():
-        own = list(dict.fromkeys(canonical[id(p)] for p in module.parameters(recurse=False)))
-        if own:
-            module_params[name] = own
-    # First-use order, as engine.step.engine.first_use_order finds it with a forward pass.
-    order: dict[str, None] = {}
-    for event in events:
-        if event[0] == "backward":
-            break
-        if event[0] == "point":
-            order.update(dict.fromkeys(module_params[event[1]]))
-    order.update(dict.fromkeys(sizes))
-    names = list(order)
-    size_list = [sizes[n] for n in names]
-    size, groups = layout(size_list, chunk_size)
-    params = [[names[i] for i in members] for members in groups]
-    chunk_of = {p: c for c, members in enumerate(params) for p in members}
-    return Layout(
-        chunk_size=size,
-        numel=[chunk_numel(size_list, members) for members in groups],
-        params=params,
-        chunk_of=chunk_of,
-        module_params=module_params,
-        module_chunks={
-            m: tuple(dict.fromkeys(chunk_of[p] for p in ps)) for m, ps in module_params.items()
-        },
-        sizes=sizes,
-    )
-
-
-def sharded_layout(lay: Layout, world: int) -> Layout:
-    """`lay` as `world` ranks hold it: every chunk padded to split into `world` shards
-    (engine.chunks.packing.build_chunks with ranks); the parameters stay where they are."""
-    if world == 1:
-        return lay
-    return dataclasses.replace(lay, numel=[padded_numel(n, world) for n in lay.numel])
 
 
 class OutOfMemory(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class ChunkBytes:
-    """Bytes per chunk element and where they live (engine.chunks.packing.fill, ChunkManager).
+class DataParallel(Protocol):
+    """The data-parallel side of a sharded StepReplay (engine.planning.sharded), which
+    the replay asks at each module boundary and as gradients come in."""
 
-    Data parallel (`world` ranks), one rank's: a chunk's home tensors hold its shard only
-    (`home`), and `numel` is the padded whole chunk (sharded_layout)."""
+    held_bytes: int  # gradient buffers held for a reduction
+    gathered: int
+    reduce_scattered: int
 
-    itemsize: int  # compute dtype
-    world: int = 1
+    def boundary(self, needed: tuple[int, ...], offer: list[int]) -> tuple[set[int], list[int]]:
+        ...
 
-    @property
-    def aliased(self) -> bool:
-        """fp32: the payload is the master itself; gradients land in a host buffer."""
-        return self.itemsize == 4
+    def reducing(self, chunk: int) -> bool: ...
 
-    @property
-    def sharded(self) -> bool:
-        return self.world > 1
+    def materialise(self, chunk: int, protect: tuple[int, ...], *, gather: bool) -> None: ...
 
-    def home(self, numel: int) -> int:
-        """Elements of a chunk's home tensors: this rank's shard (Chunk.home_numel)."""
-        return numel // self.world
+    def gather_ahead(self, chunk: int) -> None: ...
 
-    def host(self, numel: int) -> int:
-        """A chunk at home on the host: payload, master, landed gradients, two moments."""
-        payload = 0 if self.aliased else self.itemsize
-        landed = 4 if self.aliased else 0
-        return (payload + 4 + landed + 8) * self.home(numel)
+    def ready(self, chunk: int) -> None: ...
 
-    def resident(self, numel: int) -> int:
-        """A resident chunk's device bytes between steps: payload, master, two moments;
-        sharded, in fp32 also the gradients' landing place (ChunkManager._move_shard)."""
-        landed = 4 if self.aliased and self.sharded else 0
-        return (self.itemsize + (0 if self.aliased else 4) + 8 + landed) * self.home(numel)
-
-    def resident_cost(self, numel: int) -> int:
-        """Resident bytes plus room for its gradients (rules.resident_cost, of the shard)."""
-        return rules.resident_cost(self.home(numel), self.itemsize)
-
-
-@dataclass(frozen=True)
-class DiskPayloads:
-    """Chunks whose payload is in the scratch folder, as the step's read-ahead sees them."""
-
-    chunks: frozenset[int] = frozenset()
-    pieces: Sequence[int] = field(default_factory=tuple)  # pieces per chunk (rules.disk_cost)
-    slots: int = 0  # payload pieces that may be read ahead at once
+    def finish(self) -> None: ...
 
 
 class StepReplay:
@@ -165,7 +66,7 @@ class StepReplay:
     (rules.disk_read_ahead, each read taken as done by the next module). Sharded
     (`cost.world` > 1), one rank's step: chunks are gathered at agreed boundaries and never
     gathered ahead of use where every rank offers them, their gradients reduce-scattered
-    (engine.planning.sharded.ShardedReplay).
+    (`sharding`, engine.planning.sharded.ShardedReplay).
     """
 
     def __init__(
@@ -178,7 +79,10 @@ class StepReplay:
         resident: set[int],
         trace: Trace | None = None,
         disk: DiskPayloads | None = None,
+        sharding: Callable[[StepReplay], DataParallel] | None = None,
     ) -> None:
+        if cost.sharded != (sharding is not None):
+            raise ValueError("a sharded step, and only one, replays with its data-parallel side")
         self.lay, self.policy, self.capacity, self.trace = lay, policy, capacity, trace
         self.disk = disk or DiskPayloads()
         self.ahead: dict[int, int] = {}  # chunk -> payload pieces read ahead, not yet used
@@ -186,6 +90,7 @@ class StepReplay:
         # tier read them all the same. Chunk -> pieces.
         self.unused_reads: dict[int, int] = {}
         self.rules = rules.rules_for(policy, tracing=trace is None)
+        self.cost = cost
         self.itemsize = cost.itemsize
         self.nbytes = [n * cost.itemsize for n in lay.numel]
         self.resident = resident
@@ -219,7 +124,7 @@ class StepReplay:
         self.got: set[str] = set()  # parameters whose gradient arrived
         self.in_backward = False
         self.recorded = Trace()  # what the engine's warm-up would record from this step
-        self.sharding = ShardedReplay(self, cost) if cost.sharded else None
+        self.sharding = sharding(self) if sharding is not None else None
 
     # bookkeeping
 
@@ -498,16 +403,3 @@ class StepReplay:
     def trace_of(self) -> Trace:
         self.recorded.finish()
         return self.recorded
-
-
-def resident_chunks(
-    lay: Layout,
-    cost: ChunkBytes,
-    policy: Policy,
-    margin_ratio: float,
-    capacity: int,
-    trace: Trace | None,
-) -> set[int]:
-    """Chunks whose payload and optimizer state live on the device (rules.resident_chunks)."""
-    return rules.resident_chunks(policy, [cost.resident_cost(n) for n in lay.numel],
-                                 trace=trace, capacity=capacity, margin_ratio=margin_ratio)

@@ -1,10 +1,11 @@
 """One data-parallel rank's gathers and gradient reductions, replayed in bytes.
 
 The counterpart of engine.chunks.sharding.ShardedChunks for engine.planning.replay's
-StepReplay, which it is handed as ShardedChunks is handed its ChunkManager. Every rank runs
-the same modules on a batch of the same shape, so every rank's step is this one: what a
-boundary agreement decides (gather what any rank lacks; reduce-scatter the chunks whose
-gradients are complete everywhere) is what this rank alone would decide.
+StepReplay: a layer over it, which the replay is built with (StepReplay's `sharding`) and
+knows only as its DataParallel side. Every rank runs the same modules on a batch of the
+same shape, so every rank's step is this one: what a boundary agreement decides (gather
+what any rank lacks; reduce-scatter the chunks whose gradients are complete everywhere) is
+what this rank alone would decide.
 
 - A module's chunk is gathered whole whenever it is not on the device or its copy is stale
   (its gradients went home): this rank copies its own shard in (unless the shard is
@@ -29,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.planning.replay import ChunkBytes, StepReplay
+    from engine.planning.replay import StepReplay
 
 __all__ = ["ShardedReplay"]
 
@@ -37,9 +38,9 @@ __all__ = ["ShardedReplay"]
 class ShardedReplay:
     """The data-parallel side of a StepReplay: gathers and gradient reduction, in bytes."""
 
-    def __init__(self, replay: StepReplay, cost: ChunkBytes) -> None:
+    def __init__(self, replay: StepReplay) -> None:
         self.replay = replay
-        self.cost = cost
+        self.cost = cost = replay.cost
         # This rank's shard of each chunk, in the compute dtype.
         self.shard_bytes = [n // cost.world for n in replay.nbytes]
         self._ready: set[int] = set()  # gradients complete on this rank this backward

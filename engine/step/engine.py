@@ -25,37 +25,30 @@ import torch
 from engine.chunks import weights
 from engine.chunks.packing import build_chunks, fill, first_use_order, first_uses
 from engine.chunks.state import TensorState
-from engine.config import EngineConfig, LiveSettings, describe_setting, format_size
+from engine.config import EngineConfig, LiveSettings, describe_setting
 from engine.devices.device import ComputeDevice, make_device
 from engine.devices.disk import DiskTierError, default_disk_dir
 from engine.devices.host_memory import PeakResident, release_free_host_memory
 from engine.distributed import join
-from engine.models.training import drops_out, prepare_for_training, untouched
+from engine.models.training import drops_out, prepare_for_training
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
 from engine.placement.trace import Trace
+from engine.step import checkpoint_state
 from engine.step.dropout import WholeBatchDropout
+from engine.step.evaluation import evaluate_loss
+from engine.step.micro_batches import split_batch
 from engine.step.optimizer import ChunkAdamW
+from engine.step.overrun import overrun_error
 from engine.step.runner import StepInterrupted, StepRunner
-from engine.telemetry import ChunkInfo, MemorySnapshot, StepStats
+from engine.step.snapshot import memory_snapshot
+from engine.telemetry import MemorySnapshot, StepStats
 
 __all__ = ["BudgetTooSmall", "Engine", "StepInterrupted", "first_use_order"]
 
 S = TensorState
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def split_batch(batch: dict, parts: int) -> list[dict]:
-    """`batch` as `parts` equal micro-batches along its first dimension, in order."""
-    if parts == 1:
-        return [batch]
-    size = batch["input_ids"].shape[0]
-    if size % parts:
-        raise ValueError(f"a batch of {size} sequences does not split into {parts} "
-                         f"equal micro-batches (grad_accum)")
-    return [{k: v.chunk(parts)[i] if isinstance(v, torch.Tensor) else v
-             for k, v in batch.items()} for i in range(parts)]
 
 
 class Engine:
@@ -363,16 +356,7 @@ class Engine:
         its own; the loss is this rank's."""
         if self.closed:
             raise RuntimeError("this engine is closed")
-        self.manager.flight.wait()
-        dev = self.device.torch_device
-        batch = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        try:
-            with untouched(self.model), torch.no_grad():
-                self.model.eval()
-                loss = float(self.model(**batch).loss)
-        finally:
-            self.manager.release_all()
-        return loss
+        return evaluate_loss(self.model, self.manager, self.device, batch)
 
     def _end_trace(self) -> bool:
         """Close this step's trace, if it recorded one; refuse a budget it overran."""
@@ -384,16 +368,7 @@ class Engine:
             for chunk in self.chunks:
                 self.optimizer.discard(chunk)
             self._place()
-            capacity, shape = self.device.capacity(), "x".join(map(str, trace.shape))
-            # Below the working set no policy fits; above it, what this policy kept on the
-            # device plus the activations overran: say which, with the bytes that were needed.
-            what, need = ("the minimum working set", trace.working_set) if (
-                trace.working_set > capacity) else (
-                f"what policy {self.policy} keeps on the device plus activations",
-                capacity + overrun)
-            raise BudgetTooSmall(
-                f"device budget {format_size(capacity)} is below {what}, {format_size(need)}, "
-                f"for batches of {shape} tokens")
+            raise overrun_error(trace, self.device.capacity(), overrun, self.policy)
         return True
 
     # --- the end ------------------------------------------------------------------------------
@@ -443,24 +418,10 @@ class Engine:
 
     def snapshot(self) -> MemorySnapshot:
         """Where memory is now (mid-step too), and the peaks of the last step."""
-        locations = ("device", "host", "disk") if self.manager.spill else ("device", "host")
-        states = {loc: {s.value: 0 for s in TensorState} for loc in locations}
-        chunks = []
-        for c in self.chunks:
-            for slot in c.slots:
-                states[c.location][slot.state.value] += 1
-            chunks.append(ChunkInfo(c.index, c.location, c.most_active().value, c.nbytes))
-        spill = self.manager.spill
-        bandwidth = spill.tier.bandwidth if spill is not None else (0.0, 0.0)
-        return MemorySnapshot(
-            device_capacity=self.device.capacity(), device_model=self.manager.device_bytes,
-            device_non_model_peak=self._last_non_model_peak, device_peak=self._last_peak,
-            host_model=self.manager.host_bytes, process_rss=(
-                self._resident.read() if self._last_rss_peak is None else self._last_rss_peak),
-            process_rss_exact=self._resident.exact,
-            states=states, chunks=chunks, disk_model=self.manager.disk_bytes,
-            host_io_buffers=self.manager.io_buffer_bytes,
-            disk_write_bandwidth=bandwidth[0], disk_read_bandwidth=bandwidth[1])
+        rss = self._resident.read() if self._last_rss_peak is None else self._last_rss_peak
+        return memory_snapshot(self.chunks, self.manager, self.device,
+                               non_model_peak=self._last_non_model_peak, peak=self._last_peak,
+                               rss=rss, rss_exact=self._resident.exact)
 
     # --- weights and state ----------------------------------------------------------------------
 
@@ -478,17 +439,8 @@ class Engine:
         parts at a time). Don't step until it is exhausted or closed (contextlib.closing:
         an abandoned one keeps its chunk's parts read in until collected); data parallel,
         every rank iterates it alike to the end (each chunk is gathered, a collective)."""
-        self.manager.flight.wait()
-        names, buffers = weights.names_and_buffers(self.model, self.runner.slot_of)
-        yield from buffers
-        for chunk in self.chunks:
-            with self.manager.opened(chunk, master_only=True):
-                yield from weights.chunk_weights(chunk, names, self._whole)
-
-    @property
-    def _whole(self) -> weights.Whole | None:
-        """How a sharded chunk's tensor is gathered whole (None unsharded)."""
-        return self.manager.whole if self.manager.sharding is not None else None
+        return checkpoint_state.iter_model_state(self.model, self.chunks, self.manager,
+                                                 self.runner.slot_of)
 
     def state_dict(self) -> dict:
         """Everything to resume exactly: fp32 master, moments and step counts by parameter
@@ -503,10 +455,7 @@ class Engine:
         iter_model_state() gives the weights: a caller writing them as they come never has
         the whole state in memory; the same rules apply (don't step meanwhile, close it if
         left early; every rank iterates alike)."""
-        self.manager.flight.wait()
-        for chunk in self.chunks:
-            with self.manager.opened(chunk):
-                yield from weights.optimizer_tensors([chunk], self._whole)
+        return checkpoint_state.iter_optimizer_state(self.chunks, self.manager)
 
     def iter_optimizer_shard(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's part of iter_optimizer_state(), with no collective: for each
@@ -515,10 +464,7 @@ class Engine:
         each rank gives). So that every rank writes its own shard of a checkpoint, and no
         rank receives another's state. Unsharded, the same pairs as iter_optimizer_state().
         The same rules apply: don't step meanwhile, close it if left early."""
-        self.manager.flight.wait()
-        for chunk in self.chunks:
-            with self.manager.opened(chunk):
-                yield from weights.optimizer_shard([chunk])
+        return checkpoint_state.iter_optimizer_shard(self.chunks, self.manager)
 
     def optimizer_layout(self) -> dict[str, list[tuple[int, int, int]]]:
         """For every name iter_optimizer_shard() gives on some rank: [(rank, lo, hi)], the
@@ -545,24 +491,7 @@ class Engine:
         Or `state["ranges"]` (engine.chunks.weights.Ranges, its numels with it) in place of
         the tensors: each rank then reads only the elements its own shard holds, whatever
         world size wrote them (a checkpoint's files read by slices)."""
-        ranges = state.get("ranges")
-        tensors = state.get("tensors")
-        numels = (ranges.numels if ranges is not None else state.get("numels")
-                  or {k: v.numel() for k, v in tensors.items()})
-        weights.check_optimizer_tensors(self.chunks, numels)
-        self.manager.flight.wait()
-        for c in self.chunks:
-            self.optimizer.discard(c)
-            with self.manager.opened(c, write=True):
-                if ranges is not None:
-                    weights.fill_optimizer_ranges([c], ranges)
-                else:
-                    weights.fill_optimizer_tensors([c], tensors)
-                if not c.aliased:
-                    c.payload.copy_(c.master)
-            if not c.resident:
-                c.mark_stale()
-        self.manager.release_all()
+        checkpoint_state.load_optimizer_state(self.chunks, self.manager, self.optimizer, state)
         meta = state["meta"]
         self.step_count = int(meta["step"])
         self.optimizer.loss_scale = float(meta.get("loss_scale", self.optimizer.loss_scale))

@@ -24,7 +24,8 @@ from engine.chunks.spill import ScratchTooSmall
 from engine.models.zoo import BadCheckpoint, UnknownModel, build_model
 from engine.placement import rules
 from engine.planning import planner as planner_module
-from engine.planning.planner import RUNTIME_BYTES, plan
+from engine.planning.host_memory import RUNTIME_BYTES
+from engine.planning.planner import plan
 from engine.step.engine import BudgetTooSmall
 
 SHAPE = {"batch_size": 2, "seq_len": 64}

@@ -4,7 +4,7 @@ whatever the model, in the host figures."""
 from __future__ import annotations
 
 from engine.devices.cuda import DEFAULT_STAGING
-from engine.planning import planner
+from engine.planning import host_memory as planner
 from engine.planning.planner import plan
 
 

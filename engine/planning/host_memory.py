@@ -1,0 +1,198 @@
+"""The host's side of a plan: where the chunks' parts live and what the process holds.
+
+Under a host budget (EngineConfig.host_budget) the chunk bytes on the host and the disk
+tier's I/O buffers stay within it and the rest goes to the scratch folder, as the engine's
+placement rules decide (engine.planning.disk replays them). The training process's
+resident bytes are the runtime's, the chunks' while the engine builds them or during a step
+and, on the simulated device, the device's own. Data parallel, every figure is one rank's
+(its shards, its scratch folder), and the ranks share the machine's memory and disk.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import format_size
+from engine.devices.cuda import DEFAULT_STAGING
+from engine.devices.disk import space_needed
+from engine.placement import rules
+from engine.planning import disk
+from engine.planning.layout import ChunkBytes, DiskPayloads, Layout
+
+__all__ = ["CUDA_CONTEXT", "PINNED_STAGING", "RUNTIME_BYTES", "HostMemory"]
+
+# Resident bytes of a training process before any model: Python, torch, transformers and the
+# autograd engine. Measured (VmHWM) on Linux, torch 2.13: 331 MiB right after the imports,
+# about 400 MiB after a few steps of `tiny`, whose model and activations are ~25 MB of that.
+RUNTIME_BYTES = 370 * 2**20
+# What a process that uses CUDA adds to its host memory (driver, context, kernels). Not
+# measured here (no GPU on the machine this was calibrated on); a typical figure.
+CUDA_CONTEXT = 500 * 2**20
+# Page-locked host memory a CUDA device holds for the whole run: its staging ring, through
+# which every copy streams (engine.devices.transfers), whatever the model's size.
+PINNED_STAGING = DEFAULT_STAGING.buffers * DEFAULT_STAGING.buffer_bytes
+
+
+class HostMemory:
+    """The host memory and scratch folder of one layout's chunks, for any resident set."""
+
+    def __init__(
+        self,
+        lay: Layout,
+        *,
+        cost: ChunkBytes,
+        host_mem: int,
+        simulated: bool,
+        host_budget: int | None = None,
+        disk_dir: Path | None = None,
+        grad_accum: int = 1,
+    ) -> None:
+        self.lay, self.cost = lay, cost
+        self.host_mem, self.simulated = host_mem, simulated
+        self.host_budget, self.disk_dir = host_budget, disk_dir
+        self.grad_accum = grad_accum
+        self.ranks = cost.world  # sharded: every figure is one rank's, its chunks' shards
+        homes = [cost.home(n) for n in lay.numel]
+        self.disk_piece = disk.piece(homes, cost.itemsize, host_budget)
+        self.disk_costs = disk.chunk_costs(homes, cost.itemsize, self.disk_piece)
+        self._placements: dict[frozenset[int], rules.DiskPlacement] = {}
+        # The engine places every chunk on the host first (ChunkManager.use_host_budget):
+        # a budget too small for that is refused before anything runs, whatever the policy
+        # (rules.HostBudgetTooSmall), and so is a scratch folder without room for it.
+        worst = self.placement(set())
+        self.disk_needed = worst.disk_bytes if worst.state else 0
+        self.disk_free = (disk.free_space(disk_dir) if self.disk_needed and disk_dir is not None
+                          else None)
+        self.runtime = RUNTIME_BYTES + (0 if simulated else CUDA_CONTEXT + PINNED_STAGING)
+
+    def placement(self, resident: set[int]) -> rules.DiskPlacement:
+        """Where the parts of the chunks not in `resident` are under the host budget."""
+        key = frozenset(resident)
+        if key not in self._placements:
+            self._placements[key] = disk.placement(self.disk_costs, key, self.host_budget)
+        return self._placements[key]
+
+    def disk_payloads(self, resident: set[int]) -> DiskPayloads:
+        """The payloads on disk when `resident` stay on the device, as the read-ahead sees
+        them: half the payload buffers may hold pieces read ahead (Spill.read_ahead)."""
+        where = self.placement(resident)
+        slots = rules.payload_buffers(where.aliased) // 2 if where.payload else 0
+        return DiskPayloads(where.payload, [c.pieces for c in self.disk_costs], slots)
+
+    def host_model(self, resident: set[int]) -> int:
+        """Chunk bytes on the host between steps (those on disk not counted)."""
+        return self.placement(resident).host_bytes
+
+    def built(self) -> int:
+        """Host bytes while the engine builds: every chunk's host state at once, whatever
+        the policy (resident chunks move to the device afterwards).
+
+        Under a host budget the engine fills the chunks one at a time, last used first,
+        and sends each one's parts where the placement with nothing resident puts them
+        before the next (ChunkManager.use_host_budget): the peak is then the model's own
+        fp32 parameters not yet packed, the parts kept so far, one chunk's whole state and
+        the I/O buffers that carry them. Sharded, the same with this rank's shards."""
+        if self.host_budget is None:
+            if self.cost.sharded:
+                return self._built_shards()
+            return sum(self.cost.host(n) for n in self.lay.numel)
+        worst = self.placement(set())
+        lay = self.lay
+        # The model's own fp32 parameters not yet packed (sharded: every rank holds the
+        # whole model, and packs its shards).
+        own = ([4 * sum(lay.sizes[p] for p in ps) for ps in lay.params] if self.cost.sharded
+               else [4 * n for n in lay.numel])
+        unpacked = sum(own)
+        kept = peak = 0
+        for index in reversed(range(len(lay.numel))):
+            numel = lay.numel[index]
+            unpacked -= own[index]
+            peak = max(peak, unpacked + kept + self.cost.host(numel))
+            level, cost = worst.level(index), self.disk_costs[index]
+            kept += (self.cost.host(numel), cost.host_payload, 0)[level]
+        return max(peak, kept) + worst.buffer_bytes
+
+    def _built_shards(self) -> int:
+        """Host bytes while a rank builds: it holds the whole model in fp32, and fills its
+        shard of each chunk in use order, freeing the chunk's parameters once copied
+        (engine.chunks.packing.fill); with few ranks the shards outgrow the model, with
+        many the model itself is the peak."""
+        lay = self.lay
+        unpacked = 4 * sum(lay.sizes.values())
+        kept = peak = 0
+        for index, numel in enumerate(lay.numel):
+            peak = max(peak, unpacked + kept + self.cost.host(numel))
+            unpacked -= 4 * sum(lay.sizes[p] for p in lay.params[index])
+            kept += self.cost.host(numel)
+        return max(peak, kept)
+
+    def during(self, resident: set[int], device: int) -> int:
+        """Host bytes during a steady step, the runtime aside.
+
+        The host holds the non-resident chunks' parts that are not on disk and the disk
+        tier's I/O buffers and, when the device is simulated, the device's bytes and the
+        allocator's slack too (`device`). The update of a chunk in a 16-bit precision reads
+        its gradients as fp32, one chunk at a time.
+        """
+        chunks = self.placement(resident).host_total
+        largest = self.cost.home(max(self.lay.numel, default=0))
+        update = 0 if self.cost.aliased else 4 * largest
+        during = chunks + update
+        if self.simulated:
+            during = max(during, chunks + device)
+        return during
+
+    def peak(self, resident: set[int], device: int) -> int:
+        """Resident bytes of the training process (sharded: of one rank) at its peak;
+        `device` is the simulated device's step peak with the allocator's slack."""
+        return self.runtime + max(self.built(), self.during(resident, device))
+
+    def fits(self, host_peak: int) -> bool:
+        """Whether the machine holds the peak of every rank at once (they share it)."""
+        return self.ranks * host_peak <= self.host_mem
+
+    def disk_traffic(self, resident: set[int], fetches: list[tuple[int, bool]],
+                     updated: set[int], unused: dict[int, int]) -> disk.DiskTraffic:
+        """What a step reads and writes in the scratch folder (StepReplay.fetches, .home,
+        .unused_reads)."""
+        return disk.traffic(self.placement(resident), self.disk_costs,
+                            [self.cost.home(n) for n in self.lay.numel],
+                            fetches=fetches, updated=updated, unused=unused,
+                            piece=self.disk_piece, micro_batches=self.grad_accum)
+
+    def disk_reason(self) -> str:
+        """Why the scratch folder cannot take what the host budget sends it, or "".
+        Sharded, every rank on the machine has a folder of its own there."""
+        if self.disk_free is None:
+            return ""
+        if problem := disk.folder_problem(self.disk_dir):
+            return problem
+        needed = space_needed(self.disk_needed)  # the engine's check: its probe counted
+        if self.ranks * needed <= self.disk_free:
+            return ""
+        need = format_size(needed)
+        if self.cost.sharded:
+            need = f"{format_size(self.ranks * needed)} ({need} per rank)"
+        return (
+            f"the host budget {format_size(self.host_budget)} needs {need} on disk, but "
+            f"{self.disk_dir} has {format_size(self.disk_free)} free"
+        )
+
+    def parts(self, resident: set[int], step_peak: int, slack: int) -> str:
+        """The parts of the host peak, with their sizes, for a reason that it is too much."""
+        device = step_peak + slack
+        if self.built() > self.during(resident, device):
+            holds = ("the model's own weights until they are packed, beside the parts "
+                     "kept so far" if self.host_budget is not None or self.cost.sharded
+                     else "all of them at once")
+            return (f"building the chunks holds {holds}, "
+                    f"{format_size(self.built())} + runtime {format_size(self.runtime)}")
+        where = self.placement(resident)
+        parts = [f"chunks {format_size(where.host_bytes)}"]
+        if where.buffer_bytes:
+            parts.append(f"disk I/O buffers {format_size(where.buffer_bytes)}")
+        if self.simulated:
+            parts.append(f"simulated device {format_size(step_peak)}")
+            parts.append(f"allocator slack {format_size(slack)}")
+        parts.append(f"runtime {format_size(self.runtime)}")
+        return " + ".join(parts)
