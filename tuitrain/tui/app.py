@@ -73,7 +73,7 @@ ENDED_STATES = ("finished", "stopped", "failed")
 
 
 class TuitrainApp(RunPanels):
-    """Watch and steer one training run: the screen (tuitrain.tui.run_panels) wired to the
+    """Watch and steer one training run: its panels (tuitrain.tui.run_panels) wired to the
     worker, and the user's keys and requests wired to commands.
 
     Args:
