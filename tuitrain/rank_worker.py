@@ -14,7 +14,7 @@ Every rank has its own pair of pipes, so the death of any one is seen at once.
   not gather them: each rank's own pipe carries them, which costs no collective and goes on
   reporting while a rank waits for the others.
 - Commands go to rank 0, which decides at a step boundary and tells the others
-  (tuitrain.training_run): a change's answer names the step every rank took it at.
+  (tuitrain.run_commands): a change's answer names the step every rank took it at.
 - Failure: the first rank to fail is reported (a rank that died by itself before the ranks
   it left stuck in a collective), as a Failed that names it; the others are ended at once.
 """

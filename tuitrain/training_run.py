@@ -30,24 +30,18 @@ from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from tuitrain.events import (
     Applied,
-    Checkpoint,
     Command,
     Eval,
     Event,
     Failed,
     Finished,
     Log,
-    Pause,
     Rejected,
-    Resume,
-    SetBudget,
-    SetMargin,
-    SetPolicy,
     Started,
     Step,
-    Stop,
 )
 from tuitrain.metrics import MetricsWriter, pace
+from tuitrain.run_commands import RunCommands
 from tuitrain.settings import Settings
 from tuitrain.worker_log import read_log_tail
 
@@ -62,10 +56,11 @@ class EventSink(Protocol):
         """Send `event` to the UI without waiting for it to be read."""
 
 
-class TrainingRun:
+class TrainingRun(RunCommands):
     """Builds the model, data and engine of `settings`, then trains step by step.
 
-    Between steps it drains the command channel; `execute` returns the process exit status.
+    Between steps it drains the command channel (tuitrain.run_commands); `execute` returns
+    the process exit status.
     """
 
     def __init__(
@@ -262,26 +257,6 @@ class TrainingRun:
             self._wait_for_command(PAUSE_WAIT_SECONDS)
             self._agree()
 
-    def _agree(self) -> None:
-        """Data parallel, at a step boundary (every rank calls it at the same point): rank
-        0's decision (paused or not, the changes and checkpoints asked for) is every
-        rank's, and the run stops when any rank asks to (Ctrl-C under torchrun reaches
-        every rank, not always in the same step)."""
-        decision = None
-        if self.ranks.leader:
-            decision = [self.paused, [_command_record(c) for c in self.proposed]]
-        said = ranks.gather_from_ranks(self._collectives, [decision, self.stopping])
-        (self.paused, records), self.proposed = said[0][0], []
-        proposed = [_command_from_record(r) for r in records]
-        self.stopping = any(stop for _, stop in said)
-        for command in proposed:
-            if isinstance(command, Checkpoint):
-                self._checkpoint(command, self.next_step - 1)
-            elif self.stopping:
-                self._answer(Rejected(command.id, "the run is stopping"))
-            else:
-                self._change_on_every_rank(command)
-
     def _finish(self) -> None:
         # Commands that arrived after the last step still get an answer.
         self._drain_commands(after_end=True)
@@ -427,156 +402,6 @@ class TrainingRun:
             "eval_tokens": e.tokens if e else None,
         }
 
-    # --- commands ----------------------------------------------------------------------
-
-    def _drain_commands(self, after_end: bool = False) -> None:
-        while (after_end or not self.stopping) and self._command_ready(0):
-            self._receive(after_end)
-
-    def _wait_for_command(self, timeout: float) -> None:
-        if self._command_ready(timeout):
-            self._receive(after_end=False)
-
-    def _command_ready(self, timeout: float) -> bool:
-        if not self.channel_open:
-            return False
-        try:
-            return self.commands.poll(timeout)
-        except OSError:
-            self._channel_closed()
-            return False
-
-    def _channel_closed(self) -> None:
-        # The UI closed its end: nobody can steer the run any more, so end it cleanly.
-        self.channel_open = False
-        if not self.stopping:
-            self.stopping = True
-            self._say("the command channel closed; stopping", level="warning")
-
-    def _receive(self, after_end: bool) -> None:
-        try:
-            command = self.commands.recv()
-        except (EOFError, OSError):
-            self._channel_closed()
-            return
-        if after_end:
-            self.outbox.put(Rejected(command.id, "training has finished"))
-        else:
-            self._handle(command)
-
-    def _handle(self, command: Command) -> None:
-        done = self.next_step - 1  # the step after which an action (pause, checkpoint) acts
-        change = isinstance(command, SetPolicy | SetMargin | SetBudget)
-        saves = isinstance(command, Checkpoint) and bool(self.settings.checkpoint.dir)
-        if self.ranks.parallel and (change or saves):
-            self.proposed.append(command)  # every rank carries it out at the step boundary
-        elif change:
-            self._change(command)
-        elif isinstance(command, Pause):
-            if self.paused:
-                self.outbox.put(Rejected(command.id, "already paused"))
-            else:
-                self.paused = True
-                self.outbox.put(Applied(command.id, done, "paused"))
-        elif isinstance(command, Resume):
-            if not self.paused:
-                self.outbox.put(Rejected(command.id, "not paused"))
-            else:
-                self.paused = False
-                self.outbox.put(Applied(command.id, done, "resumed"))
-        elif isinstance(command, Stop):
-            self.stopping = True
-            self.outbox.put(Applied(command.id, done, "stop"))
-        elif isinstance(command, Checkpoint):
-            self._checkpoint(command, done)
-        else:
-            self.outbox.put(Rejected(command.id, f"unknown command {type(command).__name__}"))
-
-    def _change(self, command: Command) -> bool:
-        """Apply an engine setting, worded as the engine words it; a bad value is refused
-        and training goes on. Whether it was taken."""
-        try:
-            what = self._stage(command)
-        except ValueError as err:
-            self._answer(Rejected(command.id, str(err)))
-            return False
-        if self.steps_run == 0 and not self.ranks.parallel:
-            self.settings_at_start = self.settings_at_start or self.engine.settings
-            self.untried.append((command.id, what))
-            return True
-        # The engine switches at the next step boundary: the next step is the first with it.
-        self._answer(Applied(command.id, self.next_step, what))
-        print(f"applied from step {self.next_step}: {what}", flush=True)
-        return True
-
-    def _refuse_untried(self, reason: str) -> None:
-        """The first step could not run with the changes asked for before it: each is
-        refused, and the run goes back to the settings it started with."""
-        start = self.settings_at_start
-        self.engine.set_policy(start.policy)
-        self.engine.set_margin(start.margin_ratio)
-        self.engine.set_budget(start.device_budget)
-        for command_id, _ in self.untried:
-            self._answer(Rejected(command_id, f"{reason}; the run keeps its settings"))
-        self.untried.clear()
-        self._say(f"step {self.next_step} ran again with the settings it started with")
-
-    def _stage(self, command: Command) -> str:
-        """Hand a setting to the engine for the next step (ValueError: it refuses it)."""
-        if isinstance(command, SetPolicy):
-            return self.engine.set_policy(command.policy)
-        if isinstance(command, SetMargin):
-            return self.engine.set_margin(command.margin_ratio)
-        assert isinstance(command, SetBudget)
-        return self.engine.set_budget(command.device_budget)
-
-    def _change_on_every_rank(self, command: Command) -> None:
-        """Data parallel: every rank's engine checks the change, and rank 0 stages it when
-        none refused (its own check last), then tells the others how it went. Only rank
-        0's staged settings count: the engine makes them every rank's at the next step, so
-        a refused change leaves every rank as it was, whatever the others staged to check
-        it."""
-        refusal = what = None
-        if not self.ranks.leader:
-            try:
-                what = self._stage(command)
-            except ValueError as err:
-                refusal = str(err)
-        said = ranks.gather_from_ranks(self._collectives, refusal)
-        refused = [(rank, why) for rank, why in enumerate(said) if why is not None]
-        if refused:
-            rank, why = refused[0]
-            self._answer(Rejected(command.id, f"rank {rank}: {why}"))
-            print(f"refused by rank {rank}: {why}", flush=True)
-            return
-        taken = self._change(command) if self.ranks.leader else False
-        if ranks.gather_from_ranks(self._collectives, taken)[0] and not self.ranks.leader:
-            print(f"applied from step {self.next_step}: {what}", flush=True)
-
-    @property
-    def _collectives(self) -> Any:
-        """The engine's collectives, which carry the ranks' own agreements too (bounded by
-        engine.collective_timeout); None for a single process."""
-        return getattr(self.engine, "collectives", None)
-
-    def _answer(self, event: Applied | Rejected) -> None:
-        """Answer a command: rank 0 does, the UI steers it alone."""
-        if self.ranks.leader:
-            self.outbox.put(event)
-
-    def _checkpoint(self, command: Command, done: int) -> None:
-        if not self.settings.checkpoint.dir:
-            self._answer(Rejected(command.id, "checkpoints need --checkpoint-dir"))
-            return
-        try:
-            path = self.save_checkpoint(self.engine, self.model, self.data, self.settings, done)
-        except (OSError, ValueError) as err:
-            traceback.print_exc()
-            self._answer(Rejected(command.id, f"checkpoint failed: {err}"))
-            return
-        self.checkpointed = done
-        self._answer(Applied(command.id, done, f"checkpoint {path}" if path else "checkpoint"))
-
     def _checkpoint_hooks(self) -> Callable[..., Any] | None:
         """Arm checkpoint saving when the settings ask for it; returns the resume function."""
         from tuitrain import checkpoint
@@ -592,22 +417,6 @@ class TrainingRun:
     def _say(self, message: str, level: str = "info") -> None:
         print(message, flush=True)
         self.outbox.put(Log(message, level))
-
-
-# The commands rank 0 decides for every rank at a step boundary (TrainingRun._agree), by
-# the name each travels under.
-_AGREED_COMMANDS = {kind.__name__: kind for kind in (SetPolicy, SetMargin, SetBudget, Checkpoint)}
-
-
-def _command_record(command: Command) -> dict:
-    """`command` as JSON data, for the other ranks (ranks.gather_from_ranks)."""
-    return {"kind": type(command).__name__, **dataclasses.asdict(command)}
-
-
-def _command_from_record(record: dict) -> Command:
-    """The command _command_record wrote."""
-    fields = dict(record)
-    return _AGREED_COMMANDS[fields.pop("kind")](**fields)
 
 
 def _now() -> str:

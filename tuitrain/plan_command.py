@@ -1,0 +1,97 @@
+"""`tuitrain plan`: what the user gave, checked and typed, for tuitrain.plan."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from tuitrain.errors import UsageError
+from tuitrain.flags import PLAN, as_number, merge_flags
+
+if TYPE_CHECKING:
+    from tuitrain.settings import Settings
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Check what the user gave, then hand it typed to tuitrain.plan.plan_main."""
+    from tuitrain.plan import plan_main
+    from tuitrain.settings import Size
+
+    settings = merge_flags(_plan_base(args.preset), args, PLAN, model=args.model)
+    try:
+        host_budget = Size(args.host_mem).nbytes if args.host_mem is not None else None
+    except ValueError as error:
+        raise UsageError(f"--host-mem: {error}") from None
+    from tuitrain.run_checks import check_model
+
+    if host_budget is None and settings.engine.host_budget is not None:
+        host_budget = settings.engine.host_budget.nbytes  # the preset's
+    check_model(settings.model, settings.training.seq_len)
+    nproc = _plan_ranks(args.nproc, settings.training.batch_size)
+    hardware = _hardware(args.hardware or settings.hardware)
+    simulated = not _has_cuda() and hardware is None
+    if hardware is not None and settings.engine.precision is None:
+        settings = merge_flags(settings, args, (), **{"engine.precision": "bf16"})
+    checked = argparse.Namespace(
+        model=settings.model,
+        device_budget=settings.device_budget_for(simulated),
+        host_budget=host_budget,
+        precision=settings.precision_for(simulated),
+        batch_size=settings.training.batch_size,
+        seq_len=settings.training.seq_len,
+        checkpointing=settings.training.activation_checkpointing,
+        grad_accum=settings.training.grad_accum,
+        margin_ratio=settings.engine.margin_ratio,
+        disk_dir=args.disk,
+        nproc=nproc,
+        json=args.json,
+        hardware=hardware,
+    )
+    return plan_main(checked)
+
+
+def _plan_base(preset: str | None) -> Settings:
+    """The settings `tuitrain plan` starts from: the preset's, or the built-in defaults."""
+    from tuitrain.presets import PresetError, find_preset, load_preset
+    from tuitrain.settings import Settings
+
+    if preset is None:
+        return Settings()
+    try:
+        return load_preset(find_preset(preset))
+    except PresetError as error:
+        raise UsageError(str(error)) from None
+
+
+def _hardware(name: str | None) -> object:
+    """`--hardware NAME`: the shipped profile, or None without the flag."""
+    if name is None:
+        return None
+    from engine.planning.hardware import hardware_profile
+
+    try:
+        return hardware_profile(name)
+    except ValueError as error:
+        raise UsageError(f"--hardware: {error}") from None
+
+
+def _plan_ranks(nproc: str | None, batch_size: int) -> int:
+    """`tuitrain plan --nproc`: ranks the plan is for (1 without it), checked as `run`
+    checks it, the global batch splitting evenly over them."""
+    if nproc is None:
+        return 1
+    from tuitrain.launch import check_nproc
+    from tuitrain.ranks import Ranks
+
+    try:
+        ranks = check_nproc(as_number(nproc))
+        Ranks(0, ranks).check_batch(batch_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return ranks
+
+
+def _has_cuda() -> bool:
+    from engine.devices.device import uses_cuda
+
+    return uses_cuda()

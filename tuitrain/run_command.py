@@ -1,0 +1,120 @@
+"""`tuitrain run`: the settings from the preset and the flags, checked before anything
+heavy starts, then the app, the headless runner or the ranks that train them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from tuitrain.errors import UsageError
+from tuitrain.flags import PROG, RUN, as_number, merge_flags
+
+if TYPE_CHECKING:
+    from tuitrain.settings import Settings
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    """The settings of `tuitrain run`: built-in defaults < the preset < the flags."""
+    from tuitrain.presets import PresetError, find_preset, load_preset
+    from tuitrain.settings import Settings
+
+    base = Settings()
+    preset_names_model = False
+    if args.preset is not None:
+        try:
+            base = load_preset(find_preset(args.preset))
+        except PresetError as error:
+            raise UsageError(str(error)) from None
+        preset_names_model = "model" in base.model_fields_set
+    if args.model is None and not preset_names_model:
+        raise UsageError(
+            "no model given: name one (e.g. `tuitrain run opt-125m`, see `tuitrain models`) "
+            "or use a preset that sets `model:`"
+        )
+    more: dict[str, object] = {"model": args.model} if args.model is not None else {}
+    # Held-out text comes from one place: a flag that names one replaces the preset's.
+    given = {f.key for f in RUN if f.value(args) is not None}
+    for key, other in (("data.eval_path", "data.eval_fraction"),
+                       ("data.eval_fraction", "data.eval_path")):
+        if key in given and other not in given:
+            more[other] = None
+    return merge_flags(base, args, RUN, **more)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tuitrain.ranks import from_environment
+    from tuitrain.run_preset import save_after_run, save_target
+
+    settings = resolve_settings(args)
+    save_to = save_target(args)
+    try:
+        ranks = from_environment()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.nproc is not None and ranks.parallel:
+        raise UsageError("--nproc starts the ranks itself; under torchrun leave it out")
+    if args.nproc is None and settings.training.nproc > 1 and not ranks.parallel:
+        args.nproc = str(settings.training.nproc)  # a preset saved from N ranks runs on N
+    app_ranks = 1 if args.headless else _app_ranks(args, settings)
+    if not args.headless and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError("the app needs a terminal (this is not one); add --headless")
+    from tuitrain.run_checks import check_runnable
+
+    check_runnable(settings)
+    if ranks.leader:
+        _warn_of_a_short_run(settings)
+    if not args.headless:
+        from tuitrain.tui.app import run_app
+
+        settings = settings.model_copy(  # what the app saves as a preset runs on as many
+            update={"training": settings.training.model_copy(update={"nproc": app_ranks})})
+        return run_app(settings, nproc=app_ranks)
+    if args.nproc is not None:
+        status = _launch_ranks(args, settings)
+    else:
+        from tuitrain.headless import run_headless
+
+        status = run_headless(settings, out=sys.stdout, err=sys.stderr)
+    if save_to is not None and ranks.leader:  # under torchrun, rank 0 saves it once
+        nproc = ranks.world if ranks.parallel else as_number(args.nproc or "1")
+        save_after_run(settings, save_to, status=status, overwrite=args.force, nproc=nproc)
+    return status
+
+
+def _warn_of_a_short_run(settings: Settings) -> None:
+    """A warm-up longer than the run (a preset's 10 steps under `--steps 3`) is allowed, but
+    the rate then never reaches --lr: say so, once, before the run starts."""
+    t = settings.training
+    if t.warmup_steps > t.steps:
+        print(f"{PROG}: warning: the warm-up ({t.warmup_steps} steps) is longer than the run "
+              f"({t.steps} steps): the learning rate never reaches --lr {t.lr:g}",
+              file=sys.stderr)
+
+
+def _launch_ranks(args: argparse.Namespace, settings: Settings) -> int:
+    """`tuitrain run` on --nproc ranks of this machine (tuitrain.launch); their status."""
+    from tuitrain import launch
+
+    after_run = args.argv[args.argv.index("run") + 1:]
+    try:
+        nproc = launch.check_nproc(as_number(args.nproc))
+        return launch.launch(nproc, launch.rank_arguments(after_run),
+                             batch_size=settings.training.batch_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _app_ranks(args: argparse.Namespace, settings: Settings) -> int:
+    """How many ranks the app's worker trains on: --nproc, checked before any starts."""
+    if args.nproc is None:
+        return 1
+    from tuitrain.launch import check_nproc
+    from tuitrain.ranks import Ranks
+
+    try:
+        nproc = check_nproc(as_number(args.nproc))
+        Ranks(0, nproc).check_batch(settings.training.batch_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return nproc
