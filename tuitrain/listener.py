@@ -236,7 +236,12 @@ class Listener:
                 viewer.conn.sendall(frame(encode_event(event)))
             while (data := viewer.outbox.get()) is not None:
                 viewer.conn.sendall(data)
-        except OSError:
+        except (BrokenPipeError, ConnectionResetError):
+            # The viewer closed its end (q, or killed) before its reader saw it go.
+            if not viewer.closed.is_set():
+                self._drop(viewer, f"{viewer.name} detached", level="info")
+            return
+        except OSError:  # the send timed out: a viewer that stopped reading
             if not viewer.closed.is_set():
                 self._drop(viewer, f"{viewer.name} stopped reading and was dropped")
             return
