@@ -18,15 +18,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine.chunks.state import ACTIVITY, IllegalTransition, TensorState, check_transition
 from engine.distributed.shards import Shard
 
-if TYPE_CHECKING:
-    from engine.chunks.spill import Spill
+
+class _Waits(Protocol):
+    def wait(self, chunk: Chunk | None = None) -> None: ...
+
+
+class PartsOnDisk(Protocol):
+    """What a chunk's users ask of the disk tier that holds parts of it (implemented by
+    engine.chunks.spill.Spill, which builds on chunks, so a chunk knows it by this only)."""
+
+    flight: _Waits  # the update that may still be running over the chunk's parts
+
+    def restore_payload(self, chunk: Chunk) -> None: ...
+
 
 ALIGN = 32  # elements; keeps every parameter view 64-byte aligned for vectorised kernels
 
@@ -160,7 +171,7 @@ class Chunk:
     state_on_disk: bool = False  # optimizer state (bf16/fp16: the master too)
     payload_on_disk: bool = False  # the payload too (fp32: it is the master; and gradients)
     grad_sq: float | None = None  # squared norm of gradients that went to disk as they landed
-    spill: Spill | None = None  # the disk tier's side of this chunk, when there is one
+    spill: PartsOnDisk | None = None  # the disk tier's side of this chunk, when there is one
     # Data parallel (engine.distributed): this rank's shard. Then `numel` is the padded
     # whole chunk, which `device_payload` and the gradient buffer hold while gathered, and
     # the home tensors (payload, master, moments, host_grad) hold the shard only, on the

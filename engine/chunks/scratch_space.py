@@ -13,8 +13,8 @@ import torch
 from engine.chunks.chunk import Chunk
 from engine.chunks.flight import UpdateInFlight
 from engine.chunks.spill import ScratchTooSmall, Spill
-from engine.config import format_size
 from engine.devices.disk import DiskTier, DiskTierError, ScratchFolder, probe_bytes, space_needed
+from engine.sizes import format_size
 
 
 def open_spill(chunks: list[Chunk], *, disk_dir: Path, need: int, piece: int,

@@ -33,20 +33,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.chunks.chunk import Chunk
+from engine.chunks.manager import ChunkManager
 from engine.distributed.collectives import CollectiveError, Collectives, Pending
 from engine.placement.trace import Trace
 
-if TYPE_CHECKING:
-    from engine.chunks.manager import ChunkManager
-
 
 class ShardedChunks:
-    """The data-parallel side of a ChunkManager: gathers and gradient reduction."""
+    """Data parallel over a ChunkManager: gathers and gradient reduction. The manager
+    calls it as its engine.chunks.data_parallel.DataParallel hook (ChunkManager.use_sharding)."""
 
     def __init__(self, manager: ChunkManager, collectives: Collectives) -> None:
         self.manager = manager

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.config import format_size
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace
+from engine.sizes import format_size
 
 
 class BudgetTooSmall(ValueError):

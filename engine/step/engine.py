@@ -24,6 +24,7 @@ import torch
 
 from engine.chunks import weights
 from engine.chunks.packing import build_chunks, fill, first_use_order, first_uses
+from engine.chunks.sharding import ShardedChunks
 from engine.chunks.state import TensorState
 from engine.config import EngineConfig, LiveSettings, describe_setting
 from engine.devices.device import ComputeDevice, make_device
@@ -105,7 +106,7 @@ class Engine:
         self.runner = StepRunner(model, self.chunks, self.device, borrowed=uses.borrowed)
         self.manager = self.runner.manager
         if self.collectives is not None:
-            self.manager.use_sharding(self.collectives)
+            self.manager.use_sharding(ShardedChunks(self.manager, self.collectives))
             self.manager.sharding.on_interrupt = self.runner.interrupt
         self.manager.set_policy(self.settings.policy)
         if budgeted:

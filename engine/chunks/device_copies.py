@@ -1,0 +1,228 @@
+"""DeviceCopies: the chunks' copies on the device, brought in for use and let go.
+
+Materialising a module's chunks, prefetching the next module's into room that stays free,
+evicting idle copies to make room, and, sharded, gathering at the points the ranks agree on
+(engine.chunks.sharding) and ahead of use. The decisions are engine.placement.rules'.
+"""
+
+from __future__ import annotations
+
+from engine.chunks.chunk import Chunk, DeviceCopy
+from engine.chunks.state import TensorState
+from engine.chunks.tiers import ChunkTiers
+from engine.devices.device import DeviceOutOfMemory
+from engine.placement import rules
+from engine.sizes import format_size
+
+S = TensorState
+
+
+class DeviceCopies(ChunkTiers):
+    """The manager's device copies (parts on disk are read through the DiskSide's spill)."""
+
+    def materialise(self, chunk: Chunk, pos: int, protect: tuple[Chunk, ...] = (),
+                    gather: bool = False) -> None:
+        """Make sure the chunk's parameters are on the device (HOLD or better).
+
+        Sharded: the whole chunk is gathered when the ranks agreed to (`gather`), which
+        they do whenever any of them lacks it (engine.chunks.sharding); a fresh copy is
+        gathered again then, its bytes unchanged."""
+        self.flight.wait(chunk)  # its update from the last step, if that is still running
+        self._last_use[chunk.index] = pos
+        self.settle(chunk)
+        if chunk.on_device and not chunk.stale and not gather:
+            return
+        if not chunk.on_device:
+            self.make_room(chunk.nbytes, pos, protect + (chunk,))
+            self._storage_resize(chunk, True)
+        # A payload that holds gradients (every trainable parameter's is in, and a frozen
+        # one is still to be used) has the weights in the master only.
+        master = chunk.holds_grads and not chunk.aliased
+        if chunk.sharded:
+            self._own_shard(chunk)
+            self.sharding.gather(chunk)
+        elif chunk.payload_on_disk or (master and chunk.state_on_disk):
+            for source, lo, hi in self.spill.fetch(chunk):
+                self._copy(chunk.device_payload[lo:hi], source, "h2d")
+        else:
+            self._copy(chunk.device_payload, chunk.master if master else chunk.payload, "h2d")
+        self._fetched(chunk)
+
+    def _own_shard(self, chunk: Chunk) -> None:
+        """A sharded chunk's own shard into its place in the device payload, before a
+        gather (from the fp32 master once the payload holds gradients), read from disk
+        piece by piece where it is there."""
+        self.flight.wait(chunk)  # its update from the last step, if that is still running
+        master = chunk.holds_grads and not chunk.aliased
+        own = chunk.device_payload[chunk.shard.lo:chunk.shard.hi]
+        if chunk.payload_on_disk or (master and chunk.state_on_disk):
+            for source, lo, hi in self.spill.fetch(chunk):
+                self._copy(own[lo:hi], source, "h2d")
+            return
+        self._copy(own, chunk.master if master else chunk.payload,
+                   "" if chunk.resident else "h2d")
+
+    def _fetched(self, chunk: Chunk) -> None:
+        chunk.set_copy(DeviceCopy.FRESH)
+        for slot in chunk.slots:
+            if slot.state == S.FREE:
+                chunk.set_state(slot, S.HOLD)
+
+    def settle(self, chunk: Chunk) -> None:
+        """Let the compute stream wait for the chunk's prefetch, if one is in flight
+        (sharded: its gather ahead of use)."""
+        if chunk.pending is not None:
+            self.device.wait(chunk.pending)
+            chunk.pending = None
+        if self.sharding is not None:
+            self.sharding.settle(chunk)
+
+    def prefetch(self, pos: int, phase: str) -> None:
+        """Start copying the next module's chunks while this one computes (on CUDA the copy
+        runs on a side stream).
+
+        Only into room that is free now and stays free until the next module by the trace's
+        forecast (its non-model peak, and in backward the gradient buffers this module may
+        open): a prefetch never evicts, so it moves no byte the step would not move anyway.
+        Not while tracing, when there is no forecast to trust.
+        """
+        trace = self.trace
+        if trace is None or not self.strict or pos + 1 >= len(trace.points):
+            return
+        opening = 0
+        if phase == "backward":
+            opening = sum(c.nbytes for i in trace.points[pos].chunks
+                          if (c := self.chunks[i]).grad is None and not c.resident
+                          and c.grads_pending > 0)
+        forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening)
+        # A stale device copy is one whose gradients went home: not used again this step.
+        # A payload on disk only once its read ahead is done: a prefetch never waits.
+        chosen = rules.prefetches(
+            trace.points[pos + 1].chunks, free=self.free_bytes(forecast),
+            skip=lambda i: (self.chunks[i].on_device or self.chunks[i].holds_grads
+                            or self.flight.pending(i)
+                            or (self.chunks[i].payload_on_disk and not self.spill.ready(i))),
+            nbytes=lambda i: self.chunks[i].nbytes)
+        for index in chosen:
+            chunk = self.chunks[index]
+            self._storage_resize(chunk, True)
+            if chunk.payload_on_disk:
+                # Piece by piece on one stream: the last one's event covers them all.
+                for source, lo, hi in self.spill.fetch(chunk):
+                    chunk.pending, seconds = self.device.copy_ahead(
+                        chunk.device_payload[lo:hi], source)
+                    self.transfer_seconds += seconds
+            else:
+                chunk.pending, seconds = self.device.copy_ahead(chunk.device_payload,
+                                                                chunk.payload)
+                self.transfer_seconds += seconds
+            self.bytes_h2d += chunk.nbytes
+            self._fetched(chunk)
+
+    def release(self, chunk: Chunk) -> bool:
+        """Drop the device copy of an idle, non-resident chunk. Returns whether it did."""
+        if chunk.copy_is_home or not chunk.on_device or chunk.in_use():
+            return False
+        self.settle(chunk)
+        self._storage_resize(chunk, False)
+        for slot in chunk.slots:
+            if slot.state != S.FREE:
+                if slot.state != S.HOLD:
+                    chunk.set_state(slot, S.HOLD)
+                chunk.set_state(slot, S.FREE)
+        return True
+
+    def release_all(self) -> None:
+        for chunk in self.chunks:
+            self.release(chunk)
+        if self.spill is not None:
+            self.spill.cancel_read_ahead()
+
+
+    def make_room(self, nbytes: int, pos: int, protect: tuple[Chunk, ...] = ()) -> None:
+        """Evict idle chunks (rules.evictions) until `nbytes` and the forecast fit."""
+        forecast = self.rules.forecast(self.trace, pos, self.non_model_now())
+        free = self.free_bytes(forecast)
+        idle = [c.index for c in self.chunks if c.on_device and not c.copy_is_home
+                and not c.in_use() and c not in protect]
+        victims, short = rules.evictions(nbytes, free, idle, lambda i: self.chunks[i].nbytes,
+                                         pos=pos, trace=self.trace, last_use=self._last_use)
+        for index in victims:
+            self.release(self.chunks[index])
+        if short:
+            if self.strict:
+                raise DeviceOutOfMemory(
+                    f"the device ({format_size(self.device.capacity())}) cannot hold "
+                    f"{format_size(nbytes)} more: {format_size(self.device_bytes)} of "
+                    f"model data and {format_size(self.non_model_now())} of activations "
+                    f"are in use, {format_size(short)} short")
+            self.overrun = max(self.overrun, short)
+
+    def prepare(self, needed: tuple[Chunk, ...], pos: int, phase: str = "") -> None:
+        """Bring `needed` to the device for the module about to run."""
+        if phase == "backward":
+            self.flight.wait()  # gradients come home to chunks the last update is done with
+        on_device = [c.index for c in self.chunks if c.on_device]
+        for index in self.rules.release_before_use(on_device, [c.index for c in needed]):
+            self.release(self.chunks[index])
+        if self.sharding is not None:
+            # Gathers at agreed points only: the boundary's agreement decides those for
+            # this module and those ahead of the next (engine.chunks.sharding).
+            offer = self._gather_offer(needed, pos, phase) if phase else []
+            gather, ahead = self.sharding.boundary(needed, offer, phase)
+            for chunk in needed:
+                self.materialise(chunk, pos, needed, gather=chunk.index in gather)
+            for index in ahead:
+                self._gather_ahead(self.chunks[index])
+            return
+        for chunk in needed:
+            self.materialise(chunk, pos, needed)
+        if phase:
+            self.prefetch(pos, phase)
+            self.read_ahead(pos)
+
+    def _gather_offer(self, needed: tuple[Chunk, ...], pos: int, phase: str) -> list[int]:
+        """Sharded: the next module's chunks this rank can have gathered ahead of use
+        (rules.gathers_ahead), decided at the boundary, before `needed` come in. The room
+        is `prefetch`'s (free now, and by the trace's forecast until the next module; every
+        chunk's gradients open a buffer here, resident or not) less what `needed` still
+        take: room no eviction made. Not while tracing."""
+        trace = self.trace
+        if trace is None or not self.strict or pos + 1 >= len(trace.points):
+            return []
+        opening = 0
+        if phase == "backward":
+            opening = sum(c.nbytes for i in trace.points[pos].chunks
+                          if (c := self.chunks[i]).grad is None and c.grads_pending > 0)
+        forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening)
+        coming = sum(c.nbytes for c in needed if not c.on_device)
+        running = {c.index for c in needed}
+        return rules.gathers_ahead(
+            (i for i in trace.points[pos + 1].chunks if i not in running),
+            # As `prefetch`'s, a gather ahead never waits: not for an update in flight, nor
+            # for a shard on disk that is not read ahead yet.
+            skip=lambda i: (self.chunks[i].holds_grads or self.sharding.reducing(i)
+                            or self.flight.pending(i)
+                            or (self.chunks[i].payload_on_disk and not self.spill.ready(i))),
+            on_device=lambda i: self.chunks[i].on_device,
+            free=self.free_bytes(forecast) - coming, nbytes=lambda i: self.chunks[i].nbytes)
+
+    def _gather_ahead(self, chunk: Chunk) -> None:
+        """Start gathering a chunk the ranks agreed to gather ahead of use, into room this
+        rank offered (or its own device copy)."""
+        if not chunk.on_device:
+            self._storage_resize(chunk, True)
+        self._own_shard(chunk)
+        self.sharding.start_gather(chunk)
+        self._fetched(chunk)
+
+    def prepare_outside_step(self, needed: tuple[Chunk, ...]) -> None:
+        """Bring `needed` to the device for a forward outside a training step (evaluation),
+        whatever the policy: copied in right before use, dropped right after, as cpu does,
+        so that evaluation needs no more device memory than the smallest step."""
+        on_device = [c.index for c in self.chunks if c.on_device]
+        for index in rules.CpuRules.release_before_use(on_device, [c.index for c in needed]):
+            self.release(self.chunks[index])
+        gather = self.sharding.boundary(needed, [])[0] if self.sharding is not None else set()
+        for chunk in needed:
+            self.materialise(chunk, -1, needed, gather=chunk.index in gather)

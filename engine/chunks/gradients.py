@@ -1,0 +1,151 @@
+"""Gradients: the device buffers they gather in, and where they go once complete.
+
+A non-resident chunk's gradients gather in a device buffer and go home (to the host, or to
+disk through I/O buffers) once every parameter's is in; a resident chunk keeps autograd's
+tensors; a gradient after its chunk's went home (a later micro-batch, a module used twice)
+is added where they are. Sharded, complete buffers are handed to the reduction
+(engine.chunks.sharding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.chunks.chunk import Chunk, Slot
+from engine.chunks.tiers import ChunkTiers
+
+
+class Gradients(ChunkTiers):
+    """The manager's gradient side (room is made, and prefetches settled, by DeviceCopies;
+    parts on disk are the DiskSide's spill)."""
+
+    def grad_buffer(self, chunk: Chunk, pos: int) -> torch.Tensor:
+        self.flight.wait(chunk)
+        if chunk.grad is None:
+            self.make_room(chunk.nbytes, pos, (chunk,))
+            self.grad_bytes += chunk.nbytes
+            # Not zeroed: every gradient that arrives overwrites its slot, and finish_grads
+            # zeroes what none wrote (a chunk-sized memset per chunk per step, saved).
+            chunk.grad = self._alloc("device", chunk.numel, chunk.dtype)
+            if chunk.sharded or chunk.holds_grads:
+                # Gradients add up in it (one may come after its chunk was reduced, or
+                # after its gradients went to disk), and the padding and unused parameters
+                # are zeros in the sum over the ranks (or with what is on disk).
+                chunk.grad.zero_()
+        return chunk.grad
+
+    def add_shard_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
+        """Sharded: a parameter's gradient into its chunk's (whole, zeroed) device buffer,
+        resident or not; the buffer is reduce-scattered once every rank's is complete."""
+        buffer = self.grad_buffer(chunk, pos)
+        buffer[slot.offset:slot.offset + slot.numel].add_(grad)
+        self.sharding.arrived(chunk, slot.offset)
+
+    @property
+    def held_grad_bytes(self) -> int:
+        """Sharded: gradient buffers complete on this rank that wait for, or are in, their
+        reduction (a single process sends them home at once); 0 unsharded."""
+        return self.sharding.held_bytes if self.sharding is not None else 0
+
+    def free_grad_buffer(self, buffer: torch.Tensor) -> None:
+        """A gradient buffer no chunk points to any more (reduced, or dropped)."""
+        self.grad_bytes -= buffer.nbytes
+        self._free("device", buffer)
+
+    def grad_home(self, chunk: Chunk) -> torch.Tensor:
+        """Where a non-resident chunk's gradients land on the host (not one whose payload
+        is on disk: its gradients land in I/O buffers, Spill.land_grads, add_grads)."""
+        self.flight.wait(chunk)
+        return chunk.host_grad if chunk.aliased else chunk.payload
+
+    def add_late_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
+        """A parameter's gradient after its chunk's went home (a later micro-batch, a module
+        run twice): added where they are. On the host, at once. On disk, never brought
+        home (the host budget holds at any accumulation): the gradients gather in a device
+        buffer as in the first micro-batch, which is added to what the disk holds once
+        every parameter of the chunk has its gradient again, or at the end of backward."""
+        if not chunk.payload_on_disk:
+            self.device.settle_host()  # the gradients sent home may still be in flight
+            home = self.grad_home(chunk)[slot.offset:slot.offset + slot.numel]
+            home.add_(grad.to(home.device))
+            return
+        self.grad_buffer(chunk, pos)[slot.offset:slot.offset + slot.numel].add_(grad)
+        arrived = self._late.setdefault(chunk.index, set())
+        if slot.offset in arrived:
+            return
+        arrived.add(slot.offset)
+        if chunk.grads_pending > 0:
+            chunk.grads_pending -= 1
+            if chunk.grads_pending == 0:
+                self.finish_grads(chunk)
+
+    def finish_grads(self, chunk: Chunk) -> None:
+        """Every gradient of a non-resident chunk is in: move them to the host. Sharded:
+        every gradient this rank computes for the chunk is in (resident or not); it is
+        reduced once the ranks agree (engine.chunks.sharding)."""
+        if self.sharding is not None:
+            self.sharding.ready(chunk)
+            return
+        if chunk.grad is None:
+            return
+        self.settle(chunk)  # the home may be the payload a prefetch reads
+        _zero_unwritten(chunk)
+        if chunk.payload_on_disk and chunk.holds_grads:
+            self._late.pop(chunk.index, None)
+            self.spill.add_grads(chunk, chunk.grad,
+                                 lambda home, grads: self._copy(home, grads, "d2h"),
+                                 lambda grads, home: self._copy(grads, home, "h2d"))
+        elif chunk.payload_on_disk:
+            # Into I/O buffers, which go to disk as soon as the bytes are in.
+            self.spill.land_grads(chunk, chunk.grad,
+                                  lambda home, grads: self._copy(home, grads, "d2h"))
+        else:
+            # The optimizer reads it after the device settles at the end of backward.
+            self._copy(self.grad_home(chunk), chunk.grad, "d2h", host_reads=False)
+        chunk.mark_stale()  # the device copy will be outdated by the update
+        self.grad_bytes -= chunk.nbytes
+        self._free("device", chunk.grad)
+        chunk.grad = None
+        chunk.holds_grads = True
+
+    def keep_slot_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
+        """A resident chunk keeps autograd's gradient tensor as is: no buffer, no copy.
+
+        Its room was planned with the residency, but the auto policy may have filled it
+        with idle chunks since: those go first. A second gradient for the slot adds up."""
+        if slot.offset in chunk.slot_grads:
+            chunk.slot_grads[slot.offset][1].add_(grad.reshape(-1))
+            return
+        self.make_room(grad.nbytes, pos, (chunk,))
+        chunk.slot_grads[slot.offset] = (slot, grad.reshape(-1))
+        self.device_bytes += grad.nbytes
+        self.on_change()
+
+    def drop_slot_grads(self, chunk: Chunk) -> None:
+        self.device_bytes -= sum(g.nbytes for _, g in chunk.slot_grads.values())
+        chunk.slot_grads.clear()
+        self.on_change()
+
+    def drop_grad(self, chunk: Chunk) -> None:
+        """Free a chunk's device gradient buffer without using it (an aborted step), and
+        any reduction still in flight."""
+        if self.sharding is not None:
+            self.sharding.drop()
+        self._late.pop(chunk.index, None)
+        if chunk.grad is not None:
+            self.grad_bytes -= chunk.nbytes
+            self._free("device", chunk.grad)
+            chunk.grad = None
+
+
+def _zero_unwritten(chunk: Chunk) -> None:
+    """Zero the parts of the gradient buffer no gradient wrote: padding, and parameters that
+    got none this step (their update is undone, but the global norm reads every element)."""
+    end = 0
+    for slot in sorted(chunk.slots, key=lambda s: s.offset):
+        if slot.offset > end:
+            chunk.grad[end:slot.offset].zero_()
+        if not slot.got_grad:
+            chunk.grad[slot.offset:slot.offset + slot.numel].zero_()
+        end = max(end, slot.offset + slot.numel)
+    chunk.grad[end:].zero_()
