@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=cmd_plan, command_parser=plan)
 
+    from tuitrain.tune_main import add_tune_parser
+
+    add_tune_parser(commands, RUN).set_defaults(handler=cmd_tune)
+
     calibrate = commands.add_parser(
         "calibrate",
         help="this machine's measured speeds, which the plan's time forecast uses",
@@ -460,6 +464,12 @@ def _hardware(name: str | None) -> object:
         return hardware_profile(name)
     except ValueError as error:
         raise UsageError(f"--hardware: {error}") from None
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from tuitrain.tune_main import tune_command
+
+    return tune_command(args, resolve_settings(args), simulated=not _has_cuda())
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
