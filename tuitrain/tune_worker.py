@@ -90,6 +90,8 @@ class WorkerTrainer:
                 step = self.steps.pop(0)
                 if step.stats.step >= self.first_step:
                     return StepResult(step.stats.seconds)
+            if self.stopped():  # not for a step that may take long; answers come at once
+                raise TrialFailed("stopped")
             self._read()
 
     def _answer(self, command_id: int) -> Applied | Rejected:
@@ -101,8 +103,6 @@ class WorkerTrainer:
         """Wait for the worker's next events; TrialFailed when the run gives no more."""
         if self.ended is not None:
             raise TrialFailed(self.ended)
-        if self.stopped():
-            raise TrialFailed("stopped")
         for event in self.events():
             self.on_event(event)
             if isinstance(event, (Applied, Rejected)):
