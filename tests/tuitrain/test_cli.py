@@ -129,7 +129,7 @@ def test_a_mistyped_flag_or_command_gets_what_was_meant(capsys):
     assert argparse_refusal(capsys, ["rnu", "tiny"]) == [
         "tuitrain: error: unknown command rnu (did you mean run?)"]
     assert argparse_refusal(capsys, ["xyz"]) == [
-        "tuitrain: error: unknown command xyz (run, plan, calibrate, presets, models)"]
+        "tuitrain: error: unknown command xyz (run, plan, tune, calibrate, presets, models)"]
 
 
 def test_bare_tuitrain_prints_the_help_and_exits_0(capsys):
