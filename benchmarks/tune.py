@@ -85,13 +85,14 @@ def main() -> int:
         space = [c for c in tune_space(base, device_budget=run_budget(base, True))
                  if forecast(c).fits]
         grid_steps = len(space) * (args.steps + 1)
+        # The run gets twice that: steps that run while a change is on its way are not counted.
         print(f"{budget}: {len(space)} settings fit; measuring the grid", flush=True)
-        measured = on_worker(run_settings(args, budget, grid_steps + 2),
+        measured = on_worker(run_settings(args, budget, 2 * grid_steps + 4),
                              lambda t, s=space: grid(t, s, args.steps))
         best = min(measured, key=measured.get)
         picks = []
         for _ in range(2):
-            result = on_worker(run_settings(args, budget, grid_steps + 2),
+            result = on_worker(run_settings(args, budget, 2 * grid_steps + 4),
                                lambda t, s=space, f=forecast: search(
                                    s, f, t, trial_steps=args.steps))
             assert result.best is not None, result.log
