@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=cmd_plan, command_parser=plan)
 
+    from tuitrain.tune_main import add_tune_parser
+
+    add_tune_parser(commands, RUN).set_defaults(handler=cmd_tune)
+
     calibrate = commands.add_parser(
         "calibrate",
         help="this machine's measured speeds, which the plan's time forecast uses",
@@ -164,6 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _one_line(text: str) -> str:
     return " ".join(text.splitlines())
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from tuitrain.plan_command import has_cuda
+    from tuitrain.tune_main import tune_command
+
+    return tune_command(args, resolve_settings(args), simulated=not has_cuda())
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_model(settings.model, settings.training.seq_len)
     nproc = _plan_ranks(args.nproc, settings.training.batch_size)
     hardware = _hardware(args.hardware or settings.hardware)
-    simulated = not _has_cuda() and hardware is None
+    simulated = not has_cuda() and hardware is None
     if hardware is not None and settings.engine.precision is None:
         settings = merge_flags(settings, args, (), **{"engine.precision": "bf16"})
     checked = argparse.Namespace(
@@ -91,7 +91,7 @@ def _plan_ranks(nproc: str | None, batch_size: int) -> int:
     return ranks
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
     from engine.devices.device import uses_cuda
 
     return uses_cuda()

@@ -130,7 +130,7 @@ def test_a_mistyped_flag_or_command_gets_what_was_meant(capsys):
         "tuitrain: error: unknown command rnu (did you mean run?)"]
     assert argparse_refusal(capsys, ["xyz"]) == [
         "tuitrain: error: unknown command xyz "
-        "(run, plan, calibrate, presets, models, attach, runs)"]
+        "(run, plan, tune, calibrate, presets, models, attach, runs)"]
 
 
 def test_bare_tuitrain_prints_the_help_and_exits_0(capsys):

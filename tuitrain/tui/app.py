@@ -64,6 +64,7 @@ from tuitrain.tui.step_panel import StepPanel
 from tuitrain.tui.step_timeline import StepTimeline
 from tuitrain.tui.trial_preset import save_summary, trial_settings
 from tuitrain.tui.trials_table import TrialsTable
+from tuitrain.tui.tuning import LiveTune, toggle_tune
 
 POLL_INTERVAL = 0.1  # seconds between drains of the worker's events
 PANEL_INTERVAL = 0.25  # numbers redraw at most 4 times a second, however fast steps come
@@ -105,6 +106,7 @@ class TuitrainApp(RunPanels):
         self.failure_at_quit: Failed | None = None  # how the run stood when the user quit
         self.finished: Finished | None = None
         self.steering = Steering(self.settings.engine, screen=self)
+        self.tuning: LiveTune | None = None  # the search of `a`, once started
         self.saving = PresetSaving(self, report=self._report_save)
 
     # --- start and end --------------------------------------------------------------------
@@ -148,6 +150,8 @@ class TuitrainApp(RunPanels):
             events = [Failed(reason=f"lost contact with the worker: {exc}")]
         for event in events:
             self._handle(event)
+            if self.tuning is not None:
+                self.tuning.feed(event)
         if any(isinstance(e, Applied | Rejected) for e in events):
             self.refresh_bindings()  # a pause asked for happened, or never will
         return len(events)
@@ -315,6 +319,8 @@ class TuitrainApp(RunPanels):
         runs actions without the key bindings' check)."""
         if action in ("pause", "resume"):  # the one the run is not in (or heading for)
             return self.live and self.steering.want_paused == (action == "resume")
+        if action == "tune":
+            return self.live
         if action == "checkpoint":
             return self.live and self.settings.checkpoint.dir is not None
         if action == "restart":
@@ -362,6 +368,9 @@ class TuitrainApp(RunPanels):
         self.query_one(RunHeader).show(step=0, tokens_per_s=None)
         self.add_log(f"restarting {self.settings.model} with policy {self.settings.engine.policy}")
         self._start_worker()
+
+    def action_tune(self) -> None:
+        toggle_tune(self)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(views_for(self.size_class), self.view))

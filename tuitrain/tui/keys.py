@@ -57,6 +57,11 @@ KEYS: tuple[KeyAction, ...] = (
         help="resume a paused run",
     ),
     KeyAction(
+        key="a", shown="a", action="tune", title="Tune", short="Tune",
+        help="search the fastest setting that fits on the run's own steps, apply it "
+        "(a again stops, keeping the best so far)",
+    ),
+    KeyAction(
         key="s", shown="s", action="save_preset", title="Save preset", short="Save",
         help="save the selected trial (the setting in force unless you picked another row) "
         "and what it measured as a preset",

@@ -131,6 +131,7 @@ async def test_the_palette_lists_every_key_action_that_can_run_now(tmp_path):
         "Margin -0.05",
         "Pause",
         "Save preset",
+        "Tune",
         "Save checkpoint",
         "Help",
         "Quit",

@@ -1,0 +1,117 @@
+"""The tuner against the whole grid it searches: does its pick come close to the best, for
+far fewer steps, and does it pick alike twice in a row?
+
+For each device budget: one run measures every setting of the tuner's space that the plan
+lets fit (each applied to the running worker, the step after the change skipped, the median
+of `--steps` steps), then two runs tune (tuitrain.tune.search on the run's steps). Per
+budget: the grid's best, the tuner's pick and its tokens/s as a share of the best's
+(target at least 95%), the tuner's steps as a share of the grid's (at most 30%), and the
+two picks' measured times (within 3% of each other).
+
+    python benchmarks/tune.py                          # opt-125m fp32, 8 x 128, 1 and 2 GiB
+    python benchmarks/tune.py --model tiny --batch 2 --seq-len 32 --budgets 64MiB --steps 3
+
+The space is what a running run can change: policy and margin at the run's budget (see
+tuitrain/tune_setup.py). With no GPU, the simulated device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from tuitrain.presets import merge
+from tuitrain.settings import Settings, Size
+from tuitrain.tune import Candidate, search
+from tuitrain.tune_setup import run_budget, tune_forecaster, tune_space
+from tuitrain.tune_worker import WorkerTrainer, client_events, wait_for_start
+from tuitrain.worker import ProcessWorker
+
+ENOUGH_SHARE = 0.95
+MOST_STEPS = 0.30
+SAME_PICK = 0.03
+
+
+def run_settings(args: argparse.Namespace, budget: str, steps: int) -> Settings:
+    return merge(Settings(model=args.model), {
+        "engine.precision": "fp32", "engine.device_budget": budget,
+        "training.batch_size": args.batch, "training.seq_len": args.seq_len,
+        "training.steps": steps})
+
+
+def on_worker(settings: Settings, work) -> object:
+    """`work(trainer)` on a fresh run of `settings`."""
+    worker = ProcessWorker(settings=settings)
+    worker.start()
+    try:
+        if not wait_for_start(worker, lambda event: None):
+            sys.exit(f"the run did not start: {getattr(worker.result, 'reason', '')}")
+        engine = worker.started.settings.get("engine", {})
+        trainer = WorkerTrainer(
+            worker.send, client_events(worker), batch_size=settings.training.batch_size,
+            grad_accum=settings.training.grad_accum,
+            checkpointing=settings.training.activation_checkpointing,
+            policy=engine.get("policy", "auto"), margin_ratio=engine.get("margin_ratio", 0.0),
+            device_budget=run_budget(settings, simulated=True))
+        return work(trainer)
+    finally:
+        worker.stop()
+
+
+def grid(trainer: WorkerTrainer, space: list[Candidate], steps: int) -> dict[Candidate, float]:
+    measured = {}
+    for candidate in space:
+        trainer.apply(candidate)
+        trainer.step()  # the step after the change
+        measured[candidate] = statistics.median(trainer.step().seconds for _ in range(steps))
+        print(f"  grid: {candidate.describe()}: {measured[candidate]:.3f} s/step", flush=True)
+    return measured
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="opt-125m")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--budgets", nargs="+", default=["1GiB", "2GiB"])
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per setting")
+    args = parser.parse_args()
+    rows = []
+    for budget in args.budgets:
+        Size(budget)  # a bad size fails here, not in the worker
+        base = run_settings(args, budget, 1)
+        forecast, _ = tune_forecaster(base, simulated=True, say=print)
+        space = [c for c in tune_space(base, device_budget=run_budget(base, True))
+                 if forecast(c).fits]
+        grid_steps = len(space) * (args.steps + 1)
+        # The run gets twice that: steps that run while a change is on its way are not counted.
+        print(f"{budget}: {len(space)} settings fit; measuring the grid", flush=True)
+        measured = on_worker(run_settings(args, budget, 2 * grid_steps + 4),
+                             lambda t, s=space: grid(t, s, args.steps))
+        best = min(measured, key=measured.get)
+        picks = []
+        for _ in range(2):
+            result = on_worker(run_settings(args, budget, 2 * grid_steps + 4),
+                               lambda t, s=space, f=forecast: search(
+                                   s, f, t, trial_steps=args.steps))
+            assert result.best is not None, result.log
+            picks.append((result.best.candidate, result.best.measured, result.steps))
+        share = measured[best] / measured[picks[0][0]]
+        rows.append((budget, best, measured[best], picks, share, picks[0][2] / grid_steps,
+                     abs(picks[0][1] / picks[1][1] - 1)))
+    print("\n| budget | grid best | s/step | tuner pick (2 runs) | share of best tok/s "
+          "| steps vs grid | picks apart |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    ok = True
+    for budget, best, seconds, picks, share, steps, apart in rows:
+        print(f"| {budget} | {best.describe()} | {seconds:.3f} | "
+              f"{picks[0][0].describe()} / {picks[1][0].describe()} | {share:.0%} | "
+              f"{steps:.0%} | {apart:.1%} |")
+        ok &= share >= ENOUGH_SHARE and steps <= MOST_STEPS and apart <= SAME_PICK
+    print("targets met" if ok else "targets NOT met")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""`tuitrain tune`: the search on a real run of `tiny`, its records and preset, its bad input,
+and the worker as the search's trainer (scripted events)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.tuitrain.fakeworker import fake_stats
+from tuitrain.cli import main
+from tuitrain.events import Applied, Finished, Rejected, SetMargin, SetPolicy, Step
+from tuitrain.tune import Candidate, Failed, Refused
+from tuitrain.tune_main import parse_duration
+from tuitrain.tune_worker import WorkerTrainer
+
+GIB = 2**30
+
+
+# --- the real command --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses(
+        tmp_path, capsys):
+    """One trial (the time limit passes during it) on a run that starts on cpu: the trial
+    switches the policy while the run trains, and every loss is the one an untuned run of
+    the same global batch gets."""
+    metrics, preset = tmp_path / "m.jsonl", tmp_path / "p.yaml"
+    run = ["tiny", "--seq-len", "32", "--batch-size", "2", "--policy", "cpu",
+           "--precision", "fp32"]
+    status = main(["tune", *run, "--trial-steps", "3", "--time-limit", "1s",
+                   "--metrics", str(metrics), "--save-preset", str(preset)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    trials = [r["trial"] for r in records if "trial" in r]
+    (tuned,) = [r["tuned"] for r in records if "tuned" in r]
+    assert len(trials) == 7  # cuda, and auto and cpu at three margins
+    measured = [t for t in trials if t["status"] == "measured"]
+    assert len(measured) == 1 and measured[0]["settled_steps"] == 3
+    assert all(t["status"] == "not tried" and t["reason"] == "time limit"
+               for t in trials if t is not measured[0])
+    assert tuned["settings"] == measured[0]["settings"]
+    assert tuned["stopped_by"] == "time limit"
+    assert set(tuned["settings"]["engine"]) >= {"policy", "margin_ratio"}
+    assert out.count("\ntrial ") + out.startswith("trial ") == 7
+    text = preset.read_text()
+    assert "# tuned on machine: " in text and "# forecast: " in text and "# search: " in text
+    assert f"policy: {tuned['settings']['engine']['policy']}" in text
+    # The trial ran under another policy than the run started with, from its second step.
+    steps = [r for r in records if "step" in r and "loss" in r]
+    assert steps[0]["policy"] == "cpu" and steps[-1]["policy"] != "cpu"
+
+    plain = tmp_path / "plain.jsonl"
+    assert main(["run", *run, "--headless", "--steps", str(len(steps)),
+                 "--metrics", str(plain)]) == 0
+    untuned = [r["loss"] for r in map(json.loads, plain.read_text().splitlines())
+               if "step" in r and "loss" in r]
+    assert [s["loss"] for s in steps] == pytest.approx(untuned, rel=1e-5)
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--trial-steps", "0"], "tuitrain: error: --trial-steps: 0 is not a number of steps "
+                             "above 0"),
+    (["--time-limit", "soon"], "tuitrain: error: --time-limit: 'soon' is not a duration "
+                               "(e.g. 90s, 5m, 1h)"),
+])
+def test_bad_input_is_one_line_and_status_2(flags, line, capsys):
+    assert main(["tune", "tiny", *flags]) == 2
+    assert capsys.readouterr().err.strip() == line
+
+
+def test_a_tune_with_nothing_that_fits_says_why_before_it_starts(capsys):
+    assert main(["tune", "tiny", "--device-mem", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tuitrain: error: no setting of tiny fits: ")
+
+
+@pytest.mark.parametrize(("text", "seconds"),
+                         [("90", 90), ("90s", 90), ("5m", 300), ("1m30s", 90), ("1h", 3600),
+                          ("0.5s", 0.5)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "s", "5x", "0s", "-1"])
+def test_what_is_not_a_duration(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+# --- the worker as the trainer -----------------------------------------------------------
+
+
+class Scripted:
+    """A worker that answers each command as `answers` says and then gives `steps`."""
+
+    def __init__(self, steps: list[Step], answers: dict[type, object]) -> None:
+        self.sent: list[object] = []
+        self.queue: list[object] = []
+        self.steps = steps
+        self.answers = answers
+
+    def send(self, command) -> int:
+        command_id = len(self.sent)
+        self.sent.append(command)
+        answer = self.answers[type(command)]
+        self.queue.append(Rejected(command_id, answer) if isinstance(answer, str)
+                          else Applied(command_id, answer))
+        return command_id
+
+    def events(self) -> list[object]:
+        if self.queue:
+            out, self.queue = self.queue, []
+            return out
+        return [self.steps.pop(0)] if self.steps else [Finished({})]
+
+
+def step(n: int, seconds: float) -> Step:
+    stats = fake_stats(step=n)
+    stats.seconds = seconds
+    return Step(stats)
+
+
+def trainer(worker: Scripted, **run) -> WorkerTrainer:
+    settings = {"batch_size": 2, "grad_accum": 1, "checkpointing": False, "policy": "cpu",
+                "margin_ratio": 0.0, "device_budget": GIB} | run
+    return WorkerTrainer(worker.send, worker.events, **settings)
+
+
+def test_a_setting_goes_as_commands_and_its_steps_start_where_it_was_applied():
+    worker = Scripted([step(3, 9.0), step(4, 1.0), step(5, 2.0)],
+                      {SetPolicy: 4, SetMargin: 4})
+    t = trainer(worker)
+    t.apply(Candidate("cuda", 0.5, 2, 1, False, GIB))
+    assert [type(c) for c in worker.sent] == [SetMargin, SetPolicy]
+    assert [t.step().seconds, t.step().seconds] == [1.0, 2.0]  # step 3 ran before the change
+    t.apply(Candidate("cuda", 0.5, 2, 1, False, GIB))  # already so: nothing sent
+    assert len(worker.sent) == 2
+    with pytest.raises(Failed, match="ended"):
+        t.step()
+
+
+def test_a_refused_command_and_a_change_of_shape_are_refused():
+    worker = Scripted([], {SetPolicy: "not enough memory", SetMargin: 1})
+    t = trainer(worker)
+    with pytest.raises(Refused, match="not enough memory"):
+        t.apply(Candidate("cuda", 0.0, 2, 1, False, GIB))
+    with pytest.raises(Refused, match="only when the run starts"):
+        t.apply(Candidate("cpu", 0.0, 1, 2, False, GIB))

@@ -1,0 +1,89 @@
+"""The app's `a`: the tuner's search on the run, live, through the (fake) worker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tests.tuitrain.fakeworker import FakeWorker, fake_run, follow_settings
+from tuitrain.events import SetMargin, SetPolicy
+from tuitrain.presets import load_preset, saved_dir
+from tuitrain.settings import Settings
+from tuitrain.tui.app import TuitrainApp
+
+from .helpers import SIZE, settle
+
+pytestmark = pytest.mark.anyio
+
+
+def tuning_app(steps: int) -> tuple[TuitrainApp, FakeWorker, list[str]]:
+    """An app on a scripted run whose steps take as long as their setting says, and the
+    lines it logs."""
+    fake = FakeWorker(fake_run(steps), steps_per_poll=1, restep=follow_settings())
+    app = TuitrainApp(Settings(model="tiny"), worker_factory=lambda _: fake)
+    said: list[str] = []
+    log = app.add_log
+
+    def add_log(message: str, **how: object) -> None:
+        said.append(message)
+        log(message, **how)
+
+    app.add_log = add_log  # type: ignore[method-assign]
+    return app, fake, said
+
+
+async def tune_until_done(app: TuitrainApp, pilot, *,
+                          stop_when: Callable[[], bool] = lambda: False) -> None:
+    stopped = False
+    for _ in range(2000):
+        await settle(app, pilot)
+        if not stopped and stop_when():
+            await pilot.press("a")
+            stopped = True
+        if app.tuning is not None and not app.tuning.running:
+            await settle(app, pilot)
+            return
+    raise AssertionError("the tune did not end")
+
+
+async def test_a_measures_settings_on_the_run_applies_the_best_and_s_saves_it():
+    app, fake, said = tuning_app(400)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("a")
+        await tune_until_done(app, pilot)
+        sent = [c for c in fake.commands if isinstance(c, SetPolicy | SetMargin)]
+        assert sent, "the search changed no setting"
+        log = "\n".join(said)
+        assert "tune: best " in log and "s saves it" in log
+        assert log.count("tune: trying ") >= 2 and "s/step (forecast" in log
+        rows = app.trial_book.rows()
+        assert len(rows) >= 2  # the trials table holds every setting the search ran
+        # The best is the setting in force, starred, and what `s` saves.
+        best = min((r for r in rows if r.step_seconds is not None),
+                   key=lambda r: r.step_seconds)
+        assert app.trial_book.current == best.setting
+        await pilot.press("s")
+        await pilot.pause()
+        await pilot.press("enter")
+        await settle(app, pilot)
+        saved = load_preset(saved_dir() / f"tiny-{best.setting.policy}.yaml")
+        assert saved.engine.policy == best.setting.policy
+        assert saved.engine.margin_ratio == best.setting.margin_ratio
+
+
+async def test_a_again_stops_the_search_and_keeps_the_best_so_far():
+    app, fake, said = tuning_app(400)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("a")
+        await tune_until_done(app, pilot,
+                              stop_when=lambda: "\n".join(said).count("tune: trying ") >= 2)
+        log = "\n".join(said)
+        assert "tune: stopping after this step" in log
+        assert "(stopped)" in log
+        tried = log.split("tune: stopping after this step")[0].count("tune: trying ")
+        # At most the trial being set up as the key came goes on; none is begun after it.
+        assert log.count("tune: trying ") <= tried + 1 < 7
+        assert app.run_state == "running"  # the run goes on

@@ -1,0 +1,260 @@
+"""`tuitrain tune MODEL [run flags]`: the tuner's search (tuitrain.tune) on a real run.
+
+The run starts as `tuitrain run --headless` would, and the search measures its candidates on
+the run's own steps (tuitrain.tune_worker): a progress line per trial, a `{"trial": ...}`
+metrics record per candidate and a final `{"tuned": ...}` one, and, with --save-preset, the
+run's settings with the best setting, its header saying what was measured and how it was
+found. The run stops when the search is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError
+from tuitrain.events import Event, Failed, Log
+from tuitrain.formatting import format_seconds
+from tuitrain.settings import Settings
+from tuitrain.tune import (
+    DOES_NOT_FIT,
+    MEASURING,
+    PENDING,
+    Candidate,
+    Trial,
+    TuneResult,
+    search,
+)
+from tuitrain.tune_setup import trial_line
+
+PROG = "tuitrain"
+# Steps the run is given beyond the trials': the first step (which records the chunk order)
+# and the one after each change, which no trial measures.
+SPARE_STEPS = 2
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `90`, `90s`, `5m`, `1m30s`, `1h`; ValueError otherwise."""
+    match = _DURATION.fullmatch(text.strip())
+    if not text.strip() or match is None or not any(match.groups()):
+        raise ValueError(f"{text!r} is not a duration (e.g. 90s, 5m, 1h)")
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise ValueError(f"{text!r}: a duration must be above zero")
+    return total
+
+
+def add_tune_parser(commands, run_flags) -> argparse.ArgumentParser:
+    """`tuitrain tune`: the model and every flag of `tuitrain run` (`run_flags`), and the
+    search's own."""
+    tune = commands.add_parser(
+        "tune",
+        help="find the fastest setting that fits, measured on the run's own steps",
+        description="Start the run and search its settings (policy, margin) while it "
+        "trains: the plan drops what does not fit, the time model orders the rest, and the "
+        "most promising are measured on real steps at the run's global batch.",
+    )
+    tune.add_argument("model", nargs="?", metavar="MODEL", help="as for `tuitrain run`")
+    tune.add_argument("--preset", metavar="FILE", help="tune the preset's settings")
+    for flag in run_flags:
+        flag.add_to(tune)
+    tune.add_argument("--trial-steps", metavar="N", type=int, default=3,
+                      help="settled steps each trial measures (default 3, at least 3)")
+    tune.add_argument("--time-limit", metavar="DURATION",
+                      help="stop searching after this long (e.g. 90s, 5m), keeping the best")
+    tune.add_argument("--save-preset", metavar="FILE", help="save the run with the best setting")
+    tune.add_argument("--force", action="store_true",
+                      help="let --save-preset replace an existing file")
+    tune.set_defaults(command_parser=tune)
+    return tune
+
+
+def tune_command(args: argparse.Namespace, settings: Settings, *, simulated: bool) -> int:
+    """Check the search's flags (UsageError), then tune."""
+    from tuitrain.run_checks import check_runnable
+    from tuitrain.run_preset import save_target
+
+    if args.trial_steps < 1:
+        raise UsageError(f"--trial-steps: {args.trial_steps} is not a number of steps above 0")
+    try:
+        limit = parse_duration(args.time_limit) if args.time_limit is not None else None
+    except ValueError as error:
+        raise UsageError(f"--time-limit: {error}") from None
+    args.headless = True  # a tune has no app: its preset is saved as a headless run's
+    save_to = save_target(args)
+    check_runnable(settings)
+    return tune_main(settings, trial_steps=args.trial_steps, time_limit=limit,
+                     save_to=save_to, overwrite=args.force, simulated=simulated)
+
+
+def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
+              save_to: Path | None, overwrite: bool, simulated: bool,
+              out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    from tuitrain.tune_setup import run_budget, tune_forecaster, tune_space
+
+    budget = run_budget(settings, simulated)
+    forecast, fingerprint = tune_forecaster(
+        settings, simulated=simulated, say=lambda line: print(line, file=err, flush=True))
+    space = tune_space(settings, device_budget=budget)
+    fitting = [c for c in space if forecast(c).fits]
+    if not fitting:
+        reasons = sorted({forecast(c).reason for c in space})
+        raise UsageError(f"no setting of {settings.model} fits: {'; '.join(reasons)}")
+    steps = len(fitting) * (trial_steps + SPARE_STEPS) + SPARE_STEPS
+    from tuitrain.presets import merge
+
+    run = merge(settings, {"training.steps": max(steps, settings.training.steps)})
+    return _tune(run, settings, space, forecast, budget=budget, trial_steps=trial_steps,
+                 time_limit=time_limit, save_to=save_to, overwrite=overwrite,
+                 fingerprint=fingerprint, out=out, err=err)
+
+
+def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
+          *, budget: int, trial_steps: int, time_limit: float | None,
+          save_to: Path | None, overwrite: bool, fingerprint: str,
+          out: TextIO, err: TextIO) -> int:
+    from tuitrain.metrics import MetricsWriter
+    from tuitrain.worker import ProcessWorker
+
+    worker = ProcessWorker(settings=run)
+    failure: list[Failed] = []
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, Failed):
+            failure.append(event)
+        elif isinstance(event, Log) and event.level != "info":
+            print(f"{PROG}: {event.level}: {event.message}", file=err, flush=True)
+
+    metrics = MetricsWriter(run.logging.metrics) if run.logging.metrics else None
+    reported: set[int] = set()
+    tokens = run.training.batch_size * run.training.grad_accum * run.training.seq_len
+    total = len(space)
+
+    def on_trial(trial: Trial) -> None:
+        if trial.status in (PENDING, MEASURING) or id(trial) in reported:
+            return
+        reported.add(id(trial))
+        print(f"trial {len(reported)}/{total}: {trial_line(trial)}", file=out, flush=True)
+        if metrics is not None:
+            metrics.write({"trial": trial_record(trial, tokens)})
+
+    worker.start()
+    try:
+        result = _search(worker, run, space, forecast, budget=budget, trial_steps=trial_steps,
+                         time_limit=time_limit, on_event=on_event, on_trial=on_trial, out=out)
+        if result is not None and result.best is not None and metrics is not None:
+            metrics.write({"tuned": tuned_record(result, tokens, fingerprint)})
+    finally:
+        worker.stop()
+        if metrics is not None:
+            metrics.close()
+    if result is None or result.best is None:
+        if failure or result is None:
+            return _failed(failure, worker, err)
+        print(f"{PROG}: no setting could be measured ({result.stopped_by})", file=err)
+        return EXIT_FAILED
+    record = tuned_record(result, tokens, fingerprint)
+    best = result.best
+    print(f"tuned in {result.steps} steps ({result.stopped_by}): {best.candidate.describe()}, "
+          f"{format_seconds(best.measured)}/step, forecast "
+          f"{format_seconds(best.forecast.seconds)}", file=out, flush=True)
+    if save_to is not None:
+        return _save(settings, save_to, record, overwrite=overwrite, out=out, err=err)
+    return EXIT_OK
+
+
+def _search(worker, run: Settings, space: list[Candidate], forecast, *, budget: int,
+            trial_steps: int, time_limit: float | None, on_event, on_trial,
+            out: TextIO) -> TuneResult | None:
+    """The search on the started worker's run; None when the run ended before it began."""
+    from tuitrain.tune_worker import WorkerTrainer, client_events, wait_for_start
+
+    if not wait_for_start(worker, on_event) or worker.started is None:
+        return None
+    used = worker.started.settings.get("engine", {})
+    trainer = WorkerTrainer(
+        worker.send, client_events(worker), batch_size=run.training.batch_size,
+        grad_accum=run.training.grad_accum,
+        checkpointing=run.training.activation_checkpointing,
+        policy=used.get("policy", run.engine.policy),
+        margin_ratio=used.get("margin_ratio", run.engine.margin_ratio),
+        device_budget=budget, on_event=on_event)
+    print(f"tuning {run.model}: {len(space)} settings, {trial_steps} measured steps a trial"
+          + (f", at most {format_seconds(time_limit)}" if time_limit else ""),
+          file=out, flush=True)
+    return search(space, forecast, trainer, trial_steps=trial_steps, time_limit=time_limit,
+                  on_trial=on_trial)
+
+
+def trial_record(trial: Trial, tokens: int) -> dict:
+    """A candidate as the metrics file holds it: its settings, the forecast, what was
+    measured, or why it was not."""
+    record: dict = {"settings": trial.candidate.settings(), "status": trial.status,
+                    "forecast_seconds": trial.forecast.seconds if trial.forecast.fits else None}
+    if trial.reason:
+        record["reason"] = trial.reason
+    if trial.measured is not None:
+        record["measured_seconds"] = trial.measured
+        record["tokens_per_second"] = tokens / trial.measured if trial.measured > 0 else None
+        record["settled_steps"] = len(trial.steps)
+    return record
+
+
+def tuned_record(result: TuneResult, tokens: int, fingerprint: str) -> dict:
+    best = result.best
+    assert best is not None and best.measured is not None
+    tried = sum(t.tried for t in result.trials)
+    return {"settings": best.candidate.settings(), "measured_seconds": best.measured,
+            "tokens_per_second": tokens / best.measured if best.measured > 0 else None,
+            "settled_steps": len(best.steps), "forecast_seconds": best.forecast.seconds,
+            "steps": result.steps, "candidates": len(result.trials), "tried": tried,
+            "does_not_fit": sum(t.status == DOES_NOT_FIT for t in result.trials),
+            "stopped_by": result.stopped_by, "machine": fingerprint, "log": result.log}
+
+
+def _save(settings: Settings, path: Path, record: dict, *, overwrite: bool,
+          out: TextIO, err: TextIO) -> int:
+    from tuitrain.presets import merge, run_command, save_preset
+
+    chosen = record["settings"]
+    if settings.engine.device_budget is None:  # the run's own: not pinned by the preset
+        chosen = {**chosen, "engine": {k: v for k, v in chosen["engine"].items()
+                                       if k != "device_budget"}}
+    tuned = merge(settings, chosen)
+    measured = {"step_seconds": record["measured_seconds"],
+                "tokens_per_second": record["tokens_per_second"],
+                "settled_steps": record["settled_steps"],
+                "forecast": f"{format_seconds(record['forecast_seconds'])}/step",
+                "tuned on machine": record["machine"],
+                "search": f"{record['tried']} of {record['candidates']} settings tried in "
+                          f"{record['steps']} steps ({record['stopped_by']}): "
+                          + "; ".join(record["log"])}
+    try:
+        save_preset(tuned, path, command=run_command(str(path), headless=True),
+                    measured=measured, overwrite=overwrite)
+    except FileExistsError:
+        print(f"{PROG}: {path} appeared during the tune; preset not saved", file=err)
+        return EXIT_FAILED
+    except OSError as error:
+        print(f"{PROG}: preset not saved to {path}: {error.strerror}", file=err)
+        return EXIT_FAILED
+    print(f"preset saved to {path}", file=out)
+    return EXIT_OK
+
+
+def _failed(failure: list[Failed], worker, err: TextIO) -> int:
+    event = failure[-1] if failure else worker.result
+    reason = getattr(event, "reason", "the run ended before the search")
+    if isinstance(event, Failed) and event.exitcode == EXIT_BAD_INPUT:
+        print(f"{PROG}: error: {reason}", file=err)
+        return EXIT_BAD_INPUT
+    print(f"{PROG}: the run failed: {reason}", file=err)
+    if worker.log_path:
+        print(f"{PROG}: worker log: {worker.log_path}", file=err)
+    return EXIT_FAILED

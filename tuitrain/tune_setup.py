@@ -1,0 +1,59 @@
+"""What a tune of a running run searches, and its forecaster: shared by `tuitrain tune` and
+the app's `a`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tuitrain.formatting import format_seconds
+from tuitrain.settings import Settings
+from tuitrain.tune import MEASURED, Candidate, Forecaster, Trial, candidates
+
+POLICIES = ("cuda", "auto", "cpu")
+MARGINS = (0.0, 0.5, 1.0)
+
+
+def tune_space(settings: Settings, *, device_budget: int) -> list[Candidate]:
+    """What a running run can change between steps: policy and margin at the run's device
+    budget, its micro-batch, accumulation and checkpointing (tuitrain.tune_worker)."""
+    t = settings.training
+    host = settings.engine.host_budget.nbytes if settings.engine.host_budget else None
+    return [c for c in candidates(global_batch=t.batch_size * t.grad_accum,
+                                  device_budgets=(device_budget,), policies=POLICIES,
+                                  margins=MARGINS, checkpointing=(t.activation_checkpointing,),
+                                  host_budget=host)
+            if (c.batch_size, c.grad_accum) == (t.batch_size, t.grad_accum)]
+
+
+def run_budget(settings: Settings, simulated: bool) -> int:
+    """The run's device budget in bytes; the whole GPU's memory when it has none."""
+    budget = settings.device_budget_for(simulated)
+    if budget is None:
+        import torch
+
+        budget = torch.cuda.get_device_properties(0).total_memory
+    return budget
+
+
+def tune_forecaster(settings: Settings, *, simulated: bool,
+                    say: Callable[[str], None]) -> tuple[Forecaster, str]:
+    """The plan and time model for `settings` on this machine, and the machine's
+    fingerprint. Measures the machine first when it has no calibration (`say` tells)."""
+    from engine.planning.calibration import calibration
+    from tuitrain.fit import default_host_budget
+    from tuitrain.tune_plan import plan_forecaster
+
+    cal = calibration(say=say)
+    forecast = plan_forecaster(settings.model, host_mem=default_host_budget(),
+                               precision=settings.precision_for(simulated),
+                               seq_len=settings.training.seq_len, simulated=simulated,
+                               calibration=cal, disk_dir=settings.engine.disk_dir)
+    return forecast, cal.fingerprint
+
+
+def trial_line(trial: Trial) -> str:
+    what = trial.candidate.describe()
+    if trial.status == MEASURED:
+        return (f"{what}: {format_seconds(trial.measured)}/step (forecast "
+                f"{format_seconds(trial.forecast.seconds)})")
+    return f"{what}: {trial.status}" + (f", {trial.reason}" if trial.reason else "")
