@@ -42,7 +42,7 @@ def test_a_run_prints_settings_progress_and_summary_and_appends_metrics(tmp_path
     metrics.write_text(earlier + "\n")
     out, err = Terminal(), io.StringIO()
     # The budget given, not the default, which shrinks on a machine short of memory.
-    settings = tiny_settings(training={"steps": 5}, logging={"metrics": str(metrics)},
+    settings = tiny_settings(training={"steps": 6}, logging={"metrics": str(metrics)},
                              engine={"device_budget": "6GiB"})
 
     assert run_headless(settings, out=out, err=err, log_path=str(tmp_path / "w.log")) == 0
@@ -51,22 +51,24 @@ def test_a_run_prints_settings_progress_and_summary_and_appends_metrics(tmp_path
     text = out.getvalue()
     assert "tiny: " in text and "simulated, 6.0 GiB" in text
     assert "policy auto, margin 0.00, budget 6GiB, precision fp32" in text
-    assert "5 steps of 2 x 16 tokens" in text
-    assert re.search(r"\r\[#+\] step 5/5  loss \d+\.\d{4}", text), "a bar redrawn in place"
-    assert "done: 5 steps, 160 tokens" in text
-    assert "★ auto, margin 0.00, budget 6.0 GiB: 5 steps" in text  # the one trial
+    assert "6 steps of 2 x 16 tokens" in text
+    assert re.search(r"\r\[#+\] step 6/6  loss \d+\.\d{4}", text), "a bar redrawn in place"
+    assert "done: 6 steps, 192 tokens" in text
+    # The one trial, starred: its 5 settled steps (the first records the chunk order) are
+    # enough to call it the fastest (trials.BEST_MIN_SETTLED).
+    assert "★ auto, margin 0.00, budget 6.0 GiB: 6 steps" in text
     assert f"metrics   {metrics}" in text
 
     lines = metrics.read_text().splitlines()
     assert lines[0] == earlier, "an existing metrics file is appended to, never truncated"
     records = [json.loads(line) for line in lines[1:]]
-    assert len(records) == 1 + 5 + 1
-    assert records[0]["settings"]["training"]["steps"] == 5
-    assert [r["step"] for r in records[1:-1]] == [1, 2, 3, 4, 5]
+    assert len(records) == 1 + 6 + 1
+    assert records[0]["settings"]["training"]["steps"] == 6
+    assert [r["step"] for r in records[1:-1]] == [1, 2, 3, 4, 5, 6]
     assert all(r["tokens"] == 32 and r["policy"] == "auto" for r in records[1:-1])
     summary = records[-1]["summary"]
-    assert summary["steps"] == 5
-    assert [(t["policy"], t["steps"], t["best"]) for t in summary["trials"]] == [("auto", 5, True)]
+    assert summary["steps"] == 6
+    assert [(t["policy"], t["steps"], t["best"]) for t in summary["trials"]] == [("auto", 6, True)]
 
 
 def test_a_budget_below_the_working_set_exits_2_with_one_line(tmp_path: Path) -> None:
@@ -263,7 +265,7 @@ def test_a_headless_run_gives_one_pace_its_trials_in_the_progress_and_the_summar
                      "peak_device_bytes": 2**30, "peak_host_bytes": 2**31, "metrics": None})
     summary = out.getvalue().split(progress)[-1]
     assert "first step 2.50 s" in summary
-    assert "40.0 ms/step (median), 6,400 tok/s" in summary
+    assert "40.0 ms/step, 6,400 tok/s (median of 3 settled steps" in summary
     # No other rate, and no other spelling of a step time.
     assert len(re.findall(r"\btok(ens)?/s", summary)) == 1
     assert not re.search(r"\d s/step|mean step", summary)
