@@ -114,8 +114,11 @@ def run_case(case: Case, steps: int, batch_size: int, seq_len: int, context: int
     if cuda:
         torch.cuda.synchronize()
         memory = torch.cuda.memory_stats()
-        row.update(max_reserved=torch.cuda.max_memory_reserved(),
-                   max_allocated=torch.cuda.max_memory_allocated(),
+        # The engine resets the allocator's peaks at each trace point and keeps the run's
+        # highest itself: the larger of the two is the run's.
+        row.update(max_reserved=max(torch.cuda.max_memory_reserved(), eng.device.reserved_peak),
+                   max_allocated=max(torch.cuda.max_memory_allocated(),
+                                     eng.device.allocated_peak),
                    num_alloc_retries=memory.get("num_alloc_retries", 0),
                    num_ooms=memory.get("num_ooms", 0))
         row["process"], row["process_source"] = process_gpu_bytes()

@@ -75,6 +75,7 @@ class CudaDevice:
         # was there before (another engine's chunks, a baseline) is under its own cap.
         self.unowned = 0
         self.reserved_peak = 0  # see allocator_reading
+        self.allocated_peak = 0  # likewise, the allocator's own highest allocated bytes
         _TOTAL.setdefault(self.index, int(torch.cuda.mem_get_info(self.index)[1]))
         _LIVE.add(self)
         _apply_process_cap(self.index)
@@ -192,6 +193,7 @@ class CudaDevice:
         # The caller resets the peaks (all of them) after each reading: the run's highest
         # reserved bytes are kept here (with max_memory_reserved since the last reset).
         self.reserved_peak = max(self.reserved_peak, int(stats["reserved_bytes"]["all"]["peak"]))
+        self.allocated_peak = max(self.allocated_peak, int(allocated["peak"]))
         return (max(0, int(allocated["current"]) - self._foreign),
                 max(0, int(allocated["peak"]) - self._foreign))
 
