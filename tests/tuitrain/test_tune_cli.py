@@ -23,7 +23,7 @@ GIB = 2**30
 @pytest.mark.slow
 def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses(
         tmp_path, capsys):
-    """One trial (the time limit passes during it) on a run that starts on cpu: the trial
+    """A trial or two (the time limit passes during them) on a run that starts on cpu: a trial
     switches the policy while the run trains, and every loss is the one an untuned run of
     the same global batch gets."""
     metrics, preset = tmp_path / "m.jsonl", tmp_path / "p.yaml"
@@ -37,12 +37,20 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
     trials = [r["trial"] for r in records if "trial" in r]
     (tuned,) = [r["tuned"] for r in records if "tuned" in r]
     assert len(trials) == 7  # cuda, and auto and cpu at three margins
+    # How many trials fit in the second depends on the machine: on a loaded one the limit
+    # passes during the first; on a quiet one the search may end first, when the forecast
+    # says no untried setting can beat the best measured. Either way every candidate is
+    # accounted for, and the best measured is the one kept.
     measured = [t for t in trials if t["status"] == "measured"]
-    assert len(measured) == 1 and measured[0]["settled_steps"] == 3
-    assert all(t["status"] == "not tried" and t["reason"] == "time limit"
-               for t in trials if t is not measured[0])
-    assert tuned["settings"] == measured[0]["settings"]
-    assert tuned["stopped_by"] == "time limit"
+    assert 1 <= len(measured) < len(trials)
+    assert tuned["stopped_by"] in ("time limit", "converged")
+    rest = [t for t in trials if t not in measured]
+    if tuned["stopped_by"] == "time limit":
+        assert all(t["status"] == "not tried" and t["reason"] == "time limit" for t in rest)
+    else:
+        assert all(t["status"] == "forecast slower" for t in rest)
+    best = min(measured, key=lambda t: t["measured_seconds"])
+    assert tuned["settings"] == best["settings"] and best["settled_steps"] == 3
     assert set(tuned["settings"]["engine"]) >= {"policy", "margin_ratio"}
     assert out.count("\ntrial ") + out.startswith("trial ") == 7
     text = preset.read_text()
