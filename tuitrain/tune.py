@@ -103,6 +103,7 @@ class Forecast:
     fits: bool
     seconds: float  # predicted seconds per step (meaningless when it does not fit)
     reason: str = ""  # why it does not fit: which budget, by how much
+    over: str = ""  # the same in a few words: "device 1.2 GiB over"
 
 
 class Forecaster(Protocol):
@@ -148,6 +149,9 @@ class Trial:
     steps: list[float] = field(default_factory=list)  # settled steps' seconds
     skipped: int = 0  # steps after the change, or re-traced, not measured
     measured: float | None = None  # median of the settled steps
+    # How much slower than the best it was (stopped early: measured) or would be (forecast
+    # slower: its corrected forecast), as a share: 0.12 is 12% slower.
+    slower: float | None = None
 
     @property
     def tried(self) -> bool:
@@ -203,7 +207,7 @@ def search(
                 stopped_by = "converged"
                 for rest in queue[index:]:
                     slower = _corrected(rest, trials) / best.measured - 1.0
-                    rest.status = SLOWER
+                    rest.status, rest.slower = SLOWER, slower
                     rest.reason = (f"forecast {slower:+.0%} against the best measured"
                                    if slower > -ENOUGH else "forecast within "
                                    f"{ENOUGH:.0%} of the best measured")
@@ -288,7 +292,8 @@ def _run_trial(trial: Trial, trainer: Trainer, best: Trial | None, trial_steps: 
         if best is not None and min(trial.steps) > CLEARLY_SLOWER * best.measured:
             trial.status = STOPPED_EARLY
             trial.measured = statistics.median(trial.steps)
-            trial.reason = (f"{min(trial.steps) / best.measured - 1:.0%} slower than the best "
+            trial.slower = min(trial.steps) / best.measured - 1
+            trial.reason = (f"{trial.slower:.0%} slower than the best "
                             f"after {len(trial.steps)} steps")
             log.append(f"{trial.candidate.describe()}: {trial.reason}")
             on_trial(trial)

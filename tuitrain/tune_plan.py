@@ -35,7 +35,20 @@ def plan_forecaster(model: str, *, host_mem: int, precision: str, seq_len: int,
         p = plans[key]
         row = p.policies[c.policy]
         if not row.fits:
-            return Forecast(False, 0.0, row.reason)
+            return Forecast(False, 0.0, row.reason, over=_over(row, c, host_mem))
         return Forecast(True, step_times(p, calibration, grad_accum=c.grad_accum)[c.policy].total)
 
     return forecast
+
+
+def _over(row, c: Candidate, host_mem: int) -> str:
+    """Which budget a setting that does not fit goes over, and by how much, in a few words
+    (a table's cell): "device 1.2 GiB over"; the disk when it is neither."""
+    from tuitrain.formatting import format_size
+
+    host = c.host_budget if c.host_budget is not None else host_mem
+    if row.device_peak > c.device_budget:
+        return f"device {format_size(row.device_peak - c.device_budget)} over"
+    if row.host_peak > host:
+        return f"host {format_size(row.host_peak - host)} over"
+    return "disk too small"

@@ -1,38 +1,48 @@
-"""TrialsTable: one row per setting the run has used, what each achieved, the best marked.
+"""TrialsTable: one row per setting the run has used, what each achieved, the best marked;
+and, while the tuner searches (`a`), one row per setting it considers, with its forecast and
+why it was not tried.
 
-The rows come from tuitrain.trials (the same bookkeeping the headless runner prints). The
-cursor picks the row that `s` (or Enter) saves as a preset: it stays on the setting in
-force until the user moves it to another row, and then stays on that one.
+The rows come from tuitrain.trials (the same bookkeeping the headless runner prints) and
+tuitrain.tune's trials. The cursor picks the row that `s` (or Enter) saves as a preset: it
+stays on the setting in force until the user moves it to another row, and then stays on that
+one. The table fits its width with no column scrolled off: the last column, a note (the
+peaks of a measured row, why a candidate was not tried), takes what the others leave, and
+what does not fit in it is cut.
 """
 
 from __future__ import annotations
 
 from rich.text import Text
+from textual import events
 from textual.widgets import DataTable
 
+from tuitrain import tune
 from tuitrain.formatting import format_rate, format_seconds, format_size
 from tuitrain.trials import BEST_MIN_SETTLED, Setting, Trial, best_trial, format_spread
 
 BEST = ("★", "bold yellow")
 OVER = ("!", "bold red")
+IN_TRIAL = ("▶", "bold cyan")
 IN_FORCE = " ●"  # after the policy of the setting in force
 # (key, label, width): numbers are right-aligned in their width, whose first cell is the
-# space between columns (no cell padding, so the table fits in 80 columns).
+# space between columns (no cell padding). With the note at its least, they make 77 cells:
+# an 80-column table with its border and scrollbar.
 COLUMNS = (
     ("mark", "", 2),
-    ("policy", "policy", 7),
+    ("policy", "policy", 6),
     ("margin", "margin", 7),
-    ("budget", "budget", 10),
+    ("budget", "budget", 9),
     ("steps", "steps", 6),
-    ("seconds", "s/step", 9),
+    ("forecast", "fcst", 8),
+    ("seconds", "s/step", 8),
     ("spread", "±", 5),
     ("rate", "tok/s", 7),
-    ("peak", "peak", 10),
-    ("copied", "copied", 10),
-    ("rss", "RSS", 10),
+    ("note", " note", 19),
 )
+NOTE_MIN = COLUMNS[-1][2]
+FRAME = 3  # the border's two cells and the scrollbar's one
 LEGEND = (
-    f"★ fastest within budget ({BEST_MIN_SETTLED}+ settled steps) · ● in force · "
+    f"★ fastest within budget ({BEST_MIN_SETTLED}+ settled steps) · ▶ in trial · ● in force · "
     "! over budget · Enter/s: save row"
 )
 
@@ -41,36 +51,93 @@ def row_key(setting: Setting) -> str:
     return f"{setting.policy}|{setting.margin_ratio}|{setting.device_budget}"
 
 
-def trial_cells(trial: Trial, *, best: bool, in_force: bool) -> list[Text]:
-    """The cells of one row, in COLUMNS order."""
+def candidate_setting(candidate: tune.Candidate) -> Setting:
+    return Setting(candidate.policy, round(candidate.margin_ratio, 4), candidate.device_budget)
+
+
+def _number(text: str, style: str = "") -> Text:
+    return Text(text, style=style, justify="right")
+
+
+def candidate_note(trial: tune.Trial) -> str:
+    """Why the tuner has not measured a candidate (or not to the end), in a few words."""
+    status = trial.status
+    if status == tune.DOES_NOT_FIT:
+        return trial.forecast.over or f"{status}: {trial.reason}"
+    if status == tune.SLOWER and trial.slower is not None:
+        return f"fcst {trial.slower:+.0%} vs best"
+    if status == tune.STOPPED_EARLY and trial.slower is not None:
+        return f"stopped: {trial.slower:+.0%}"
+    if status == tune.MEASURING:
+        return f"measuring: {len(trial.steps)} steps"
+    if status == tune.NOT_REACHED:
+        return f"untried: {trial.reason}"
+    if status == tune.PENDING:
+        return "to try"
+    if status == tune.MEASURED:
+        return "measured"
+    return f"{status}: {trial.reason}" if trial.reason else status
+
+
+def trial_cells(trial: Trial | None, *, best: bool, in_force: bool,
+                candidate: tune.Trial | None = None, tokens: int | None = None,
+                setting: Setting | None = None) -> list[Text]:
+    """The cells of one row, in COLUMNS order: a setting the run used (`trial`), one the
+    tuner considers (`candidate`, with the run's `tokens` per step), or both."""
+    if setting is None:
+        assert trial is not None or candidate is not None
+        setting = trial.setting if trial is not None else candidate_setting(candidate.candidate)
     if best:
         mark = Text(BEST[0], style=BEST[1])
-    elif not trial.within_budget:
+    elif trial is not None and not trial.within_budget:
         mark = Text(OVER[0], style=OVER[1])
+    elif candidate is not None and candidate.status == tune.MEASURING:
+        mark = Text(IN_TRIAL[0], style=IN_TRIAL[1])
     else:
         mark = Text("")
     waiting = "…"  # no settled step yet: the medians come with the next one
-
-    def number(text: str, style: str = "") -> Text:
-        return Text(text, style=style, justify="right")
-
-    policy = Text(trial.policy + (IN_FORCE if in_force else ""), style="bold" if in_force else "")
-    seconds = waiting if trial.step_seconds is None else format_seconds(trial.step_seconds)
-    rate = waiting if trial.tokens_per_second is None else format_rate(trial.tokens_per_second)
-    copied = waiting if trial.bytes_copied is None else format_size(trial.bytes_copied)
+    fits = candidate is not None and candidate.forecast.fits
+    forecast = format_seconds(candidate.forecast.seconds) if fits else ""
+    policy = Text(setting.policy + (IN_FORCE if in_force else ""),
+                  style="bold" if in_force else "")
+    strong = "bold" if best else ""
+    if trial is None:  # a candidate the run has not used: its forecast rate, dimmed
+        rate = (_number(format_rate(tokens / candidate.forecast.seconds), "dim italic")
+                if fits and tokens and candidate.forecast.seconds > 0 else _number(""))
+        cells = [_number(""), _number(""), _number(""), rate]
+        note = candidate_note(candidate)
+    else:
+        seconds = waiting if trial.step_seconds is None else format_seconds(trial.step_seconds)
+        measured_rate = trial.tokens_per_second
+        cells = [
+            _number(str(trial.steps)),
+            _number(seconds, strong),
+            _number(format_spread(trial.step_seconds_spread) or waiting, "dim"),
+            _number(waiting if measured_rate is None else format_rate(measured_rate), strong),
+        ]
+        note = measured_note(trial)
+        if candidate is not None and candidate.status not in (tune.MEASURED, tune.PENDING):
+            note = f"{candidate_note(candidate)}; {note}"
+    peak_style = "bold red" if trial is not None and not trial.within_budget else ""
     return [
         mark,
         policy,
-        number(f"{trial.margin_ratio:.2f}"),
-        number(format_size(trial.device_budget)),
-        number(str(trial.steps)),
-        number(seconds, "bold" if best else ""),
-        number(format_spread(trial.step_seconds_spread) or waiting, "dim"),
-        number(rate, "bold" if best else ""),
-        number(format_size(trial.device_peak), "" if trial.within_budget else "bold red"),
-        number(copied),
-        number(format_size(trial.process_rss)),
+        _number(f"{setting.margin_ratio:.2f}"),
+        _number(format_size(setting.device_budget)),
+        cells[0],
+        _number(forecast, "dim"),
+        *cells[1:],
+        Text(" " + note, style=peak_style, no_wrap=True, overflow="ellipsis"),
     ]
+
+
+def measured_note(trial: Trial) -> str:
+    """The peaks of a measured row, most telling first (the device peak says why a row is
+    over its budget)."""
+    parts = [f"peak {format_size(trial.device_peak)}", f"RSS {format_size(trial.process_rss)}"]
+    if trial.bytes_copied is not None:
+        parts.append(f"{format_size(trial.bytes_copied)} copied")
+    return ", ".join(parts)
 
 
 class TrialsTable(DataTable):
@@ -99,25 +166,66 @@ class TrialsTable(DataTable):
         # moves it to stays selected.
         self.following = True
         self._placed: list[str] = []  # rows the cursor was moved to here, not by the user
+        # The tuner's candidates, by row key, and the run's tokens per step (for their
+        # forecast tokens/s).
+        self.candidates: dict[str, tune.Trial] = {}
+        self.tokens: int | None = None
 
     def on_mount(self) -> None:
         for key, label, width in COLUMNS:
             justify = "left" if key in ("mark", "policy") else "right"
             self.add_column(Text(label, justify=justify), key=key, width=width)
 
+    def on_resize(self, event: events.Resize) -> None:
+        """The note takes the width the other columns leave."""
+        fixed = sum(width for _, _, width in COLUMNS[:-1])
+        column = self.columns.get("note")  # type: ignore[call-overload]
+        width = max(NOTE_MIN, event.size.width - fixed - FRAME)  # the size with its border
+        if column is not None and column.width != width:
+            column.width = width
+            self._require_update_dimensions = True
+            self.refresh()
+
     def show(self, trials: list[Trial], in_force: Setting | None) -> None:
         """Draw these rows (in order, new ones appended), the best marked."""
         if len(trials) < len(self.trials):  # a new run: start over
             self.clear()
-        best = best_trial(trials)
         self.trials = list(trials)
         self.in_force = in_force
-        for trial in trials:
-            key = row_key(trial.setting)
+        self._draw()
+        if self.following and in_force is not None:
+            self._place_cursor(in_force)
+
+    def show_candidate(self, trial: tune.Trial, tokens: int | None = None) -> None:
+        """A candidate of the tuner's search, as it changes: its forecast, the mark while
+        it is in trial, why it was not tried."""
+        self.candidates[row_key(candidate_setting(trial.candidate))] = trial
+        self.tokens = tokens if tokens is not None else self.tokens
+        self._draw()
+
+    def forget_candidates(self) -> None:
+        """A new search: the previous one's rows go, but for the settings the run used."""
+        used = {row_key(t.setting) for t in self.trials}
+        for key in self.candidates:
+            if key not in used and key in self.rows:
+                self.remove_row(key)
+        self.candidates.clear()
+
+    def _draw(self) -> None:
+        best = best_trial(self.trials)
+        rows: dict[str, tuple[Trial | None, tune.Trial | None]] = {
+            row_key(t.setting): (t, self.candidates.get(row_key(t.setting)))
+            for t in self.trials}
+        for key, candidate in self.candidates.items():
+            rows.setdefault(key, (None, candidate))
+        for key, (trial, candidate) in rows.items():
+            setting = (trial.setting if trial is not None
+                       else candidate_setting(candidate.candidate))  # type: ignore[union-attr]
             cells = trial_cells(
                 trial,
-                best=best is not None and trial.setting == best.setting,
-                in_force=trial.setting == in_force,
+                best=best is not None and setting == best.setting,
+                in_force=setting == self.in_force,
+                candidate=candidate, tokens=self.tokens, setting=setting,
             )
             if key in self.rows:
                 for (column, _, _), cell in zip(COLUMNS, cells, strict=True):
@@ -125,13 +233,12 @@ class TrialsTable(DataTable):
                         self.update_cell(key, column, cell)
             else:
                 self.add_row(*cells, key=key)
-        if self.following and in_force is not None:
-            self._place_cursor(in_force)
 
     def reset(self) -> None:
         self.clear()
         self._placed.clear()
         self.trials = []
+        self.candidates.clear()
         self.in_force = None
         self.following = True
 

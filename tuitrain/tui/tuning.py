@@ -15,6 +15,7 @@ from typing import Any
 
 from tuitrain.events import Command, Event
 from tuitrain.settings import Settings
+from tuitrain.tui.trials_table import TrialsTable
 from tuitrain.tune import Trial, TuneResult, search
 
 EVENT_WAIT_SECONDS = 0.05
@@ -119,9 +120,13 @@ def toggle_tune(app: Any) -> None:
         app.notify("the run's device budget is not known yet: tune after its first step")
         return
     engine = started.settings.get("engine", {})
+    table = app.query_one(TrialsTable)
+    table.forget_candidates()
+    t = app.settings.training
+    tokens = t.batch_size * t.grad_accum * t.seq_len
     app.tuning = tune = LiveTune(
         send=lambda command: app.worker.send(command), call=app.call_from_thread,
-        on_trial=lambda trial: _trial_line(app, trial),
+        on_trial=lambda trial: _trial_line(app, trial, tokens),
         on_done=lambda result: _done(app, result), say=app.add_log)
     tune.start(app.settings,
                policy=latest.policy if latest else engine.get("policy", "auto"),
@@ -130,10 +135,13 @@ def toggle_tune(app: Any) -> None:
     app.add_log("tune: searching policy and margin on this run's steps (a stops)")
 
 
-def _trial_line(app: Any, trial: Trial) -> None:
+def _trial_line(app: Any, trial: Trial, tokens: int) -> None:
+    """The trial's row in the trials table, and its line in the log when it starts or
+    ends."""
     from tuitrain.tune import MEASURING, PENDING
     from tuitrain.tune_setup import trial_line
 
+    app.query_one(TrialsTable).show_candidate(trial, tokens)
     if trial.status == MEASURING and not trial.steps:
         app.add_log(f"tune: trying {trial.candidate.describe()} (forecast "
                     f"{trial.forecast.seconds:.3f} s/step)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats, follow_settings
+from tuitrain import tune
 from tuitrain.events import Failed, Step
 from tuitrain.formatting import format_seconds, format_size
 from tuitrain.presets import load_preset, saved_dir
@@ -64,8 +65,8 @@ async def test_each_setting_tried_is_a_row_with_its_spread_and_no_star_on_two_st
         assert [table.cell_text(s, "mark") for s in (AUTO, CUDA, CPU)] == ["", "!", ""]
         assert table.cell_text(AUTO, "spread") == "±0%"
         assert str(BEST_MIN_SETTLED) in table.border_subtitle
-        assert table.cell_text(CUDA, "peak") == "20.8 GiB"
-        assert table.cell_text(CPU, "copied") == "7.4 GiB"
+        assert table.cell_text(CUDA, "note").startswith(" peak 20.8 GiB, RSS ")
+        assert table.cell_text(CPU, "note").endswith(", 7.4 GiB copied")
 
 
 async def test_each_setting_tried_is_a_row_and_the_fastest_within_budget_is_marked():
@@ -178,3 +179,55 @@ async def test_a_restart_starts_the_trials_over():
         await pilot.press("r")
         await pilot.pause()
         assert table.trials == [] and table.row_count == 0
+
+
+def candidate(setting: Setting, status: str, *, seconds: float = 1.0, over: str = "",
+              slower: float | None = None, reason: str = "") -> tune.Trial:
+    fits = status != tune.DOES_NOT_FIT
+    trial = tune.Trial(
+        tune.Candidate(setting.policy, setting.margin_ratio, 2, 1, False, setting.device_budget),
+        tune.Forecast(fits, seconds if fits else 0.0, reason, over=over),
+        status=status, reason=reason)
+    trial.slower = slower
+    return trial
+
+
+def columns_fit(table: TrialsTable) -> bool:
+    """Every column inside the table's width: none scrolled off to the right."""
+    used = sum(column.get_render_width(table) for column in table.columns.values())
+    return used <= table.scrollable_content_region.width and table.max_scroll_x == 0
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24 trials", "120x40 tuning"])
+async def test_the_tuners_candidates_are_rows_that_fit_the_small_screens(size):
+    app, fake = tuning_app()
+    async with app.run_test(size=size) as pilot:
+        table = await try_three_settings(app, fake, pilot)
+        await pilot.press("v")  # the trials view (80x24), the tuning view (120x40)
+        await settle(app, pilot)
+        assert table.display and columns_fit(table)
+        slow = Setting("auto", 0.5, 3 * GiB)
+        wide = Setting("cuda", 0.0, 3 * GiB)
+        table.show_candidate(candidate(CPU, tune.MEASURING, seconds=2.0), tokens=256)
+        table.show_candidate(candidate(slow, tune.SLOWER, seconds=2.5, slower=0.12), 256)
+        table.show_candidate(candidate(wide, tune.DOES_NOT_FIT, over="device 17.8 GiB over",
+                                       reason="needs 20.8 GiB on the device"), 256)
+        await pilot.pause()
+        assert columns_fit(table)
+        # The one in trial is marked, with its forecast beside what it measured.
+        assert table.cell_text(CPU, "mark") == "▶"
+        assert table.cell_text(CPU, "forecast") == "2.00 s"
+        assert table.cell_text(CPU, "seconds") == format_seconds(table.trials[2].step_seconds)
+        assert table.cell_text(CPU, "note").startswith(" measuring: ")
+        # Those not tried say why, and what they were forecast to do.
+        assert table.cell_text(slow, "forecast") == "2.50 s"
+        assert table.cell_text(slow, "rate") == "102"  # 256 tokens / 2.5 s, forecast
+        assert table.cell_text(slow, "note") == " fcst +12% vs best"
+        assert table.cell_text(wide, "note") == " device 17.8 GiB over"
+        assert table.cell_text(wide, "forecast") == ""
+        # What a row says is on the screen, not cut: the least note fits "fcst +12% vs best".
+        assert table.columns["note"].width >= len(" fcst +12% vs best")
+        # A new search forgets the last one's candidates, not the settings the run used.
+        table.forget_candidates()
+        table.show([*table.trials], table.in_force)
+        assert table.row_count == 3 and table.cell_text(CPU, "mark") == ""
