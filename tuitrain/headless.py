@@ -21,6 +21,7 @@ from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
 from tuitrain.formatting import format_count, format_rate, format_seconds, format_size
+from tuitrain.run_preset import PresetPace
 from tuitrain.served import serve
 from tuitrain.settings import Settings
 from tuitrain.trials import TrialBook, append_summary, summary_lines
@@ -49,6 +50,7 @@ def run_headless(
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
     log_path: str | None = None,
+    pace: PresetPace | None = None,
 ) -> int:
     """Train `settings` without a UI; returns the process exit status.
 
@@ -57,6 +59,7 @@ def run_headless(
         out: progress, the settings block and the summary.
         err: failures and warnings.
         log_path: the worker's log file; default a new file under the temporary folder.
+        pace: a tuned preset's step time, to say once if the run's is far from it.
 
     Returns 0 when training finished, 1 when it failed (the reason and the log are named on
     `err`), 2 for bad input found by the worker (one line), 130 after Ctrl-C (the worker is
@@ -85,6 +88,7 @@ def run_headless(
     served = serve(worker, settings, err=err) if place.leader else None
     worker = served or worker
     report = _Report(settings=settings, out=out, err=err, log_path=str(worker.log_path))
+    report.pace = pace
     interrupts = _Interrupts()
     code: int | None = None
     with interrupts.catching():
@@ -166,6 +170,7 @@ class _Report:
         self.last_drawn = 0.0
         self.said_starting = False
         self.drawn = ""  # the progress line drawn in place, while line_open
+        self.pace: PresetPace | None = None
 
     def starting(self, *, tentative: bool = False) -> None:
         """Say, once, that the run is starting and where its worker logs.
@@ -198,6 +203,8 @@ class _Report:
         """Show one event; returns the exit status once the run has ended."""
         if isinstance(event, Step):
             self.step(event.stats)
+            if self.pace is not None and (line := self.pace.record(event.stats)):
+                self.say_err(f"warning: {line}")
         elif isinstance(event, Started):
             self.started(event)
         elif isinstance(event, Eval):

@@ -44,7 +44,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tuitrain.ranks import from_environment
-    from tuitrain.run_preset import save_after_run, save_target
+    from tuitrain.run_preset import preset_pace, save_after_run, save_target
 
     settings = resolve_settings(args)
     save_to = save_target(args)
@@ -62,20 +62,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tuitrain.run_checks import check_runnable
 
     check_runnable(settings)
+    pace = None
     if ranks.leader:
         _warn_of_a_short_run(settings)
+        pace = preset_pace(args.preset, err=sys.stderr)
     if not args.headless:
         from tuitrain.tui.app import run_app
 
         settings = settings.model_copy(  # what the app saves as a preset runs on as many
             update={"training": settings.training.model_copy(update={"nproc": app_ranks})})
-        return run_app(settings, nproc=app_ranks)
+        return run_app(settings, nproc=app_ranks, pace=pace)
     if args.nproc is not None:
         status = _launch_ranks(args, settings)
     else:
         from tuitrain.headless import run_headless
 
-        status = run_headless(settings, out=sys.stdout, err=sys.stderr)
+        status = run_headless(settings, out=sys.stdout, err=sys.stderr, pace=pace)
     if save_to is not None and ranks.leader:  # under torchrun, rank 0 saves it once
         nproc = ranks.world if ranks.parallel else as_number(args.nproc or "1")
         save_after_run(settings, save_to, status=status, overwrite=args.force, nproc=nproc)

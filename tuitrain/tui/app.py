@@ -37,6 +37,7 @@ from tuitrain.events import (
     Step,
 )
 from tuitrain.formatting import format_size
+from tuitrain.run_preset import PresetPace
 from tuitrain.run_summary import run_summary_lines
 from tuitrain.settings import Settings, Size
 from tuitrain.trials import Trial
@@ -107,6 +108,7 @@ class TuitrainApp(RunPanels):
         self.finished: Finished | None = None
         self.steering = Steering(self.settings.engine, screen=self)
         self.tuning: LiveTune | None = None  # the search of `a`, once started
+        self.preset_pace: PresetPace | None = None  # a tuned preset's pace, said if far off
         self.saving = PresetSaving(self, report=self._report_save)
 
     # --- start and end --------------------------------------------------------------------
@@ -201,6 +203,8 @@ class TuitrainApp(RunPanels):
         self.query_one(MemoryChart).record(stats)
         self.query_one(StepPanel).record(stats)
         self.trial_book.record(stats)
+        if self.preset_pace is not None and (line := self.preset_pace.record(stats)):
+            self.add_log(line, level="warning")
         if self.started is not None and self.started.ranks > 1:
             self.query_one(RanksTable).record(0, stats)
         if self.run_state == "starting":
@@ -445,7 +449,8 @@ class TuitrainApp(RunPanels):
             self.notify(message)
 
 
-def run_app(settings: Settings, *, nproc: int = 1, err: TextIO | None = None) -> int:
+def run_app(settings: Settings, *, nproc: int = 1, err: TextIO | None = None,
+            pace: PresetPace | None = None) -> int:
     """Run the terminal app until the user quits; `nproc` ranks train data parallel
     (tuitrain.rank_worker), the app steering rank 0 and showing every rank's memory.
 
@@ -455,6 +460,7 @@ def run_app(settings: Settings, *, nproc: int = 1, err: TextIO | None = None) ->
     """
     factory = data_parallel_factory(nproc) if nproc > 1 else None
     app = TuitrainApp(settings, worker_factory=factory)
+    app.preset_pace = pace
     app.run()
     if app.failure_at_quit is not None:
         print(failure_line(app.failure_at_quit, log_path=app.log_path), file=err or sys.stderr)

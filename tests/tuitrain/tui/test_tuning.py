@@ -6,9 +6,10 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.tuitrain.fakeworker import FakeWorker, fake_run, follow_settings
+from tests.tuitrain.fakeworker import FakeWorker, fake_run, fake_stats, follow_settings
 from tuitrain.events import SetMargin, SetPolicy
 from tuitrain.presets import load_preset, saved_dir
+from tuitrain.run_preset import PresetPace
 from tuitrain.settings import Settings
 from tuitrain.tui.app import TuitrainApp
 
@@ -87,3 +88,14 @@ async def test_a_again_stops_the_search_and_keeps_the_best_so_far():
         # At most the trial being set up as the key came goes on; none is begun after it.
         assert log.count("tune: trying ") <= tried + 1 < 7
         assert app.run_state == "running"  # the run goes on
+
+
+async def test_a_tuned_presets_pace_far_from_the_runs_is_said_once_in_the_log():
+    app, fake, said = tuning_app(12)
+    seconds = fake_stats(2).seconds
+    app.preset_pace = PresetPace("tuned.yaml", seconds / 2)  # the run is twice as slow
+    async with app.run_test(size=SIZE) as pilot:
+        for _ in range(40):
+            await settle(app, pilot)
+    lines = [line for line in said if "the preset tuned.yaml measured" in line]
+    assert len(lines) == 1 and "100% slower" in lines[0]
