@@ -82,12 +82,22 @@ def calibrated(tuitrain_cache: Path) -> None:
     forecasts do not depend on the machine. For the simulated device's fingerprint, which
     every test but those marked `cuda` runs on (asking the GPU's would start CUDA in this
     process). A test of the measurement sets TUITRAIN_CACHE itself."""
-    from engine.planning.calibration import fingerprint, save_calibration
+    from engine.planning.calibration import fingerprint, learned_path, save_calibration
     from tests.calibrations import fixed_calibration
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(SIMULATE_ENV, "1")
         save_calibration(fixed_calibration(*fingerprint()))
+        learned_path().unlink(missing_ok=True)  # a killed session's, kept in the cache
+
+
+@pytest.fixture(autouse=True)
+def unlearned(tuitrain_cache: Path) -> Iterator[None]:
+    """What a test's tune taught the fixed calibration (calibration.learn) is forgotten
+    after it, so that no forecast depends on the tests that ran before."""
+    yield
+    for path in (tuitrain_cache / "calibration").glob("*.learned.json"):
+        path.unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,8 @@
 """`tuitrain calibrate`: this machine's measured speeds, which the plan's time forecast uses.
 
 Shows the cached calibration (engine.planning.calibration), measuring it first when this
-machine has none; `--refresh` measures again (at most 30 s, said while it runs).
+machine has none; `--refresh` measures again (at most 30 s, said while it runs), and forgets
+what tunes taught it (the correction its forecasts are multiplied by).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
     cal = calibration(refresh=refresh,
                       say=lambda line: print(line, file=sys.stderr, flush=True))
     if as_json:
-        json.dump(cal.to_dict(), sys.stdout, indent=2)
+        learned = {"correction": cal.correction, "learned_from": cal.learned_from}
+        json.dump({**cal.to_dict(), **learned}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     print(f"machine:     {cal.machine}")
@@ -37,6 +39,10 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
             else "not measured (the scratch folder could not be written)")
     print(f"disk:        {disk}")
     print(f"engine:      {format_seconds(cal.op_overhead)} per op (hooks and byte counting)")
+    learned = (f"forecasts x{cal.correction:.2f}, from the steps of {cal.learned_from} "
+               f"tune{'s' if cal.learned_from != 1 else ''} on this machine"
+               if cal.learned_from else "nothing yet (each `tuitrain tune` teaches it)")
+    print(f"learned:     {learned}")
     print(f"cached in {calibration_path(cal.fingerprint)}; `tuitrain calibrate --refresh` "
           f"measures again")
     return 0

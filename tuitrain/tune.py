@@ -36,6 +36,7 @@ __all__ = [
     "Trial",
     "TuneResult",
     "candidates",
+    "model_error",
     "search",
 ]
 
@@ -242,10 +243,15 @@ def _ratios(trials: list[Trial]) -> list[float]:
             if t.status == MEASURED and t.forecast.seconds > 0]
 
 
+def model_error(trials: list[Trial]) -> float | None:
+    """The median of measured / forecast over the measured trials; None before any."""
+    ratios = _ratios(trials)
+    return statistics.median(ratios) if ratios else None
+
+
 def _corrected(trial: Trial, trials: list[Trial]) -> float:
     """The trial's forecast times the model's error so far (the median ratio)."""
-    ratios = _ratios(trials)
-    return trial.forecast.seconds * (statistics.median(ratios) if ratios else 1.0)
+    return trial.forecast.seconds * (model_error(trials) or 1.0)
 
 
 def _uncertainty(trials: list[Trial]) -> float:

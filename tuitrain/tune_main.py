@@ -13,7 +13,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError
 from tuitrain.events import Event, Failed, Log
@@ -28,7 +28,10 @@ from tuitrain.tune import (
     TuneResult,
     search,
 )
-from tuitrain.tune_setup import trial_line
+from tuitrain.tune_setup import learn_from, trial_line
+
+if TYPE_CHECKING:
+    from engine.planning.calibration import Calibration
 
 PROG = "tuitrain"
 # Steps the run is given beyond the trials': the first step (which records the chunk order)
@@ -99,7 +102,7 @@ def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
     from tuitrain.tune_setup import run_budget, tune_forecaster, tune_space
 
     budget = run_budget(settings, simulated)
-    forecast, fingerprint = tune_forecaster(
+    forecast, cal = tune_forecaster(
         settings, simulated=simulated, say=lambda line: print(line, file=err, flush=True))
     space = tune_space(settings, device_budget=budget)
     fitting = [c for c in space if forecast(c).fits]
@@ -112,18 +115,19 @@ def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
     run = merge(settings, {"training.steps": max(steps, settings.training.steps)})
     return _tune(run, settings, space, forecast, budget=budget, trial_steps=trial_steps,
                  time_limit=time_limit, save_to=save_to, overwrite=overwrite,
-                 fingerprint=fingerprint, out=out, err=err)
+                 cal=cal, out=out, err=err)
 
 
 def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
           *, budget: int, trial_steps: int, time_limit: float | None,
-          save_to: Path | None, overwrite: bool, fingerprint: str,
+          save_to: Path | None, overwrite: bool, cal: Calibration,
           out: TextIO, err: TextIO) -> int:
     from tuitrain.metrics import MetricsWriter
     from tuitrain.worker import ProcessWorker
 
     worker = ProcessWorker(settings=run)
     failure: list[Failed] = []
+    fingerprint = cal.fingerprint
 
     def on_event(event: Event) -> None:
         if isinstance(event, Failed):
@@ -161,6 +165,8 @@ def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
         return EXIT_FAILED
     record = tuned_record(result, tokens, fingerprint)
     best = result.best
+    if learned := learn_from(result, cal):
+        print(f"time model: {learned}", file=out, flush=True)
     print(f"tuned in {result.steps} steps ({result.stopped_by}): {best.candidate.describe()}, "
           f"{format_seconds(best.measured)}/step, forecast "
           f"{format_seconds(best.forecast.seconds)}", file=out, flush=True)

@@ -4,10 +4,22 @@ the app's `a`."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tuitrain.formatting import format_seconds
 from tuitrain.settings import Settings
-from tuitrain.tune import MEASURED, Candidate, Forecaster, Trial, candidates
+from tuitrain.tune import (
+    MEASURED,
+    Candidate,
+    Forecaster,
+    Trial,
+    TuneResult,
+    candidates,
+    model_error,
+)
+
+if TYPE_CHECKING:
+    from engine.planning.calibration import Calibration
 
 POLICIES = ("cuda", "auto", "cpu")
 MARGINS = (0.0, 0.5, 1.0)
@@ -36,9 +48,9 @@ def run_budget(settings: Settings, simulated: bool) -> int:
 
 
 def tune_forecaster(settings: Settings, *, simulated: bool,
-                    say: Callable[[str], None]) -> tuple[Forecaster, str]:
+                    say: Callable[[str], None]) -> tuple[Forecaster, Calibration]:
     """The plan and time model for `settings` on this machine, and the machine's
-    fingerprint. Measures the machine first when it has no calibration (`say` tells)."""
+    calibration. Measures the machine first when it has none (`say` tells)."""
     from engine.planning.calibration import calibration
     from tuitrain.fit import default_host_budget
     from tuitrain.tune_plan import plan_forecaster
@@ -48,7 +60,27 @@ def tune_forecaster(settings: Settings, *, simulated: bool,
                                precision=settings.precision_for(simulated),
                                seq_len=settings.training.seq_len, simulated=simulated,
                                calibration=cal, disk_dir=settings.engine.disk_dir)
-    return forecast, cal.fingerprint
+    return forecast, cal
+
+
+def learn_from(result: TuneResult, cal: Calibration) -> str | None:
+    """The search's measured steps teach the time model this machine's correction, for the
+    next forecast (engine.planning.calibration.learn); what it learned in words, or None
+    when nothing was measured or it could not be kept."""
+    from engine.planning.calibration import learn
+
+    error = model_error(result.trials)
+    if error is None:
+        return None
+    try:
+        taught = learn(cal, error)
+    except OSError as error_:
+        return f"the time model's correction not kept: {error_.strerror or error_}"
+    if taught is cal:
+        return None
+    return (f"steps took {error:.2f}x their forecast; this machine's forecasts are now "
+            f"x{taught.correction:.2f} (learned from {taught.learned_from} "
+            f"run{'s' if taught.learned_from != 1 else ''})")
 
 
 def trial_line(trial: Trial) -> str:

@@ -14,6 +14,10 @@ few steps of the `tiny` model.
 The figures are cached under the user cache folder, one file per machine fingerprint: the
 CPU model and cores, the torch version and the GPU's name, driver and memory. A different
 machine, or a new torch, measures again.
+
+Runs teach it: beside the figures, a correction (measured / forecast step time, learned from
+the steps a tune measured: `learn`) that every later forecast on this machine is multiplied
+by. A new measurement starts it over.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ __all__ = [
     "calibration",
     "calibration_path",
     "fingerprint",
+    "learn",
+    "learned_path",
     "load_calibration",
     "measure",
     "save_calibration",
@@ -56,6 +62,10 @@ COPY_BYTES = 64 * 2**20
 ADAMW_ELEMENTS = 4 * 2**20
 ELEMENTWISE_ELEMENTS = 4 * 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# A correction learned from one run is trusted this much against what earlier runs taught
+# (in log space): one run's load, or its model, must not swing every later forecast.
+LEARNING_WEIGHT = 0.5
+CORRECTION_RANGE = (1e-3, 1e3)  # beyond these a run measured nonsense: it teaches nothing
 
 
 @dataclass
@@ -80,6 +90,10 @@ class Calibration:
     # published specs (engine.planning.hardware) beside this host's measured figures.
     source: str = "this machine's calibration"
     extra: dict = field(default_factory=dict)
+    # What runs on this machine taught (`learn`), kept in a file of its own beside this one:
+    # measured / forecast step time, and how many runs it comes from.
+    correction: float = 1.0
+    learned_from: int = 0
 
     def matmul_rate(self, precision: str, hidden: int) -> float:
         """FLOPs per second of this precision's matmuls at a model width of `hidden`,
@@ -102,6 +116,8 @@ class Calibration:
         out = dataclasses.asdict(self)
         out["matmul"] = {k: {str(w): r for w, r in v.items()} for k, v in self.matmul.items()}
         out["format"] = FORMAT
+        for learned in ("correction", "learned_from"):  # in the file beside
+            out.pop(learned)
         return out
 
     @classmethod
@@ -157,15 +173,51 @@ def calibration_path(key: str | None = None) -> Path:
     return cache_dir() / "calibration" / f"{key or fingerprint()[0]}.json"
 
 
+def learned_path(key: str | None = None) -> Path:
+    """The file of what runs taught the calibration of machine `key` (default: this one)."""
+    return calibration_path(key).with_suffix(".learned.json")
+
+
 def load_calibration(key: str | None = None) -> Calibration | None:
-    """The cached calibration of this machine, or None (none, unreadable, or outdated)."""
+    """The cached calibration of this machine, with what runs taught it, or None (none,
+    unreadable, or outdated)."""
     try:
         data = json.loads(calibration_path(key).read_text(encoding="utf-8"))
         if data.get("format") != FORMAT:
             return None
-        return Calibration.from_dict(data)
+        cal = Calibration.from_dict(data)
     except (OSError, ValueError, TypeError, KeyError):
         return None
+    try:
+        learned = json.loads(learned_path(cal.fingerprint).read_text(encoding="utf-8"))
+        if learned.get("measured_at") == cal.measured_at:  # taught this measurement
+            cal.correction = float(learned["correction"])
+            cal.learned_from = int(learned["runs"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    return cal
+
+
+def learn(cal: Calibration, ratio: float) -> Calibration:
+    """What a run measured teaches the calibration: `ratio` is its step times over their
+    forecasts (made with `cal`, its correction included). Kept beside the calibration for
+    the next forecast, and returned; a ratio beyond CORRECTION_RANGE teaches nothing.
+
+    Raises OSError when the file cannot be written."""
+    import math
+
+    low, high = CORRECTION_RANGE
+    if not low <= ratio <= high:
+        return cal
+    weight = 1.0 if cal.learned_from == 0 else LEARNING_WEIGHT
+    correction = cal.correction * math.exp(weight * math.log(ratio))
+    taught = dataclasses.replace(cal, correction=correction, learned_from=cal.learned_from + 1)
+    path = learned_path(cal.fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"correction": correction, "runs": taught.learned_from,
+                       "measured_at": cal.measured_at}, indent=2) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return taught
 
 
 def save_calibration(cal: Calibration) -> Path:
@@ -188,6 +240,7 @@ def calibration(*, refresh: bool = False, say: Callable[[str], None] | None = No
     cal = (measure_fn or measure)()
     try:
         save_calibration(cal)
+        learned_path(cal.fingerprint).unlink(missing_ok=True)  # taught the old figures
     except OSError as error:  # a read-only cache: forecast anyway, and measure next time
         if say is not None:
             say(f"calibration not cached ({error.strerror or error}): "

@@ -70,6 +70,8 @@ class HardwareProfile:
             h2d=self.pcie,
             d2h=self.pcie,
             adamw_device=memory / ADAMW_BYTES,
+            correction=1.0,  # what runs on this host taught is no property of that GPU
+            learned_from=0,
             source=(f"the published specs of {self.description}, an estimate "
                     f"(derated: matmul x{DERATING['matmul']}, memory x{DERATING['memory']}, "
                     f"PCIe x{DERATING['pcie']}) with this host's measured CPU and disk"),

@@ -19,10 +19,14 @@ Overlap is the device's: the simulated device copies in line with compute (a cop
 memcpy on the same cores), so copies add up; on CUDA the copies stream on their own engine
 while kernels run, so only what exceeds the compute is exposed. The disk tier's reads and
 writes run on threads beside the step on both, and so do a CUDA rank's collectives.
+
+Every part is then multiplied by the calibration's correction: what runs on this machine
+measured against their forecasts (engine.planning.calibration.learn).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -124,9 +128,19 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
         overlap += min(collectives, compute)
     # The disk tier reads ahead and writes behind on threads, beside whatever else runs.
     overlap += min(disk, compute + opt_host + opt_device)
-    return StepTime(forward=forward, backward=backward, recompute=recompute, copy_h2d=h2d,
-                    copy_d2h=d2h, optimizer_host=opt_host, optimizer_device=opt_device,
-                    disk=disk, collectives=collectives, overlap=overlap, source=cal.source)
+    times = StepTime(forward=forward, backward=backward, recompute=recompute, copy_h2d=h2d,
+                     copy_d2h=d2h, optimizer_host=opt_host, optimizer_device=opt_device,
+                     disk=disk, collectives=collectives, overlap=overlap, source=cal.source)
+    return corrected(times, cal.correction)
+
+
+def corrected(times: StepTime, factor: float) -> StepTime:
+    """`times` with every part multiplied by `factor` (so the parts still add up)."""
+    if factor == 1.0:
+        return times
+    return dataclasses.replace(times, **{
+        f.name: getattr(times, f.name) * factor for f in dataclasses.fields(times)
+        if f.name != "source"})
 
 
 def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[str, StepTime]:

@@ -3,6 +3,7 @@ calibration it reads (measured once per machine and cached) and the hardware pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -12,9 +13,11 @@ import torch
 from engine.models.zoo import count_parameters, model_config
 from engine.planning import calibration as calibration_module
 from engine.planning.calibration import (
+    LEARNING_WEIGHT,
     calibration,
     calibration_path,
     fingerprint,
+    learn,
     load_calibration,
     measure,
 )
@@ -222,3 +225,28 @@ def test_a_cache_that_cannot_be_written_still_gives_a_calibration(tmp_path, monk
     cal = calibration(say=said.append, measure_fn=lambda: fixed_calibration(*fingerprint()))
     assert cal.h2d == 1e9
     assert len(said) == 2 and said[1].startswith("calibration not cached (")
+
+
+# --- what runs teach it -----------------------------------------------------------------
+
+
+def test_a_runs_measured_steps_correct_the_next_forecast_on_this_machine(empty_cache):
+    key, words = fingerprint()
+    cal = calibration(measure_fn=lambda: fixed_calibration(key, words))
+    before = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=True)
+    learn(cal, 2.0)  # its steps took twice their forecast
+    taught = load_calibration()
+    assert (taught.correction, taught.learned_from) == (pytest.approx(2.0), 1)
+    after = forecast(WORK, TRAFFIC, taught, precision="fp32", simulated=True)
+    assert after.total == pytest.approx(2 * before.total)
+    assert after.forward == pytest.approx(2 * before.forward)  # the parts still add up
+    # A later run weighs LEARNING_WEIGHT against what the earlier ones taught.
+    learn(taught, 4.0)
+    assert load_calibration().correction == pytest.approx(2.0 * 4.0 ** LEARNING_WEIGHT)
+    assert learn(load_calibration(), 1e4).learned_from == 2  # a wild ratio teaches nothing
+    # A profile of another GPU keeps none of it; a new measurement starts over.
+    assert hardware_profile("a100-40gb").calibration(load_calibration()).correction == 1.0
+    calibration(refresh=True, measure_fn=lambda: dataclasses.replace(
+        fixed_calibration(key, words), measured_at="2026-02-01T00:00:00+00:00"))
+    assert load_calibration().correction == 1.0
+    assert "correction" not in json.loads(calibration_path().read_text())

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from engine.planning import calibration as calibration_module
-from engine.planning.calibration import fingerprint
+from engine.planning.calibration import fingerprint, learn, load_calibration
 from engine.planning.hardware import HARDWARE
 from tests.calibrations import fixed_calibration
 from tuitrain.cli import main
@@ -93,11 +93,16 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
     assert "calibrating this machine's speeds (at most 30 s" in first.err
     assert "matmul fp32: 10.0 GFLOPS at width 768" in first.out
     assert "AdamW:       100 M parameters/s on the host" in first.out
+    assert "learned:     nothing yet" in first.out
+    learn(load_calibration(), 2.0)  # a tune's steps took twice their forecast
     assert main(["calibrate"]) == 0
-    assert capsys.readouterr().err == ""  # cached: nothing measured
+    cached = capsys.readouterr()
+    assert cached.err == ""  # cached: nothing measured
+    assert "learned:     forecasts x2.00, from the steps of 1 tune on this machine" in cached.out
     assert main(["calibrate", "--refresh", "--json"]) == 0
     again = capsys.readouterr()
     assert "calibrating" in again.err and json.loads(again.out)["h2d"] == 1e9
+    assert json.loads(again.out)["correction"] == 1.0  # measured again: taught again
     assert empty_cache == [1, 1]
 
 

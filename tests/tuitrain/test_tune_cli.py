@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from engine.planning.calibration import load_calibration
 from tests.tuitrain.fakeworker import fake_stats
 from tuitrain.cli import main
 from tuitrain.events import Applied, Finished, Rejected, SetMargin, SetPolicy, Step
@@ -53,6 +54,9 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
     assert tuned["settings"] == best["settings"] and best["settled_steps"] == 3
     assert set(tuned["settings"]["engine"]) >= {"policy", "margin_ratio"}
     assert out.count("\ntrial ") + out.startswith("trial ") == 7
+    # What the trials measured teaches the next forecast on this machine.
+    assert "time model: steps took " in out
+    assert load_calibration().learned_from == 1
     text = preset.read_text()
     assert "# tuned on machine: " in text and "# forecast: " in text and "# search: " in text
     assert f"policy: {tuned['settings']['engine']['policy']}" in text

@@ -206,8 +206,26 @@ def test_the_plan_forecasts_each_candidate_and_says_why_one_does_not_fit():
     small = 20 * 2**20
     too_small = forecast(Candidate("cuda", 0.0, 4, 1, False, small))
     assert not too_small.fits and "have 20.0 MiB" in too_small.reason
+    assert too_small.over.startswith("device ") and too_small.over.endswith(" MiB over")
     whole, split = (forecast(Candidate("cpu", 0.0, micro, 4 // micro, False, small))
                     for micro in (4, 2))
     assert whole.fits and split.fits and whole.seconds > 0
     # Two micro-batches fetch every chunk twice: more copies for the same global batch.
     assert split.seconds > whole.seconds
+
+
+def test_the_measured_steps_teach_this_machines_next_forecast():
+    from engine.planning.calibration import calibration, load_calibration
+    from tuitrain.tune_setup import learn_from
+
+    cal = calibration()  # the tests' fixed one
+    a, b = cand("auto"), cand("cpu")
+    clock = FakeClock()
+    result = search([a, b], forecaster({a: 1.0, b: 2.0}),
+                    ScriptedEngine(clock, {a: 1.5, b: 3.0}), clock=clock)
+    line = learn_from(result, cal)
+    assert line is not None and "1.50x their forecast" in line and "x1.50" in line
+    assert load_calibration().correction == pytest.approx(1.5)
+    nothing = search([a], forecaster({}, {a: "needs more"}), ScriptedEngine(clock, {}),
+                     clock=clock)
+    assert learn_from(nothing, load_calibration()) is None  # nothing measured, nothing taught

@@ -82,11 +82,11 @@ class LiveTune:
 
     def _run(self, *, settings: Settings, policy: str, margin_ratio: float,
              device_budget: int, simulated: bool, trial_steps: int) -> None:
-        from tuitrain.tune_setup import tune_forecaster, tune_space
+        from tuitrain.tune_setup import learn_from, tune_forecaster, tune_space
         from tuitrain.tune_worker import WorkerTrainer
 
         try:
-            forecast, _ = tune_forecaster(
+            forecast, cal = tune_forecaster(
                 settings, simulated=simulated, say=lambda line: self.call(self.say, line))
             space = tune_space(settings, device_budget=device_budget)
             t = settings.training
@@ -99,6 +99,8 @@ class LiveTune:
             result: TuneResult | str = search(
                 space, forecast, trainer, trial_steps=trial_steps, stop=lambda: self.stopping,
                 on_trial=lambda trial: self.call(self.on_trial, trial))
+            if learned := learn_from(result, cal):
+                self.call(self.say, f"tune: time model: {learned}")
         except Exception as error:  # the search's failure is the app's line, not a crash
             result = f"{type(error).__name__}: {error}"
         self.call(self.on_done, result)
