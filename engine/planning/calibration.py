@@ -53,6 +53,9 @@ __all__ = [
 
 FORMAT = 1  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
+# The kernels' and copies' share of what is left of the limit once the engine is imported;
+# the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
+KERNELS_SHARE = 0.35
 # Widths matmuls are measured at (tokens x width @ width x width); a model's own width is
 # interpolated between them. A GPU is measured wider: small matmuls cannot fill it.
 WIDTHS = (256, 768, 2048)
@@ -284,6 +287,13 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     from engine.devices.device import make_device, uses_cuda
 
     started = time.perf_counter()
+    # The engine's steps come last, but their model is built first (its imports take
+    # seconds on a loaded machine, tens of them for transformers'): what is left of the
+    # limit is then shared out.
+    from engine.models.zoo import build_model
+
+    model = build_model("tiny", seed=0)
+    left = max(1.0, started + limit - time.perf_counter())
     cuda = uses_cuda(simulate)
     device = make_device(2**30, simulate)
     where = device.torch_device
@@ -292,7 +302,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     precisions = list(DTYPES) if cuda else ["fp32", "bf16"]
     # The engine's steps (_op_overhead) take what is left of the limit: building `tiny`
     # and its first steps take a few seconds on a busy machine.
-    clock = _Clock(limit * 0.6, len(widths) * len(precisions) + 8)
+    clock = _Clock(left * KERNELS_SHARE, len(widths) * len(precisions) + 8)
     tokens = max(16, int(TOKENS * scale))
 
     matmul: dict[str, dict[int, float]] = {}
@@ -325,7 +335,10 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     adamw_host = _adamw_rate(clock, elements, torch.device("cpu"), lambda: None)
     adamw_device = _adamw_rate(clock, elements, where, sync) if cuda else adamw_host
 
+    parts = {"model": limit - left if left > 1.0 else time.perf_counter() - started}
+    parts["kernels and copies"] = time.perf_counter() - started - parts["model"]
     disk_write, disk_read = _disk(scale)
+    parts["disk"] = time.perf_counter() - started - sum(parts.values())
     key, words = fingerprint()
     cal = Calibration(
         fingerprint=key, machine=words,
@@ -334,8 +347,11 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         adamw_host=adamw_host, adamw_device=adamw_device,
         disk_read=disk_read, disk_write=disk_write, op_overhead=0.0,
     )
-    cal.op_overhead = _op_overhead(cal, simulate, started + limit - time.perf_counter())
+    cal.op_overhead = _op_overhead(cal, model, simulate,
+                                   started + limit - time.perf_counter())
     cal.seconds = time.perf_counter() - started
+    parts["engine steps"] = cal.seconds - sum(parts.values())
+    cal.extra["seconds"] = parts  # where the time went, for a machine that takes longer
     cal.measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return cal
 
@@ -379,7 +395,8 @@ def _disk(scale: float) -> tuple[float, float]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _op_overhead(cal: Calibration, simulate: bool | None, limit: float) -> float:
+def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None,
+                 limit: float) -> float:
     """The engine's own seconds per op (its hooks and live-byte counter see every op): a
     few steps of `tiny` under cpu, whose many small ops cost more than their arithmetic,
     less what its arithmetic, copies and update take.
@@ -388,25 +405,28 @@ def _op_overhead(cal: Calibration, simulate: bool | None, limit: float) -> float
     thread, and a busy machine stretches its wall time by however many others share the
     cores, which is no property of the engine."""
     from engine.config import EngineConfig
-    from engine.models.zoo import build_model, model_config
+    from engine.models.zoo import model_config
     from engine.planning.flops import step_work
     from engine.step.engine import Engine
 
     batch, seq = 2, 32
-    model = build_model("tiny", seed=0)
     config = EngineConfig(policy="cpu", device_budget="1GiB", precision="fp32", seed=0,
                           simulate=simulate)
     ids = torch.arange(batch * seq).remainder(model.config.vocab_size).view(batch, seq)
     times: list[float] = []
-    with Engine(model, config) as eng:
-        start = time.perf_counter()
-        while len(times) < 3 or (time.perf_counter() - start < limit and len(times) < 30):
-            t0 = time.thread_time()
-            stats = eng.step({"input_ids": ids, "labels": ids})
-            times.append(time.thread_time() - t0)
-    steady = min(times[1:])  # the traced step left out; the fastest, as in _Clock.rate
     work = step_work(model_config("tiny"), torch.float32, batch_size=batch, seq_len=seq,
                      checkpointing=False)
+    deadline = time.perf_counter() + limit
+    wall = 0.0  # the last step's wall time: one more must end before the deadline
+    with Engine(model, config) as eng:
+        # The traced step and one more at least; more while the limit lasts (a loaded
+        # machine spends it on the first two).
+        while len(times) < 2 or (time.perf_counter() + wall < deadline and len(times) < 30):
+            t0, w0 = time.thread_time(), time.perf_counter()
+            stats = eng.step({"input_ids": ids, "labels": ids})
+            times.append(time.thread_time() - t0)
+            wall = time.perf_counter() - w0
+    steady = min(times[1:])  # the traced step left out; the fastest, as in _Clock.rate
     flops = work.forward_flops + work.backward_flops
     ops = (flops / cal.matmul_rate("fp32", work.hidden)
            + (work.forward_bytes + work.backward_bytes) / cal.elementwise
