@@ -104,7 +104,7 @@ class Forecast:
     fits: bool
     seconds: float  # predicted seconds per step (meaningless when it does not fit)
     reason: str = ""  # why it does not fit: which budget, by how much
-    over: str = ""  # the same in a few words: "device 1.2 GiB over"
+    over: str = ""  # the same in a few words: which budget and how much more it needs
 
 
 class Forecaster(Protocol):

@@ -43,12 +43,12 @@ def plan_forecaster(model: str, *, host_mem: int, precision: str, seq_len: int,
 
 def _over(row, c: Candidate, host_mem: int) -> str:
     """Which budget a setting that does not fit goes over, and by how much, in a few words
-    (a table's cell): "device 1.2 GiB over"; the disk when it is neither."""
+    (a table's cell): "device +1.2 GiB"; the disk when it is neither."""
     from tuitrain.formatting import format_size
 
     host = c.host_budget if c.host_budget is not None else host_mem
     if row.device_peak > c.device_budget:
-        return f"device {format_size(row.device_peak - c.device_budget)} over"
+        return f"device +{format_size(row.device_peak - c.device_budget)}"
     if row.host_peak > host:
-        return f"host {format_size(row.host_peak - host)} over"
+        return f"host +{format_size(row.host_peak - host)}"
     return "disk too small"

@@ -23,6 +23,7 @@ from tuitrain.trials import BEST_MIN_SETTLED, Setting, Trial, best_trial, format
 BEST = ("★", "bold yellow")
 OVER = ("!", "bold red")
 IN_TRIAL = ("▶", "bold cyan")
+NO_FIT = ("✗", "red")
 IN_FORCE = " ●"  # after the policy of the setting in force
 # (key, label, width): numbers are right-aligned in their width, whose first cell is the
 # space between columns (no cell padding). With the note at its least, they make 77 cells:
@@ -33,17 +34,17 @@ COLUMNS = (
     ("margin", "margin", 7),
     ("budget", "budget", 9),
     ("steps", "steps", 6),
-    ("forecast", "fcst", 8),
-    ("seconds", "s/step", 8),
+    ("forecast", "fcst", 9),
+    ("seconds", "s/step", 9),
     ("spread", "±", 5),
     ("rate", "tok/s", 7),
-    ("note", " note", 19),
+    ("note", " note", 17),
 )
 NOTE_MIN = COLUMNS[-1][2]
 FRAME = 3  # the border's two cells and the scrollbar's one
 LEGEND = (
     f"★ fastest within budget ({BEST_MIN_SETTLED}+ settled steps) · ▶ in trial · ● in force · "
-    "! over budget · Enter/s: save row"
+    "! over budget · ✗ does not fit · Enter/s: save row"
 )
 
 
@@ -65,7 +66,7 @@ def candidate_note(trial: tune.Trial) -> str:
     if status == tune.DOES_NOT_FIT:
         return trial.forecast.over or f"{status}: {trial.reason}"
     if status == tune.SLOWER and trial.slower is not None:
-        return f"fcst {trial.slower:+.0%} vs best"
+        return f"fcst {trial.slower:+.0%} slower"
     if status == tune.STOPPED_EARLY and trial.slower is not None:
         return f"stopped: {trial.slower:+.0%}"
     if status == tune.MEASURING:
@@ -93,6 +94,8 @@ def trial_cells(trial: Trial | None, *, best: bool, in_force: bool,
         mark = Text(OVER[0], style=OVER[1])
     elif candidate is not None and candidate.status == tune.MEASURING:
         mark = Text(IN_TRIAL[0], style=IN_TRIAL[1])
+    elif candidate is not None and candidate.status == tune.DOES_NOT_FIT:
+        mark = Text(NO_FIT[0], style=NO_FIT[1])
     else:
         mark = Text("")
     waiting = "…"  # no settled step yet: the medians come with the next one
@@ -173,7 +176,7 @@ class TrialsTable(DataTable):
 
     def on_mount(self) -> None:
         for key, label, width in COLUMNS:
-            justify = "left" if key in ("mark", "policy") else "right"
+            justify = "left" if key in ("mark", "policy", "note") else "right"
             self.add_column(Text(label, justify=justify), key=key, width=width)
 
     def on_resize(self, event: events.Resize) -> None:

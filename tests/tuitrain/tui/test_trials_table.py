@@ -210,7 +210,7 @@ async def test_the_tuners_candidates_are_rows_that_fit_the_small_screens(size):
         wide = Setting("cuda", 0.0, 3 * GiB)
         table.show_candidate(candidate(CPU, tune.MEASURING, seconds=2.0), tokens=256)
         table.show_candidate(candidate(slow, tune.SLOWER, seconds=2.5, slower=0.12), 256)
-        table.show_candidate(candidate(wide, tune.DOES_NOT_FIT, over="device 17.8 GiB over",
+        table.show_candidate(candidate(wide, tune.DOES_NOT_FIT, over="device +17.8 GiB",
                                        reason="needs 20.8 GiB on the device"), 256)
         await pilot.pause()
         assert columns_fit(table)
@@ -222,11 +222,14 @@ async def test_the_tuners_candidates_are_rows_that_fit_the_small_screens(size):
         # Those not tried say why, and what they were forecast to do.
         assert table.cell_text(slow, "forecast") == "2.50 s"
         assert table.cell_text(slow, "rate") == "102"  # 256 tokens / 2.5 s, forecast
-        assert table.cell_text(slow, "note") == " fcst +12% vs best"
-        assert table.cell_text(wide, "note") == " device 17.8 GiB over"
+        assert table.cell_text(slow, "note") == " fcst +12% slower"
+        assert table.cell_text(wide, "note") == " device +17.8 GiB"
+        assert table.cell_text(wide, "mark") == "✗"  # does not fit
         assert table.cell_text(wide, "forecast") == ""
-        # What a row says is on the screen, not cut: the least note fits "fcst +12% vs best".
-        assert table.columns["note"].width >= len(" fcst +12% vs best")
+        # What a row says is on the screen, not cut: the least note fits "fcst +12% slower".
+        assert table.columns["note"].width >= len(" fcst +12% slower")
+        # The longest step time (300.8 ms) keeps a space from the column before it.
+        assert all(table.columns[c].width > len("300.8 ms") for c in ("forecast", "seconds"))
         # A new search forgets the last one's candidates, not the settings the run used.
         table.forget_candidates()
         table.show([*table.trials], table.in_force)
