@@ -75,14 +75,21 @@ class WorkerTrainer:
         commands = {"policy": SetPolicy(policy=candidate.policy),
                     "margin_ratio": SetMargin(margin_ratio=candidate.margin_ratio),
                     "device_budget": SetBudget(device_budget=candidate.device_budget)}
-        for key in ("device_budget", "margin_ratio", "policy"):
-            if wanted[key] == self.current[key] or wanted[key] is None:
-                continue
-            answer = self._answer(self.send(commands[key]))
+        # All sent before any answer is awaited, so that the worker applies them at the
+        # same step: no step runs under half of the change (a setting of its own).
+        sent = {key: self.send(commands[key]) for key in ("device_budget", "margin_ratio",
+                                                          "policy")
+                if wanted[key] != self.current[key] and wanted[key] is not None}
+        refused = None
+        for key, command_id in sent.items():
+            answer = self._answer(command_id)
             if isinstance(answer, Rejected):
-                raise Refused(answer.reason)
+                refused = refused or answer.reason
+                continue
             self.current[key] = wanted[key]
             self.first_step = max(self.first_step, answer.step)
+        if refused is not None:
+            raise Refused(refused)
 
     def step(self) -> StepResult:
         while True:

@@ -161,3 +161,20 @@ def test_a_refused_command_and_a_change_of_shape_are_refused():
         t.apply(Candidate("cuda", 0.0, 2, 1, False, GIB))
     with pytest.raises(Refused, match="only when the run starts"):
         t.apply(Candidate("cpu", 0.0, 1, 2, False, GIB))
+
+
+def test_the_commands_of_one_setting_all_go_before_any_step_runs():
+    """Margin and policy sent one answer apart let a step run under the new margin and the
+    old policy: a setting nobody asked for, a row of its own in the trials table."""
+    worker = Scripted([step(4, 1.0), step(5, 1.0)], {SetPolicy: 4, SetMargin: 4})
+    sent_before_answers = []
+    events = worker.events
+
+    def answered() -> list[object]:
+        sent_before_answers.append(len(worker.sent))
+        return events()
+
+    t = WorkerTrainer(worker.send, answered, batch_size=2, grad_accum=1, checkpointing=False,
+                      policy="cpu", margin_ratio=0.0, device_budget=GIB)
+    t.apply(Candidate("cuda", 0.5, 2, 1, False, GIB))
+    assert sent_before_answers[0] == 2  # both commands out before the first answer is read
