@@ -42,7 +42,8 @@ class DiskSide(ChunkTiers):
         self.host_budget = host_budget
         self.disk_piece = rules.disk_piece([c.home_numel for c in self.chunks],
                                            self.chunks[0].itemsize if self.chunks else 4,
-                                           host_budget=host_budget, block=ALIGN)
+                                           host_budget=host_budget, block=ALIGN,
+                                           frozen=[c.frozen for c in self.chunks])
         worst = self.disk_placement(set())
         if worst.state:
             self.spill = scratch_space.open_spill(
@@ -75,8 +76,8 @@ class DiskSide(ChunkTiers):
     def disk_placement(self, resident: set[int]) -> rules.DiskPlacement:
         """rules.disk_placement for the chunks not in `resident`."""
         return rules.disk_placement(
-            [rules.disk_cost(c.home_numel, c.itemsize, ALIGN, self.disk_piece)
-             for c in self.chunks],
+            [rules.disk_cost(c.home_numel, c.itemsize, ALIGN, self.disk_piece,
+                             frozen=c.frozen) for c in self.chunks],
             on_host=[c.index for c in self.chunks if c.index not in resident],
             host_budget=self.host_budget, block=ALIGN)
 

@@ -51,13 +51,17 @@ Loaded = tuple[torch.Tensor, Future | None]  # a buffer and the read filling it 
 
 
 def state_parts(chunk: Chunk) -> tuple[str, ...]:
-    """The chunk's tensors (attribute names) that its state region holds, in order."""
+    """The chunk's tensors (attribute names) that its state region holds, in order (a
+    frozen chunk has none: it has no state region, and level 1 leaves it as it is)."""
+    if chunk.frozen:
+        return ()
     return ("exp_avg", "exp_avg_sq") if chunk.aliased else ("master", "exp_avg", "exp_avg_sq")
 
 
 def master_region(chunk: Chunk) -> str:
-    """The region that holds the chunk's fp32 master: fp32's master is its payload."""
-    return PAYLOAD if chunk.aliased else STATE
+    """The region that holds the chunk's fp32 master: fp32's master is its payload, and a
+    frozen chunk's weights are its payload whatever the precision."""
+    return PAYLOAD if chunk.aliased or chunk.frozen else STATE
 
 
 def host_parts(chunk: Chunk, region: str) -> tuple[str, ...]:
@@ -107,7 +111,8 @@ class Spill:
     # --- geometry -------------------------------------------------------------------------------
 
     def cost(self, chunk: Chunk) -> rules.DiskCost:
-        return rules.disk_cost(chunk.home_numel, chunk.itemsize, ALIGN, self.piece)
+        return rules.disk_cost(chunk.home_numel, chunk.itemsize, ALIGN, self.piece,
+                               frozen=chunk.frozen)
 
     def spans(self, chunk: Chunk) -> list[tuple[int, int]]:
         """(lo, hi) of each piece of the chunk's home tensors (sharded: of its shard,
@@ -133,7 +138,7 @@ class Spill:
                 sizes = {STATE: cost.pieces * cost.state_piece}
             else:
                 sizes = {PAYLOAD: cost.pieces * cost.payload_piece}
-                if chunk.aliased:
+                if cost.aliased:
                     sizes[GRAD] = cost.pieces * cost.grad_piece
             regions.update(self.tier.regions(_file_name(chunk, region), sizes))
         whole = regions[region]
@@ -240,8 +245,10 @@ class Spill:
         the chunk as it was (DiskTierError)."""
         self._forget_ahead(chunk)
         if level >= 1 and not chunk.state_on_disk:
-            self._write_out(chunk, STATE, {n: getattr(chunk, n) for n in state_parts(chunk)})
-            self._drop(chunk, STATE)
+            if not chunk.frozen:
+                self._write_out(chunk, STATE,
+                                {n: getattr(chunk, n) for n in state_parts(chunk)})
+                self._drop(chunk, STATE)
             chunk.state_on_disk = True
         if level >= 2 and not chunk.payload_on_disk:
             regions = [PAYLOAD, GRAD] if chunk.aliased and chunk.holds_grads else [PAYLOAD]
@@ -252,7 +259,7 @@ class Spill:
                 chunk.grad_sq = squared_norm(chunk.host_grad if chunk.aliased else chunk.payload)
             for region in regions:
                 self._drop(chunk, region)
-            if chunk.aliased and not chunk.holds_grads:
+            if chunk.aliased and not chunk.holds_grads and not chunk.frozen:
                 self.free(chunk.host_grad)  # gradients land in a buffer when on disk
                 chunk.host_grad = None
             chunk.payload_on_disk = True
@@ -262,15 +269,16 @@ class Spill:
                 chunk.master = chunk.payload
                 if chunk.holds_grads:
                     self._bring(chunk, GRAD)
-                else:
+                elif not chunk.frozen:
                     chunk.host_grad = self.alloc(chunk.home_numel, torch.float32)
             chunk.payload_on_disk = False
             chunk.grad_sq = None
             self._remove_file(chunk, PAYLOAD)
         if level == 0 and chunk.state_on_disk:
-            self._bring(chunk, STATE)
+            if not chunk.frozen:
+                self._bring(chunk, STATE)
+                self._remove_file(chunk, STATE)
             chunk.state_on_disk = False
-            self._remove_file(chunk, STATE)
 
     def _drop(self, chunk: Chunk, region: str) -> None:
         """Free the host tensors of a region that is on disk now."""
@@ -306,7 +314,7 @@ class Spill:
         block; then the regions in `write` written back (waiting). Costs the host one
         chunk's parts on disk, beyond the budget, for the block. (fp32 gradients on disk
         are not read: nothing outside the update needs them.)"""
-        regions = ([STATE] if chunk.state_on_disk else []) + (
+        regions = ([STATE] if chunk.state_on_disk and not chunk.frozen else []) + (
             [PAYLOAD] if chunk.payload_on_disk else [])
         regions = [r for r in regions if read is None or r in read]
         temps: dict[str, dict[str, torch.Tensor]] = {}
