@@ -323,6 +323,8 @@ def describe_error(error: Mapping[str, Any]) -> str:
         known = ", ".join(owner.model_fields) if owner else ""
         return f"unknown key (known: {known})" if known else "unknown key"
     if kind == "missing":
+        if loc[-2:] == ("lora", "rank"):
+            return "missing (the rank, which any other LoRA setting needs)"
         return "missing"
     if loc == ("version",):
         return (

@@ -311,8 +311,16 @@ def layout(sizes: list[int], chunk_size: int | None, frozen: list[bool] | None =
     kinds = [[i for i, f in enumerate(frozen) if f == kind] for kind in (False, True)]
     if chunk_size is None:
         chunk_size = search_chunk_size(sizes, runs=kinds)
+        # The trainable parameters (LoRA's adapters: a percent of the model, spread over
+        # every layer) in chunks of their own size: one of the model's would hold every
+        # layer's adapters, needed, fetched and its gradients open from the first layer to
+        # the last.
+        trainable = search_chunk_size([sizes[i] for i in kinds[0]])
+    else:
+        trainable = chunk_size
     groups = [[kind[i] for i in members]
-              for kind in kinds for members in pack([sizes[i] for i in kind], chunk_size)]
+              for kind, size in zip(kinds, (trainable, chunk_size), strict=True)
+              for members in pack([sizes[i] for i in kind], size)]
     return chunk_size, sorted(groups, key=lambda members: members[0])
 
 
