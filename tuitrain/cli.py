@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser("models", help="list the model zoo")
     models.set_defaults(handler=cmd_models, command_parser=models)
+    from tuitrain.export import add_export_parser
+
+    add_export_parser(commands)
     from tuitrain.attach import add_commands  # `attach` and `runs`
 
     add_commands(commands)

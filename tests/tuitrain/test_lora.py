@@ -118,6 +118,21 @@ def test_a_checkpoint_holds_an_adapter_folder_that_peft_loads_onto_the_base(tmp_
     assert float((theirs - base).abs().max()) > 1e-3
     eng.close()
 
+    # Merged into the base: a plain Hugging Face folder with the same logits.
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    assert main(["export", str(folder), "--merge", str(out)]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        plain = merged(input_ids=ids).logits
+    assert float((plain - ours).abs().max()) <= 1e-5 * float(ours.abs().max())
+    # An existing folder is never overwritten; a missing checkpoint is one line.
+    assert main(["export", str(folder), "--merge", str(out)]) == 2
+    assert main(["export", str(tmp_path / "none"), "--merge", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
+
 
 def test_a_lora_run_resumes_exactly(tmp_path):
     settings = lora_settings(tmp_path)
