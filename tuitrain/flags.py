@@ -87,7 +87,7 @@ RUN: tuple[Flag, ...] = (
          "train LoRA adapters of this rank; the base weights stay frozen (default: train "
          "every weight)", number=True),
     Flag("--lora-alpha", "training.lora.alpha", "A",
-         "with --lora: the adapters' update is scaled by A / RANK (default 2 x RANK)",
+         "with --lora: the adapters' update is scaled by A / RANK (2 x RANK unless given)",
          number=True),
     Flag("--lora-dropout", "training.lora.dropout", "P",
          "with --lora: dropout on the adapters' input, seeded like the model's (default 0)",
