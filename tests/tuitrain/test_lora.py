@@ -155,3 +155,37 @@ def test_a_lora_run_resumes_exactly(tmp_path):
 def resumed_settings(settings: Settings, folder) -> Settings:
     return settings.model_copy(update={
         "checkpoint": settings.checkpoint.model_copy(update={"resume": str(folder)})})
+
+
+# --- what the screens show ------------------------------------------------------------------
+
+
+def test_the_lines_show_trainable_and_frozen_counts():
+    from tuitrain.formatting import format_trained
+    from tuitrain.tui.header import HeaderInfo, header_items
+
+    assert format_trained(666_500, 9_200) == " (9.2k trainable, 657.3k frozen)"
+    assert format_trained(666_500, 666_500) == format_trained(666_500, None) == ""
+    first, _ = header_items(HeaderInfo("tiny", parameters=666_500, trainable=9_200))
+    assert "666.5k params (9.2k trainable)" in "".join(t for i in first for t, _ in i.parts)
+    first, _ = header_items(HeaderInfo("tiny", parameters=666_500))
+    assert "666.5k params" in "".join(t for i in first for t, _ in i.parts)
+
+
+def test_the_chunk_map_marks_frozen_chunks_apart_from_trainable_ones():
+    from engine.telemetry import ChunkInfo
+    from tuitrain.tui.chunk_map import IN_USE, cell_for
+
+    for location in ("device", "host", "disk"):
+        frozen = cell_for(ChunkInfo(0, location, "HOLD", 64, frozen=True))
+        trained = cell_for(ChunkInfo(0, location, "HOLD", 64))
+        assert frozen[0] != trained[0] and frozen[1] == trained[1]  # glyph apart, colour kept
+    assert cell_for(ChunkInfo(0, "host", "COMPUTE", 64, frozen=True)) == IN_USE
+
+
+def test_a_snapshot_says_which_chunks_are_frozen(tmp_path):
+    eng, _ = lora_engine(lora_settings(tmp_path))
+    chunks = eng.snapshot().chunks
+    assert {c.frozen for c in chunks} == {True, False}
+    assert [c.frozen for c in chunks] == [c.frozen for c in eng.chunks]
+    eng.close()
