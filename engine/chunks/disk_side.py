@@ -14,8 +14,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine.chunks import scratch_space
-from engine.chunks import spill as disk
+from engine.chunks import scratch_space, spill_regions
 from engine.chunks.chunk import Chunk
 from engine.chunks.tiers import ChunkTiers
 from engine.chunks.update_walk import NoDisk, UpdatePipeline
@@ -129,8 +128,8 @@ class DiskSide(ChunkTiers):
         if self.spill is None or not chunk.disk_level:
             yield
             return
-        regions = (disk.STATE, disk.PAYLOAD) if write else ()
-        read = (disk.master_region(chunk),) if master_only else None
+        regions = (spill_regions.STATE, spill_regions.PAYLOAD) if write else ()
+        read = (spill_regions.master_region(chunk),) if master_only else None
         with self.spill.opened(chunk, write=regions, read=read):
             yield
 

@@ -39,41 +39,19 @@ import torch
 
 from engine.chunks.chunk import Chunk, squared_norm
 from engine.chunks.flight import UpdateInFlight
+from engine.chunks.spill_regions import (
+    GRAD,
+    PAYLOAD,
+    POOL,
+    STATE,
+    file_name,
+    host_parts,
+    state_parts,
+)
 from engine.devices.disk import ALIGN, DiskTier, Region
 from engine.placement import rules
 
-STATE = "state"  # the state region, and the pool of buffers that carries its pieces
-PAYLOAD = "payload"  # the payload region, and the pool for payload and gradient pieces
-GRAD = "grad"  # fp32 only: the gradient region (carried by payload buffers)
-POOL = {STATE: STATE, PAYLOAD: PAYLOAD, GRAD: PAYLOAD}
-
 Loaded = tuple[torch.Tensor, Future | None]  # a buffer and the read filling it (None: done)
-
-
-def state_parts(chunk: Chunk) -> tuple[str, ...]:
-    """The chunk's tensors (attribute names) that its state region holds, in order (a
-    frozen chunk has none: it has no state region, and level 1 leaves it as it is)."""
-    if chunk.frozen:
-        return ()
-    return ("exp_avg", "exp_avg_sq") if chunk.aliased else ("master", "exp_avg", "exp_avg_sq")
-
-
-def master_region(chunk: Chunk) -> str:
-    """The region that holds the chunk's fp32 master: fp32's master is its payload, and a
-    frozen chunk's weights are its payload whatever the precision."""
-    return PAYLOAD if chunk.aliased or chunk.frozen else STATE
-
-
-def host_parts(chunk: Chunk, region: str) -> tuple[str, ...]:
-    """The chunk's host tensors that `region` holds (fp32's master is its payload)."""
-    if region == STATE:
-        return state_parts(chunk)
-    return ("host_grad",) if region == GRAD else ("payload",)
-
-
-def _file_name(chunk: Chunk, region: str) -> str:
-    """The file of the chunk's state, or of its payload (and fp32's gradients)."""
-    return f"chunk-{chunk.index:05d}-{STATE if region == STATE else PAYLOAD}"
 
 
 class ScratchTooSmall(ValueError):
@@ -140,7 +118,7 @@ class Spill:
                 sizes = {PAYLOAD: cost.pieces * cost.payload_piece}
                 if cost.aliased:
                     sizes[GRAD] = cost.pieces * cost.grad_piece
-            regions.update(self.tier.regions(_file_name(chunk, region), sizes))
+            regions.update(self.tier.regions(file_name(chunk, region), sizes))
         whole = regions[region]
         size = self._piece_bytes(chunk, region)
         return Region(whole.file, whole.offset + i * size, size)
@@ -150,7 +128,7 @@ class Spill:
         regions = self._regions.get(chunk.index, {})
         for name in (STATE,) if region == STATE else (PAYLOAD, GRAD):
             regions.pop(name, None)
-        self.tier.drop_file(_file_name(chunk, region))
+        self.tier.drop_file(file_name(chunk, region))
 
     def views(self, chunk: Chunk, region: str, buffer: torch.Tensor, numel: int
                ) -> dict[str, torch.Tensor]:
@@ -244,11 +222,11 @@ class Spill:
         Each part is written before its host tensors are freed, so a failed write leaves
         the chunk as it was (DiskTierError)."""
         self._forget_ahead(chunk)
+        if chunk.frozen:  # no optimizer state: level 1 moves nothing, it only marks it
+            chunk.state_on_disk = level >= 1
         if level >= 1 and not chunk.state_on_disk:
-            if not chunk.frozen:
-                self._write_out(chunk, STATE,
-                                {n: getattr(chunk, n) for n in state_parts(chunk)})
-                self._drop(chunk, STATE)
+            self._write_out(chunk, STATE, {n: getattr(chunk, n) for n in state_parts(chunk)})
+            self._drop(chunk, STATE)
             chunk.state_on_disk = True
         if level >= 2 and not chunk.payload_on_disk:
             regions = [PAYLOAD, GRAD] if chunk.aliased and chunk.holds_grads else [PAYLOAD]
@@ -275,10 +253,9 @@ class Spill:
             chunk.grad_sq = None
             self._remove_file(chunk, PAYLOAD)
         if level == 0 and chunk.state_on_disk:
-            if not chunk.frozen:
-                self._bring(chunk, STATE)
-                self._remove_file(chunk, STATE)
+            self._bring(chunk, STATE)
             chunk.state_on_disk = False
+            self._remove_file(chunk, STATE)
 
     def _drop(self, chunk: Chunk, region: str) -> None:
         """Free the host tensors of a region that is on disk now."""
