@@ -12,6 +12,7 @@ class ChunkInfo:
     location: str  # "device" | "host" | "disk" (the payload is in the scratch folder)
     state: str  # the most active TensorState of its parameters
     nbytes: int  # payload bytes (compute dtype)
+    frozen: bool = False  # payload only: its parameters need no gradient (LoRA's base)
 
 
 @dataclass

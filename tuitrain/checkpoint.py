@@ -3,7 +3,8 @@
 A checkpoint is a folder `DIR/step-NNNNNN/`:
 
     model/                 a Hugging Face model folder (config, sharded safetensors, tokenizer):
-                           `AutoModelForCausalLM.from_pretrained` loads it as is
+                           `AutoModelForCausalLM.from_pretrained` loads it as is; a LoRA run
+                           has adapter/ instead, a PEFT adapter folder (tuitrain.adapter_folder)
     optimizer*.safetensors fp32 master weights, AdamW moments and step counts by name, in
                            the same sharded layout (tuitrain.shard_files): one file, or
                            shards and optimizer.safetensors.index.json
@@ -53,6 +54,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tuitrain.adapter_folder import ADAPTER_DIR, is_adapted, write_adapter
 from tuitrain.ranks import gather_from_ranks
 from tuitrain.shard_files import (
     SHARD_BYTES,
@@ -157,7 +159,7 @@ def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
 def _write(folder: Path, engine: Any, model: torch.nn.Module, data: Any, settings: Any,
            step: int, shard_bytes: int) -> None:
     with contextlib.closing(engine.iter_model_state()) as pairs:  # a failed write closes it
-        _write_model(folder / "model", model, data, pairs, shard_bytes)
+        _write_weights(folder, model, data, pairs, shard_bytes)
     optimizer = ShardWriter(folder, OPTIMIZER, shard_bytes)
     with contextlib.closing(engine.iter_optimizer_state()) as pairs:
         for name, tensor in pairs:
@@ -184,6 +186,15 @@ def _write_rest(folder: Path, engine: Any, data: Any, settings: Any, step: int,
 
 def _entry(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _write_weights(folder: Path, model: torch.nn.Module, data: Any,
+                   pairs: Iterator[tuple[str, torch.Tensor]], shard_bytes: int) -> None:
+    """The model folder, or a LoRA run's adapter folder, from the engine's weights."""
+    if is_adapted(model):
+        write_adapter(folder / ADAPTER_DIR, model, pairs)
+    else:
+        _write_model(folder / "model", model, data, pairs, shard_bytes)
 
 
 def _write_model(model_dir: Path, model: torch.nn.Module, data: Any,
@@ -245,7 +256,7 @@ def _save_ranks(engine: Any, model: torch.nn.Module, data: Any, settings: Any, s
         with contextlib.closing(engine.iter_model_state()) as pairs:
             if rank == 0 and own is None:
                 try:
-                    _write_model(tmp / "model", model, data, pairs, shard_bytes)
+                    _write_weights(tmp, model, data, pairs, shard_bytes)
                 except Exception as err:  # noqa: BLE001
                     own, report["error"] = err, f"rank 0: {err}"
             for _ in pairs:  # the rest of the weights' gathers, so no rank waits on them

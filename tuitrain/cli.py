@@ -1,4 +1,4 @@
-"""The `tuitrain` command: run, plan, presets, models.
+"""The `tuitrain` command: run, plan, presets, models, export.
 
 Everything a user typed is checked before anything heavy starts (no model is built, no
 process spawned), and a mistake is one line on stderr with exit status 2, never a traceback.
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tuitrain.attach import add_commands  # `attach` and `runs`
 
     add_commands(commands)
+    from tuitrain.export import add_export_parser
+
+    add_export_parser(commands)
     return parser
 
 

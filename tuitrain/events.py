@@ -72,6 +72,7 @@ class Started(Event):
     log_path: str = ""
     device_budget: int | None = None  # bytes the engine got; None: the whole GPU
     ranks: int = 1  # processes training the run data parallel (rank 0 reports); 1: one
+    trainable: int | None = None  # parameter elements that train (LoRA's adapters); None: all
 
 
 @dataclass

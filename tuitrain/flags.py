@@ -83,6 +83,18 @@ RUN: tuple[Flag, ...] = (
          number=True),
     Flag("--checkpointing", "training.activation_checkpointing", None,
          "recompute activations in the backward pass to save memory (default off)"),
+    Flag("--lora", "training.lora.rank", "RANK",
+         "train LoRA adapters of this rank; the base weights stay frozen (default: train "
+         "every weight)", number=True),
+    Flag("--lora-alpha", "training.lora.alpha", "A",
+         "with --lora: the adapters' update is scaled by A / RANK (2 x RANK unless given)",
+         number=True),
+    Flag("--lora-dropout", "training.lora.dropout", "P",
+         "with --lora: dropout on the adapters' input, seeded like the model's (default 0)",
+         number=True),
+    Flag("--lora-targets", "training.lora.targets", "NAMES",
+         "with --lora: all-linear, or module names such as q_proj,v_proj (default "
+         "all-linear)"),
     Flag("--data", "data.path", "PATH",
          "text file, folder, JSONL or `datasets` folder (default: a built-in corpus)"),
     Flag("--text-field", "data.text_field", "NAME",
@@ -110,7 +122,8 @@ PLAN = tuple(
     f
     for f in RUN
     if f.name in ("--margin", "--device-mem", "--precision", "--batch-size", "--grad-accum",
-                  "--seq-len", "--checkpointing")
+                  "--seq-len", "--checkpointing", "--lora", "--lora-alpha", "--lora-dropout",
+                  "--lora-targets")
 )
 RUN_FLAGS: dict[str, str] = {f.name: f.key for f in RUN}  # flag -> the settings key it sets
 

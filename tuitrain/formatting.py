@@ -40,3 +40,11 @@ def format_seconds(seconds: float) -> str:
         return f"{seconds:.2f} s"
     minutes, rest = divmod(int(round(seconds)), 60)
     return f"{minutes}m{rest:02d}s"
+
+
+def format_trained(parameters: int, trainable: int | None) -> str:
+    """What of the parameters trains, when not all do (LoRA): " (12.3k trainable, 1.2M
+    frozen)"; "" when every one trains or it is not known."""
+    if trainable is None or trainable >= parameters:
+        return ""
+    return f" ({format_count(trainable)} trainable, {format_count(parameters - trainable)} frozen)"

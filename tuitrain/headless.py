@@ -20,7 +20,13 @@ from engine.telemetry import StepStats
 from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
-from tuitrain.formatting import format_count, format_rate, format_seconds, format_size
+from tuitrain.formatting import (
+    format_count,
+    format_rate,
+    format_seconds,
+    format_size,
+    format_trained,
+)
 from tuitrain.run_preset import PresetPace
 from tuitrain.served import serve
 from tuitrain.settings import Settings
@@ -240,7 +246,8 @@ class _Report:
         if t.get("warmup_steps"):
             schedule += f" after {t['warmup_steps']} warm-up steps"
         lines = [
-            f"{event.model}: {format_count(event.parameters)} parameters in {len(event.chunks)} "
+            f"{event.model}: {format_count(event.parameters)} parameters"
+            f"{format_trained(event.parameters, event.trainable)} in {len(event.chunks)} "
             f"chunks on {event.device}",
             f"  engine    policy {e['policy']}, margin {e['margin_ratio']:.2f}, "
             f"budget {device_budget}, precision {e['precision']}"

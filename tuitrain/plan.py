@@ -61,6 +61,7 @@ def plan_main(args: argparse.Namespace) -> int:
                 margin_ratio=getattr(args, "margin_ratio", 0.0),
                 simulated=simulated,
                 nproc=args.nproc,
+                lora=getattr(args, "lora", None),
             )
         except ValueError as error:  # UnknownModel and BadCheckpoint are ValueErrors too
             raise UsageError(" ".join(str(error).split())) from None

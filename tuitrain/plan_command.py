@@ -22,11 +22,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         host_budget = Size(args.host_mem).nbytes if args.host_mem is not None else None
     except ValueError as error:
         raise UsageError(f"--host-mem: {error}") from None
-    from tuitrain.run_checks import check_model
+    from tuitrain.run_checks import check_lora, check_model
 
     if host_budget is None and settings.engine.host_budget is not None:
         host_budget = settings.engine.host_budget.nbytes  # the preset's
     check_model(settings.model, settings.training.seq_len)
+    check_lora(settings)
     nproc = _plan_ranks(args.nproc, settings.training.batch_size)
     hardware = _hardware(args.hardware or settings.hardware)
     simulated = not has_cuda() and hardware is None
@@ -44,6 +45,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         margin_ratio=settings.engine.margin_ratio,
         disk_dir=args.disk,
         nproc=nproc,
+        lora=settings.training.lora.as_lora() if settings.training.lora else None,
         json=args.json,
         hardware=hardware,
     )

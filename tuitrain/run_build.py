@@ -34,6 +34,11 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     device_budget = s.device_budget_for(simulated)
     say(f"building {s.model}")
     model = build_model(s.model, seed=s.training.seed)
+    if s.training.lora is not None:
+        from engine.models.lora import apply_lora
+
+        say(f"adding LoRA adapters of rank {s.training.lora.rank}")
+        model = apply_lora(model, s.training.lora.as_lora(), seed=s.training.seed)
     if s.training.activation_checkpointing:
         # transformers 5 renamed it; 4.x only has the old name.
         enable = getattr(model, "activation_checkpointing_enable", None)

@@ -30,9 +30,24 @@ def check_model(name: str, seq_len: int) -> None:
         raise UsageError(f"seq_len {seq_len} is longer than the {positions} positions of {name}")
 
 
+def check_lora(settings: Settings) -> None:
+    """The LoRA targets name modules of the model (checked on the meta device: nothing is
+    allocated)."""
+    if settings.training.lora is None:
+        return
+    from engine.models.lora import NoTargets, apply_lora
+    from engine.models.zoo import meta_model
+
+    try:
+        apply_lora(meta_model(settings.model), settings.training.lora.as_lora())
+    except NoTargets as error:
+        raise UsageError(f"--lora-targets: {error}") from None
+
+
 def check_runnable(settings: Settings) -> None:
     """Every check that needs no training: the model, the files and folders named."""
     check_model(settings.model, settings.training.seq_len)
+    check_lora(settings)
     data = settings.data.path
     if data is not None and not Path(data).expanduser().exists():
         raise UsageError(f"data path not found: {data}")

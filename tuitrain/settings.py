@@ -15,6 +15,7 @@ from pydantic import (
     Field,
     GetCoreSchemaHandler,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
@@ -33,6 +34,8 @@ EVAL_FRACTION_MAX = 0.5
 # A week: far past any wait a run has reason for, and well within what the backends' timers
 # (and datetime.timedelta) hold.
 COLLECTIVE_TIMEOUT_MAX = 7 * 24 * 3600
+# LoRA's point is a low rank; past this the adapters of the largest zoo layers outgrow them.
+LORA_RANK_MAX = 4096
 
 
 class Size(str):
@@ -114,6 +117,35 @@ class EngineSettings(_Strict):
                                      le=COLLECTIVE_TIMEOUT_MAX)
 
 
+class LoraSettings(_Strict):
+    """LoRA adapters (engine.models.lora): the base weights stay frozen, in payload-only
+    chunks, and only the adapters train."""
+
+    rank: int = Field(gt=0, le=LORA_RANK_MAX)
+    alpha: float | None = Field(None, gt=0)  # None: 2 x rank
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # "all-linear" (every linear layer but the output head), or module names separated by
+    # commas, as peft matches them: "q_proj,v_proj".
+    targets: str = "all-linear"
+
+    @field_validator("targets")
+    @classmethod
+    def _check_targets(cls, value: str) -> str:
+        names = [n.strip() for n in value.split(",")]
+        if value != "all-linear" and not all(n.replace("_", "").replace(".", "").isalnum()
+                                             for n in names):
+            raise ValueError(f"must be all-linear or module names separated by commas "
+                             f"(got {value!r})")
+        return value if value == "all-linear" else ",".join(names)
+
+    def as_lora(self) -> Any:
+        """The engine's engine.models.lora.Lora for these settings."""
+        from engine.models.lora import Lora
+
+        targets = self.targets if self.targets == "all-linear" else tuple(self.targets.split(","))
+        return Lora(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=targets)
+
+
 class TrainingSettings(_Strict):
     batch_size: int = Field(2, gt=0)
     seq_len: int = Field(128, gt=1)
@@ -138,6 +170,7 @@ class TrainingSettings(_Strict):
     eval_batches: int = Field(8, gt=0)
     # Data-parallel ranks on this machine (--nproc): a preset saved from N ranks runs on N.
     nproc: int = Field(1, gt=0)
+    lora: LoraSettings | None = None  # None: every parameter trains
 
 
 class DataSettings(_Strict):
@@ -290,6 +323,8 @@ def describe_error(error: Mapping[str, Any]) -> str:
         known = ", ".join(owner.model_fields) if owner else ""
         return f"unknown key (known: {known})" if known else "unknown key"
     if kind == "missing":
+        if loc[-2:] == ("lora", "rank"):
+            return "missing (the rank, which any other LoRA setting needs)"
         return "missing"
     if loc == ("version",):
         return (

@@ -184,6 +184,7 @@ class TrainingRun(RunCommands):
             log_path=self.log_path,
             device_budget=built.device_budget,
             ranks=self.ranks.world,
+            trainable=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
         )
         self.outbox.put(started)
         print(f"started: {s.model}, {started.parameters} parameters, {device}", flush=True)

@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 
 def plan_forecaster(model: str, *, host_mem: int, precision: str, seq_len: int,
                     simulated: bool, calibration: Calibration,
-                    disk_dir: str | Path | None = None) -> Forecaster:
-    """A Forecaster for `model` at this batch length on this machine. Plans are shared by
-    the candidates that differ only in policy or accumulation."""
+                    disk_dir: str | Path | None = None, lora: object = None) -> Forecaster:
+    """A Forecaster for `model` at this batch length on this machine (with `lora`'s
+    adapters, an engine.models.lora.Lora, if given). Plans are shared by the candidates
+    that differ only in policy or accumulation."""
     from engine.planning.planner import plan
     from engine.planning.time_model import step_times
 
@@ -31,7 +32,7 @@ def plan_forecaster(model: str, *, host_mem: int, precision: str, seq_len: int,
                               precision=precision, batch_size=c.batch_size, seq_len=seq_len,
                               checkpointing=c.activation_checkpointing, simulated=simulated,
                               margin_ratio=c.margin_ratio, host_budget=c.host_budget,
-                              disk_dir=disk_dir)
+                              disk_dir=disk_dir, lora=lora)
         p = plans[key]
         row = p.policies[c.policy]
         if not row.fits:

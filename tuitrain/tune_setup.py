@@ -59,7 +59,9 @@ def tune_forecaster(settings: Settings, *, simulated: bool,
     forecast = plan_forecaster(settings.model, host_mem=default_host_budget(),
                                precision=settings.precision_for(simulated),
                                seq_len=settings.training.seq_len, simulated=simulated,
-                               calibration=cal, disk_dir=settings.engine.disk_dir)
+                               calibration=cal, disk_dir=settings.engine.disk_dir,
+                               lora=(settings.training.lora.as_lora()
+                                     if settings.training.lora else None))
     return forecast, cal
 
 

@@ -10,6 +10,11 @@ A chunk owns, for its parameters:
   empty storage whenever it is released.
 - `master`, `exp_avg`, `exp_avg_sq`: fp32 AdamW state, on the host or (resident) the device.
 
+A *frozen* chunk holds only parameters that need no gradient (a LoRA run's base weights):
+its payload alone, with no master (fp32: the payload, as for any chunk), no moments and no
+gradient landing place. Trainable and frozen parameters are never packed together, so a
+frozen chunk costs its payload and nothing more wherever it lives.
+
 The layout (which parameter goes where) is a pure function of the parameter sizes, so the
 planner can compute it on the meta device without allocating anything.
 """
@@ -46,10 +51,12 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def host_bytes_per_parameter(precision: str) -> int:
+def host_bytes_per_parameter(precision: str, *, frozen: bool = False) -> int:
     """Host bytes a non-resident chunk keeps per parameter: fp32 master and two moments, plus
     the payload (fp32: the master itself) and a gradient landing place (bf16/fp16: the payload
-    itself, reused after backward)."""
+    itself, reused after backward). A frozen chunk: its payload alone."""
+    if frozen:
+        return 4 if precision == "fp32" else 2
     return 16 if precision == "fp32" else 14
 
 
@@ -91,22 +98,24 @@ def packing_waste(sizes: list[int], chunk_size: int) -> int:
 
 
 def search_chunk_size(sizes: list[int], *, candidates: int = 64,
-                      max_waste: float = 0.05) -> int:
+                      max_waste: float = 0.05, runs: list[list[int]] | None = None) -> int:
     """The smallest chunk size (elements) that wastes at most `max_waste` of the model.
 
     Smaller chunks lower the minimum working set (a chunk and its gradient buffer must fit
     beside the activations) and let the auto policy keep finer-grained pieces; below ~1/64
     of the model they only add copies and kernel calls. So the search runs from 1/64 to 1/4
     of the model (clamped to 2^12..2^26 elements) and takes the first size that packs
-    well, or the one that wastes least if none does.
+    well, or the one that wastes least if none does. `runs`: the parameters (indices) of
+    each run packed apart (layout's frozen and trainable ones); the waste is their sum.
     """
+    runs = runs or [list(range(len(sizes)))]
     total = sum(_aligned(n) for n in sizes)
     lo = max(2**12, min(total // 64, 2**26))
     hi = max(lo, min(total // 4, 2**26))
     step = max(ALIGN, (hi - lo) // candidates // ALIGN * ALIGN)
     best, best_waste = hi, None
     for size in range(lo, hi + 1, step):
-        waste = packing_waste(sizes, size)
+        waste = sum(packing_waste([sizes[i] for i in run], size) for run in runs)
         if waste <= max_waste * total:
             return size
         if best_waste is None or waste < best_waste:
@@ -126,6 +135,10 @@ class Slot:
     state: TensorState = TensorState.FREE
     got_grad: bool = False
     steps: int = 0  # AdamW updates this parameter has had (torch counts per parameter)
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
 
 
 class DeviceCopy(str, Enum):
@@ -178,6 +191,9 @@ class Chunk:
     # host or, resident, on the device. The whole chunk is gathered for each use even when
     # resident: residency places the shard and its optimizer update.
     shard: Shard | None = None
+    # Every parameter needs no gradient: the payload alone (module docstring); fixed when
+    # the chunks are packed.
+    frozen: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -231,8 +247,8 @@ class Chunk:
 
     @property
     def optim_nbytes(self) -> int:
-        """fp32 master + two AdamW moments."""
-        return self.numel * 12
+        """fp32 master + two AdamW moments (none for a frozen chunk)."""
+        return 0 if self.frozen else self.numel * 12
 
     @property
     def location(self) -> str:
@@ -281,10 +297,32 @@ def squared_norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
 
 
-def layout(sizes: list[int], chunk_size: int | None) -> tuple[int, list[list[int]]]:
-    """(chunk size, parameter indices per chunk) for parameters of `sizes` in use order."""
-    size = chunk_size or search_chunk_size(sizes)
-    return size, pack(sizes, size)
+def layout(sizes: list[int], chunk_size: int | None, frozen: list[bool] | None = None
+           ) -> tuple[int, list[list[int]]]:
+    """(chunk size, parameter indices per chunk) for parameters of `sizes` in use order.
+
+    `frozen`: which parameters need no gradient. Those and the trainable ones are packed
+    apart (each kind in use order), so that a frozen chunk keeps no optimizer state; the
+    chunks are numbered by the first use of their first parameter, as they would be
+    otherwise. The chunk size is searched over the two packings together."""
+    if not frozen or all(frozen) or not any(frozen):
+        size = chunk_size or search_chunk_size(sizes)
+        return size, pack(sizes, size)
+    kinds = [[i for i, f in enumerate(frozen) if f == kind] for kind in (False, True)]
+    if chunk_size is None:
+        chunk_size = search_chunk_size(sizes, runs=kinds)
+        # The trainable parameters (LoRA's adapters: a percent of the model, spread over
+        # every layer) in chunks of their own size: one of the model's would hold every
+        # layer's adapters, needed, fetched and its gradients open from the first layer to
+        # the last.
+        trainable = search_chunk_size([sizes[i] for i in kinds[0]])
+    else:
+        trainable = chunk_size
+    groups = [[kind[i] for i in members]
+              for kind, size in zip(kinds, (trainable, chunk_size), strict=True)
+              for members in pack([sizes[i] for i in kind], size)]
+    return chunk_size, sorted(groups, key=lambda members: members[0])
+
 
 
 def chunk_numel(sizes: list[int], members: list[int]) -> int:

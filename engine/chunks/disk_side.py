@@ -14,8 +14,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine.chunks import scratch_space
-from engine.chunks import spill as disk
+from engine.chunks import scratch_space, spill_regions
 from engine.chunks.chunk import Chunk
 from engine.chunks.tiers import ChunkTiers
 from engine.chunks.update_walk import NoDisk, UpdatePipeline
@@ -42,7 +41,8 @@ class DiskSide(ChunkTiers):
         self.host_budget = host_budget
         self.disk_piece = rules.disk_piece([c.home_numel for c in self.chunks],
                                            self.chunks[0].itemsize if self.chunks else 4,
-                                           host_budget=host_budget, block=ALIGN)
+                                           host_budget=host_budget, block=ALIGN,
+                                           frozen=[c.frozen for c in self.chunks])
         worst = self.disk_placement(set())
         if worst.state:
             self.spill = scratch_space.open_spill(
@@ -75,8 +75,8 @@ class DiskSide(ChunkTiers):
     def disk_placement(self, resident: set[int]) -> rules.DiskPlacement:
         """rules.disk_placement for the chunks not in `resident`."""
         return rules.disk_placement(
-            [rules.disk_cost(c.home_numel, c.itemsize, ALIGN, self.disk_piece)
-             for c in self.chunks],
+            [rules.disk_cost(c.home_numel, c.itemsize, ALIGN, self.disk_piece,
+                             frozen=c.frozen) for c in self.chunks],
             on_host=[c.index for c in self.chunks if c.index not in resident],
             host_budget=self.host_budget, block=ALIGN)
 
@@ -128,8 +128,8 @@ class DiskSide(ChunkTiers):
         if self.spill is None or not chunk.disk_level:
             yield
             return
-        regions = (disk.STATE, disk.PAYLOAD) if write else ()
-        read = (disk.master_region(chunk),) if master_only else None
+        regions = (spill_regions.STATE, spill_regions.PAYLOAD) if write else ()
+        read = (spill_regions.master_region(chunk),) if master_only else None
         with self.spill.opened(chunk, write=regions, read=read):
             yield
 

@@ -112,10 +112,11 @@ class ChunkManager(DeviceCopies, Gradients, Residency, DiskSide):
     def _give_weights(self, chunk: Chunk) -> None:
         """Each parameter of the chunk its latest weights, as a CPU tensor of its own."""
         with self.opened(chunk):
-            master = chunk.master
+            # A frozen chunk's weights are its payload (bf16/fp16: it has no master).
+            master = chunk.payload if chunk.frozen else chunk.master
             if chunk.sharded:
                 try:
-                    master = self.whole(chunk, chunk.master)
+                    master = self.whole(chunk, master)
                 except CollectiveError:
                     master = None  # another rank is gone: no whole weights to give
             for slot in chunk.slots:

@@ -136,7 +136,8 @@ def build_chunks(model: torch.nn.Module, *, dtype: torch.dtype, device: ComputeD
         names.setdefault(id(p), name)
     params = order if order is not None else first_use_order(model)
     sizes = [p.numel() for p in params]
-    size, groups = layout(sizes, chunk_size)
+    frozen = [not p.requires_grad for p in params]
+    size, groups = layout(sizes, chunk_size, frozen)
     chunks = []
     for index, members in enumerate(groups):
         slots, offset = [], 0
@@ -149,7 +150,8 @@ def build_chunks(model: torch.nn.Module, *, dtype: torch.dtype, device: ComputeD
         if ranks is not None:
             numel = padded_numel(numel, ranks[1])
             shard = Shard(ranks[0], ranks[1], numel)
-        chunk = Chunk(index, numel, dtype, slots, shard=shard)
+        chunk = Chunk(index, numel, dtype, slots, shard=shard,
+                      frozen=all(frozen[i] for i in members))
         if filled:  # else the caller fills each chunk (`fill`), placing it before the next
             fill(chunk, device)
         chunks.append(chunk)
@@ -161,13 +163,31 @@ def fill(chunk: Chunk, dev: ComputeDevice) -> None:
     their original storage one by one."""
     home = chunk.home_numel
     lo, hi = (chunk.shard.lo, chunk.shard.hi) if chunk.shard else (0, chunk.numel)
-    chunk.master = dev.host_empty(home, torch.float32).zero_()
+    # A frozen chunk's weights go straight into its payload: it has no master (fp32: the
+    # payload is the master, as for any chunk).
+    dtype = chunk.dtype if chunk.frozen else torch.float32
+    weights = dev.host_empty(home, dtype).zero_()
     for slot in chunk.slots:
         part = overlap(slot.offset, slot.numel, lo, hi)
         if part is not None:
             src = slot.param.detach().reshape(-1)[part[0] - slot.offset:part[1] - slot.offset]
-            chunk.master[part[0] - lo:part[1] - lo].copy_(src)
+            weights[part[0] - lo:part[1] - lo].copy_(src)
         slot.param.data = torch.empty(0, dtype=chunk.dtype, device=dev.torch_device)
+    if chunk.frozen:
+        chunk.payload = weights
+        chunk.master = weights if chunk.aliased else None
+    else:
+        _fill_state(chunk, dev, weights)
+    chunk.device_payload = dev.empty(chunk.numel, chunk.dtype)
+    chunk.bind_params()  # views first: a view cannot be made of empty storage
+    chunk.device_payload.untyped_storage().resize_(0)
+
+
+def _fill_state(chunk: Chunk, dev: ComputeDevice, master: torch.Tensor) -> None:
+    """A trainable chunk's home tensors around its fp32 `master`: payload, gradient landing
+    place, moments."""
+    home = chunk.home_numel
+    chunk.master = master
     if chunk.aliased:
         chunk.payload = chunk.master
         chunk.host_grad = dev.host_empty(home, torch.float32)
@@ -176,6 +196,3 @@ def fill(chunk: Chunk, dev: ComputeDevice) -> None:
         chunk.payload.copy_(chunk.master)
     chunk.exp_avg = dev.host_empty(home, torch.float32).zero_()
     chunk.exp_avg_sq = dev.host_empty(home, torch.float32).zero_()
-    chunk.device_payload = dev.empty(chunk.numel, chunk.dtype)
-    chunk.bind_params()  # views first: a view cannot be made of empty storage
-    chunk.device_payload.untyped_storage().resize_(0)

@@ -30,6 +30,9 @@ class Residency(ChunkTiers):
             self._move_shard(chunk, "device" if resident else "host")
             chunk.resident = resident
             return
+        if chunk.frozen:
+            self._place_frozen(chunk, resident)
+            return
         if resident:
             fresh = chunk.copy == DeviceCopy.FRESH
             if not chunk.on_device:
@@ -65,9 +68,54 @@ class Residency(ChunkTiers):
             chunk.resident = False
             self.release(chunk)
 
+    def _place_frozen(self, chunk: Chunk, resident: bool) -> None:
+        """A frozen chunk's payload, its only part, to the device or back to the host."""
+        if resident:
+            if not chunk.on_device:
+                self._storage_resize(chunk, True)
+                self._copy(chunk.device_payload, chunk.payload, "h2d")
+            self._free("host", chunk.payload)
+            chunk.payload = chunk.device_payload
+            chunk.set_copy(DeviceCopy.FRESH)
+            for slot in chunk.slots:
+                if slot.state == S.FREE:
+                    chunk.set_state(slot, S.HOLD)
+        else:
+            chunk.payload = self._alloc("host", chunk.numel, chunk.dtype)
+            self._copy(chunk.payload, chunk.device_payload, "d2h")
+        chunk.master = chunk.payload if chunk.aliased else None
+        chunk.resident = resident
+        if not resident:
+            self.release(chunk)
+
+    def thaw(self, chunk: Chunk) -> None:
+        """A frozen chunk one of whose parameters now needs a gradient (gradual unfreezing):
+        it gets the fp32 master, gradient landing place and moments of any chunk, on the
+        host, its payload brought there first (the next placement puts it where it goes)."""
+        self.flight.wait()
+        if chunk.resident:
+            self.set_resident(chunk, False)
+        if chunk.disk_level:
+            self.spill.move(chunk, 0)
+        self.settle(chunk)
+        home = chunk.home_numel
+        if chunk.aliased:
+            chunk.master = chunk.payload
+            chunk.host_grad = self._alloc("host", home, torch.float32)
+        else:
+            chunk.master = self._alloc("host", home, torch.float32)
+            chunk.master.copy_(chunk.payload)
+        chunk.exp_avg = self._alloc("host", home, torch.float32, zero=True)
+        chunk.exp_avg_sq = self._alloc("host", home, torch.float32, zero=True)
+        chunk.frozen = False
+
     def _move_shard(self, chunk: Chunk, to: str) -> None:
         """A sharded chunk's home tensors (its shard: payload, master, moments, gradient
         landing place) to `to`; the gathered copy is another matter (placement's)."""
+        if chunk.frozen:
+            chunk.payload = self._move(chunk.payload, to)
+            chunk.master = chunk.payload if chunk.aliased else None
+            return
         if chunk.aliased:
             chunk.master = chunk.payload = self._move(chunk.master, to)
             # Between steps its contents are spent: a new one, not a copy.
@@ -82,7 +130,7 @@ class Residency(ChunkTiers):
     def resident_cost(self, chunk: Chunk) -> int:
         """Device bytes a chunk needs to be resident (rules.resident_cost); sharded, its
         shard's (its gathered copy comes and goes as a non-resident chunk's does)."""
-        return rules.resident_cost(chunk.home_numel, chunk.itemsize)
+        return rules.resident_cost(chunk.home_numel, chunk.itemsize, frozen=chunk.frozen)
 
     def apply_residency(self, want: set[int]) -> None:
         """Move chunks to match `want`: leavers first, so their bytes make room for joiners.

@@ -39,37 +39,19 @@ import torch
 
 from engine.chunks.chunk import Chunk, squared_norm
 from engine.chunks.flight import UpdateInFlight
+from engine.chunks.spill_regions import (
+    GRAD,
+    PAYLOAD,
+    POOL,
+    STATE,
+    file_name,
+    host_parts,
+    state_parts,
+)
 from engine.devices.disk import ALIGN, DiskTier, Region
 from engine.placement import rules
 
-STATE = "state"  # the state region, and the pool of buffers that carries its pieces
-PAYLOAD = "payload"  # the payload region, and the pool for payload and gradient pieces
-GRAD = "grad"  # fp32 only: the gradient region (carried by payload buffers)
-POOL = {STATE: STATE, PAYLOAD: PAYLOAD, GRAD: PAYLOAD}
-
 Loaded = tuple[torch.Tensor, Future | None]  # a buffer and the read filling it (None: done)
-
-
-def state_parts(chunk: Chunk) -> tuple[str, ...]:
-    """The chunk's tensors (attribute names) that its state region holds, in order."""
-    return ("exp_avg", "exp_avg_sq") if chunk.aliased else ("master", "exp_avg", "exp_avg_sq")
-
-
-def master_region(chunk: Chunk) -> str:
-    """The region that holds the chunk's fp32 master: fp32's master is its payload."""
-    return PAYLOAD if chunk.aliased else STATE
-
-
-def host_parts(chunk: Chunk, region: str) -> tuple[str, ...]:
-    """The chunk's host tensors that `region` holds (fp32's master is its payload)."""
-    if region == STATE:
-        return state_parts(chunk)
-    return ("host_grad",) if region == GRAD else ("payload",)
-
-
-def _file_name(chunk: Chunk, region: str) -> str:
-    """The file of the chunk's state, or of its payload (and fp32's gradients)."""
-    return f"chunk-{chunk.index:05d}-{STATE if region == STATE else PAYLOAD}"
 
 
 class ScratchTooSmall(ValueError):
@@ -107,7 +89,8 @@ class Spill:
     # --- geometry -------------------------------------------------------------------------------
 
     def cost(self, chunk: Chunk) -> rules.DiskCost:
-        return rules.disk_cost(chunk.home_numel, chunk.itemsize, ALIGN, self.piece)
+        return rules.disk_cost(chunk.home_numel, chunk.itemsize, ALIGN, self.piece,
+                               frozen=chunk.frozen)
 
     def spans(self, chunk: Chunk) -> list[tuple[int, int]]:
         """(lo, hi) of each piece of the chunk's home tensors (sharded: of its shard,
@@ -133,9 +116,9 @@ class Spill:
                 sizes = {STATE: cost.pieces * cost.state_piece}
             else:
                 sizes = {PAYLOAD: cost.pieces * cost.payload_piece}
-                if chunk.aliased:
+                if cost.aliased:
                     sizes[GRAD] = cost.pieces * cost.grad_piece
-            regions.update(self.tier.regions(_file_name(chunk, region), sizes))
+            regions.update(self.tier.regions(file_name(chunk, region), sizes))
         whole = regions[region]
         size = self._piece_bytes(chunk, region)
         return Region(whole.file, whole.offset + i * size, size)
@@ -145,7 +128,7 @@ class Spill:
         regions = self._regions.get(chunk.index, {})
         for name in (STATE,) if region == STATE else (PAYLOAD, GRAD):
             regions.pop(name, None)
-        self.tier.drop_file(_file_name(chunk, region))
+        self.tier.drop_file(file_name(chunk, region))
 
     def views(self, chunk: Chunk, region: str, buffer: torch.Tensor, numel: int
                ) -> dict[str, torch.Tensor]:
@@ -239,6 +222,8 @@ class Spill:
         Each part is written before its host tensors are freed, so a failed write leaves
         the chunk as it was (DiskTierError)."""
         self._forget_ahead(chunk)
+        if chunk.frozen:  # no optimizer state: level 1 moves nothing, it only marks it
+            chunk.state_on_disk = level >= 1
         if level >= 1 and not chunk.state_on_disk:
             self._write_out(chunk, STATE, {n: getattr(chunk, n) for n in state_parts(chunk)})
             self._drop(chunk, STATE)
@@ -252,7 +237,7 @@ class Spill:
                 chunk.grad_sq = squared_norm(chunk.host_grad if chunk.aliased else chunk.payload)
             for region in regions:
                 self._drop(chunk, region)
-            if chunk.aliased and not chunk.holds_grads:
+            if chunk.aliased and not chunk.holds_grads and not chunk.frozen:
                 self.free(chunk.host_grad)  # gradients land in a buffer when on disk
                 chunk.host_grad = None
             chunk.payload_on_disk = True
@@ -262,7 +247,7 @@ class Spill:
                 chunk.master = chunk.payload
                 if chunk.holds_grads:
                     self._bring(chunk, GRAD)
-                else:
+                elif not chunk.frozen:
                     chunk.host_grad = self.alloc(chunk.home_numel, torch.float32)
             chunk.payload_on_disk = False
             chunk.grad_sq = None
@@ -306,7 +291,7 @@ class Spill:
         block; then the regions in `write` written back (waiting). Costs the host one
         chunk's parts on disk, beyond the budget, for the block. (fp32 gradients on disk
         are not read: nothing outside the update needs them.)"""
-        regions = ([STATE] if chunk.state_on_disk else []) + (
+        regions = ([STATE] if chunk.state_on_disk and not chunk.frozen else []) + (
             [PAYLOAD] if chunk.payload_on_disk else [])
         regions = [r for r in regions if read is None or r in read]
         temps: dict[str, dict[str, torch.Tensor]] = {}

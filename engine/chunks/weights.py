@@ -20,6 +20,11 @@ from engine.distributed.shards import Shard, overlap
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
+
+def _trained(chunks: list[Chunk]) -> list[Chunk]:
+    """The chunks with optimizer state: a frozen chunk (its payload alone) has none."""
+    return [c for c in chunks if not c.frozen]
+
 # (chunk, one of its home tensors) -> that tensor for the whole chunk: the tensor itself
 # unsharded, else every rank's shard gathered (a collective; ChunkManager.whole).
 Whole = Callable[[Chunk, torch.Tensor], torch.Tensor]
@@ -63,11 +68,12 @@ def chunk_weights(chunk: Chunk, names: dict[int, list[str]], whole: Whole | None
     """One chunk's full-precision weights as CPU tensors of their own, one at a time, under
     every name of each of its parameters (`names`, from names_and_buffers), in the chunk's
     order. A sharded chunk needs `whole`, and every rank calls this alike."""
-    master = _whole_of(whole)(chunk, "master")
+    # A frozen chunk's weights are its payload (bf16/fp16: it has no master).
+    master = _whole_of(whole)(chunk, "payload" if chunk.frozen else "master")
     for s in chunk.slots:
         flat = master[s.offset:s.offset + s.numel]
         for name in names.get(id(s.param), ()):
-            yield name, flat.detach().cpu().clone().view(s.shape)
+            yield name, flat.detach().to("cpu", torch.float32, copy=True).view(s.shape)
 
 
 def optimizer_tensors(chunks: list[Chunk], whole: Whole | None = None
@@ -75,7 +81,7 @@ def optimizer_tensors(chunks: list[Chunk], whole: Whole | None = None
     """(`{kind}/{parameter name}`, fp32 CPU tensor of its own) for master, moments and
     step, one at a time. Sharded chunks need `whole`, and every rank calls this alike."""
     get = _whole_of(whole)
-    for c in chunks:
+    for c in _trained(chunks):
         for s in c.slots:
             sl = slice(s.offset, s.offset + s.numel)
             for kind in KINDS:
@@ -102,7 +108,7 @@ def _held(chunk: Chunk, slot: Slot, shard: Shard | None = None
 def check_optimizer_tensors(chunks: list[Chunk], numels: Mapping[str, int]) -> None:
     """Raise ValueError unless `numels` (name -> element count) has every tensor
     optimizer_tensors() gives for `chunks`, each of the right size."""
-    for c in chunks:
+    for c in _trained(chunks):
         for s in c.slots:
             for kind in (*KINDS, "step"):
                 key = f"{kind}/{s.name}"
@@ -140,7 +146,7 @@ def optimizer_shard(chunks: list[Chunk]) -> Iterator[tuple[str, torch.Tensor]]:
     elements in this rank's shard, (`{kind}/{parameter name}`, those elements as an fp32
     CPU tensor of its own, flat) for master and moments, then its step count (every rank
     holding a piece of it gives the count). Unsharded, the same as optimizer_tensors()."""
-    for c in chunks:
+    for c in _trained(chunks):
         for s in c.slots:
             held = _held(c, s)
             if held is None:
@@ -156,7 +162,7 @@ def shard_layout(chunks: list[Chunk]) -> dict[str, list[tuple[int, int, int]]]:
     [lo, hi) of the parameter, flattened), in rank order; `step/{name}` -> [(rank, 0, 1)]
     for each rank that gives the count. From the chunk layout alone: no collective."""
     layout: dict[str, list[tuple[int, int, int]]] = {}
-    for c in chunks:
+    for c in _trained(chunks):
         world = c.shard.world if c.shard is not None else 1
         for rank in range(world):
             shard = Shard(rank, world, c.shard.numel) if c.shard is not None else None
@@ -185,7 +191,7 @@ class Ranges(Protocol):
 def fill_optimizer_ranges(chunks: list[Chunk], ranges: Ranges) -> None:
     """fill_optimizer_tensors() from `ranges` (check_optimizer_tensors first, with its
     numels): each chunk reads only the elements its shard holds of each parameter."""
-    for c in chunks:
+    for c in _trained(chunks):
         for s in c.slots:
             held = _held(c, s)
             if held is not None:

@@ -105,9 +105,12 @@ def rules_for(policy: Policy | str, *, tracing: bool = False
 # --- rules every policy shares -----------------------------------------------------------
 
 
-def resident_cost(numel: int, itemsize: int) -> int:
+def resident_cost(numel: int, itemsize: int, *, frozen: bool = False) -> int:
     """Device bytes a chunk needs to be resident: payload, room for its gradients, fp32
-    master and two moments (in fp32 the payload is the master)."""
+    master and two moments (in fp32 the payload is the master); a frozen chunk (no
+    gradient, no optimizer state) its payload alone."""
+    if frozen:
+        return itemsize * numel
     master = 0 if itemsize == 4 else 4
     return (2 * itemsize + master + 8) * numel
 
@@ -266,16 +269,19 @@ MIN_DISK_PIECE = 2**14
 
 
 def disk_piece(numel: Sequence[int], itemsize: int, *, host_budget: int | None,
-               block: int) -> int:
+               block: int, frozen: Sequence[bool] = ()) -> int:
     """Elements per piece of disk I/O for chunks of `numel` elements: DISK_PIECE, or, when
     the I/O buffers of pieces that size would not leave the host budget room for the chunk
     bytes the host must keep (a small model, whose largest chunk's pieces are a large part
     of it), the largest half of it down to MIN_DISK_PIECE that does. With all chunks on the
     host (the most any placement sends to disk). None of them fitting, the smallest: what
-    HostBudgetTooSmall then says is the least the host can do with."""
+    HostBudgetTooSmall then says is the least the host can do with. `frozen`: which chunks
+    are frozen (none if empty)."""
     piece = DISK_PIECE
+    frozen = list(frozen) or [False] * len(numel)
     while True:
-        costs = [disk_cost(n, itemsize, block, piece) for n in numel]
+        costs = [disk_cost(n, itemsize, block, piece, frozen=f)
+                 for n, f in zip(numel, frozen, strict=True)]
         try:
             disk_placement(costs, on_host=range(len(costs)), host_budget=host_budget,
                            block=block)
@@ -326,14 +332,20 @@ def _blocks(nbytes: int, block: int) -> int:
     return -(-nbytes // block) * block
 
 
-def disk_cost(numel: int, itemsize: int, block: int, piece: int | None = None) -> DiskCost:
+def disk_cost(numel: int, itemsize: int, block: int, piece: int | None = None, *,
+              frozen: bool = False) -> DiskCost:
     """DiskCost of a chunk of `numel` elements of `itemsize` bytes, for disk blocks of
     `block` bytes and pieces of `piece` elements (default DISK_PIECE). The host side
     matches chunk.host_bytes_per_parameter: 16 B/param in fp32 (payload = master,
-    gradients, moments), 14 in bf16/fp16."""
+    gradients, moments), 14 in bf16/fp16; a frozen chunk its payload alone (no state to
+    move: at level 1 nothing of it goes)."""
     elements = min(numel, piece or DISK_PIECE)
     pieces = -(-numel // elements)
     fp32 = _blocks(4 * elements, block)
+    if frozen:
+        return DiskCost(host_state=0, host_payload=itemsize * numel, pieces=pieces,
+                        state_piece=0, payload_piece=_blocks(itemsize * elements, block),
+                        grad_piece=0)
     if itemsize == 4:
         return DiskCost(host_state=8 * numel, host_payload=8 * numel, pieces=pieces,
                         state_piece=2 * fp32, payload_piece=fp32, grad_piece=fp32)
@@ -399,7 +411,7 @@ def disk_placement(costs: Sequence[DiskCost], *, on_host: Iterable[int],
     """
     chosen = sorted(on_host, reverse=True)
     host = sum(costs[c].host_state + costs[c].host_payload for c in chosen)
-    aliased = bool(costs) and costs[0].aliased
+    aliased = any(c.aliased for c in costs)  # a frozen chunk has no gradient region
     if host_budget is None or host <= host_budget:
         return DiskPlacement(host_bytes=host, aliased=aliased, block=block)
     state: list[int] = []

@@ -34,15 +34,21 @@ __all__ = ["DiskTraffic", "chunk_costs", "folder_problem", "free_space", "placem
            "traffic"]
 
 
-def piece(numel: list[int], itemsize: int, host_budget: int | None) -> int:
+def piece(numel: list[int], itemsize: int, host_budget: int | None,
+          frozen: list[bool] | None = None) -> int:
     """Elements per piece of disk I/O, as ChunkManager.use_host_budget picks it
-    (rules.disk_piece: the I/O buffers sized to the model under the budget)."""
-    return rules.disk_piece(numel, itemsize, host_budget=host_budget, block=ALIGN)
+    (rules.disk_piece: the I/O buffers sized to the model under the budget). `frozen`:
+    which chunks are payload-only (none: None)."""
+    return rules.disk_piece(numel, itemsize, host_budget=host_budget, block=ALIGN,
+                            frozen=frozen or ())
 
 
-def chunk_costs(numel: list[int], itemsize: int, piece: int) -> list[rules.DiskCost]:
+def chunk_costs(numel: list[int], itemsize: int, piece: int,
+                frozen: list[bool] | None = None) -> list[rules.DiskCost]:
     """Each chunk's DiskCost, as ChunkManager.disk_placement asks for it."""
-    return [rules.disk_cost(n, itemsize, ALIGN, piece) for n in numel]
+    frozen = frozen or [False] * len(numel)
+    return [rules.disk_cost(n, itemsize, ALIGN, piece, frozen=f)
+            for n, f in zip(numel, frozen, strict=True)]
 
 
 def placement(costs: list[rules.DiskCost], resident: Iterable[int],

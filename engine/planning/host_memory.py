@@ -53,8 +53,9 @@ class HostMemory:
         self.grad_accum = grad_accum
         self.ranks = cost.world  # sharded: every figure is one rank's, its chunks' shards
         homes = [cost.home(n) for n in lay.numel]
-        self.disk_piece = disk.piece(homes, cost.itemsize, host_budget)
-        self.disk_costs = disk.chunk_costs(homes, cost.itemsize, self.disk_piece)
+        frozen = [lay.is_frozen(c) for c in range(len(homes))]
+        self.disk_piece = disk.piece(homes, cost.itemsize, host_budget, frozen)
+        self.disk_costs = disk.chunk_costs(homes, cost.itemsize, self.disk_piece, frozen)
         self._placements: dict[frozenset[int], rules.DiskPlacement] = {}
         # The engine places every chunk on the host first (ChunkManager.use_host_budget):
         # a budget too small for that is refused before anything runs, whatever the policy
@@ -95,7 +96,7 @@ class HostMemory:
         if self.host_budget is None:
             if self.cost.sharded:
                 return self._built_shards()
-            return sum(self.cost.host(n) for n in self.lay.numel)
+            return sum(self._host(c) for c in range(len(self.lay.numel)))
         worst = self.placement(set())
         lay = self.lay
         # The model's own fp32 parameters not yet packed (sharded: every rank holds the
@@ -105,11 +106,10 @@ class HostMemory:
         unpacked = sum(own)
         kept = peak = 0
         for index in reversed(range(len(lay.numel))):
-            numel = lay.numel[index]
             unpacked -= own[index]
-            peak = max(peak, unpacked + kept + self.cost.host(numel))
+            peak = max(peak, unpacked + kept + self._host(index))
             level, cost = worst.level(index), self.disk_costs[index]
-            kept += (self.cost.host(numel), cost.host_payload, 0)[level]
+            kept += (self._host(index), cost.host_payload, 0)[level]
         return max(peak, kept) + worst.buffer_bytes
 
     def _built_shards(self) -> int:
@@ -120,11 +120,15 @@ class HostMemory:
         lay = self.lay
         unpacked = 4 * sum(lay.sizes.values())
         kept = peak = 0
-        for index, numel in enumerate(lay.numel):
-            peak = max(peak, unpacked + kept + self.cost.host(numel))
+        for index in range(len(lay.numel)):
+            peak = max(peak, unpacked + kept + self._host(index))
             unpacked -= 4 * sum(lay.sizes[p] for p in lay.params[index])
-            kept += self.cost.host(numel)
+            kept += self._host(index)
         return max(peak, kept)
+
+    def _host(self, chunk: int) -> int:
+        """Host bytes of chunk `chunk` at home there (ChunkBytes.host)."""
+        return self.cost.host(self.lay.numel[chunk], self.lay.is_frozen(chunk))
 
     def during(self, resident: set[int], device: int) -> int:
         """Host bytes during a steady step, the runtime aside.
@@ -135,7 +139,9 @@ class HostMemory:
         its gradients as fp32, one chunk at a time.
         """
         chunks = self.placement(resident).host_total
-        largest = self.cost.home(max(self.lay.numel, default=0))
+        # Only chunks with gradients are updated: a frozen one never is.
+        largest = self.cost.home(max((n for c, n in enumerate(self.lay.numel)
+                                      if not self.lay.is_frozen(c)), default=0))
         update = 0 if self.cost.aliased else 4 * largest
         during = chunks + update
         if self.simulated:

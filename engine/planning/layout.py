@@ -42,11 +42,21 @@ class Layout:
     module_params: dict[str, list[str]]  # module name -> parameters it owns directly
     module_chunks: dict[str, tuple[int, ...]]
     sizes: dict[str, int]  # parameter -> elements
+    # Per chunk: its parameters need no gradient (a payload-only chunk, Chunk.frozen).
+    frozen: list[bool] = field(default_factory=list)
+
+    def is_frozen(self, chunk: int) -> bool:
+        return bool(self.frozen) and self.frozen[chunk]
+
+    def trainable(self, chunk: int) -> int:
+        """Parameters of `chunk` that get a gradient (the engine's grads_pending)."""
+        return 0 if self.is_frozen(chunk) else len(self.params[chunk])
 
 
 def model_layout(model: torch.nn.Module, events: list[Event], chunk_size: int | None) -> Layout:
     canonical = {id(p): name for name, p in model.named_parameters()}
     sizes = {name: p.numel() for name, p in model.named_parameters()}
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     module_params = {}
     for name, module in model.named_modules():
         own = list(dict.fromkeys(canonical[id(p)] for p in module.parameters(recurse=False)))
@@ -62,7 +72,7 @@ def model_layout(model: torch.nn.Module, events: list[Event], chunk_size: int | 
     order.update(dict.fromkeys(sizes))
     names = list(order)
     size_list = [sizes[n] for n in names]
-    size, groups = layout(size_list, chunk_size)
+    size, groups = layout(size_list, chunk_size, [n in frozen for n in names])
     params = [[names[i] for i in members] for members in groups]
     chunk_of = {p: c for c, members in enumerate(params) for p in members}
     return Layout(
@@ -75,6 +85,7 @@ def model_layout(model: torch.nn.Module, events: list[Event], chunk_size: int | 
             m: tuple(dict.fromkeys(chunk_of[p] for p in ps)) for m, ps in module_params.items()
         },
         sizes=sizes,
+        frozen=[all(p in frozen for p in members) for members in params],
     )
 
 
@@ -109,21 +120,27 @@ class ChunkBytes:
         """Elements of a chunk's home tensors: this rank's shard (Chunk.home_numel)."""
         return numel // self.world
 
-    def host(self, numel: int) -> int:
-        """A chunk at home on the host: payload, master, landed gradients, two moments."""
+    def host(self, numel: int, frozen: bool = False) -> int:
+        """A chunk at home on the host: payload, master, landed gradients, two moments (a
+        frozen chunk: its payload alone)."""
+        if frozen:
+            return self.itemsize * self.home(numel)
         payload = 0 if self.aliased else self.itemsize
         landed = 4 if self.aliased else 0
         return (payload + 4 + landed + 8) * self.home(numel)
 
-    def resident(self, numel: int) -> int:
+    def resident(self, numel: int, frozen: bool = False) -> int:
         """A resident chunk's device bytes between steps: payload, master, two moments;
-        sharded, in fp32 also the gradients' landing place (ChunkManager._move_shard)."""
+        sharded, in fp32 also the gradients' landing place (ChunkManager._move_shard). A
+        frozen chunk: its payload alone."""
+        if frozen:
+            return self.itemsize * self.home(numel)
         landed = 4 if self.aliased and self.sharded else 0
         return (self.itemsize + (0 if self.aliased else 4) + 8 + landed) * self.home(numel)
 
-    def resident_cost(self, numel: int) -> int:
+    def resident_cost(self, numel: int, frozen: bool = False) -> int:
         """Resident bytes plus room for its gradients (rules.resident_cost, of the shard)."""
-        return rules.resident_cost(self.home(numel), self.itemsize)
+        return rules.resident_cost(self.home(numel), self.itemsize, frozen=frozen)
 
 
 @dataclass(frozen=True)
@@ -145,5 +162,6 @@ def resident_chunks(
     trace: Trace | None,
 ) -> set[int]:
     """Chunks whose payload and optimizer state live on the device (rules.resident_chunks)."""
-    return rules.resident_chunks(policy, [cost.resident_cost(n) for n in lay.numel],
+    return rules.resident_chunks(policy, [cost.resident_cost(n, lay.is_frozen(c))
+                                          for c, n in enumerate(lay.numel)],
                                  trace=trace, capacity=capacity, margin_ratio=margin_ratio)

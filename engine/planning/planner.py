@@ -47,6 +47,7 @@ import torch
 
 from engine.config import PRECISIONS, format_size, parse_size
 from engine.devices.disk import default_disk_dir
+from engine.models.lora import Lora, apply_lora
 from engine.models.zoo import meta_model, model_config
 from engine.placement import rules
 from engine.placement.policy import Policy
@@ -266,7 +267,8 @@ class _Planner:
     def _cuda_need(self, trace: Trace) -> tuple[int, int]:
         """(model data, activations) the cuda policy keeps on the device (cuda_policy_bytes);
         sharded, (the shards, the working set)."""
-        model_data = sum(self.cost.resident_cost(n) for n in self.lay.numel)
+        model_data = sum(self.cost.resident_cost(n, self.lay.is_frozen(c))
+                         for c, n in enumerate(self.lay.numel))
         beside = trace.working_set if self.cost.sharded else trace.non_model_peak
         return model_data, beside + (0 if self.simulated else self.slack)
 
@@ -341,6 +343,7 @@ def plan(
     disk_dir: str | Path | None = None,
     nproc: int = 1,
     grad_accum: int = 1,
+    lora: Lora | None = None,
 ) -> Plan:
     """Forecast a training step's device and host memory under each policy.
 
@@ -370,6 +373,9 @@ def plan(
         grad_accum: micro-batches of `batch_size` sequences per step (EngineConfig's):
             the memory is one micro-batch's whatever their number, the host budget
             included; disk_read and disk_written are the whole step's.
+        lora: LoRA adapters (engine.models.lora) as the run adds them: the base weights
+            frozen, in payload-only chunks, and only the adapters with gradients and
+            optimizer state. None: every parameter trains.
 
     Nothing is allocated: the model only ever exists on the meta device.
 
@@ -420,9 +426,12 @@ def plan(
     dtype = DTYPES[precision]
 
     events = record_step(
-        config, dtype, batch_size // nproc, seq_len, checkpointing, trace_layers=TRACE_LAYERS
+        config, dtype, batch_size // nproc, seq_len, checkpointing, trace_layers=TRACE_LAYERS,
+        lora=lora,
     )
     full = meta_model(model_name_or_path)
+    if lora is not None:
+        full = apply_lora(full, lora)
     whole = model_layout(full, events, chunk_size)
     lay = sharded_layout(whole, nproc)
     cost = ChunkBytes(dtype.itemsize, nproc)
@@ -445,7 +454,8 @@ def plan(
         parameters=sum(lay.sizes.values()),
         chunk_size=lay.chunk_size,
         chunks=len(lay.numel),
-        model_bytes=sum(ChunkBytes(dtype.itemsize).host(n) for n in whole.numel),
+        model_bytes=sum(ChunkBytes(dtype.itemsize).host(n, whole.is_frozen(c))
+                        for c, n in enumerate(whole.numel)),
         working_set=planner.working_set(trace),
         non_model_peak=trace.non_model_peak,
         cuda=plans["cuda"],

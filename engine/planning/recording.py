@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from engine.models.lora import Lora, apply_lora
 from engine.models.training import prepare_for_training
 from engine.models.zoo import BadCheckpoint
 from engine.step.hooks import hook_gradients, install, wrap_outputs
@@ -92,14 +93,17 @@ class _CpuAttention(TorchFunctionMode):
 
 
 def _meta_model(
-    config: PretrainedConfig, dtype: torch.dtype, checkpointing: bool
+    config: PretrainedConfig, dtype: torch.dtype, checkpointing: bool, lora: Lora | None = None
 ) -> torch.nn.Module:
-    """The model on the meta device in the compute dtype, in training mode."""
+    """The model on the meta device in the compute dtype, in training mode (with `lora`'s
+    adapters, as a LoRA run wraps it)."""
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config)
         except ValueError as error:
             raise BadCheckpoint(f"not a causal language model: {error}") from error
+    if lora is not None:
+        model = apply_lora(model, lora)
     model.to(dtype)  # parameters only change dtype in place: tied ones stay tied
     prepare_for_training(model)
     if checkpointing:
@@ -255,6 +259,7 @@ def record_step(
     checkpointing: bool,
     *,
     trace_layers: int,
+    lora: Lora | None = None,
 ) -> list[Event]:
     """The recording of one step of `config`'s model at this batch shape.
 
@@ -268,11 +273,11 @@ def record_step(
         small.num_hidden_layers = trace_layers
         if getattr(small, "layer_types", None):
             small.layer_types = small.layer_types[:trace_layers]
-        model = _meta_model(small, dtype, checkpointing)
+        model = _meta_model(small, dtype, checkpointing, lora)
         stack = _layer_stack(model, trace_layers)
         if stack is not None:
             events = _record(model, batch_size, seq_len)
             expanded = _expand(events, stack, trace_layers, layers)
             if expanded is not None:
                 return expanded
-    return _record(_meta_model(config, dtype, checkpointing), batch_size, seq_len)
+    return _record(_meta_model(config, dtype, checkpointing, lora), batch_size, seq_len)

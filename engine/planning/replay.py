@@ -96,7 +96,7 @@ class StepReplay:
         self.resident = resident
         # Sharded, only the shards are resident: the whole chunk is gathered for each use.
         self.on_device = set() if cost.sharded else set(resident)
-        self.device_bytes = sum(cost.resident(lay.numel[c]) for c in resident)
+        self.device_bytes = sum(cost.resident(lay.numel[c], lay.is_frozen(c)) for c in resident)
         self.peak = self.device_bytes
         self.grads: set[int] = set()
         self.grad_bytes = 0
@@ -104,7 +104,7 @@ class StepReplay:
         # working set counts a gradient buffer for each (engine.placement.trace).
         self.opened: set[int] = set()
         self.opening_bytes = 0
-        self.pending = [len(ps) for ps in lay.params]
+        self.pending = [lay.trainable(c) for c in range(len(lay.params))]
         self.state: dict[str, TensorState] = {}  # parameter -> state past HOLD; absent: idle
         self.computing = [0] * len(lay.numel)  # parameters in COMPUTE per chunk
         self.busy: set[int] = set()  # chunks with a parameter in COMPUTE (Chunk.in_use)

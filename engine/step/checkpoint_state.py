@@ -68,6 +68,8 @@ def load_optimizer_state(chunks: list[Chunk], manager: ChunkManager, optimizer: 
     weights.check_optimizer_tensors(chunks, numels)
     manager.flight.wait()
     for c in chunks:
+        if c.frozen:  # no optimizer state: its weights are the model's, loaded apart
+            continue
         optimizer.discard(c)
         with manager.opened(c, write=True):
             if ranges is not None:

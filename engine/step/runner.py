@@ -353,6 +353,9 @@ class StepRunner:
         returns whether it will be traced (the step changed, see step_key). `accumulate`:
         a later micro-batch of the same step, whose gradients add to those already in."""
         self.step_number = step
+        for chunk in self.chunks:
+            if chunk.frozen and any(s.param.requires_grad for s in chunk.slots):
+                self.manager.thaw(chunk)  # unfrozen since: it needs optimizer state now
         hook_gradients((s.param for c in self.chunks for s in c.slots), self._on_grad,
                        self._grad_hooks)
         key = self.step_key(shape)

@@ -22,7 +22,8 @@ def memory_snapshot(chunks: list[Chunk], manager: ChunkManager, device: ComputeD
     for c in chunks:
         for slot in c.slots:
             states[c.location][slot.state.value] += 1
-        infos.append(ChunkInfo(c.index, c.location, c.most_active().value, c.nbytes))
+        infos.append(ChunkInfo(c.index, c.location, c.most_active().value, c.nbytes,
+                               c.frozen))
     spill = manager.spill
     bandwidth = spill.tier.bandwidth if spill is not None else (0.0, 0.0)
     return MemorySnapshot(

@@ -170,9 +170,10 @@ def test_a_parameter_whose_gradient_completes_twice_adds_up(policy, margin, prec
 
 
 class FrozenMiddle(torch.nn.Module):
-    """embed -> frozen -> trainable -> head. Packed with `frozen` and `trainable` in one
-    chunk, that chunk's gradients are all in (and, in bf16, have gone home into its payload)
-    before the frozen layer's backward, which still needs its weights."""
+    """embed -> frozen -> trainable -> head. Were `frozen` and `trainable` packed in one
+    chunk, that chunk's gradients would all be in (and, in bf16, gone home into its payload)
+    before the frozen layer's backward, which still needs its weights. Frozen parameters
+    are packed apart (payload-only chunks), so the frozen layer keeps its own chunk."""
 
     def __init__(self, vocab: int = 256, hidden: int = 32) -> None:
         super().__init__()
@@ -198,13 +199,14 @@ def test_a_frozen_layer_after_its_chunks_gradients_went_home_gets_its_weights(po
     model = FrozenMiddle()
     batches = make_batches(3)
     runs = {}
-    # 8448: [embed] [frozen, trainable] [head]; 1056: every layer in a chunk of its own.
+    # 8448: [embed] [frozen] [trainable] [head]: the frozen layer is packed apart even
+    # where one chunk would hold both; 1056: every layer in a chunk of its own.
     for chunk_size in (8448, 1056):
         eng = Engine(copy.deepcopy(model), EngineConfig(
             policy=policy, precision="bf16", device_budget="64MiB", chunk_size=chunk_size))
         runs[chunk_size] = ([eng.step(b).loss for b in batches], eng.model_state_dict())
     assert [len(c.slots) for c in Engine(copy.deepcopy(model), EngineConfig(
-        precision="bf16", device_budget="64MiB", chunk_size=8448)).chunks] == [1, 4, 2]
+        precision="bf16", device_budget="64MiB", chunk_size=8448)).chunks] == [1, 2, 2, 2]
     (shared_losses, shared), (alone_losses, alone) = runs[8448], runs[1056]
     assert shared_losses == alone_losses
     assert all(torch.equal(shared[k], alone[k]) for k in alone)

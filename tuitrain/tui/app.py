@@ -176,7 +176,8 @@ class TuitrainApp(RunPanels):
     def _on_started(self, event: Started) -> None:
         self.started = event
         self.query_one(RunHeader).show(
-            model=event.model, parameters=event.parameters, device=event.device
+            model=event.model, parameters=event.parameters, device=event.device,
+            trainable=event.trainable,
         )
         self.query_one(ChunkMap).show(event.chunks)
         self.query_one(MemoryChart).simulated = event.device.startswith("simulated")

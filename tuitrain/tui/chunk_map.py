@@ -1,5 +1,6 @@
 """ChunkMap: one cell per chunk, showing where it lives (the device, the host, or the disk
-under a host budget) and whether it is in use right now."""
+under a host budget), whether it is in use right now, and whether it is frozen (a LoRA
+run's base weights: payload only, no gradients or optimizer state)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,15 @@ HOST = ("□", "dodger_blue2")
 DISK = ("▤", "tan")  # its payload is in the scratch folder
 IN_USE = ("◆", "bold yellow")
 LOCATED = {"device": DEVICE, "host": HOST, "disk": DISK}
+# A frozen chunk: the smaller glyph of its location, in the same colour.
+FROZEN = {"device": ("▪", "green"), "host": ("▫", "dodger_blue2"), "disk": ("▫", "tan")}
 
 
 def cell_for(chunk: ChunkInfo) -> tuple[str, str]:
     if chunk.state == TensorState.COMPUTE.value:
         return IN_USE
+    if chunk.frozen:
+        return FROZEN.get(chunk.location, FROZEN["host"])
     return LOCATED.get(chunk.location, HOST)
 
 
@@ -72,7 +77,8 @@ class ChunkMap(VerticalScroll):
     @property
     def cell_count(self) -> int:
         """Cells drawn, one per chunk."""
-        return sum(self.cells_text.count(glyph) for glyph, _ in (DEVICE, HOST, DISK, IN_USE))
+        glyphs = {glyph for glyph, _ in (DEVICE, HOST, DISK, IN_USE, *FROZEN.values())}
+        return sum(self.cells_text.count(glyph) for glyph in glyphs)
 
     @property
     def cells_text(self) -> str:
@@ -88,6 +94,9 @@ class ChunkMap(VerticalScroll):
         host = len(self.chunks) - count["device"] - count["disk"]
         in_use = sum(cell_for(c) == IN_USE for c in self.chunks)
         total = f"· {len(self.chunks)} chunks"
+        frozen = sum(c.frozen for c in self.chunks)
+        if frozen:
+            total += f", {frozen} frozen ▪▫"
         if count["disk"]:
             # A fourth key: the total goes first when the panel is too narrow for it.
             items = [Item(((glyph, style), (f" {label}", "")), rank=KEEP)

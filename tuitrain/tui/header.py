@@ -30,6 +30,7 @@ class HeaderInfo:
 
     model: str
     parameters: int | None = None
+    trainable: int | None = None  # of the parameters, those that train (LoRA); None: all
     device: str | None = None  # as the worker names it; "" when it could not tell
     state: str = "starting"
     step: int = 0
@@ -58,6 +59,10 @@ def header_items(info: HeaderInfo) -> tuple[list[Item], list[Item]]:
     # "…" promises a value; once the run has ended without one, it will not come.
     unknown = "…" if info.state in WAITING_STATES else "-"
     params = unknown if info.parameters is None else format_count(info.parameters)
+    params += " params"
+    if info.parameters is not None and info.trainable is not None \
+            and info.trainable < info.parameters:
+        params += f" ({format_count(info.trainable)} trainable)"
     device = unknown if info.device is None else (info.device or "N/A")
     total = "?" if info.total_steps is None else str(info.total_steps)
     rate = unknown if info.tokens_per_s is None else format_rate(info.tokens_per_s)
@@ -65,7 +70,7 @@ def header_items(info: HeaderInfo) -> tuple[list[Item], list[Item]]:
     first = [
         Item((("tuitrain", "bold"),), rank=1),
         Item(((model_label(info.model), "bold"),), rank=50, shrink=True, stays=True),
-        Item(((f"{params} params", ""),), rank=3),
+        Item(((params, ""),), rank=3),
         Item(((f"● {info.state}", STATE_STYLES.get(info.state, "")),), rank=KEEP),
         Item(((f"step {info.step}/{total}", ""),), rank=KEEP),
         Item(((f"{rate} tok/s", ""),), rank=KEEP),

@@ -17,6 +17,14 @@ from dp_harness import COLLECTIVE_TIMEOUT, GatedLM, build, make_batches, rank_sl
 from engine import Engine, EngineConfig
 
 
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with LoRA adapters on every linear layer (the same on every rank: the seed
+    fixes them), its base weights frozen."""
+    from engine.models.lora import Lora, apply_lora
+
+    return apply_lora(copy.deepcopy(model), Lora(rank=4, alpha=8), seed=0)
+
+
 def _engine(model: torch.nn.Module, **config) -> Engine:
     return Engine(copy.deepcopy(model), EngineConfig(
         precision="fp32", collective_timeout=COLLECTIVE_TIMEOUT, **config))
@@ -68,7 +76,8 @@ def matches(rank: int, world: int, *, steps: int, per_rank: int,
                    for step in sc.get("changes", [])]
         if sc.get("rank0_only") and rank != 0:
             changes = []  # rank 0 alone is steered; the engine tells the others
-        eng = _engine(model, policy=sc["policy"], device_budget=budgets[sc["budget"]],
+        eng = _engine(with_lora(model) if sc.get("lora") else model,
+                      policy=sc["policy"], device_budget=budgets[sc["budget"]],
                       margin_ratio=sc.get("margin", 0.0),
                       max_grad_norm=sc.get("max_grad_norm"), grad_accum=sc.get("grad_accum", 1))
         result = _run(eng, batches, changes)
@@ -76,6 +85,9 @@ def matches(rank: int, world: int, *, steps: int, per_rank: int,
         result["weights"] = weights if rank == 0 else None
         result["chunk_numels"] = [c.numel for c in eng.chunks]
         result["shard_numels"] = [c.home_numel for c in eng.chunks]
+        # Frozen chunks (LoRA's base) hold their payload's shard and no optimizer state.
+        result["frozen_payload_only"] = [
+            c.exp_avg is None and c.host_grad is None for c in eng.chunks if c.frozen]
         eng.close()
         out[sc["name"]] = result
     return out

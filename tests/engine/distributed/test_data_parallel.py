@@ -48,6 +48,9 @@ SCENARIOS = [
     # Each rank's part in two micro-batches: gradients add up in the shards between them.
     {"name": "accumulated", "policy": "auto", "budget": "tight", "margin": 0.5,
      "grad_accum": 2, "worlds": (2,)},
+    # LoRA: the base weights frozen in payload-only chunks, sharded like any other.
+    {"name": "lora", "policy": "auto", "budget": "ample", "margin": 0.5, "lora": True,
+     "worlds": (2,)},
 ]
 
 
@@ -81,8 +84,11 @@ def ranks(request):
     return world, [result["matches"] for result in launch]
 
 
-def _reference(world: int, **kw):
-    return reference_run(build(), make_batches(STEPS, batch_size=PER_RANK * world), **kw)
+def _reference(world: int, *, lora: bool = False, **kw):
+    from dp_scenarios import with_lora
+
+    model = with_lora(build()) if lora else build()
+    return reference_run(model, make_batches(STEPS, batch_size=PER_RANK * world), **kw)
 
 
 @pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
@@ -92,13 +98,17 @@ def test_ranks_train_as_one_process_on_the_global_batch(ranks, name):
     if world not in scenario.get("worlds", (world,)):
         pytest.skip(f"run on {scenario['worlds']} ranks only")
     clip = scenario.get("max_grad_norm")
-    ref_losses, ref_weights = _reference(world, max_grad_norm=clip)
+    ref_losses, ref_weights = _reference(world, max_grad_norm=clip,
+                                         lora=scenario.get("lora", False))
     for rank, result in enumerate(results):
         got = result[name]
         assert got["losses"] == pytest.approx(ref_losses, rel=TOL), f"rank {rank}"
         assert got["tokens"] == PER_RANK * world * 16  # the global batch's
         assert got["applied"] == results[0][name]["applied"]  # the same step everywhere
     assert whole_model_relative_difference(results[0][name]["weights"], ref_weights) <= TOL
+    if scenario.get("lora"):
+        frozen = results[0][name]["frozen_payload_only"]
+        assert frozen and all(frozen)
 
 
 # Under cuda, sharded chunks: the step's peak, counted before the chunks that make room

@@ -1,0 +1,85 @@
+"""The planner knows LoRA: frozen base weights in payload-only chunks, gradients and
+optimizer state for the adapters alone. Its device peak, host bytes, bytes copied and the
+disk tier's bytes are what the engine measures on the same LoRA model, as for a full run."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.models.lora import Lora, apply_lora
+from engine.models.zoo import build_model
+from engine.planning.planner import plan
+from tests.engine.test_planner import EXACT, SHAPE, TINY_PIECE, disk_steps, engine_steps
+
+MiB = 2**20
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Pieces of disk I/O small enough that the tiny model's chunks go in several."""
+    from engine.placement import rules
+
+    monkeypatch.setattr(rules, "DISK_PIECE", TINY_PIECE)
+    return TINY_PIECE
+LORA = Lora(rank=4)
+
+
+def lora_tiny():
+    return apply_lora(build_model("tiny"), LORA)
+
+
+@pytest.mark.parametrize(
+    ("precision", "policy", "budget", "margin"),
+    [
+        ("fp32", "cuda", "6GiB", 0.0),
+        ("fp32", "cpu", "6GiB", 0.0),
+        ("bf16", "auto", "6GiB", 0.0),
+        ("fp32", "auto", 20 * MiB, 0.5),  # evictions, and the margin keeps some resident
+    ],
+)
+def test_a_lora_step_is_forecast_as_the_engine_measures_it(precision, policy, budget, margin):
+    forecast = plan("tiny", device_mem=budget, host_mem="64GiB", precision=precision,
+                    simulated=True, margin_ratio=margin, lora=LORA, **SHAPE)
+    stats, engine = engine_steps(lora_tiny(), policy=policy, precision=precision,
+                                 budget=budget, margin=margin)
+    row = forecast.policies[policy]
+    assert row.fits, row.reason
+    assert row.device_peak == pytest.approx(stats.memory.device_peak, rel=EXACT)
+    assert row.host_model == stats.memory.host_model  # same layout, same tensors: exact
+    assert row.copied == stats.bytes_h2d + stats.bytes_d2h
+    assert forecast.chunks == len(engine.chunks)
+    assert forecast.working_set == pytest.approx(engine.trace.working_set, rel=EXACT)
+
+
+def test_lora_needs_far_less_than_training_every_weight():
+    full = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="fp32", simulated=True,
+                **SHAPE)
+    lora = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="fp32", simulated=True,
+                lora=LORA, **SHAPE)
+    # Frozen weights: 4 of full training's 16 B/param on the host.
+    assert lora.model_bytes < 0.3 * full.model_bytes
+    assert lora.cpu.host_model < 0.3 * full.cpu.host_model
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_disk_tier_of_a_lora_run_is_forecast_byte_for_byte(small_pieces, tmp_path,
+                                                                precision):
+    host_budget = int(0.5 * plan("tiny", device_mem="6GiB", host_mem="64GiB",
+                                 precision=precision, simulated=True, lora=LORA,
+                                 **SHAPE).model_bytes)
+    forecast = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision=precision,
+                    simulated=True, host_budget=host_budget, disk_dir=tmp_path, lora=LORA,
+                    **SHAPE)
+    stats, engine, (read, written) = disk_steps(
+        lora_tiny(), policy="cpu", precision=precision, budget="6GiB",
+        host_budget=host_budget, disk_dir=tmp_path)
+    assert any(c.frozen and c.payload_on_disk for c in engine.chunks)
+    row, memory = forecast.cpu, stats.memory
+    assert row.fits, row.reason
+    assert row.disk_bytes == memory.disk_model
+    assert row.host_model == memory.host_model
+    assert row.io_buffers == memory.host_io_buffers
+    assert (row.disk_read, row.disk_written) == (read, written)
+    assert row.copied == stats.bytes_h2d + stats.bytes_d2h
+    assert forecast.disk_needed == engine.manager.disk_placement(set()).disk_bytes > 0
+    engine.close()
