@@ -82,3 +82,35 @@ def test_before_its_first_step_a_sharded_cuda_budget_holds_the_largest_module_ga
                            resident_costs=shards, sharded=True)
     rules.check_budget(1200, Policy.CUDA, trace=None, module_bytes=module_bytes,
                        resident_costs=shards, sharded=True)
+
+
+def test_the_plan_for_two_ranks_says_the_peak_a_rank_measures_at_the_least_cuda_budget(twin):
+    """The planner replays the same rules: at the least budget the engine accepts for cuda,
+    the plan says it fits, and a rank's steady step peaks where the plan says."""
+    import torch
+    from dp_harness import TINY_VOCAB, rank_slice
+
+    from engine.models.zoo import build_model
+    from engine.planning.planner import plan
+
+    batches = [rank_slice(b, 0, 2) for b in make_batches(3, batch_size=4, seq_len=64,
+                                                          vocab=TINY_VOCAB)]
+
+    def engine(policy: str, budget: int) -> Engine:
+        torch.manual_seed(0)
+        return Engine(build_model("tiny"), EngineConfig(
+            policy=policy, device_budget=budget, precision="fp32", simulate=True))
+
+    eng = engine("auto", 2**30)
+    eng.step(batches[0])
+    least = eng.trace.working_set + sum(eng.manager.resident_cost(c) for c in eng.chunks)
+    eng.close()
+    forecast = plan("tiny", device_mem=least, host_mem="64GiB", precision="fp32",
+                    simulated=True, batch_size=4, seq_len=64, nproc=2).policies["cuda"]
+    assert forecast.fits, forecast.reason
+    eng = engine("cuda", least)
+    for batch in batches:
+        peak = eng.step(batch).memory.device_peak
+    eng.close()
+    assert peak <= least
+    assert forecast.device_peak == peak
