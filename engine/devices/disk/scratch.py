@@ -105,7 +105,11 @@ def remove_stale(parent: Path) -> list[Path]:
         m = _NAME.match(entry.name)
         if not m:
             continue
-        gone, fd = _owner_gone(entry, int(m.group(1)))
+        if entry.name.startswith(NEW_PREFIX):
+            # Being set up: its lock may be made and not taken yet, so the pid decides.
+            gone, fd = not _alive(int(m.group(1))), None
+        else:
+            gone, fd = _owner_gone(entry, int(m.group(1)))
         if not gone:
             continue
         try:
@@ -140,6 +144,25 @@ def _remove(path: Path, lock_fd: int, owner: int) -> None:
             path.parent.rmdir()
 
 
+# Tries at making a folder in a rank folder that other engines may remove while it is empty.
+_MAKE_ATTEMPTS = 20
+
+
+def _make_in(parent: Path, folder: Path) -> None:
+    """os.mkdir(folder) in `parent`, which is made again if it is gone: a rank folder is
+    removed by the engine that empties it, or by any start that finds it empty, and can be
+    between being made and holding a folder. Once it holds one, it stays."""
+    for _ in range(_MAKE_ATTEMPTS - 1):
+        parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            os.mkdir(folder, 0o700)
+            return
+        except FileNotFoundError:
+            continue
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.mkdir(folder, 0o700)
+
+
 class ScratchFolder:
     """A new private folder under `parent`, removed by `remove()` or at exit.
 
@@ -158,11 +181,7 @@ class ScratchFolder:
         token = f"{os.getpid()}-{secrets.token_hex(4)}"
         staging = self.parent / f"{NEW_PREFIX}{token}"
         try:
-            try:
-                os.mkdir(staging, 0o700)
-            except FileNotFoundError:  # a rank folder that another engine, ending, removed
-                self.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                os.mkdir(staging, 0o700)
+            _make_in(self.parent, staging)
             os.chmod(staging, 0o700)  # whatever the umask
             fd = os.open(staging / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
         except OSError as e:

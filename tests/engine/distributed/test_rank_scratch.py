@@ -85,3 +85,13 @@ def test_after_a_kill_9_of_ranks_the_next_start_on_any_ranks_removes_their_folde
     rank0 = ScratchFolder(tmp_path / "rank-0")  # or rank 0 of a new pair
     rank0.remove()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_a_live_process_is_setting_up_is_left_alone(tmp_path):
+    """Ranks start at once, and each start cleans every rank's folder: one that another
+    process has made, and not locked yet, is not stale."""
+    staging = tmp_path / "rank-1" / f".new-{os.getpid()}-0123abcd"
+    staging.mkdir(parents=True)
+    (staging / "lock").touch()  # made, not locked yet
+    ScratchFolder(tmp_path / "rank-1").remove()
+    assert staging.is_dir()
