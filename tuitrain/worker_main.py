@@ -85,10 +85,8 @@ def worker_main(
 
 
 def _exit(code: int) -> None:
-    """End the process now, leaving nothing behind: its scratch folders (the run closed its
-    engine; this covers one that failed while being built) and what multiprocessing would
-    clean at exit (its semaphores, or the resource tracker warns of leaks). Skips the rest
-    of interpreter teardown: a library thread that never ends cannot keep a finished worker
+    """End the process now, leaving nothing behind (`_leave_nothing`). Skips the rest of
+    interpreter teardown: a library thread that never ends cannot keep a finished worker
     alive."""
     _leave_nothing()
     sys.stdout.flush()
@@ -97,12 +95,15 @@ def _exit(code: int) -> None:
 
 
 def _leave_nothing() -> None:
+    """Remove the scratch folders this process still has (the run closed its engine; this
+    covers one that failed while being built), with the rank folders they were in.
+
+    Nothing else needs the interpreter's exit: the worker makes no multiprocessing object
+    that cleans up at exit (no lock, queue or semaphore: its channels are plain pipes),
+    so no private hook of multiprocessing's is run here."""
     scratch = sys.modules.get("engine.devices.disk.scratch")
     if scratch is not None:  # not imported: no folder was ever made
         scratch.remove_all()
-    from multiprocessing import util
-
-    util._run_finalizers(0)  # what its atexit hook runs first: semaphores unlinked
 
 
 def _route_interrupts(callback: Callable[[], None]) -> None:

@@ -30,7 +30,12 @@ class BudgetTooSmall(ValueError):
 
 
 class CudaRules:
-    """All model data, optimizer state included, lives on the device."""
+    """All model data, optimizer state included, lives on the device.
+
+    Sharded (data parallel) that is each rank's shards; the whole chunks gathered from them
+    for each use are device copies like auto's, which come and go: they make room for the
+    activations to come as auto's do. Unsharded there is no such copy to evict, and the
+    budget check keeps the forecast room free beside the resident chunks."""
 
     policy = Policy.CUDA
 
@@ -40,8 +45,7 @@ class CudaRules:
 
     @staticmethod
     def forecast(trace: Trace | None, pos: int, non_model_now: int) -> int:
-        # Nothing is ever evicted, so there is nothing to keep room for.
-        return 0
+        return AutoRules.forecast(trace, pos, non_model_now)
 
     @staticmethod
     def release_before_use(on_device: Iterable[int], needed: Iterable[int]) -> list[int]:
@@ -97,9 +101,11 @@ def rules_for(policy: Policy | str, *, tracing: bool = False
     first of each new batch shape). With no forecast of the activations to come, auto
     keeps nothing idle on the device then (cpu's rules): an op that found the device full
     of idle chunks would fail on a GPU, and evicting them after it cannot undo that. The
-    step is then the minimum working set's, which the budget holds."""
+    step is then the minimum working set's, which the budget holds. So does cuda's with
+    sharded chunks (its gathered copies are the idle ones; a resident chunk is never
+    released, so unsharded nothing changes), beside its resident shards."""
     chosen = RULES[Policy.parse(policy)]
-    return CpuRules if tracing and chosen is AutoRules else chosen
+    return CpuRules if tracing and chosen is not CpuRules else chosen
 
 
 # --- rules every policy shares -----------------------------------------------------------
@@ -225,19 +231,20 @@ def check_budget(budget: int, policy: Policy, *, trace: Trace | None,
     """Raise BudgetTooSmall, with the numbers, when `budget` cannot run `policy`.
 
     `sharded` (data parallel): the resident costs are shards, and the chunks gathered whole
-    for each use and their gradient buffers (the traced working set beside the activations)
-    come on top, under cuda too."""
-    need = minimum_working_set(trace, module_bytes)
-    if budget < need:
+    for each use and their gradient buffers (the working set beside the activations; before
+    the first step, the largest module's) come on top, under cuda too."""
+    working_set = minimum_working_set(trace, module_bytes)
+    if budget < working_set:
         raise BudgetTooSmall(
             f"device budget {format_size(budget)} is below the minimum working set "
-            f"{format_size(need)} (largest chunks in use at once"
+            f"{format_size(working_set)} (largest chunks in use at once"
             f"{', plus activations' if trace else ''})")
     if policy == Policy.CUDA:
+        activations = trace.non_model_peak if trace else 0
         model = sum(resident_costs)
-        if sharded and trace is not None:
-            model += trace.working_set - trace.non_model_peak
-        need = model + (trace.non_model_peak if trace else 0)
+        if sharded:
+            model += working_set - activations
+        need = model + activations
         if budget < need:
             raise BudgetTooSmall(
                 f"policy cuda needs {format_size(need)} on the device (model data "

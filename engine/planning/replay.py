@@ -326,7 +326,9 @@ class StepReplay:
             self._sample()
 
     def _keep_room(self, protect: tuple[int, ...]) -> None:
-        """StepRunner._keep_room: room for the forecast non-model bytes, then a sample."""
+        """StepRunner._keep_room: a sample, then room for the forecast non-model bytes
+        (sampled first, as the engine does: bytes that found no room show in the peak)."""
+        self._sample()
         forecast = self.rules.forecast(self.trace, self.pos, self.nm)
         if self.device_bytes + self.nm + forecast > self.capacity:
             self.evicting = True
@@ -334,7 +336,7 @@ class StepReplay:
                 self._make_room(0, protect)
             finally:
                 self.evicting = False
-        self._sample()
+            self._sample()
 
     def grad(self, param: str) -> None:
         chunk = self.lay.chunk_of[param]

@@ -28,7 +28,7 @@ from engine.chunks.sharding import ShardedChunks
 from engine.chunks.state import TensorState
 from engine.config import EngineConfig, LiveSettings, describe_setting
 from engine.devices.device import ComputeDevice, make_device
-from engine.devices.disk import DiskTierError, default_disk_dir
+from engine.devices.disk import DiskTierError, default_disk_dir, rank_folder
 from engine.devices.host_memory import PeakResident, release_free_host_memory
 from engine.distributed import join
 from engine.models.training import drops_out, prepare_for_training
@@ -112,7 +112,7 @@ class Engine:
         if budgeted:
             disk_dir = config.disk_dir or default_disk_dir()
             if ranks is not None:  # ranks on one machine keep their files apart
-                disk_dir = disk_dir / f"rank-{ranks[0]}"
+                disk_dir = rank_folder(disk_dir, ranks[0])
             self.manager.use_host_budget(config.host_budget, disk_dir,
                                          fill=lambda chunk: fill(chunk, self.device))
         else:

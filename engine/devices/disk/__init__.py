@@ -13,6 +13,7 @@ from engine.devices.disk.files import ALIGN, ScratchFile, aligned, direct_io_sup
 from engine.devices.disk.scratch import (
     ScratchFolder,
     default_disk_dir,
+    rank_folder,
     remove_all,
     remove_stale,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "default_disk_dir",
     "direct_io_supported",
     "probe_bytes",
+    "rank_folder",
     "remove_all",
     "remove_stale",
     "space_needed",

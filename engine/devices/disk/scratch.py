@@ -10,10 +10,15 @@ between creating a folder and locking it, and filesystems without `flock`.
 The folder is removed at `remove()` (Engine.close) and, for an engine nobody closed, when it
 is collected or at interpreter exit; a process that ends without the interpreter's exit
 (os._exit, a signal handler) calls `remove_all` first.
+
+Data-parallel ranks on one machine keep their folders apart under `disk_dir/rank-<rank>`
+(`rank_folder`): a folder the engine makes on the user's behalf, so it goes too with the
+last scratch folder in it. A run leaves nothing but what the user asked for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -27,6 +32,7 @@ PREFIX = "run-"
 NEW_PREFIX = ".new-"  # a folder being set up; renamed to run-... once locked
 LOCK = "lock"
 _NAME = re.compile(r"^(?:run-|\.new-)(\d+)-[0-9a-f]{8}$")
+_RANK = re.compile(r"^rank-\d+$")
 CACHE_ENV = "TUITRAIN_CACHE"  # the same override engine.data's caches honour
 
 
@@ -38,6 +44,11 @@ def default_disk_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("tuitrain", appauthor=False)) / "scratch"
+
+
+def rank_folder(disk_dir: Path, rank: int) -> Path:
+    """Where data-parallel rank `rank` keeps its scratch folders under `disk_dir`."""
+    return Path(disk_dir) / f"rank-{rank}"
 
 
 def _alive(pid: int) -> bool:
@@ -72,7 +83,9 @@ def _owner_gone(folder: Path, pid: int) -> tuple[bool, int | None]:
 
 
 def remove_stale(parent: Path) -> list[Path]:
-    """Remove the scratch folders under `parent` whose process is gone; returns them.
+    """Remove the scratch folders under `parent` whose process is gone, and those in its
+    rank folders (a run on any number of ranks cleans up after one on another), with the
+    rank folders they leave empty; returns the scratch folders removed.
 
     Only entries named as this module names them are looked at: nothing else under
     `parent` is ever touched."""
@@ -82,10 +95,21 @@ def remove_stale(parent: Path) -> list[Path]:
     except OSError:
         return removed
     for entry in entries:
-        m = _NAME.match(entry.name)
-        if not m or not entry.is_dir() or entry.is_symlink():
+        if entry.is_symlink() or not entry.is_dir():
             continue
-        gone, fd = _owner_gone(entry, int(m.group(1)))
+        if _RANK.match(entry.name):
+            removed += remove_stale(entry)
+            with contextlib.suppress(OSError):  # a live run's folder in it keeps it
+                entry.rmdir()
+            continue
+        m = _NAME.match(entry.name)
+        if not m:
+            continue
+        if entry.name.startswith(NEW_PREFIX):
+            # Being set up: its lock may be made and not taken yet, so the pid decides.
+            gone, fd = not _alive(int(m.group(1))), None
+        else:
+            gone, fd = _owner_gone(entry, int(m.group(1)))
         if not gone:
             continue
         try:
@@ -114,6 +138,29 @@ def _remove(path: Path, lock_fd: int, owner: int) -> None:
         return
     shutil.rmtree(path, ignore_errors=True)
     os.close(lock_fd)
+    if _RANK.match(path.parent.name):
+        # Another run's folder in it, or one being made, keeps it (rmdir refuses).
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
+
+
+# Tries at making a folder in a rank folder that other engines may remove while it is empty.
+_MAKE_ATTEMPTS = 20
+
+
+def _make_in(parent: Path, folder: Path) -> None:
+    """os.mkdir(folder) in `parent`, which is made again if it is gone: a rank folder is
+    removed by the engine that empties it, or by any start that finds it empty, and can be
+    between being made and holding a folder. Once it holds one, it stays."""
+    for _ in range(_MAKE_ATTEMPTS - 1):
+        parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            os.mkdir(folder, 0o700)
+            return
+        except FileNotFoundError:
+            continue
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.mkdir(folder, 0o700)
 
 
 class ScratchFolder:
@@ -129,11 +176,12 @@ class ScratchFolder:
         except OSError as e:
             raise ValueError(f"scratch folder {self.parent} cannot be created: "
                              f"{e.strerror or e}") from None
-        remove_stale(self.parent)
+        # A rank's folder: the stale ones of every rank, its own included.
+        remove_stale(self.parent.parent if _RANK.match(self.parent.name) else self.parent)
         token = f"{os.getpid()}-{secrets.token_hex(4)}"
         staging = self.parent / f"{NEW_PREFIX}{token}"
         try:
-            os.mkdir(staging, 0o700)
+            _make_in(self.parent, staging)
             os.chmod(staging, 0o700)  # whatever the umask
             fd = os.open(staging / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
         except OSError as e:

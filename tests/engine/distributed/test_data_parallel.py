@@ -111,17 +111,7 @@ def test_ranks_train_as_one_process_on_the_global_batch(ranks, name):
         assert frozen and all(frozen)
 
 
-# Under cuda, sharded chunks: the step's peak, counted before the chunks that make room
-# for an allocation are released (no longer after), is 1.3% above the budget the engine
-# accepted (resident shards plus the traced working set, with 5% to spare): the room a
-# gathered chunk needs beside the next allocation is not in the working set yet.
-OVER_BUDGET_UNDER_CUDA = pytest.mark.xfail(
-    strict=True, reason="sharded cuda: the working set misses a gathered chunk's overlap")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(s["name"], marks=OVER_BUDGET_UNDER_CUDA)
-    if s["name"] in ("cuda", "live", "steered") else s["name"] for s in SCENARIOS])
+@pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
 def test_ranks_stay_within_their_budget(ranks, name):
     world, results = ranks
     scenario = next(s for s in SCENARIOS if s["name"] == name)
