@@ -7,6 +7,9 @@ evicting idle copies to make room, and, sharded, gathering at the points the ran
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from engine.chunks.chunk import Chunk, DeviceCopy
 from engine.chunks.state import TensorState
 from engine.chunks.tiers import ChunkTiers
@@ -216,12 +219,40 @@ class DeviceCopies(ChunkTiers):
         self.sharding.start_gather(chunk)
         self._fetched(chunk)
 
+    @contextmanager
+    def keeping_copies(self, room_for: int | None) -> Iterator[None]:
+        """While inside, forwards outside a step (`prepare_outside_step`) keep the copies of
+        other chunks on the device as long as `room_for` bytes stay free for the forward's
+        activations, instead of dropping every one before each module: a copy stays valid
+        until the next update, so a second evaluation batch finds them all there. None:
+        keep none, as cpu does (no forecast of the activations to leave room for)."""
+        self._keep_room_for, before = room_for, self._keep_room_for
+        try:
+            yield
+        finally:
+            self._keep_room_for = before
+
+    _keep_room_for: int | None = None
+
     def prepare_outside_step(self, needed: tuple[Chunk, ...]) -> None:
         """Bring `needed` to the device for a forward outside a training step (evaluation),
-        whatever the policy: copied in right before use, dropped right after, as cpu does,
-        so that evaluation needs no more device memory than the smallest step."""
+        whatever the policy: evicting only what leaves too little room (`keeping_copies`),
+        or copied in right before use and dropped right after, as cpu does, so that
+        evaluation needs no more device memory than the smallest step."""
         on_device = [c.index for c in self.chunks if c.on_device]
-        for index in rules.CpuRules.release_before_use(on_device, [c.index for c in needed]):
+        room_for = self._keep_room_for
+        if room_for is None or self.sharding is not None:
+            leaving = rules.CpuRules.release_before_use(on_device, [c.index for c in needed])
+        else:
+            coming = sum(c.nbytes for c in needed if not c.on_device)
+            idle = [c.index for c in self.chunks if c.on_device and not c.copy_is_home
+                    and not c.in_use() and c not in needed]
+            # Room for the activations may be out of reach (a batch larger than the
+            # trace's): then every idle copy goes, and the forward is cpu's.
+            leaving, _ = rules.evictions(coming + room_for, self.free_bytes(), idle,
+                                         lambda i: self.chunks[i].nbytes, pos=-1,
+                                         trace=self.trace, last_use=self._last_use)
+        for index in leaving:
             self.release(self.chunks[index])
         gather = self.sharding.boundary(needed, [])[0] if self.sharding is not None else set()
         for chunk in needed:

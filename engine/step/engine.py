@@ -350,8 +350,8 @@ class Engine:
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> float:
         """The loss on `batch` (input_ids, labels) with no gradient and no update, the model
-        in eval mode; chunks are fetched as the cpu policy fetches them, so evaluation fits
-        in any budget the training step fits in. Pending setting changes stay pending.
+        in eval mode; copies are kept while they leave the activations room (evaluation.py),
+        so it fits in any budget the step fits in. Pending setting changes stay pending.
 
         Data parallel: every rank calls it alike (it gathers chunks), each with a batch of
         its own; the loss is this rank's."""

@@ -23,6 +23,7 @@ from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
 from engine.placement.trace import Trace, TracePoint
 from engine.step.borrowing import watch_borrowing
+from engine.step.counting import CountedSteps
 from engine.step.hooks import hook_gradients, install, wrap_outputs
 from engine.step.non_model import NonModelCounter, storage_key
 from engine.step.optimizer import restore_params
@@ -49,6 +50,7 @@ class StepRunner:
         self.chunks = chunks
         self.device = device
         self.counter = NonModelCounter(self._is_model_storage, self._on_non_model_change)
+        self.counts = CountedSteps()  # which steps count (simulated device; counting.py)
         self.manager = ChunkManager(chunks, device, non_model_now=self.non_model_now,
                                     on_change=self._on_model_change)
         self.trace: Trace | None = None  # the latest finished warm-up trace
@@ -109,11 +111,18 @@ class StepRunner:
 
     def non_model_now(self) -> int:
         if self.device.simulated:
-            return self.counter.current
+            return self._counted_now()
         # The chunk manager asks before it allocates: the allocator's peak so far is read
         # now, before a chunk's bytes could hide a non-model peak under a higher total.
         self._sample()
         return max(0, self.device.allocator_bytes() - self.manager.device_bytes)
+
+    def _counted_now(self) -> int:
+        """Simulated device: the count, or in a step that does not count the interval's
+        traced peak, which leaves the rules the same room (engine.step.counting)."""
+        if self.counts.counting or not self._in_step or self.manager.trace is None:
+            return self.counter.current
+        return self.manager.trace.non_model_ahead(self.pos)
 
     def _on_model_change(self) -> None:
         if self._in_step:
@@ -136,7 +145,7 @@ class StepRunner:
         if not self._in_step:
             return
         m = self.manager
-        non_model = self.counter.current if self.device.simulated else self.non_model_now()
+        non_model = self._counted_now() if self.device.simulated else self.non_model_now()
         if m.free_bytes(m.rules.forecast(m.trace, self.pos, non_model)) < 0:
             self._evicting = True
             try:
@@ -150,7 +159,7 @@ class StepRunner:
             return
         model = self.manager.device_bytes
         if self.device.simulated:
-            non_model = self.counter.current
+            non_model = self._counted_now()
         else:
             model, non_model = self._read_allocator(model)
         self._interval_peak = max(self._interval_peak, non_model)
@@ -164,7 +173,7 @@ class StepRunner:
             self._interval_top = (model, non_model)
         self.peak = max(self.peak, model + non_model)
         self.non_model_peak = max(self.non_model_peak, non_model)
-        if self.device.simulated:
+        if self.device.simulated and self.counts.counting:
             # Until the next sample (every change of model bytes takes one), non-model
             # growth matters only past a peak or past the room left, once there is room
             # for the forecast: the forecast is room for that growth, so it shrinks as
@@ -224,6 +233,7 @@ class StepRunner:
         self._interval_peak = self._interval_ws = 0
         self._interval_top = (0, 0)
         self._keep_room(lambda: pinned)  # before the module's first allocation, not after
+        self.counts.mark(m.device_bytes, m.bytes_h2d, m.bytes_d2h)
 
     def _close_interval(self) -> None:
         """The interval since the latest point ends: its peaks go to the trace being
@@ -375,6 +385,7 @@ class StepRunner:
         self.device.begin_step(self.manager.device_bytes)
         self._model_read = self._allocated_read = self.manager.device_bytes
         self.counter.reset()
+        self.counts.begin(tracing=tracing, accumulate=accumulate)
         self._kept_grads: dict[int, int] = {}  # chunk index -> kept gradients adopted
         for chunk in self.chunks:
             chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)
@@ -393,7 +404,8 @@ class StepRunner:
         try:
             # Every op's allocations, counted on the simulated device; on CUDA the
             # allocator counts them itself (_read_allocator), with no work per op.
-            counting = self.counter if self.device.simulated else nullcontext()
+            counting = (self.counter if self.device.simulated and self.counts.counting
+                        else nullcontext())
             watch = watch_borrowing(self.model, self._borrow) if self.tracing else nullcontext()
             with counting, watch:
                 t0, x0 = time.perf_counter(), m.transfer_seconds
@@ -404,6 +416,8 @@ class StepRunner:
                 (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             self._finish_backward()
             self._close_interval()
+            if self.device.simulated:
+                self._finish_count()
             x2 = m.transfer_seconds
         except BaseException:
             self._abort()
@@ -412,6 +426,16 @@ class StepRunner:
             self._in_step = self._in_backward = False
             m.end_step()
         return loss, x1 - x0, x2 - x1
+
+    def _finish_count(self) -> None:
+        """The step's peaks: measured, or those of the counted step it matches."""
+        m = self.manager
+        self.counts.mark(m.device_bytes, m.bytes_h2d, m.bytes_d2h)
+        tops = [(p.model_bytes, p.non_model_bytes) for p in self.timeline]
+        self.peak, self.non_model_peak, tops = self.counts.finish(
+            self.peak, self.non_model_peak, tops)
+        for point, (model, non_model) in zip(self.timeline, tops, strict=True):
+            point.model_bytes, point.non_model_bytes = model, non_model
 
     def _finish_backward(self) -> None:
         m = self.manager
@@ -451,6 +475,7 @@ class StepRunner:
             self.manager.trace = self._forecast
         self._tracing = None
         self.counter.reset()
+        self.counts.abort()
 
     def end_trace(self) -> Trace | None:
         """Close the trace this step recorded, if any, and hand it to the placement rules.

@@ -28,16 +28,20 @@ def test_the_loss_is_the_models_own_and_training_goes_on_as_if_nothing_happened(
     budget = tight_budget() if budget == "tight" else budget
     plain = Engine(copy.deepcopy(MODEL), EngineConfig(policy=policy, device_budget=budget,
                                                       simulate=True))
-    plain_losses = [plain.step(b).loss for b in TRAIN]
+    plain_losses, plain_bytes = [], []
+    for b in TRAIN:
+        plain_losses.append(plain.step(b).loss)
+        plain_bytes.append(plain.manager.device_bytes)
 
     eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy=policy, device_budget=budget,
                                                     simulate=True))
     losses, evals = [], []
-    for batch in TRAIN:
+    for batch, device_bytes in zip(TRAIN, plain_bytes, strict=True):
         losses.append(eng.step(batch).loss)
-        device_bytes = eng.manager.device_bytes
+        # Copies kept by the evaluation before this step went, as its placement says.
+        assert eng.manager.device_bytes == device_bytes
         evals.append([eng.evaluate(b) for b in HELD_OUT])
-        assert eng.manager.device_bytes == device_bytes  # non-resident copies went home
+        assert eng.manager.device_bytes <= eng.device.capacity()
     assert losses == plain_losses
 
     # The same numbers a plain copy of the model with the engine's weights gives.
@@ -58,3 +62,32 @@ def test_no_gradient_is_left_behind():
     eng.evaluate(HELD_OUT[0])
     assert all(p.grad is None for p in eng.model.parameters())
     assert all(c.grad is None for c in eng.chunks)
+
+
+@pytest.mark.parametrize("policy", ["auto", "cpu"])
+def test_with_every_chunk_fitting_evaluation_copies_each_once_then_nothing(policy):
+    eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy=policy, device_budget="64MiB",
+                                                    simulate=True))
+    eng.step(TRAIN[0])
+    payload = sum(c.nbytes for c in eng.chunks)
+    m = eng.manager
+    before = m.bytes_h2d
+    first = [eng.evaluate(b) for b in HELD_OUT]
+    assert m.bytes_h2d - before == payload
+    before = m.bytes_h2d
+    assert [eng.evaluate(b) for b in HELD_OUT] == first
+    assert m.bytes_h2d == before
+
+
+def test_under_a_tight_budget_evaluation_moves_only_what_does_not_fit():
+    budget = tight_budget()
+    eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy="auto", device_budget=budget,
+                                                    simulate=True))
+    eng.step(TRAIN[0])
+    payload = sum(c.nbytes for c in eng.chunks)
+    m = eng.manager
+    eng.evaluate(HELD_OUT[0])
+    before = m.bytes_h2d
+    eng.evaluate(HELD_OUT[1])
+    assert 0 < m.bytes_h2d - before < payload  # some copies stayed, not all fit
+    assert m.device_bytes <= eng.device.capacity()

@@ -1,0 +1,87 @@
+"""Counting every op's bytes only in the steps that need it (engine.step.counting): a steady
+step like the last counted one runs no op through the counter and reports that one's peaks,
+which are its true ones; a step whose placement changed reports an upper bound, and the next
+one counts again."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.true_peak import measured_step
+from engine import Engine, EngineConfig
+from engine.step import counting
+from engine.step.non_model import NonModelCounter
+from tests.engine.conftest import build, make_batches
+
+BATCHES = make_batches(8)
+
+
+class _Entered(NonModelCounter):
+    """The engine's counter, remembering how often a step entered it."""
+
+    entered = 0
+
+    def __enter__(self):
+        type(self).entered += 1
+        return super().__enter__()
+
+
+def engine(policy: str, budget: str = "64MiB") -> Engine:
+    eng = Engine(build("opt", layers=3), EngineConfig(policy=policy, device_budget=budget,
+                                                     simulate=True))
+    eng.runner.counter.__class__ = _Entered
+    _Entered.entered = 0
+    return eng
+
+
+def entered_during(step) -> int:
+    before = _Entered.entered
+    result = step()
+    return _Entered.entered - before, result
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto", "cuda"])
+def test_a_steady_step_like_the_counted_one_counts_nothing_and_reports_its_true_peak(policy):
+    eng = engine(policy, "3MiB" if policy == "auto" else "64MiB")
+    traced, _ = entered_during(lambda: eng.step(BATCHES[0]))
+    counted, second = entered_during(lambda: eng.step(BATCHES[1]))
+    assert (traced, counted) == (1, 1)
+    for batch in BATCHES[2:5]:
+        entered, (stats, true_peak) = entered_during(lambda b=batch: measured_step(eng, b))
+        assert entered == 0
+        assert stats.memory.device_peak == second.memory.device_peak
+        assert stats.memory.device_peak == pytest.approx(true_peak, rel=0.05)
+        assert stats.memory.device_non_model_peak == second.memory.device_non_model_peak
+        assert [(p.model_bytes, p.non_model_bytes) for p in stats.timeline] == [
+            (p.model_bytes, p.non_model_bytes) for p in second.timeline]
+
+
+def test_a_step_placed_otherwise_reports_an_upper_bound_and_the_next_one_counts():
+    eng = engine("auto")
+    eng.step(BATCHES[0])
+    eng.step(BATCHES[1])
+    # Less room: idle chunks leave at other points, so the step's fingerprint differs.
+    eng.set_budget(int(1.2 * eng.min_working_set()))
+    entered, (stats, true_peak) = entered_during(lambda: measured_step(eng, BATCHES[2]))
+    assert entered == 0
+    assert stats.memory.device_peak >= true_peak
+    entered, (stats, true_peak) = entered_during(lambda: measured_step(eng, BATCHES[3]))
+    assert entered == 1
+    assert stats.memory.device_peak == pytest.approx(true_peak, rel=0.05)
+
+
+def test_every_so_many_steps_one_counts_again(monkeypatch):
+    monkeypatch.setattr(counting, "RECOUNT_EVERY", 3)
+    eng = engine("cpu")
+    counted = [entered_during(lambda b=b: eng.step(b))[0] for b in BATCHES]
+    assert counted == [1, 1, 0, 0, 1, 0, 0, 1]
+
+
+def test_each_micro_batch_keeps_its_own_counted_figures():
+    eng = Engine(build("opt", layers=3), EngineConfig(policy="cpu", device_budget="64MiB",
+                                                      simulate=True, grad_accum=2))
+    eng.runner.counter.__class__ = _Entered
+    stats = [entered_during(lambda b=b: eng.step(b)) for b in BATCHES[:4]]
+    # The second micro-batch of the traced step is already a steady one: it counts there.
+    assert [n for n, _ in stats] == [2, 1, 0, 0]
+    assert stats[3][1].memory.device_peak == stats[1][1].memory.device_peak
