@@ -28,12 +28,16 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     from engine import Engine, EngineConfig
     from engine.data.held_out import build_run_data
     from engine.devices.device import uses_cuda
-    from engine.models.zoo import build_model
+    from engine.models.zoo import meta_build
 
     simulated = not uses_cuda()
     device_budget = s.device_budget_for(simulated)
     say(f"building {s.model}")
-    model = build_model(s.model, seed=s.training.seed)
+    # On the meta device: the engine fills its chunks from `built.weights` one at a time, so
+    # the model never exists whole in host memory. A change to the model before its chunks
+    # are made (adapters) is meta_build's `transform`.
+    built = meta_build(s.model, seed=s.training.seed)
+    model = built.model
     if s.training.activation_checkpointing:
         # transformers 5 renamed it; 4.x only has the old name.
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -60,7 +64,8 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     precision = s.precision_for(simulated)
     engine = Engine(
         model,
-        EngineConfig(
+        weights=built.weights,
+        config=EngineConfig(
             policy=s.engine.policy,
             margin_ratio=s.engine.margin_ratio,
             device_budget=device_budget,
