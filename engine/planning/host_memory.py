@@ -90,20 +90,30 @@ class HostMemory:
 
         The model is made on the meta device and each chunk filled from its weights' source
         (engine.models.zoo.meta_build), one tensor read at a time (a fresh module's, in
-        fp32): the peak is the chunk state kept so far, the chunk being filled and one
-        tensor. Under a host budget the engine fills them last used first and sends each
-        one's parts where the placement with nothing resident puts them before the next
-        (ChunkManager.use_host_budget): at most the host budget, one chunk and one tensor.
+        fp32): the peak is the chunk state kept so far and the chunk being filled, with one
+        tensor beside its master copy. Under a host budget the engine fills them last used
+        first and sends each one's parts where the placement with nothing resident puts them
+        before the next (ChunkManager.use_host_budget): at most the host budget, one chunk
+        and one tensor.
         Sharded, the same with this rank's shards (the tensor read is whole)."""
         lay = self.lay
-        tensor = [4 * max((lay.sizes[p] for p in ps), default=0) for ps in lay.params]
-        if self.host_budget is None:
-            return sum(self.cost.host(n) for n in lay.numel) + max(tensor, default=0)
+        # Filling a chunk (engine.chunks.packing.fill): its fp32 master and each tensor read
+        # in turn, then the rest of its state once the last tensor is gone.
+        filling = [max(4 * self.cost.home(numel)
+                       + 4 * max((lay.sizes[p] for p in ps), default=0),
+                       self.cost.host(numel))
+                   for numel, ps in zip(lay.numel, lay.params, strict=True)]
+        if self.host_budget is None:  # filled in use order, every chunk kept
+            kept = peak = 0
+            for index, numel in enumerate(lay.numel):
+                peak = max(peak, kept + filling[index])
+                kept += self.cost.host(numel)
+            return max(peak, kept)
         worst = self.placement(set())
         kept = peak = 0
         for index in reversed(range(len(lay.numel))):
             numel = lay.numel[index]
-            peak = max(peak, kept + self.cost.host(numel) + tensor[index])
+            peak = max(peak, kept + filling[index])
             level, cost = worst.level(index), self.disk_costs[index]
             kept += (self.cost.host(numel), cost.host_payload, 0)[level]
         return max(peak, kept) + worst.buffer_bytes

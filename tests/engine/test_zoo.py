@@ -285,3 +285,12 @@ def test_a_missing_folder_is_named_as_a_folder(tmp_path):
     with pytest.raises(UnknownModel, match="no model folder at") as caught:
         build_model(str(tmp_path / "nowhere"))
     assert "opt-125m" in str(caught.value)
+
+
+def test_tuitrain_models_lists_the_llama_entries_with_their_sizes():
+    from tuitrain.model_list import model_listing
+
+    lines = {line.split()[0]: line.split() for line in model_listing()[1:-1]}
+    assert lines["llama-1b"][1:3] == ["1.2B", "1,235,814,400"]
+    assert lines["llama-3b"][1:3] == ["3.2B", "3,212,749,824"]
+    assert lines["llama-8b"][1:] == ["8.0B", "8,030,261,248", "32", "4096"]
