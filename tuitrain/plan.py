@@ -141,6 +141,8 @@ def print_plan(result: Plan, out: TextIO, times: dict[str, StepTime] | None = No
         f"{', a shard of it per rank' if ranks > 1 else ''}; working set "
         f"{format_size(result.working_set)}{' per rank' if ranks > 1 else ''} "
         f"(activations {format_size(result.non_model_peak)})",
+        f"building: host peak {format_size(result.build_peak)}{' per rank' if ranks > 1 else ''}"
+        f" (chunks made one at a time: never the whole model in host memory)",
         *_disk_lines(result),
         "",
     ]

@@ -28,17 +28,23 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     from engine import Engine, EngineConfig
     from engine.data.held_out import build_run_data
     from engine.devices.device import uses_cuda
-    from engine.models.zoo import build_model
+    from engine.models.zoo import meta_build
 
     simulated = not uses_cuda()
     device_budget = s.device_budget_for(simulated)
     say(f"building {s.model}")
-    model = build_model(s.model, seed=s.training.seed)
-    if s.training.lora is not None:
-        from engine.models.lora import apply_lora
+    # On the meta device: the engine fills its chunks from `weights` one at a time, so the
+    # model never exists whole in host memory. Adapters wrap the meta model before its
+    # chunks are made, and draw their own weights by name whatever the placement.
+    lora = s.training.lora.as_lora() if s.training.lora is not None else None
+    built = meta_build(s.model, seed=s.training.seed)
+    model, weights = built.model, built.weights
+    if lora is not None:
+        from engine.models.lora import LoraWeights, apply_lora
 
-        say(f"adding LoRA adapters of rank {s.training.lora.rank}")
-        model = apply_lora(model, s.training.lora.as_lora(), seed=s.training.seed)
+        say(f"adding LoRA adapters of rank {lora.rank}")
+        model = apply_lora(model, lora, seed=s.training.seed)
+        weights = LoraWeights(model, weights, s.training.seed)
     if s.training.activation_checkpointing:
         # transformers 5 renamed it; 4.x only has the old name.
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -65,7 +71,8 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     precision = s.precision_for(simulated)
     engine = Engine(
         model,
-        EngineConfig(
+        weights=weights,
+        config=EngineConfig(
             policy=s.engine.policy,
             margin_ratio=s.engine.margin_ratio,
             device_budget=device_budget,

@@ -11,20 +11,15 @@ from tuitrain.settings import Settings
 
 def check_model(name: str, seq_len: int) -> None:
     """The model exists (zoo name or model folder) and takes sequences of `seq_len` tokens."""
-    from engine.models.zoo import (
-        KNOWN_MODELS,
-        BadCheckpoint,
-        UnknownModel,
-        is_model_folder,
-        model_config,
-    )
+    from engine.models.folder_weights import weight_files
+    from engine.models.zoo import KNOWN_MODELS, BadCheckpoint, UnknownModel, model_config
 
     try:
         config = model_config(name)
+        if name not in KNOWN_MODELS:
+            weight_files(Path(name).expanduser())  # safetensors there, not only pickles
     except (UnknownModel, BadCheckpoint) as error:
         raise UsageError(str(error)) from None
-    if name not in KNOWN_MODELS and not is_model_folder(name):
-        raise UsageError(f"model folder {name} has no weights (*.safetensors)")
     positions = getattr(config, "max_position_embeddings", None)
     if positions and seq_len > positions:
         raise UsageError(f"seq_len {seq_len} is longer than the {positions} positions of {name}")

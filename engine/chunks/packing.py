@@ -2,7 +2,9 @@
 
 After `build_chunks` every parameter is a view into its chunk's device payload, and the
 storage the model was built with has been freed parameter by parameter, so the peak is
-one model plus the chunks, never two models.
+one model plus the chunks, never two models. A model made on the meta device has no
+storage at all: each chunk is filled from a WeightSource (engine.models.weight_source)
+a few tensors at a time, so the host holds the chunks and one tensor read.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from engine.chunks.chunk import Chunk, Slot, chunk_numel, layout
 from engine.devices.device import ComputeDevice
 from engine.distributed.shards import Shard, overlap, padded_numel
 from engine.models.training import untouched
+from engine.models.weight_source import WeightSource
 
 
 @dataclass
@@ -123,10 +126,13 @@ def first_use_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def build_chunks(model: torch.nn.Module, *, dtype: torch.dtype, device: ComputeDevice,
                  chunk_size: int | None = None, order: list[torch.nn.Parameter] | None = None,
-                 ranks: tuple[int, int] | None = None, filled: bool = True
-                 ) -> tuple[int, list[Chunk]]:
+                 ranks: tuple[int, int] | None = None, filled: bool = True,
+                 weights: WeightSource | None = None) -> tuple[int, list[Chunk]]:
     """(chunk size, chunks) holding every unique parameter of `model`, in first-use order
     (`order`, found with a dry forward pass when not given).
+
+    `weights`: where the values come from (`fill`), required when the model's parameters
+    are on the meta device; else the parameters' own.
 
     `ranks` (rank, world size): data parallel; each chunk is padded to a multiple of the
     world size and this rank keeps only its shard (engine.distributed.shards). Every rank
@@ -135,6 +141,10 @@ def build_chunks(model: torch.nn.Module, *, dtype: torch.dtype, device: ComputeD
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     params = order if order is not None else first_use_order(model)
+    meta = [names[id(p)] for p in params if p.is_meta]
+    if meta and weights is None:
+        raise ValueError(f"{len(meta)} parameters are on the meta device ({meta[0]}, ...): "
+                         f"give the engine the weights to fill them from")
     sizes = [p.numel() for p in params]
     frozen = [not p.requires_grad for p in params]
     size, groups = layout(sizes, chunk_size, frozen)
@@ -153,31 +163,39 @@ def build_chunks(model: torch.nn.Module, *, dtype: torch.dtype, device: ComputeD
         chunk = Chunk(index, numel, dtype, slots, shard=shard,
                       frozen=all(frozen[i] for i in members))
         if filled:  # else the caller fills each chunk (`fill`), placing it before the next
-            fill(chunk, device)
+            fill(chunk, device, weights)
         chunks.append(chunk)
     return size, chunks
 
 
-def fill(chunk: Chunk, dev: ComputeDevice) -> None:
+def fill(chunk: Chunk, dev: ComputeDevice, weights: WeightSource | None = None) -> None:
     """Copy the chunk's parameters in (a sharded chunk: the part in its shard), then free
-    their original storage one by one."""
+    their original storage one by one. `weights`: the values come from there, one tensor
+    at a time (a meta parameter gets a body without storage, its identity kept)."""
     home = chunk.home_numel
     lo, hi = (chunk.shard.lo, chunk.shard.hi) if chunk.shard else (0, chunk.numel)
     # A frozen chunk's weights go straight into its payload: it has no master (fp32: the
     # payload is the master, as for any chunk).
     dtype = chunk.dtype if chunk.frozen else torch.float32
-    weights = dev.host_empty(home, dtype).zero_()
+    home_values = dev.host_empty(home, dtype).zero_()
+    params = [slot.param for slot in chunk.slots]
+    values = weights.tensors(params) if weights is not None else (p.detach() for p in params)
     for slot in chunk.slots:
+        value = next(values)
         part = overlap(slot.offset, slot.numel, lo, hi)
         if part is not None:
-            src = slot.param.detach().reshape(-1)[part[0] - slot.offset:part[1] - slot.offset]
-            weights[part[0] - lo:part[1] - lo].copy_(src)
+            src = value.reshape(-1)[part[0] - slot.offset:part[1] - slot.offset]
+            home_values[part[0] - lo:part[1] - lo].copy_(src)
+        del value  # before the next is read: one tensor at a time
+        if slot.param.is_meta:
+            torch.utils.swap_tensors(slot.param, torch.nn.Parameter(
+                torch.empty(0, dtype=chunk.dtype), requires_grad=slot.param.requires_grad))
         slot.param.data = torch.empty(0, dtype=chunk.dtype, device=dev.torch_device)
     if chunk.frozen:
-        chunk.payload = weights
-        chunk.master = weights if chunk.aliased else None
+        chunk.payload = home_values
+        chunk.master = home_values if chunk.aliased else None
     else:
-        _fill_state(chunk, dev, weights)
+        _fill_state(chunk, dev, home_values)
     chunk.device_payload = dev.empty(chunk.numel, chunk.dtype)
     chunk.bind_params()  # views first: a view cannot be made of empty storage
     chunk.device_payload.untyped_storage().resize_(0)
@@ -196,3 +214,12 @@ def _fill_state(chunk: Chunk, dev: ComputeDevice, master: torch.Tensor) -> None:
         chunk.payload.copy_(chunk.master)
     chunk.exp_avg = dev.host_empty(home, torch.float32).zero_()
     chunk.exp_avg_sq = dev.host_empty(home, torch.float32).zero_()
+
+
+def move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """The model's buffers (RoPE's frequencies, BatchNorm's statistics) onto the compute
+    device: they are no chunk's, and the modules read them there."""
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALL_LINEAR", "Lora", "apply_lora", "initialise_lora", "is_lora_parameter",
-           "lora_parameter_init", "parameter_counts"]
+from engine.models.weight_source import WeightSource
+
+__all__ = ["ALL_LINEAR", "Lora", "LoraWeights", "apply_lora", "initialise_lora",
+           "is_lora_parameter", "lora_parameter_init", "parameter_counts"]
 
 ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
 
@@ -77,6 +80,38 @@ def initialise_lora(model: torch.nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
         if is_lora_parameter(name) and not param.is_meta:
             lora_parameter_init(name, param, seed)
+
+
+class LoraWeights:
+    """WeightSource of a model wrapped on the meta device: its adapter weights drawn by name
+    (lora_parameter_init), every other weight from `base`, the wrapped model's source.
+
+    Args:
+        model: the wrapped model (apply_lora), still on the meta device.
+        base: where the base model's weights come from (engine.models.zoo.meta_build).
+        seed: the run's seed, as given to apply_lora.
+    """
+
+    def __init__(self, model: torch.nn.Module, base: WeightSource, seed: int) -> None:
+        self.base, self.seed = base, seed
+        self.names = {id(p): name for name, p in model.named_parameters()
+                      if is_lora_parameter(name)}
+
+    def tensors(self, params: Sequence[torch.nn.Parameter]) -> Iterator[torch.Tensor]:
+        start = 0
+        while start < len(params):
+            name = self.names.get(id(params[start]))
+            if name is not None:
+                value = torch.empty(params[start].shape, dtype=torch.float32)
+                lora_parameter_init(name, value, self.seed)
+                yield value
+                start += 1
+                continue
+            end = start  # a run of base weights, asked of the base source at once
+            while end < len(params) and id(params[end]) not in self.names:
+                end += 1
+            yield from self.base.tensors(params[start:end])
+            start = end
 
 
 def apply_lora(model: torch.nn.Module, lora: Lora, *, seed: int = 0) -> torch.nn.Module:

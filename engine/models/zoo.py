@@ -1,4 +1,4 @@
-"""The model zoo: OPT configs built locally, and local Hugging Face checkpoint folders.
+"""The model zoo: OPT and Llama configs built locally, and local Hugging Face folders.
 
 Nothing here touches a network hub. A zoo name is turned into a model from a config that
 matches the published one; a folder is loaded with transformers, local files only.
@@ -6,10 +6,9 @@ matches the published one; a folder is loaded with transformers, local files onl
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -18,22 +17,27 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    LlamaConfig,
     OPTConfig,
-    OPTForCausalLM,
     PretrainedConfig,
 )
 
+from engine.models.folder_weights import BadCheckpoint, FolderWeights
+from engine.models.initial_weights import ModelInit
 from engine.models.training import prepare_for_training
+from engine.models.weight_source import WeightSource, materialise
 
 __all__ = [
     "KNOWN_MODELS",
     "BadCheckpoint",
+    "MetaBuild",
     "ModelInfo",
     "UnknownModel",
     "build_model",
     "count_parameters",
     "is_model_folder",
     "list_models",
+    "meta_build",
     "meta_model",
     "model_config",
 ]
@@ -50,10 +54,20 @@ _OPT_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "opt-30b": (7168, 48, 56, 28672),
 }
 
-KNOWN_MODELS: tuple[str, ...] = ("tiny", *_OPT_SHAPES)
+# Llama 3.x as published: (hidden, layers, heads, key/value heads, ffn, head dim, tied
+# embeddings, RoPE scaling factor). Grouped-query attention (8 key/value heads), the 128256-
+# token vocabulary, RoPE at theta 500000 stretched from 8192 to 131072 positions by the
+# "llama3" scaling: 3.2 1B and 3B tie their head to the embedding, 3.1 8B does not.
+_LLAMA_SHAPES: dict[str, tuple[int, int, int, int, int, int, bool, float]] = {
+    "llama-1b": (2048, 16, 32, 8, 8192, 64, True, 32.0),  # Llama 3.2 1B
+    "llama-3b": (3072, 28, 24, 8, 8192, 128, True, 32.0),  # Llama 3.2 3B
+    "llama-8b": (4096, 32, 32, 8, 14336, 128, False, 8.0),  # Llama 3.1 8B
+}
 
-# Weight files a checkpoint folder may hold; safetensors first, the format we write.
-_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+KNOWN_MODELS: tuple[str, ...] = ("tiny", *_OPT_SHAPES, *_LLAMA_SHAPES)
+
+# Weight files a checkpoint folder may hold: safetensors, or pickles we refuse with a reason.
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 
 
 class UnknownModel(ValueError):
@@ -68,10 +82,6 @@ class UnknownModel(ValueError):
         super().__init__(message)
 
 
-class BadCheckpoint(ValueError):
-    """A local model folder that is missing files or cannot be read."""
-
-
 @dataclass
 class ModelInfo:
     """One zoo entry as `tuitrain models` lists it."""
@@ -82,7 +92,38 @@ class ModelInfo:
     hidden: int
 
 
-def _zoo_config(name: str) -> OPTConfig:
+def _llama_config(name: str) -> LlamaConfig:
+    hidden, layers, heads, kv_heads, ffn, head_dim, tied, factor = _LLAMA_SHAPES[name]
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        tie_word_embeddings=tied,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def _zoo_config(name: str) -> PretrainedConfig:
+    if name in _LLAMA_SHAPES:
+        return _llama_config(name)
     if name == "tiny":
         # Milliseconds per step on a CPU. The vocabulary holds the 8000-token BPE trained on
         # the default corpus; dropout is off so that two runs of a test draw no random masks
@@ -171,8 +212,6 @@ def meta_model(name_or_path: str) -> torch.nn.Module:
     """
     config = model_config(name_or_path)
     with torch.device("meta"):
-        if name_or_path in KNOWN_MODELS:
-            return OPTForCausalLM(config)
         try:
             return AutoModelForCausalLM.from_config(config)
         except ValueError as error:  # a config.json of a model type that is not a causal LM
@@ -207,85 +246,69 @@ def list_models() -> list[ModelInfo]:
     return infos
 
 
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Draw from a generator seeded with `seed`, leaving the caller's RNG as it was."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
+@dataclass
+class MetaBuild:
+    """A model on the meta device and where its weights come from: the engine fills its
+    chunks from `weights` one at a time (Engine(model, config, weights=...))."""
+
+    model: torch.nn.Module
+    weights: WeightSource
 
 
-def _materialise(model: torch.nn.Module, device: torch.device | str) -> None:
-    """Give every meta tensor uninitialised storage on `device`, once.
+def meta_build(
+    name_or_path: str,
+    *,
+    seed: int = 0,
+    transform: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> MetaBuild:
+    """A model ready to train, its parameters still on the meta device, and their source.
 
-    `Module.to_empty` would allocate a tied tensor once per module holding it. Here a tied
-    target (OPT's lm_head.weight) stays on the meta device, so that HF's init draws the
-    embedding once (its padding row zeroed) and skips the target; `tie_weights` then points
-    the target at the embedding.
+    Args:
+        name_or_path: a zoo name (see `KNOWN_MODELS`) or a local folder with config.json and
+            safetensors weights (sharded or not).
+        seed: fixes a zoo model's weights (engine.models.initial_weights), the same
+            whatever the placement and however the chunks are filled; for a folder, the
+            weights it lacks. The caller's RNG state is left untouched.
+        transform: changes the meta model before its chunks are made (adapters wrapped
+            around it), and returns the model to train. The weights stay those of the
+            model before the transform; parameters the transform adds are initialised
+            by their module, found in the model when first asked for.
+
+    Raises:
+        UnknownModel: not a zoo name and no such path.
+        BadCheckpoint: a folder whose contents are missing or cannot be read, or whose
+            weights are only pickled `.bin` files.
     """
-    tied_targets = set(getattr(model, "all_tied_weights_keys", None) or ())
-    made: dict[int, torch.Tensor] = {}
-    originals = list(model.parameters()) + list(model.buffers())  # keeps ids unique
-    for prefix, module in model.named_modules():
-        for name, param in module._parameters.items():
-            if param is None or f"{prefix}.{name}".lstrip(".") in tied_targets:
-                continue
-            if id(param) not in made:
-                made[id(param)] = torch.nn.Parameter(
-                    torch.empty_like(param, device=device), requires_grad=param.requires_grad
-                )
-            module._parameters[name] = made[id(param)]
-        for name, buffer in module._buffers.items():
-            if buffer is None:
-                continue
-            if id(buffer) not in made:
-                made[id(buffer)] = torch.empty_like(buffer, device=device)
-            module._buffers[name] = made[id(buffer)]
-    del originals
-
-
-def _load_folder(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
-    if not is_model_folder(folder):
-        raise BadCheckpoint(f"model folder {folder} has no weights (*.safetensors)")
-    model_config(str(folder))  # a clear error for a broken config.json before loading
-    try:
-        return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
-    except Exception as error:  # safetensors, torch and transformers each raise their own
-        raise BadCheckpoint(f"cannot load model folder {folder}: {_first_line(error)}") from error
+    folder = _local_folder(name_or_path)
+    model = meta_model(name_or_path)
+    fresh = ModelInit(model, seed)
+    weights: WeightSource = fresh if folder is None else FolderWeights(folder, model, fresh)
+    if transform is not None:
+        model = transform(model)
+    prepare_for_training(model)
+    model.train()
+    return MetaBuild(model, weights)
 
 
 def build_model(
     name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """A model ready to train, in train mode and with the generation cache off.
+    """A model ready to train, in train mode and with the generation cache off, its weights
+    in host memory: `meta_build`'s, made whole.
 
     Args:
         name_or_path: a zoo name (see `KNOWN_MODELS`) or a local folder with config.json and
             safetensors weights.
         seed: seeds the weight initialisation of a zoo model, so a seed gives the same
-            weights on every machine; the caller's RNG state is left untouched. Ignored for
-            a folder, whose weights are read from disk.
-        dtype: dtype of the parameters. A zoo model is created in it directly.
-
-    A zoo model is built on the meta device and then given storage once, so the peak
-    memory is one copy of the weights even for the largest sizes.
+            weights on every machine, and the same as an engine filling its chunks from
+            `meta_build`; the caller's RNG state is left untouched. A folder's weights are
+            read from disk.
+        dtype: dtype of the parameters.
 
     Raises:
         UnknownModel: not a zoo name and no such path.
         BadCheckpoint: a folder whose contents are missing or cannot be read.
     """
-    folder = _local_folder(name_or_path)
-    if folder is not None:
-        model = _load_folder(folder, dtype)
-    else:
-        model = meta_model(name_or_path).to(dtype)  # free on the meta device
-        _materialise(model, "cpu")
-        with _seeded(seed):
-            model.initialize_weights()
-        model.tie_weights()
-        left = [name for name, p in model.named_parameters() if p.is_meta]
-        if left:
-            raise RuntimeError(f"{name_or_path}: parameters left without storage: {left}")
-    prepare_for_training(model)
-    model.train()
-    return model
+    built = meta_build(name_or_path, seed=seed)
+    materialise(built.model, built.weights, dtype)
+    return built.model

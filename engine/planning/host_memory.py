@@ -85,50 +85,47 @@ class HostMemory:
         return self.placement(resident).host_bytes
 
     def built(self) -> int:
-        """Host bytes while the engine builds: every chunk's host state at once, whatever
-        the policy (resident chunks move to the device afterwards).
+        """Host bytes while the engine builds, the runtime aside: every chunk's host state
+        at once without a host budget, whatever the policy (resident chunks move to the
+        device afterwards).
 
-        Under a host budget the engine fills the chunks one at a time, last used first,
-        and sends each one's parts where the placement with nothing resident puts them
-        before the next (ChunkManager.use_host_budget): the peak is then the model's own
-        fp32 parameters not yet packed, the parts kept so far, one chunk's whole state and
-        the I/O buffers that carry them. Sharded, the same with this rank's shards."""
-        if self.host_budget is None:
-            if self.cost.sharded:
-                return self._built_shards()
-            return sum(self._host(c) for c in range(len(self.lay.numel)))
-        worst = self.placement(set())
+        The model is made on the meta device and each chunk filled from its weights' source
+        (engine.models.zoo.meta_build), one tensor read at a time (a fresh module's, in
+        fp32): the peak is the chunk state kept so far and the chunk being filled, with one
+        tensor beside its home values (a trainable chunk's fp32 master, a frozen chunk's
+        payload). Under a host budget the engine fills them last used first and sends each
+        one's parts where the placement with nothing resident puts them before the next
+        (ChunkManager.use_host_budget): at most the host budget, one chunk and one tensor.
+        Sharded, the same with this rank's shards (the tensor read is whole)."""
         lay = self.lay
-        # The model's own fp32 parameters not yet packed (sharded: every rank holds the
-        # whole model, and packs its shards).
-        own = ([4 * sum(lay.sizes[p] for p in ps) for ps in lay.params] if self.cost.sharded
-               else [4 * n for n in lay.numel])
-        unpacked = sum(own)
+        # Filling a chunk (engine.chunks.packing.fill): its home values and each tensor read
+        # in turn, then the rest of its state once the last tensor is gone.
+        filling = [max(self._home_values(c) + 4 * max((lay.sizes[p] for p in ps), default=0),
+                       self._host(c))
+                   for c, ps in enumerate(lay.params)]
+        if self.host_budget is None:  # filled in use order, every chunk kept
+            kept = peak = 0
+            for index in range(len(lay.numel)):
+                peak = max(peak, kept + filling[index])
+                kept += self._host(index)
+            return max(peak, kept)
+        worst = self.placement(set())
         kept = peak = 0
         for index in reversed(range(len(lay.numel))):
-            unpacked -= own[index]
-            peak = max(peak, unpacked + kept + self._host(index))
+            peak = max(peak, kept + filling[index])
             level, cost = worst.level(index), self.disk_costs[index]
             kept += (self._host(index), cost.host_payload, 0)[level]
         return max(peak, kept) + worst.buffer_bytes
 
-    def _built_shards(self) -> int:
-        """Host bytes while a rank builds: it holds the whole model in fp32, and fills its
-        shard of each chunk in use order, freeing the chunk's parameters once copied
-        (engine.chunks.packing.fill); with few ranks the shards outgrow the model, with
-        many the model itself is the peak."""
-        lay = self.lay
-        unpacked = 4 * sum(lay.sizes.values())
-        kept = peak = 0
-        for index in range(len(lay.numel)):
-            peak = max(peak, unpacked + kept + self._host(index))
-            unpacked -= 4 * sum(lay.sizes[p] for p in lay.params[index])
-            kept += self._host(index)
-        return max(peak, kept)
-
     def _host(self, chunk: int) -> int:
         """Host bytes of chunk `chunk` at home there (ChunkBytes.host)."""
         return self.cost.host(self.lay.numel[chunk], self.lay.is_frozen(chunk))
+
+    def _home_values(self, chunk: int) -> int:
+        """Bytes of the tensor a chunk is filled into: its fp32 master, or a frozen chunk's
+        payload in the run's dtype."""
+        itemsize = self.cost.itemsize if self.lay.is_frozen(chunk) else 4
+        return itemsize * self.cost.home(self.lay.numel[chunk])
 
     def during(self, resident: set[int], device: int) -> int:
         """Host bytes during a steady step, the runtime aside.
@@ -188,9 +185,8 @@ class HostMemory:
         """The parts of the host peak, with their sizes, for a reason that it is too much."""
         device = step_peak + slack
         if self.built() > self.during(resident, device):
-            holds = ("the model's own weights until they are packed, beside the parts "
-                     "kept so far" if self.host_budget is not None or self.cost.sharded
-                     else "all of them at once")
+            holds = ("the parts kept so far, one chunk and one tensor read"
+                     if self.host_budget is not None else "all of them at once")
             return (f"building the chunks holds {holds}, "
                     f"{format_size(self.built())} + runtime {format_size(self.runtime)}")
         where = self.placement(resident)

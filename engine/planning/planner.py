@@ -466,6 +466,7 @@ def plan(
         disk_dir=str(folder) if folder is not None else None,
         disk_needed=host.disk_needed,
         disk_free=host.disk_free,
+        build_peak=host.runtime + host.built(),
         nproc=nproc,
         grad_accum=grad_accum,
     )

@@ -84,6 +84,10 @@ class Plan:
     # Micro-batches of batch_size sequences per step (gradient accumulation): the memory of
     # one, whatever their number (the host budget holds at any), the disk traffic of all.
     grad_accum: int = 1
+    # Resident bytes of the training process while the engine builds the chunks (runtime
+    # included): the model is never whole in host memory, only the chunk state kept so
+    # far (under a host budget, at most the budget), one chunk and one tensor read.
+    build_peak: int = 0
 
     @property
     def uses_disk(self) -> bool:
@@ -128,6 +132,7 @@ class Plan:
             "parameters",
             "chunk_size",
             "chunks",
+            "build_peak",
             "model_bytes",
             "working_set",
             "non_model_peak",

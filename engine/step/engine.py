@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.chunks import weights
-from engine.chunks.packing import build_chunks, fill, first_use_order, first_uses
+from engine.chunks.packing import build_chunks, fill, first_use_order, first_uses, move_buffers
 from engine.chunks.sharding import ShardedChunks
 from engine.chunks.state import TensorState
 from engine.config import EngineConfig, LiveSettings, describe_setting
@@ -32,6 +32,7 @@ from engine.devices.disk import DiskTierError, default_disk_dir, rank_folder
 from engine.devices.host_memory import PeakResident, release_free_host_memory
 from engine.distributed import join
 from engine.models.training import drops_out, prepare_for_training
+from engine.models.weight_source import WeightSource
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
@@ -73,7 +74,11 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *,
-                 device: ComputeDevice | None = None) -> None:
+                 device: ComputeDevice | None = None, weights: WeightSource | None = None
+                 ) -> None:
+        """`weights`: where the values of `model`'s parameters come from, for a model made on
+        the meta device (engine.models.zoo.meta_build): each chunk is filled from it and
+        placed before the next is made, so the model never exists whole in host memory."""
         self.config = config = config or EngineConfig()
         self.model = model
         self._owns_device = device is None  # a device made here is closed here
@@ -102,7 +107,7 @@ class Engine:
         self.chunk_size, self.chunks = build_chunks(model, dtype=self.dtype, device=self.device,
                                                     chunk_size=config.chunk_size,
                                                     order=uses.order, ranks=ranks,
-                                                    filled=not budgeted)
+                                                    filled=not budgeted, weights=weights)
         self.runner = StepRunner(model, self.chunks, self.device, borrowed=uses.borrowed)
         self.manager = self.runner.manager
         if self.collectives is not None:
@@ -114,24 +119,17 @@ class Engine:
             if ranks is not None:  # ranks on one machine keep their files apart
                 disk_dir = rank_folder(disk_dir, ranks[0])
             self.manager.use_host_budget(config.host_budget, disk_dir,
-                                         fill=lambda chunk: fill(chunk, self.device))
+                                         fill=lambda chunk: fill(chunk, self.device, weights))
         else:
             self.manager.count_host(self.chunks)
         self.optimizer = ChunkAdamW(config, self.manager)
-        self._move_buffers()
+        move_buffers(model, self.device.torch_device)
         self._check_budget(self.settings.device_budget, self.settings.policy)
         self._place()
         self.manager.disk_counters()  # what building moved to disk is no step's
         # Packing freed the model's own storages parameter by parameter: hand the holes
         # back once, or they stay resident for the whole run (~30% of it, measured).
         release_free_host_memory()
-
-    def _move_buffers(self) -> None:
-        dev = self.device.torch_device
-        for module in self.model.modules():
-            for name, buf in list(module._buffers.items()):
-                if buf is not None and buf.device != dev:
-                    module._buffers[name] = buf.to(dev)
 
     # --- settings (applied at the next step boundary) -----------------------------------------
 

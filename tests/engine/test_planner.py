@@ -329,14 +329,17 @@ for line in open("/proc/self/status"):
     if line.startswith("VmHWM"):
         print(json.dumps({"peak_rss": int(line.split()[1]) * 1024}))
 """
-# A zoo model (argv 1) under a policy (argv 2) in a precision (argv 3), as the worker runs it.
+# A zoo model (argv 1) under a policy (argv 2) in a precision (argv 3), built on the meta
+# device and filled a chunk at a time, as the worker runs it.
 PEAK_RSS_SCRIPT = """
 import json, sys, torch
 from engine import Engine, EngineConfig
-from engine.models.zoo import build_model
-model = build_model(sys.argv[1])
+from engine.models.zoo import meta_build
+built = meta_build(sys.argv[1])
+model = built.model
 engine = Engine(model, EngineConfig(policy=sys.argv[2], device_budget="6GiB",
-                                    precision=sys.argv[3], simulate=True))
+                                    precision=sys.argv[3], simulate=True),
+                weights=built.weights)
 """ + STEPS_THEN_PEAK
 
 
@@ -382,10 +385,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine import Engine, EngineConfig
 from engine.devices.host_memory import steady_heap
 assert steady_heap()
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
+from engine.models.initial_weights import ModelInit
+with torch.device("meta"):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
 engine = Engine(model, EngineConfig(policy="cpu", device_budget="6GiB", precision="fp32",
-                                    simulate=True))
+                                    simulate=True), weights=ModelInit(model))
 """ + STEPS_THEN_PEAK
 
 
@@ -626,8 +630,9 @@ def test_a_scratch_folder_that_cannot_be_made_fits_no_policy(small_pieces, tmp_p
             disk_dir=blocker / "scratch", simulate=True))
 
 
-# A fresh training process under a host budget (`folder`'s OPT config, fp32 weights as the
-# zoo builds them, pieces of 2**18 elements); prints its peak resident memory.
+# A fresh training process under a host budget (`folder`'s OPT config, fp32 weights made a
+# chunk at a time as the zoo makes them, pieces of 2**18 elements); prints its peak resident
+# memory.
 BUDGET_RSS_SCRIPT = """
 import json, sys, torch
 from transformers import OPTConfig, OPTForCausalLM
@@ -635,11 +640,13 @@ from engine.placement import rules
 rules.DISK_PIECE = 2**18
 from engine import Engine, EngineConfig
 folder, budget, scratch = sys.argv[1], sys.argv[2], sys.argv[3]
-torch.manual_seed(0)
-model = OPTForCausalLM(OPTConfig.from_pretrained(folder))
+from engine.models.initial_weights import ModelInit
+with torch.device("meta"):
+    model = OPTForCausalLM(OPTConfig.from_pretrained(folder))
 engine = Engine(model, EngineConfig(policy="cpu", device_budget="1GiB", precision="fp32",
                                     simulate=True, disk_dir=scratch,
-                                    host_budget=None if budget == "none" else int(budget)))
+                                    host_budget=None if budget == "none" else int(budget)),
+                weights=ModelInit(model))
 """ + STEPS_THEN_PEAK
 
 

@@ -26,9 +26,10 @@ from engine.models.zoo import (
 )
 
 
-def test_the_zoo_lists_tiny_then_the_opt_family_by_size():
+def test_the_zoo_lists_tiny_then_the_opt_family_then_llama_by_size():
     assert KNOWN_MODELS == (
         "tiny", "opt-125m", "opt-350m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "opt-30b",
+        "llama-1b", "llama-3b", "llama-8b",
     )  # fmt: skip
 
 
@@ -57,8 +58,38 @@ def test_opt_350m_embeds_in_512_dims_and_normalises_after_each_block():
     assert decoder.project_out.weight.shape == (512, 1024)
 
 
-@pytest.mark.parametrize("name", KNOWN_MODELS)
-def test_every_zoo_model_shares_the_opt_vocabulary_conventions(name):
+OPT_MODELS = tuple(name for name in KNOWN_MODELS if not name.startswith("llama"))
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    # Llama 3.2 1B and 3B, Llama 3.1 8B as published.
+    [("llama-1b", 1_235_814_400), ("llama-3b", 3_212_749_824), ("llama-8b", 8_030_261_248)],
+)
+def test_llama_entries_have_the_published_parameter_counts(name, parameters):
+    assert count_parameters(name) == parameters
+
+
+@pytest.mark.parametrize(("name", "tied", "factor"),
+                         [("llama-1b", True, 32.0), ("llama-3b", True, 32.0),
+                          ("llama-8b", False, 8.0)])
+def test_llama_entries_use_grouped_query_attention_and_llama3_rope(name, tied, factor):
+    config = model_config(name)
+    assert config.vocab_size == 128256
+    assert (config.num_attention_heads, config.num_key_value_heads) in {(32, 8), (24, 8)}
+    assert config.rope_parameters["rope_type"] == "llama3"
+    assert config.rope_parameters["factor"] == factor
+    assert config.rope_parameters["rope_theta"] == 500000.0
+    model = meta_model(name)
+    attention = model.model.layers[0].self_attn
+    # Eight key/value heads shared by all the query heads.
+    assert attention.k_proj.weight.shape[0] == 8 * config.head_dim
+    assert attention.q_proj.weight.shape[0] == config.num_attention_heads * config.head_dim
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tied
+
+
+@pytest.mark.parametrize("name", OPT_MODELS)
+def test_every_opt_model_shares_the_opt_vocabulary_conventions(name):
     config = model_config(name)
     assert (config.pad_token_id, config.eos_token_id) == (1, 2)
     assert config.tie_word_embeddings
@@ -254,3 +285,12 @@ def test_a_missing_folder_is_named_as_a_folder(tmp_path):
     with pytest.raises(UnknownModel, match="no model folder at") as caught:
         build_model(str(tmp_path / "nowhere"))
     assert "opt-125m" in str(caught.value)
+
+
+def test_tuitrain_models_lists_the_llama_entries_with_their_sizes():
+    from tuitrain.model_list import model_listing
+
+    lines = {line.split()[0]: line.split() for line in model_listing()[1:-1]}
+    assert lines["llama-1b"][1:3] == ["1.2B", "1,235,814,400"]
+    assert lines["llama-3b"][1:3] == ["3.2B", "3,212,749,824"]
+    assert lines["llama-8b"][1:] == ["8.0B", "8,030,261,248", "32", "4096"]

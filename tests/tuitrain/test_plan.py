@@ -172,9 +172,12 @@ def test_opt_30b_answers_quickly_with_plausible_figures_and_little_memory(tmp_pa
     n = data["parameters"]
     assert 29e9 < n < 31e9
     assert not data["cuda"]["fits"] and not data["cpu"]["fits"] and not data["auto"]["fits"]
-    # The host budget sends the state to disk, but building the model from its config
-    # holds its fp32 weights (4 B/param, ~120 GB) until they are packed.
-    assert 4 * n <= data["cpu"]["host_peak"] <= 5 * n
+    # The host budget (--host-mem) sends the state to disk, and the model is built a chunk
+    # at a time, never whole (its fp32 weights alone are 4 B/param, ~120 GB): the peak is
+    # the budget beside the simulated device, building included.
+    budget = data["host_budget"]
+    assert budget <= data["cpu"]["host_peak"] < 1.25 * budget < 4 * n
+    assert data["build_peak"] <= budget
     assert data["recommended"]["policy"] is None
     # The whole command, interpreter and imports included; the planning itself is timed
     # apart (under 10 s) in tests/engine/test_planner.py.
