@@ -15,8 +15,9 @@ import torch
 from conftest import build, make_batches, max_relative_difference, reference_run
 
 from engine import Engine, EngineConfig
-from engine.models.lora import Lora, NoTargets, apply_lora, initialise_lora, parameter_counts
-from engine.models.zoo import _materialise, build_model, meta_model
+from engine.models.lora import Lora, LoraWeights, NoTargets, apply_lora, parameter_counts
+from engine.models.weight_source import materialise
+from engine.models.zoo import build_model, meta_build
 
 STEPS = 4
 TOL = 1e-5
@@ -62,10 +63,15 @@ def assert_matches_peft(eng, losses, ref_losses=REF_LOSSES, ref_weights=REF_WEIG
 
 def test_adapters_wrapped_on_the_meta_device_come_out_as_when_wrapped_whole():
     whole = apply_lora(build_model("tiny", seed=1), LORA, seed=5)
-    meta = apply_lora(meta_model("tiny"), LORA, seed=5)
+    built = meta_build("tiny", seed=1)
+    meta = apply_lora(built.model, LORA, seed=5)
     assert all(p.is_meta for p in meta.parameters())
-    _materialise(meta, "cpu")  # storage, in another order and place than the whole build
-    initialise_lora(meta, 5)
+    # A tensor at a time, in another order and place than the whole build, as the engine
+    # fills its chunks: the base's weights from the build's source, the adapters by name.
+    materialise(meta, LoraWeights(meta, built.weights, 5))
+    whole_params = dict(whole.named_parameters())
+    for name, p in meta.named_parameters():
+        assert torch.equal(p, whole_params[name]), name
     adapters = {n: p for n, p in whole.named_parameters() if ".lora_" in n}
     assert adapters and len(adapters) == sum(".lora_" in n for n, _ in meta.named_parameters())
     for name, p in meta.named_parameters():
