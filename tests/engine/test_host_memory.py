@@ -24,8 +24,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 from engine import Engine, EngineConfig
 
-pytestmark = pytest.mark.alone
-
 VOCAB = 32000
 GROWTH = 1.10
 STEADY_GROWTH = 1.05
