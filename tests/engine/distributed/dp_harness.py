@@ -1,11 +1,13 @@
 """Running the engine on several gloo ranks inside a test, and the models and references
 the data-parallel tests compare with.
 
-Each rank is a spawned process with one thread, joined through a file store (no port to
-race for); every collective has the engine's timeout and the whole run a deadline, so a
-bug fails the test instead of hanging it. A rank runs a list of scenarios in one process
-(importing torch and transformers once), and writes what each gave to a file the test
-reads.
+Each rank is a process with one thread, joined through a file store (no port to race
+for); every collective has the engine's timeout and the whole run a deadline, so a bug
+fails the test instead of hanging it. A rank runs a list of scenarios in one process, and
+writes what each gave to a file the test reads. Ranks are forked from a server that
+imported torch and transformers once per test process (a spawned rank spent seconds of
+the machine's CPU importing them, every launch); each is a fresh copy of that server, so
+nothing one launch changes in a rank reaches the next.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -27,6 +30,10 @@ from tests.engine.references import (  # noqa: F401 - the data-parallel tests im
 
 TINY_VOCAB = 8192  # the zoo's tiny, which the planner's scenarios run
 COLLECTIVE_TIMEOUT = 20.0  # seconds: a rank that is gone is an error within this
+# What the fork server imports before it forks a rank: the slow imports every rank makes.
+# Not the repository's own packages: the server's sys.path is not the test run's, and it
+# could find another checkout's engine.
+PRELOAD = ["torch", "torch.distributed", "transformers.models.opt.modeling_opt"]
 
 
 def build(arch: str = "opt", *, layers: int = 2, hidden: int = 64, seed: int = 0,
@@ -96,9 +103,15 @@ def rank_slice(batch: dict, rank: int, world: int) -> dict:
 # --- ranks -------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, store: str, out: str, target: str, args: dict) -> None:
+def _rank_main(rank: int, world: int, store: str, out: str, target: str, args: dict,
+               environ: dict[str, str]) -> None:
+    # The test's environment, as a spawned rank would inherit it: a forked one has the
+    # fork server's, from when it started (multiprocessing hands over sys.path and the
+    # working folder itself).
+    os.environ.clear()
+    os.environ.update(environ, TUITRAIN_SIMULATE="1")
+    tempfile.tempdir = None  # chosen again from TMPDIR
     torch.set_num_threads(1)
-    os.environ["TUITRAIN_SIMULATE"] = "1"
     import torch.distributed as dist
 
     path = Path(out) / f"rank{rank}.pt"
@@ -133,8 +146,10 @@ def run_ranks(world: int, target: str, tmp: Path, *, deadline: float = 120.0,
     tmp.mkdir(parents=True, exist_ok=True)
     store = tmp / "store"
     store.unlink(missing_ok=True)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, str(store), str(tmp), target, args))
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # once the server runs, this changes nothing
+    procs = [ctx.Process(target=_rank_main, args=(r, world, str(store), str(tmp), target, args,
+                                                  dict(os.environ)))
              for r in range(world)]
     for p in procs:
         p.start()
