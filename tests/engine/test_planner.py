@@ -27,6 +27,7 @@ from engine.planning import planner as planner_module
 from engine.planning.host_memory import RUNTIME_BYTES
 from engine.planning.planner import plan
 from engine.step.engine import BudgetTooSmall
+from tests.forked import run_script
 
 SHAPE = {"batch_size": 2, "seq_len": 64}
 MiB = 2**20
@@ -658,11 +659,12 @@ def test_a_host_budget_lowers_the_peak_resident_memory_by_what_the_plan_says(tmp
     budgeted = plan(str(folder), host_budget=budget, disk_dir=tmp_path, **shape)
     assert budgeted.cpu.fits and budgeted.cpu.disk_bytes > 0
 
+    # Forked processes (tests/forked.py): the imports they start with are the same in
+    # each, and the difference takes them out.
     def peak(host_budget: str) -> int:
-        done = subprocess.run(
-            [sys.executable, "-c", BUDGET_RSS_SCRIPT, str(folder), host_budget, str(tmp_path)],
-            capture_output=True, text=True, timeout=240, check=True)
-        return json.loads(done.stdout.splitlines()[-1])["peak_rss"]
+        out = run_script(BUDGET_RSS_SCRIPT, str(folder), host_budget, str(tmp_path),
+                         timeout=240)
+        return json.loads(out.splitlines()[-1])["peak_rss"]
 
     # A process's peak moves by a few tens of MB from run to run, upwards only (a transient
     # the heap happened to hold at the wrong moment, shared libraries' pages; measured over

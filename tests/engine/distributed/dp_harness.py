@@ -5,17 +5,14 @@ Each rank is a process with one thread, joined through a file store (no port to 
 for); every collective has the engine's timeout and the whole run a deadline, so a bug
 fails the test instead of hanging it. A rank runs a list of scenarios in one process, and
 writes what each gave to a file the test reads. Ranks are forked from a server that
-imported torch and transformers once per test process (a spawned rank spent seconds of
-the machine's CPU importing them, every launch); each is a fresh copy of that server, so
-nothing one launch changes in a rank reaches the next.
+imported torch and transformers once per test process (tests/forked.py): a spawned rank
+spent seconds of the machine's CPU importing them, every launch.
 """
 
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -27,13 +24,10 @@ from tests.engine.references import (  # noqa: F401 - the data-parallel tests im
     reference_run,
     whole_model_relative_difference,
 )
+from tests.forked import adopt, context
 
 TINY_VOCAB = 8192  # the zoo's tiny, which the planner's scenarios run
 COLLECTIVE_TIMEOUT = 20.0  # seconds: a rank that is gone is an error within this
-# What the fork server imports before it forks a rank: the slow imports every rank makes.
-# Not the repository's own packages: the server's sys.path is not the test run's, and it
-# could find another checkout's engine.
-PRELOAD = ["torch", "torch.distributed", "transformers.models.opt.modeling_opt"]
 
 
 def build(arch: str = "opt", *, layers: int = 2, hidden: int = 64, seed: int = 0,
@@ -105,12 +99,7 @@ def rank_slice(batch: dict, rank: int, world: int) -> dict:
 
 def _rank_main(rank: int, world: int, store: str, out: str, target: str, args: dict,
                environ: dict[str, str]) -> None:
-    # The test's environment, as a spawned rank would inherit it: a forked one has the
-    # fork server's, from when it started (multiprocessing hands over sys.path and the
-    # working folder itself).
-    os.environ.clear()
-    os.environ.update(environ, TUITRAIN_SIMULATE="1")
-    tempfile.tempdir = None  # chosen again from TMPDIR
+    adopt({**environ, "TUITRAIN_SIMULATE": "1"})
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -146,8 +135,7 @@ def run_ranks(world: int, target: str, tmp: Path, *, deadline: float = 120.0,
     tmp.mkdir(parents=True, exist_ok=True)
     store = tmp / "store"
     store.unlink(missing_ok=True)
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # once the server runs, this changes nothing
+    ctx = context()
     procs = [ctx.Process(target=_rank_main, args=(r, world, str(store), str(tmp), target, args,
                                                   dict(os.environ)))
              for r in range(world)]
