@@ -17,6 +17,20 @@ from tuitrain.runs import ENV_FOLDER
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "cuda: runs on the real GPU (make_device's own choice) against GPU references")
+    # pytest-xdist hands out files in the order pytest_collection_modifyitems below leaves
+    # them, not sorted by how many tests each holds (its default, which sends the files of
+    # one long test last, where nothing runs beside them).
+    config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files with a `slow` test first, the others after, each in the order collected:
+    under `-n 2` a worker then ends the run on files of quick tests, and the other worker
+    is not left alone with a long one. After pytest's own reordering (trylast), which keeps
+    a module's tests together."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # stable: keeps each file's order
 
 
 def _lock(path: Path, how: int, stack: ExitStack) -> None:
@@ -32,7 +46,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     test is done, and the other worker waits for it: a readers-writer lock over the
     whole protocol, so that a module's fixtures (rank launches) count too. The gate lets
     no new test in while an `alone` test waits, so it is not starved. One process
-    running every test needs none of this."""
+    running every test needs none of this.
+
+    Only a wall-clock bound on other processes needs it (how soon a death is noticed, a
+    collective's timeout): the other worker's processes would take the CPU those wait
+    for. Memory is not: a process's resident bytes and peak are its own, whatever runs
+    beside it. Nor is time spent in the test's own process: that is measured as its CPU
+    time (time.process_time), which a neighbour does not stretch. While an `alone` test
+    runs, one of the two workers idles, so the fewer the better."""
     if not hasattr(item.config, "workerinput"):
         return (yield)
     # Each worker's basetemp is a folder of the run's own: the locks live beside them.

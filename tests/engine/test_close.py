@@ -43,7 +43,6 @@ def train_and_drop(close: bool) -> weakref.ref:
     return gone
 
 
-@pytest.mark.alone
 @pytest.mark.parametrize("close", [True, False], ids=["closed", "dropped"])
 def test_eight_engines_built_and_let_go_leave_nothing_behind(close):
     train_and_drop(close)  # the allocator's and torch's one-time growth

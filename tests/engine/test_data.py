@@ -323,7 +323,6 @@ def test_the_default_corpus_is_the_standard_librarys_own_source():
     assert corpus.identity() == default_corpus().identity()
 
 
-@pytest.mark.alone
 def test_the_default_corpus_trains_tiny_and_starts_fast_the_second_time(monkeypatch):
     # Uses the session's shared cache: cold once per checkout, then from the cache.
     options = dict(model_name_or_path="tiny", vocab_limit=8192, batch_size=4, seq_len=128, seed=0)
@@ -332,9 +331,10 @@ def test_the_default_corpus_trains_tiny_and_starts_fast_the_second_time(monkeypa
     assert first.num_tokens > 1_000_000
     monkeypatch.setattr(tokenizer, "encode_documents", refuse)
     monkeypatch.setattr(tokenizer, "train_tokenizer", refuse)
-    start = time.perf_counter()
+    # CPU time of this process: other processes sharing the machine do not count.
+    start = time.process_time()
     second = build_data(None, **options)
-    assert time.perf_counter() - start < 5.0
+    assert time.process_time() - start < 5.0
     batch = next(second)
     assert torch.equal(batch["input_ids"], next(first)["input_ids"])
     tokens = tokenize_corpus(default_corpus(), second.tokenizer)

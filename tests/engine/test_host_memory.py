@@ -15,7 +15,6 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest
@@ -23,8 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from engine import Engine, EngineConfig
-
-pytestmark = pytest.mark.alone
+from tests.forked import run_script
 
 VOCAB = 32000
 GROWTH = 1.10
@@ -69,7 +67,8 @@ def test_resident_memory_at_step_50_is_what_it_was_at_step_5(arch):
 
 
 # The same 50 steps in a process of their own whose heap is kept steady, as a run where host
-# memory is tight keeps it: no heap left to drift, so within 5%.
+# memory is tight keeps it: no heap left to drift, so within 5%. A forked process
+# (tests/forked.py): the growth is measured against its own early steps.
 STEADY_RSS_BY_STEP = """
 import json, sys
 from engine.devices.host_memory import steady_heap
@@ -82,10 +81,8 @@ print(json.dumps(rss_by_step(sys.argv[1])))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 @pytest.mark.parametrize("arch", ["opt", "llama"])
 def test_with_the_heap_steady_resident_memory_at_step_50_is_within_5_percent(arch):
-    done = subprocess.run([sys.executable, "-c", STEADY_RSS_BY_STEP, arch],
-                          capture_output=True, text=True, timeout=600, check=True,
-                          cwd=Path(__file__).parents[2])
-    rss = {int(k): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+    out = run_script(STEADY_RSS_BY_STEP, arch, timeout=600)
+    rss = {int(k): v for k, v in json.loads(out.splitlines()[-1]).items()}
     assert_steady(rss, STEADY_GROWTH)
 
 

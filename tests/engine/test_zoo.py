@@ -97,7 +97,6 @@ def test_every_opt_model_shares_the_opt_vocabulary_conventions(name):
         assert (config.vocab_size, config.max_position_embeddings) == (50272, 2048)
 
 
-@pytest.mark.alone
 def test_opt_30b_on_the_meta_device_allocates_nothing():
     process = psutil.Process()
     before = process.memory_info().rss
@@ -172,7 +171,6 @@ def test_a_dtype_is_built_directly():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
-@pytest.mark.alone
 @pytest.mark.slow
 def test_building_opt_125m_peaks_at_one_copy_of_the_weights():
     # The kernel's high-water mark is reset once imports have settled (clear_refs 5), so

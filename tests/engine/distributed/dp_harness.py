@@ -1,17 +1,17 @@
 """Running the engine on several gloo ranks inside a test, and the models and references
 the data-parallel tests compare with.
 
-Each rank is a spawned process with one thread, joined through a file store (no port to
-race for); every collective has the engine's timeout and the whole run a deadline, so a
-bug fails the test instead of hanging it. A rank runs a list of scenarios in one process
-(importing torch and transformers once), and writes what each gave to a file the test
-reads.
+Each rank is a process with one thread, joined through a file store (no port to race
+for); every collective has the engine's timeout and the whole run a deadline, so a bug
+fails the test instead of hanging it. A rank runs a list of scenarios in one process, and
+writes what each gave to a file the test reads. Ranks are forked from a server that
+imported torch and transformers once per test process (tests/forked.py): a spawned rank
+spent seconds of the machine's CPU importing them, every launch.
 """
 
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import traceback
 from pathlib import Path
@@ -24,6 +24,7 @@ from tests.engine.references import (  # noqa: F401 - the data-parallel tests im
     reference_run,
     whole_model_relative_difference,
 )
+from tests.forked import adopt, context
 
 TINY_VOCAB = 8192  # the zoo's tiny, which the planner's scenarios run
 COLLECTIVE_TIMEOUT = 20.0  # seconds: a rank that is gone is an error within this
@@ -96,9 +97,10 @@ def rank_slice(batch: dict, rank: int, world: int) -> dict:
 # --- ranks -------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, store: str, out: str, target: str, args: dict) -> None:
+def _rank_main(rank: int, world: int, store: str, out: str, target: str, args: dict,
+               environ: dict[str, str]) -> None:
+    adopt({**environ, "TUITRAIN_SIMULATE": "1"})
     torch.set_num_threads(1)
-    os.environ["TUITRAIN_SIMULATE"] = "1"
     import torch.distributed as dist
 
     path = Path(out) / f"rank{rank}.pt"
@@ -133,8 +135,9 @@ def run_ranks(world: int, target: str, tmp: Path, *, deadline: float = 120.0,
     tmp.mkdir(parents=True, exist_ok=True)
     store = tmp / "store"
     store.unlink(missing_ok=True)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, str(store), str(tmp), target, args))
+    ctx = context()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, str(store), str(tmp), target, args,
+                                                  dict(os.environ)))
              for r in range(world)]
     for p in procs:
         p.start()

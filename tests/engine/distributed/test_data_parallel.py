@@ -25,7 +25,7 @@ from dp_harness import (
 
 from engine import Engine, EngineConfig
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 5
 PER_RANK = 2

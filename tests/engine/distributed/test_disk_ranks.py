@@ -36,7 +36,7 @@ from engine.devices.disk import ALIGN
 from engine.placement import rules
 from engine.planning.planner import plan
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TINY_PIECE = 2**12  # elements per piece of disk I/O, in the ranks and in the plans
 GATED_PIECE = 2**10  # GatedLM's chunks are of 4096 elements: pieces smaller still

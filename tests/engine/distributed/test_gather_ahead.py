@@ -13,7 +13,7 @@ import pytest
 import torch
 from dp_harness import COLLECTIVE_TIMEOUT, TINY_VOCAB, make_batches, rank_slice, run_ranks
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 PER_RANK, SEQ_LEN, STEPS = 2, 64, 3
 POLICIES = [("cpu", 32 * 2**20), ("auto", 64 * 2**20), ("cuda", 256 * 2**20)]

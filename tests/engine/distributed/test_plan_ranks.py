@@ -16,7 +16,7 @@ from dp_harness import COLLECTIVE_TIMEOUT, TINY_VOCAB, make_batches, rank_slice,
 
 from engine.planning.planner import plan
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PER_RANK, SEQ_LEN, STEPS = 2, 64, 3
 # Device bytes are exact in fp32. In bf16 the meta device keeps a layer norm's statistics

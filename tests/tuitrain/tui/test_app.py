@@ -449,16 +449,16 @@ async def test_a_worker_that_cannot_start_is_a_failure_on_screen():
         assert app.is_running
 
 
-@pytest.mark.alone
 async def test_a_burst_of_steps_is_drained_at_once_and_drawn_from_the_latest():
     app, fake = make_app([])
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
         fake.emit(*fake_run(1500))  # 1500 steps waiting: a fast worker, a slow screen
-        start = time.perf_counter()
+        # CPU time of this process: other processes sharing the machine do not count.
+        start = time.process_time()
         handled = app.poll_worker()
         app.redraw()
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         await pilot.pause()
         assert handled == 1501
         assert "step 1500/200" in app.query_one(RunHeader).plain
