@@ -46,6 +46,9 @@ class CountedSteps:
     docstring. `counting` is this micro-batch's."""
 
     counting: bool = True
+    # Every step counts (data parallel: a rank's gathers and evictions follow the other
+    # ranks' timing, so its placement is no step's twin, and an upper bound is no answer).
+    every_step: bool = False
     _last: dict[int, _Counted] = field(default_factory=dict)  # micro-batch -> its last count
     _marks: list[tuple[int, int, int]] = field(default_factory=list)
     _micro: int = 0
@@ -61,8 +64,14 @@ class CountedSteps:
             # A new trace, new figures; not this step's, placed by the tracing rules.
             self._last.clear()
         last = self._last.get(self._micro)
-        self.counting = tracing or last is None or last.since + 1 >= RECOUNT_EVERY
+        self.counting = (self.every_step or tracing or last is None
+                         or last.since + 1 >= RECOUNT_EVERY)
         return self.counting
+
+    def forget(self) -> None:
+        """The settings changed (policy, margin, budget): the next step places its chunks
+        anew, so it counts."""
+        self._last.clear()
 
     def mark(self, model_bytes: int, bytes_h2d: int, bytes_d2h: int) -> None:
         """At a trace point, once its module's chunks are in: the step's fingerprint."""

@@ -113,6 +113,7 @@ class Engine:
         if self.collectives is not None:
             self.manager.use_sharding(ShardedChunks(self.manager, self.collectives))
             self.manager.sharding.on_interrupt = self.runner.interrupt
+            self.runner.counts.every_step = True
         self.manager.set_policy(self.settings.policy)
         if budgeted:
             disk_dir = config.disk_dir or default_disk_dir()
@@ -179,6 +180,7 @@ class Engine:
         self.manager.set_policy(wanted.policy)
         if applied:
             self._place()
+            self.runner.counts.forget()
         return applied
 
     def _follow_rank_zero(self) -> None:

@@ -56,10 +56,13 @@ def test_a_steady_step_like_the_counted_one_counts_nothing_and_reports_its_true_
             (p.model_bytes, p.non_model_bytes) for p in second.timeline]
 
 
-def test_a_step_placed_otherwise_reports_an_upper_bound_and_the_next_one_counts():
+def test_a_step_placed_otherwise_reports_an_upper_bound_and_the_next_one_counts(monkeypatch):
     eng = engine("auto")
     eng.step(BATCHES[0])
     eng.step(BATCHES[1])
+    # The counter is not told of the change (a settings change is: see the next test), so
+    # the fingerprint alone must catch it.
+    monkeypatch.setattr(eng.runner.counts, "forget", lambda: None)
     # Less room: idle chunks leave at other points, so the step's fingerprint differs.
     eng.set_budget(int(1.2 * eng.min_working_set()))
     entered, (stats, true_peak) = entered_during(lambda: measured_step(eng, BATCHES[2]))
@@ -68,6 +71,19 @@ def test_a_step_placed_otherwise_reports_an_upper_bound_and_the_next_one_counts(
     entered, (stats, true_peak) = entered_during(lambda: measured_step(eng, BATCHES[3]))
     assert entered == 1
     assert stats.memory.device_peak == pytest.approx(true_peak, rel=0.05)
+
+
+def test_the_step_after_a_settings_change_counts_and_reports_its_true_peak():
+    eng = engine("auto")
+    eng.step(BATCHES[0])
+    eng.step(BATCHES[1])
+    entered, _ = entered_during(lambda: eng.step(BATCHES[2]))
+    assert entered == 0  # steady: not counted
+    eng.set_budget(int(1.2 * eng.min_working_set()))
+    entered, (stats, true_peak) = entered_during(lambda: measured_step(eng, BATCHES[3]))
+    assert entered == 1
+    assert stats.memory.device_peak == pytest.approx(true_peak, rel=0.05)
+    assert stats.memory.device_peak <= stats.device_budget
 
 
 def test_every_so_many_steps_one_counts_again(monkeypatch):
