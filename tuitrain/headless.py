@@ -21,6 +21,7 @@ from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
 from tuitrain.formatting import format_count, format_rate, format_seconds, format_size
+from tuitrain.run_summary import held_out, peaks_line
 from tuitrain.served import serve
 from tuitrain.settings import Settings
 from tuitrain.trials import TrialBook, append_summary, summary_lines
@@ -300,14 +301,9 @@ class _Report:
                 f"the order chunks are used in), final loss {summary['final_loss']:.4f}"
             )
         if summary.get("eval_loss") is not None:
-            lines.append(
-                f"  held-out loss {summary['eval_loss']:.4f}, perplexity "
-                f"{summary['eval_perplexity']:.2f} after step {summary['eval_step']}"
-            )
-        lines.append(  # the trials' figures are their steps'; these, the whole run's
-            f"  whole run device peak {format_size(summary['peak_device_bytes'])}, "
-            f"host RSS {format_size(summary['peak_host_bytes'])} at most (building included)"
-        )
+            lines.append(f"  {held_out(summary)}")
+        if peaks := peaks_line(summary):
+            lines.append(f"  {peaks}")
         lines += summary_lines(self.trials.rows())
         if summary.get("metrics"):
             lines.append(f"  metrics   {summary['metrics']}")

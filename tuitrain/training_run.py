@@ -40,7 +40,7 @@ from tuitrain.events import (
     Started,
     Step,
 )
-from tuitrain.metrics import MetricsWriter, pace
+from tuitrain.metrics import MetricsWriter
 from tuitrain.run_commands import RunCommands
 from tuitrain.settings import Settings
 from tuitrain.worker_log import read_log_tail
@@ -76,8 +76,11 @@ class TrainingRun(RunCommands):
         self.next_step = 1  # number of the step that runs next; resumed runs keep counting
         self.steps_run = 0
         self.tokens = 0
-        self.paced: list[tuple[int, float]] = []  # (tokens, seconds) of each step
+        self.first_step_seconds: float | None = None  # it also records the chunks' order
         self.peak_device = 0
+        # The host peak is the steps' (each step's VmHWM, see engine.devices.host_memory):
+        # the figure the trials, the app and a saved preset show, so no second one appears.
+        self.peak_host = 0
         self.disk_read = self.disk_written = 0  # bytes, the last step's update included
         self.last_loss: float | None = None
         self.started_at = time.monotonic()
@@ -288,8 +291,10 @@ class TrainingRun(RunCommands):
     def _record(self, stats: Any, ended: float) -> None:
         self.steps_run += 1
         self.tokens += stats.tokens
-        self.paced.append((stats.tokens, stats.seconds))
+        if self.first_step_seconds is None:
+            self.first_step_seconds = stats.seconds
         self.peak_device = max(self.peak_device, stats.memory.device_peak)
+        self.peak_host = max(self.peak_host, stats.memory.process_rss)
         self.last_loss = stats.loss
         self.next_step = stats.step + 1
         self.disk_read += stats.bytes_disk_read
@@ -363,13 +368,8 @@ class TrainingRun(RunCommands):
             self._periodic_checkpoint(done)
 
     def _summary(self) -> dict:
-        import resource
-
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        if sys.platform != "darwin":  # Linux reports KiB, macOS bytes
-            peak_rss *= 1024
-        seconds = sum(s for _, s in self.paced)
-        steady = pace(self.paced)
+        """How the run ended. Its pace is the trials' (tuitrain.trials, medians of settled
+        steps), which the UI measures from the steps: not a second figure here."""
         return {
             "steps": self.steps_run,
             "last_step": self.next_step - 1,
@@ -377,12 +377,10 @@ class TrainingRun(RunCommands):
             "stopped": self.next_step <= self.settings.training.steps,
             "tokens": self.tokens,
             "seconds": time.monotonic() - self.started_at,
-            "first_step_seconds": self.paced[0][1] if self.paced else None,
-            "mean_step_seconds": steady.step_seconds if steady else None,
-            "tokens_per_second": self.tokens / seconds if seconds > 0 else None,
+            "first_step_seconds": self.first_step_seconds,
             "final_loss": self.last_loss,
             "peak_device_bytes": self.peak_device,
-            "peak_host_bytes": peak_rss,
+            "peak_host_bytes": self.peak_host if self.steps_run else None,
             "bytes_disk_read": self.disk_read,
             "bytes_disk_written": self.disk_written,
             "metrics": self.settings.logging.metrics,
