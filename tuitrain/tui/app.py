@@ -46,7 +46,7 @@ from tuitrain.tui.controls import Controls
 from tuitrain.tui.failure_panel import FailurePanel, exit_status, failure_line
 from tuitrain.tui.header import RunHeader, settings_fields
 from tuitrain.tui.help_screen import HelpScreen
-from tuitrain.tui.keys import KEYS, MARGIN_STEP, bindings, palette_commands
+from tuitrain.tui.keys import KEYS, MARGIN_STEP, STEERING_ACTIONS, bindings, palette_commands
 from tuitrain.tui.layout import next_view, views_for
 from tuitrain.tui.log_panel import LogPanel
 from tuitrain.tui.memory_chart import MemoryChart
@@ -84,6 +84,8 @@ class TuitrainApp(RunPanels):
             process, see default_worker_factory). Tests pass a FakeWorker.
         attached: the worker is a run this app did not start (tuitrain.attach): quitting
             detaches from it, and it cannot be restarted from here.
+        read_only: watch and send nothing (attach --read-only, a finished run's replay):
+            no key, field or command that would change the run is offered.
     """
 
     TITLE = "tuitrain"
@@ -96,9 +98,11 @@ class TuitrainApp(RunPanels):
         *,
         worker_factory: WorkerFactory | None = None,
         attached: bool = False,
+        read_only: bool = False,
     ):
         super().__init__(settings)
         self.attached = attached
+        self.read_only = read_only
         self.worker_factory = worker_factory or default_worker_factory
         self.worker: WorkerClient | None = None
         self.run_state = "starting"
@@ -112,6 +116,7 @@ class TuitrainApp(RunPanels):
     # --- start and end --------------------------------------------------------------------
 
     def on_mount(self) -> None:
+        self.query_one(RunHeader).show(read_only=self.read_only)
         self.lay_out(self.size.width, self.size.height)
         self._start_worker()
         self.set_interval(POLL_INTERVAL, self.poll_worker)
@@ -246,6 +251,7 @@ class TuitrainApp(RunPanels):
         self.run_state = state
         self.steering.state_changed(state)
         self.query_one(RunHeader).show(state=state)
+        self.query_one(Controls).allow_changes(self.steerable, why=self._why_not_steerable())
         if self.started is not None:
             self._show_waiting()
         self.refresh_bindings()
@@ -271,6 +277,19 @@ class TuitrainApp(RunPanels):
             return self.started.log_path
         return str(getattr(self.worker, "log_path", "") or "")
 
+    @property
+    def steerable(self) -> bool:
+        """Whether the user may change the run's settings: a live run this viewer may
+        steer, or an ended run of this app's own (the change is for its restart)."""
+        if self.read_only:
+            return False
+        return self.live or not self.attached
+
+    def _why_not_steerable(self) -> str:
+        if self.read_only:
+            return "read-only: watching, nothing is sent"
+        return f"the run has {self.run_state}: nothing to change"
+
     # --- what steering asks of the app ----------------------------------------------------
 
     @property
@@ -292,7 +311,8 @@ class TuitrainApp(RunPanels):
 
     def request(self, setting: str, value: Value) -> None:
         """Ask for a new policy, margin_ratio or device_budget (see Steering.request)."""
-        self.steering.request(setting, value)
+        if self.steerable:
+            self.steering.request(setting, value)
 
     def on_controls_policy_chosen(self, message: Controls.PolicyChosen) -> None:
         if message.policy != self.steering.target["policy"]:
@@ -317,6 +337,8 @@ class TuitrainApp(RunPanels):
     def can_run(self, action: str) -> bool:
         """Whether `action` makes sense in the run's state (the palette asks too, and it
         runs actions without the key bindings' check)."""
+        if action in STEERING_ACTIONS and not self.steerable:
+            return False  # read-only, or an attached run that has ended
         if action in ("pause", "resume"):  # the one the run is not in (or heading for)
             return self.live and self.steering.want_paused == (action == "resume")
         if action == "tune":
@@ -373,7 +395,8 @@ class TuitrainApp(RunPanels):
         toggle_tune(self)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(views_for(self.size_class), self.view))
+        self.push_screen(HelpScreen(views_for(self.size_class), self.view,
+                                    read_only=not self.steerable and self.attached))
 
     def action_next_view(self) -> None:
         views = views_for(self.size_class)
