@@ -211,6 +211,7 @@ class TuitrainApp(App[None]):
             model=event.model, parameters=event.parameters, device=event.device
         )
         self.query_one(ChunkMap).show(event.chunks)
+        self.steering.started_with(event.settings.get("engine") or {})
         self.query_one(MemoryChart).simulated = event.device.startswith("simulated")
         if event.ranks > 1:
             self.query_one(RanksTable).start(event.ranks)

@@ -172,3 +172,16 @@ async def test_start_up_stages_show_on_a_small_screen():
         await settle(app, pilot)
         step = app.query_one(StepPanel)
         assert step.display and step.times_text.startswith("preparing data")
+
+
+async def test_a_policy_the_plan_chose_is_the_one_the_header_and_controls_show():
+    """Settings that leave the policy to the plan start with its choice (cuda here): the
+    screen shows what the run trains with, not the default the app asked with."""
+    started = fake_started(model="opt-125m", settings={"engine": {"policy": "cuda",
+                                                                  "margin_ratio": 0.0}})
+    app, _ = make_app([started])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert "policy cuda" in app.query_one(RunHeader).plain
+        assert app.query_one("#policy").value == "cuda"
+        assert app.settings.engine.policy == "cuda"
