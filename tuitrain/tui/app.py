@@ -311,9 +311,7 @@ class TuitrainApp(App[None]):
     def steerable(self) -> bool:
         """Whether the user may change the run's settings: a live run this viewer may
         steer, or an ended run of this app's own (the change is for its restart)."""
-        if self.read_only:
-            return False
-        return self.live or not self.attached
+        return not self.read_only and (self.live or not self.attached)
 
     def _why_not_steerable(self) -> str:
         if self.read_only:
