@@ -315,8 +315,8 @@ class TuitrainApp(App[None]):
 
     def _why_not_steerable(self) -> str:
         if self.read_only:
-            return "read-only: watching, nothing is sent"
-        return f"the run has {self.run_state}: nothing to change"
+            return "read-only: nothing is sent"
+        return f"run {self.run_state}: nothing to change"  # fits the 36 columns at 80x24
 
     # --- what steering asks of the app ----------------------------------------------------
 
