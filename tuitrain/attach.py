@@ -36,7 +36,10 @@ def attach(name: str | None, *, read_only: bool = False) -> int:
         client.stop()
         raise UsageError("the app needs a terminal (this is not one); over ssh, `ssh -t HOST "
                          "tuitrain attach` gives it one")
-    app = TuitrainApp(settings, worker_factory=lambda _: client, attached=True)
+    # A finished run's replay steers nothing either: it is read-only, and says so.
+    watch_only = read_only or isinstance(client, ReplayClient)
+    app = TuitrainApp(settings, worker_factory=lambda _: client, attached=True,
+                      read_only=watch_only)
     app.run()
     return app.return_code or EXIT_OK
 

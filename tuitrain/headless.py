@@ -28,6 +28,7 @@ from tuitrain.formatting import (
     format_trained,
 )
 from tuitrain.run_preset import PresetPace
+from tuitrain.run_summary import held_out, peaks_line
 from tuitrain.served import serve
 from tuitrain.settings import Settings
 from tuitrain.trials import TrialBook, append_summary, summary_lines
@@ -314,14 +315,9 @@ class _Report:
                 f"the order chunks are used in), final loss {summary['final_loss']:.4f}"
             )
         if summary.get("eval_loss") is not None:
-            lines.append(
-                f"  held-out loss {summary['eval_loss']:.4f}, perplexity "
-                f"{summary['eval_perplexity']:.2f} after step {summary['eval_step']}"
-            )
-        lines.append(  # the trials' figures are their steps'; these, the whole run's
-            f"  whole run device peak {format_size(summary['peak_device_bytes'])}, "
-            f"host RSS {format_size(summary['peak_host_bytes'])} at most (building included)"
-        )
+            lines.append(f"  {held_out(summary)}")
+        if peaks := peaks_line(summary):
+            lines.append(f"  {peaks}")
         lines += summary_lines(self.trials.rows())
         if summary.get("metrics"):
             lines.append(f"  metrics   {summary['metrics']}")

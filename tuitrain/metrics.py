@@ -1,5 +1,6 @@
-"""The JSONL metrics of a run: written by the worker, read back for a preset's header, and
-the pace of a run, which leaves out the warm-up step wherever it is measured.
+"""The JSONL metrics of a run: written by the worker, read back for a preset's header and
+for a finished run's replay. A pace is not measured here: it is the trials' (medians of
+settled steps, tuitrain.trials), the one definition every screen uses.
 
 A metrics file holds, per run, one line of settings (`{"settings": ..., ...}`) and then one
 `dataclasses.asdict(StepStats)` per step (a top-level "step" key), with, in a run that
@@ -11,36 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
-
-
-@dataclass(frozen=True)
-class Pace:
-    step_seconds: float  # mean time of a step
-    tokens_per_second: float | None  # None when no time passed
-
-
-def pace(samples: Sequence[tuple[int, float]], *, warm_up: bool = True) -> Pace | None:
-    """How fast steps went, from (tokens, seconds) per step in order; None without a step.
-
-    With `warm_up`, the first sample is the run's first step, which also records the order
-    the chunks are used in: it is left out while there are others, since the settings
-    measured will not run at that pace again.
-    """
-    steady = (samples[1:] or samples) if warm_up else samples
-    if not steady:
-        return None
-    seconds = sum(s for _, s in steady)
-    return Pace(step_seconds=seconds / len(steady), tokens_per_second=tokens_per_second(steady))
-
-
-def tokens_per_second(samples: Sequence[tuple[int, float]]) -> float | None:
-    """Tokens per second over (tokens, seconds) samples; None when no time passed."""
-    seconds = sum(s for _, s in samples)
-    return sum(t for t, _ in samples) / seconds if seconds > 0 else None
 
 
 class MetricsWriter:

@@ -96,12 +96,15 @@ def _read_run(path: Path) -> tuple[dict, list[Event]]:
     if header is None:
         raise ReplayError(f"{path}: no run in it (no settings line)")
     steps = [e.stats for e in events if isinstance(e, Step)]
+    ended = _as_it_ended(header["settings"], steps)
     started = Started(
         model=str(header["settings"].get("model", "")),
         parameters=int(header.get("parameters") or 0),
         device=str(header.get("device") or ""),
         chunks=list(steps[0].memory.chunks) if steps else [],
-        settings=header["settings"],
+        # The settings in force at the end: the screen of a finished run shows those, as
+        # the trials table's last row has them (the changes between are not replayed).
+        settings=ended,
     )
     if summary is not None:
         summary = {k: v for k, v in summary.items() if k != "trials"}
@@ -109,7 +112,7 @@ def _read_run(path: Path) -> tuple[dict, list[Event]]:
     else:
         end = Failed(reason="the run ended without a summary (killed, or it failed): "
                             f"{len(steps)} steps recorded")
-    return _as_it_ended(header["settings"], steps), [started, *events, end]
+    return ended, [started, *events, end]
 
 
 def _as_it_ended(settings: dict, steps: list[StepStats]) -> dict:

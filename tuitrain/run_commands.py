@@ -5,13 +5,17 @@ pause, resume or stop acts at the step boundary; a checkpoint saves after the la
 Data parallel, rank 0 alone hears the UI: it decides at each step boundary, and every rank
 carries out that decision before the same step (`_agree`), so a change's answer names one
 step for all of them.
+
+The training run holds a RunCommands and asks it, at each step boundary, what to do; it
+sees the run through SteeredRun, what it reads of it and the two things it asks of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
 
 from tuitrain import ranks
 from tuitrain.events import (
@@ -27,11 +31,82 @@ from tuitrain.events import (
     Stop,
 )
 
+# How long a paused run sleeps between looks at the command channel.
+PAUSE_WAIT_SECONDS = 0.2
+
+
+class SteeredRun(Protocol):
+    """What the commands read of the training run they steer, and ask of it."""
+
+    settings: Any  # tuitrain.settings.Settings, as settled
+    engine: Any  # the engine.step engine, once built
+    ranks: ranks.Ranks
+    next_step: int  # the step that runs next
+    steps_run: int
+    outbox: Any  # the EventSink events go out on
+
+    @property
+    def collectives(self) -> Any:
+        """The engine's, which the ranks agree over; None for a single process."""
+
+    def checkpoint_at(self, step: int) -> str | None:
+        """Save a checkpoint of the run after `step`; OSError or ValueError when it fails."""
+
+    def say(self, message: str, level: str = "info") -> None:
+        """A line in the worker's log and on the UI's."""
+
 
 class RunCommands:
-    """The command side of tuitrain.training_run.TrainingRun, which holds the state it
-    steers (engine, settings, ranks, paused, stopping, the step counters) and says things
-    through `_say`."""
+    """The commands from the UI to one training run, answered between its steps.
+
+    Args:
+        run: the run they steer.
+        channel: the read end of the UI -> worker channel.
+    """
+
+    def __init__(self, *, run: SteeredRun, channel: Connection) -> None:
+        self.run = run
+        self.channel = channel
+        self.channel_open = True  # False once the UI has closed its end
+        self.paused = False
+        self.stopping = False
+        # Data parallel, rank 0: changes and checkpoints asked for since the last step
+        # boundary, carried out by every rank at the next one.
+        self.proposed: list[Command] = []
+        # Changes asked for before the first step, which nothing could check them against
+        # yet: answered once a step ran with them, or refused if it could not.
+        self.untried: list[tuple[int, str]] = []
+        self.settings_at_start: Any = None  # the engine's, before the first of those
+
+    # --- what the run asks, at its step boundaries -----------------------------------------
+
+    def step_boundary(self) -> None:
+        """Between steps: answer the commands, and wait here while paused. With several
+        ranks, every rank then carries out what rank 0 decided (see _agree)."""
+        self.drain()
+        if not self.run.ranks.parallel:
+            while self.paused and not self.stopping:
+                self._wait_for_command(PAUSE_WAIT_SECONDS)
+            return
+        self._agree()
+        while self.paused and not self.stopping:
+            # Every rank waits, agreeing again each time: rank 0 may resume, any may stop.
+            self._wait_for_command(PAUSE_WAIT_SECONDS)
+            self._agree()
+
+    def first_step_ran(self, step: int) -> None:
+        """Step `step` ran with the changes asked for before it: each is answered."""
+        for command_id, what in self.untried:
+            self._answer(Applied(command_id, step, what))
+        self.untried.clear()
+
+    def finish(self) -> None:
+        """Training has finished: commands that arrived after the last step still get an
+        answer."""
+        self.drain(after_end=True)
+        for command in self.proposed:
+            self.run.outbox.put(Rejected(command.id, "training has finished"))
+        self.proposed = []
 
     def _agree(self) -> None:
         """Data parallel, at a step boundary (every rank calls it at the same point): rank
@@ -39,15 +114,15 @@ class RunCommands:
         rank's, and the run stops when any rank asks to (Ctrl-C under torchrun reaches
         every rank, not always in the same step)."""
         decision = None
-        if self.ranks.leader:
+        if self.run.ranks.leader:
             decision = [self.paused, [_command_record(c) for c in self.proposed]]
-        said = ranks.gather_from_ranks(self._collectives, [decision, self.stopping])
+        said = ranks.gather_from_ranks(self.run.collectives, [decision, self.stopping])
         (self.paused, records), self.proposed = said[0][0], []
         proposed = [_command_from_record(r) for r in records]
         self.stopping = any(stop for _, stop in said)
         for command in proposed:
             if isinstance(command, Checkpoint):
-                self._checkpoint(command, self.next_step - 1)
+                self._checkpoint(command, self.run.next_step - 1)
             elif self.stopping:
                 self._answer(Rejected(command.id, "the run is stopping"))
             else:
@@ -55,7 +130,8 @@ class RunCommands:
 
     # --- commands ----------------------------------------------------------------------
 
-    def _drain_commands(self, after_end: bool = False) -> None:
+    def drain(self, after_end: bool = False) -> None:
+        """Answer every command waiting on the channel (after the end: refuse each)."""
         while (after_end or not self.stopping) and self._command_ready(0):
             self._receive(after_end)
 
@@ -67,7 +143,7 @@ class RunCommands:
         if not self.channel_open:
             return False
         try:
-            return self.commands.poll(timeout)
+            return self.channel.poll(timeout)
         except OSError:
             self._channel_closed()
             return False
@@ -77,46 +153,46 @@ class RunCommands:
         self.channel_open = False
         if not self.stopping:
             self.stopping = True
-            self._say("the command channel closed; stopping", level="warning")
+            self.run.say("the command channel closed; stopping", level="warning")
 
     def _receive(self, after_end: bool) -> None:
         try:
-            command = self.commands.recv()
+            command = self.channel.recv()
         except (EOFError, OSError):
             self._channel_closed()
             return
         if after_end:
-            self.outbox.put(Rejected(command.id, "training has finished"))
+            self.run.outbox.put(Rejected(command.id, "training has finished"))
         else:
             self._handle(command)
 
     def _handle(self, command: Command) -> None:
-        done = self.next_step - 1  # the step after which an action (pause, checkpoint) acts
+        done = self.run.next_step - 1  # the step after which a pause or a checkpoint acts
         change = isinstance(command, SetPolicy | SetMargin | SetBudget)
-        saves = isinstance(command, Checkpoint) and bool(self.settings.checkpoint.dir)
-        if self.ranks.parallel and (change or saves):
+        saves = isinstance(command, Checkpoint) and bool(self.run.settings.checkpoint.dir)
+        if self.run.ranks.parallel and (change or saves):
             self.proposed.append(command)  # every rank carries it out at the step boundary
         elif change:
             self._change(command)
         elif isinstance(command, Pause):
             if self.paused:
-                self.outbox.put(Rejected(command.id, "already paused"))
+                self.run.outbox.put(Rejected(command.id, "already paused"))
             else:
                 self.paused = True
-                self.outbox.put(Applied(command.id, done, "paused"))
+                self.run.outbox.put(Applied(command.id, done, "paused"))
         elif isinstance(command, Resume):
             if not self.paused:
-                self.outbox.put(Rejected(command.id, "not paused"))
+                self.run.outbox.put(Rejected(command.id, "not paused"))
             else:
                 self.paused = False
-                self.outbox.put(Applied(command.id, done, "resumed"))
+                self.run.outbox.put(Applied(command.id, done, "resumed"))
         elif isinstance(command, Stop):
             self.stopping = True
-            self.outbox.put(Applied(command.id, done, "stop"))
+            self.run.outbox.put(Applied(command.id, done, "stop"))
         elif isinstance(command, Checkpoint):
             self._checkpoint(command, done)
         else:
-            self.outbox.put(Rejected(command.id, f"unknown command {type(command).__name__}"))
+            self.run.outbox.put(Rejected(command.id, f"unknown command {type(command).__name__}"))
 
     def _change(self, command: Command) -> bool:
         """Apply an engine setting, worded as the engine words it; a bad value is refused
@@ -126,35 +202,35 @@ class RunCommands:
         except ValueError as err:
             self._answer(Rejected(command.id, str(err)))
             return False
-        if self.steps_run == 0 and not self.ranks.parallel:
-            self.settings_at_start = self.settings_at_start or self.engine.settings
+        if self.run.steps_run == 0 and not self.run.ranks.parallel:
+            self.settings_at_start = self.settings_at_start or self.run.engine.settings
             self.untried.append((command.id, what))
             return True
         # The engine switches at the next step boundary: the next step is the first with it.
-        self._answer(Applied(command.id, self.next_step, what))
-        print(f"applied from step {self.next_step}: {what}", flush=True)
+        self._answer(Applied(command.id, self.run.next_step, what))
+        print(f"applied from step {self.run.next_step}: {what}", flush=True)
         return True
 
-    def _refuse_untried(self, reason: str) -> None:
+    def refuse_untried(self, reason: str) -> None:
         """The first step could not run with the changes asked for before it: each is
         refused, and the run goes back to the settings it started with."""
         start = self.settings_at_start
-        self.engine.set_policy(start.policy)
-        self.engine.set_margin(start.margin_ratio)
-        self.engine.set_budget(start.device_budget)
+        self.run.engine.set_policy(start.policy)
+        self.run.engine.set_margin(start.margin_ratio)
+        self.run.engine.set_budget(start.device_budget)
         for command_id, _ in self.untried:
             self._answer(Rejected(command_id, f"{reason}; the run keeps its settings"))
         self.untried.clear()
-        self._say(f"step {self.next_step} ran again with the settings it started with")
+        self.run.say(f"step {self.run.next_step} ran again with the settings it started with")
 
     def _stage(self, command: Command) -> str:
         """Hand a setting to the engine for the next step (ValueError: it refuses it)."""
         if isinstance(command, SetPolicy):
-            return self.engine.set_policy(command.policy)
+            return self.run.engine.set_policy(command.policy)
         if isinstance(command, SetMargin):
-            return self.engine.set_margin(command.margin_ratio)
+            return self.run.engine.set_margin(command.margin_ratio)
         assert isinstance(command, SetBudget)
-        return self.engine.set_budget(command.device_budget)
+        return self.run.engine.set_budget(command.device_budget)
 
     def _change_on_every_rank(self, command: Command) -> None:
         """Data parallel: every rank's engine checks the change, and rank 0 stages it when
@@ -163,44 +239,37 @@ class RunCommands:
         a refused change leaves every rank as it was, whatever the others staged to check
         it."""
         refusal = what = None
-        if not self.ranks.leader:
+        if not self.run.ranks.leader:
             try:
                 what = self._stage(command)
             except ValueError as err:
                 refusal = str(err)
-        said = ranks.gather_from_ranks(self._collectives, refusal)
+        said = ranks.gather_from_ranks(self.run.collectives, refusal)
         refused = [(rank, why) for rank, why in enumerate(said) if why is not None]
         if refused:
             rank, why = refused[0]
             self._answer(Rejected(command.id, f"rank {rank}: {why}"))
             print(f"refused by rank {rank}: {why}", flush=True)
             return
-        taken = self._change(command) if self.ranks.leader else False
-        if ranks.gather_from_ranks(self._collectives, taken)[0] and not self.ranks.leader:
-            print(f"applied from step {self.next_step}: {what}", flush=True)
-
-    @property
-    def _collectives(self) -> Any:
-        """The engine's collectives, which carry the ranks' own agreements too (bounded by
-        engine.collective_timeout); None for a single process."""
-        return getattr(self.engine, "collectives", None)
+        taken = self._change(command) if self.run.ranks.leader else False
+        if ranks.gather_from_ranks(self.run.collectives, taken)[0] and not self.run.ranks.leader:
+            print(f"applied from step {self.run.next_step}: {what}", flush=True)
 
     def _answer(self, event: Applied | Rejected) -> None:
         """Answer a command: rank 0 does, the UI steers it alone."""
-        if self.ranks.leader:
-            self.outbox.put(event)
+        if self.run.ranks.leader:
+            self.run.outbox.put(event)
 
     def _checkpoint(self, command: Command, done: int) -> None:
-        if not self.settings.checkpoint.dir:
+        if not self.run.settings.checkpoint.dir:
             self._answer(Rejected(command.id, "checkpoints need --checkpoint-dir"))
             return
         try:
-            path = self.save_checkpoint(self.engine, self.model, self.data, self.settings, done)
+            path = self.run.checkpoint_at(done)
         except (OSError, ValueError) as err:
             traceback.print_exc()
             self._answer(Rejected(command.id, f"checkpoint failed: {err}"))
             return
-        self.checkpointed = done
         self._answer(Applied(command.id, done, f"checkpoint {path}" if path else "checkpoint"))
 
 

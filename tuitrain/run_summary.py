@@ -37,16 +37,8 @@ def run_summary_lines(summary: dict, rows: list[Trial]) -> list[str]:
         lines.append("  " + ", ".join(losses))
     if summary.get("eval_loss") is not None:
         lines.append("  " + held_out(summary))
-    peaks = []
-    if summary.get("peak_device_bytes") is not None:
-        peaks.append(f"peak device {format_size(summary['peak_device_bytes'])}")
-    # The host peak the trials show (the highest step's), not the process's lifetime mark,
-    # so the summary and the table give one value.
-    host = max((t.process_rss for t in rows), default=summary.get("peak_host_bytes"))
-    if host is not None:
-        peaks.append(f"peak host RSS {format_size(host)}")
-    if peaks:
-        lines.append("  " + ", ".join(peaks))
+    if peaks := peaks_line(summary):
+        lines.append("  " + peaks)
     lines += summary_lines(rows)
     if summary.get("metrics"):
         lines.append(f"  metrics   {summary['metrics']}")
@@ -59,3 +51,15 @@ def held_out(summary: dict) -> str:
         f"held-out loss {summary['eval_loss']:.4f}, perplexity "
         f"{summary['eval_perplexity']:.2f} after step {summary['eval_step']}"
     )
+
+
+def peaks_line(summary: dict) -> str:
+    """ "peak device 2.0 GiB, peak host RSS 3.0 GiB": the highest of the run's steps, as
+    the trials and a saved preset give them (the host's is each step's VmHWM); "" before a
+    step ran."""
+    peaks = []
+    if summary.get("peak_device_bytes"):
+        peaks.append(f"peak device {format_size(summary['peak_device_bytes'])}")
+    if summary.get("peak_host_bytes"):
+        peaks.append(f"peak host RSS {format_size(summary['peak_host_bytes'])}")
+    return ", ".join(peaks)

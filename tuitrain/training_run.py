@@ -29,24 +29,19 @@ from typing import Any, Protocol
 from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from tuitrain.events import (
-    Applied,
-    Command,
     Eval,
     Event,
     Failed,
     Finished,
     Log,
-    Rejected,
     Started,
     Step,
 )
-from tuitrain.metrics import MetricsWriter, pace
+from tuitrain.metrics import MetricsWriter
 from tuitrain.run_commands import RunCommands
 from tuitrain.settings import Settings
 from tuitrain.worker_log import read_log_tail
 
-# How long a paused run sleeps between looks at the command channel.
-PAUSE_WAIT_SECONDS = 0.2
 # exp() of a loss past this overflows a float; a perplexity that large is reported as e^700.
 _MAX_LOG_PERPLEXITY = 700.0
 
@@ -56,11 +51,11 @@ class EventSink(Protocol):
         """Send `event` to the UI without waiting for it to be read."""
 
 
-class TrainingRun(RunCommands):
+class TrainingRun:
     """Builds the model, data and engine of `settings`, then trains step by step.
 
-    Between steps it drains the command channel (tuitrain.run_commands); `execute` returns
-    the process exit status.
+    Between steps its RunCommands (tuitrain.run_commands) answers the command channel;
+    `execute` returns the process exit status.
     """
 
     def __init__(
@@ -68,16 +63,16 @@ class TrainingRun(RunCommands):
     ) -> None:
         self.settings = settings
         self.log_path = log_path
-        self.commands = commands
         self.outbox = outbox
-        self.paused = False
-        self.stopping = False
-        self.channel_open = True  # False once the UI has closed its end of the commands
+        self.commands = RunCommands(run=self, channel=commands)
         self.next_step = 1  # number of the step that runs next; resumed runs keep counting
         self.steps_run = 0
         self.tokens = 0
-        self.paced: list[tuple[int, float]] = []  # (tokens, seconds) of each step
+        self.first_step_seconds: float | None = None  # it also records the chunks' order
         self.peak_device = 0
+        # The host peak is the steps' (each step's VmHWM, see engine.devices.host_memory):
+        # the figure the trials, the app and a saved preset show, so no second one appears.
+        self.peak_host = 0
         self.disk_read = self.disk_written = 0  # bytes, the last step's update included
         self.last_loss: float | None = None
         self.started_at = time.monotonic()
@@ -88,13 +83,17 @@ class TrainingRun(RunCommands):
         self.last_eval: Eval | None = None
         self.checkpointed = 0  # the step of the latest checkpoint this run saved
         self.ranks = ranks.Ranks()  # data parallel under torchrun (tuitrain.ranks)
-        # Data parallel, rank 0: changes and checkpoints asked for since the last step
-        # boundary, carried out by every rank at the next one.
-        self.proposed: list[Command] = []
-        # Changes asked for before the first step, which nothing could check them against
-        # yet: answered once a step ran with them, or refused if it could not (_untried).
-        self.untried: list[tuple[int, str]] = []
-        self.settings_at_start: Any = None  # the engine's, before the first of those
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a Stop (or a closed channel) is ending the run at the step boundary."""
+        return self.commands.stopping
+
+    @property
+    def collectives(self) -> Any:
+        """The engine's collectives, which carry the ranks' own agreements too (bounded by
+        engine.collective_timeout); None for a single process."""
+        return getattr(self.engine, "collectives", None)
 
     # --- the run -----------------------------------------------------------------------
 
@@ -151,14 +150,14 @@ class TrainingRun(RunCommands):
         # Before anything is built or written: what the user left to the defaults is chosen
         # so that the plan says the run fits, and what they chose and cannot fit is refused.
         # Data parallel, every rank settles here on the same per-rank plan (one collective).
-        s = self.settings = settle(s, self._say, nproc=self.ranks.world,
+        s = self.settings = settle(s, self.say, nproc=self.ranks.world,
                                    local=ranks.on_this_machine(self.ranks),
                                    steady_heap=steady_heap)
         resume = self._checkpoint_hooks()
         if s.logging.metrics and self.ranks.leader:
             self.metrics = MetricsWriter(s.logging.metrics)
 
-        built = build_run(s, self._say)
+        built = build_run(s, self.say)
         self.model, self.data, self.engine = built.model, built.data, built.engine
         # Every random number training draws (dropout masks) comes from here on, from the
         # run's seed: building, planning and evaluating draw none of them (engine/), so
@@ -169,7 +168,7 @@ class TrainingRun(RunCommands):
         self.eval_data = built.eval_data
         if resume is not None:
             self.next_step = int(resume(self.engine, self.model, self.data, s)) + 1
-            self._say(f"resumed from {s.checkpoint.resume} after step {self.next_step - 1}")
+            self.say(f"resumed from {s.checkpoint.resume} after step {self.next_step - 1}")
 
         device, used = built.device, built.settings.model_dump(mode="json")
         if self.ranks.parallel:
@@ -211,7 +210,7 @@ class TrainingRun(RunCommands):
 
         batches = self._batches()
         while self.next_step <= self.settings.training.steps:
-            self._step_boundary()
+            self.commands.step_boundary()
             if self.stopping:
                 break
             # What an interrupted step must give back, so a checkpoint written after it (or
@@ -221,20 +220,19 @@ class TrainingRun(RunCommands):
             try:
                 stats = self.engine.step(next(batches))
             except (StepInterrupted, BudgetTooSmall) as err:
-                if isinstance(err, BudgetTooSmall) and not self.untried:
+                if isinstance(err, BudgetTooSmall) and not self.commands.untried:
                     raise
                 if position is not None:
                     self.data.load_state_dict(position)
                     batches = self._batches()  # a fresh iterator, from the position restored
                 set_rng_states(rng)
                 if isinstance(err, BudgetTooSmall):
-                    self._refuse_untried(str(err))  # and the step runs again without them
+                    # and the step runs again without them
+                    self.commands.refuse_untried(str(err))
                 else:
-                    self._say(f"{err}; nothing of it was kept", level="warning")
+                    self.say(f"{err}; nothing of it was kept", level="warning")
                 continue  # the Stop behind an interrupt ends the loop at the top
-            for command_id, what in self.untried:
-                self._answer(Applied(command_id, stats.step, what))
-            self.untried.clear()
+            self.commands.first_step_ran(stats.step)
             ended = time.time()
             self._record(stats, ended)
             if self._evaluates_after(stats.step):
@@ -244,26 +242,8 @@ class TrainingRun(RunCommands):
         self.disk_read, self.disk_written = self.disk_read + read, self.disk_written + written
         self._final_checkpoint()
 
-    def _step_boundary(self) -> None:
-        """Between steps: answer the commands, and wait here while paused. With several
-        ranks, every rank then carries out what rank 0 decided (see _agree)."""
-        self._drain_commands()
-        if not self.ranks.parallel:
-            while self.paused and not self.stopping:
-                self._wait_for_command(PAUSE_WAIT_SECONDS)
-            return
-        self._agree()
-        while self.paused and not self.stopping:
-            # Every rank waits, agreeing again each time: rank 0 may resume, any may stop.
-            self._wait_for_command(PAUSE_WAIT_SECONDS)
-            self._agree()
-
     def _finish(self) -> None:
-        # Commands that arrived after the last step still get an answer.
-        self._drain_commands(after_end=True)
-        for command in self.proposed:
-            self.outbox.put(Rejected(command.id, "training has finished"))
-        self.proposed = []
+        self.commands.finish()
         self.outbox.put(Finished(summary=self._summary()))
         print(f"finished after step {self.next_step - 1}", flush=True)
 
@@ -289,8 +269,10 @@ class TrainingRun(RunCommands):
     def _record(self, stats: Any, ended: float) -> None:
         self.steps_run += 1
         self.tokens += stats.tokens
-        self.paced.append((stats.tokens, stats.seconds))
+        if self.first_step_seconds is None:
+            self.first_step_seconds = stats.seconds
         self.peak_device = max(self.peak_device, stats.memory.device_peak)
+        self.peak_host = max(self.peak_host, stats.memory.process_rss)
         self.last_loss = stats.loss
         self.next_step = stats.step + 1
         self.disk_read += stats.bytes_disk_read
@@ -316,17 +298,17 @@ class TrainingRun(RunCommands):
         started = time.perf_counter()
         total = weight = 0.0
         for batch in self.eval_data.batches:
-            self._drain_commands()
+            self.commands.drain()
             # With several ranks every one finishes it: a Stop waits for the step boundary.
             if self.stopping and not self.ranks.parallel:
-                self._say(f"evaluation after step {step} left unfinished: stopping")
+                self.say(f"evaluation after step {step} left unfinished: stopping")
                 return
             rows, columns = batch["input_ids"].shape
             predicted = rows * (columns - 1)  # the model predicts each token from the ones before
             # Data parallel: each rank scores its part; the parts' losses add up by weight.
             part, counted = self.ranks.eval_part(batch)
             loss = self.engine.evaluate(part)
-            total += ranks.sum_over_ranks(self._collectives, loss * counted * (columns - 1))
+            total += ranks.sum_over_ranks(self.collectives, loss * counted * (columns - 1))
             weight += predicted
         loss = total / weight
         result = Eval(
@@ -348,13 +330,20 @@ class TrainingRun(RunCommands):
         if self.save_checkpoint is None:
             return False
         try:
-            path = self.save_checkpoint(self.engine, self.model, self.data, self.settings, step)
+            path = self.checkpoint_at(step)
         except OSError as err:
-            self._say(f"checkpoint after step {step} failed, training goes on: {err}", "error")
+            self.say(f"checkpoint after step {step} failed, training goes on: {err}", "error")
             return False
-        self.checkpointed = step
-        self._say(f"checkpoint after step {step}: {path}")
+        self.say(f"checkpoint after step {step}: {path}")
         return True
+
+    def checkpoint_at(self, step: int) -> str | None:
+        """Save a checkpoint of the run as it is after `step`; its path. OSError or
+        ValueError when it cannot be written."""
+        assert self.save_checkpoint is not None, "a run with a checkpoint folder"
+        path = self.save_checkpoint(self.engine, self.model, self.data, self.settings, step)
+        self.checkpointed = step
+        return path
 
     def _final_checkpoint(self) -> None:
         """A run with a checkpoint folder ends with a checkpoint of its last step, also
@@ -364,13 +353,8 @@ class TrainingRun(RunCommands):
             self._periodic_checkpoint(done)
 
     def _summary(self) -> dict:
-        import resource
-
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        if sys.platform != "darwin":  # Linux reports KiB, macOS bytes
-            peak_rss *= 1024
-        seconds = sum(s for _, s in self.paced)
-        steady = pace(self.paced)
+        """How the run ended. Its pace is the trials' (tuitrain.trials, medians of settled
+        steps), which the UI measures from the steps: not a second figure here."""
         return {
             "steps": self.steps_run,
             "last_step": self.next_step - 1,
@@ -378,12 +362,10 @@ class TrainingRun(RunCommands):
             "stopped": self.next_step <= self.settings.training.steps,
             "tokens": self.tokens,
             "seconds": time.monotonic() - self.started_at,
-            "first_step_seconds": self.paced[0][1] if self.paced else None,
-            "mean_step_seconds": steady.step_seconds if steady else None,
-            "tokens_per_second": self.tokens / seconds if seconds > 0 else None,
+            "first_step_seconds": self.first_step_seconds,
             "final_loss": self.last_loss,
             "peak_device_bytes": self.peak_device,
-            "peak_host_bytes": peak_rss,
+            "peak_host_bytes": self.peak_host if self.steps_run else None,
             "bytes_disk_read": self.disk_read,
             "bytes_disk_written": self.disk_written,
             "metrics": self.settings.logging.metrics,
@@ -415,7 +397,8 @@ class TrainingRun(RunCommands):
 
     # --- output ------------------------------------------------------------------------
 
-    def _say(self, message: str, level: str = "info") -> None:
+    def say(self, message: str, level: str = "info") -> None:
+        """A line in the worker's log and on the UI's."""
         print(message, flush=True)
         self.outbox.put(Log(message, level))
 

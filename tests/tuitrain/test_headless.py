@@ -69,6 +69,11 @@ def test_a_run_prints_settings_progress_and_summary_and_appends_metrics(tmp_path
     summary = records[-1]["summary"]
     assert summary["steps"] == 6
     assert [(t["policy"], t["steps"], t["best"]) for t in summary["trials"]] == [("auto", 6, True)]
+    # One host peak, the steps' (as the trials have it), and no pace beside the trials'.
+    steps = records[1:-1]
+    assert summary["peak_host_bytes"] == max(r["memory"]["process_rss"] for r in steps)
+    assert summary["peak_host_bytes"] == summary["trials"][0]["process_rss"]
+    assert not {"mean_step_seconds", "tokens_per_second"} & set(summary)
 
 
 def test_a_budget_below_the_working_set_exits_2_with_one_line(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ worker doing hundreds of steps a second never floods the screen. User requests g
 commands and stay "pending" on screen until the worker reports the step they took effect.
 Every setting the run has used is a trial (tuitrain.trials): the trials table compares
 them, and a save writes the selected one. The panels, their layout at the terminal's size
-and their drawing are tuitrain.tui.run_panels'; this module wires them to the worker and
-to the user's keys.
+and their drawing are a RunPanels' (tuitrain.tui.run_panels), which the app holds; this
+module wires them to the worker and to the user's keys.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from collections.abc import Iterable
 from functools import partial
 from typing import TextIO
 
-from textual.app import SystemCommand
+from textual import events
+from textual.app import App, ComposeResult, SystemCommand
 from textual.screen import Screen
 from textual.widgets import DataTable
 
+from engine.telemetry import StepStats
 from tuitrain.client import WorkerClient
 from tuitrain.events import (
     Applied,
@@ -40,19 +42,19 @@ from tuitrain.formatting import format_size
 from tuitrain.run_preset import PresetPace
 from tuitrain.run_summary import run_summary_lines
 from tuitrain.settings import Settings, Size
-from tuitrain.trials import Trial
+from tuitrain.trials import Trial, TrialBook
 from tuitrain.tui.changes import Value
 from tuitrain.tui.chunk_map import ChunkMap
 from tuitrain.tui.controls import Controls
 from tuitrain.tui.failure_panel import FailurePanel, exit_status, failure_line
 from tuitrain.tui.header import RunHeader, settings_fields
 from tuitrain.tui.help_screen import HelpScreen
-from tuitrain.tui.keys import KEYS, MARGIN_STEP, bindings, palette_commands
-from tuitrain.tui.layout import next_view, views_for
+from tuitrain.tui.keys import KEYS, MARGIN_STEP, STEERING_ACTIONS, bindings, palette_commands
+from tuitrain.tui.layout import View, next_view, views_for
 from tuitrain.tui.log_panel import LogPanel
 from tuitrain.tui.memory_chart import MemoryChart
 from tuitrain.tui.ranks_table import RanksTable
-from tuitrain.tui.run_panels import RunPanels
+from tuitrain.tui.run_panels import PANELS_CSS, RunPanels
 from tuitrain.tui.save_dialog import PresetSaving
 from tuitrain.tui.spawn import (
     WorkerFactory,
@@ -62,8 +64,6 @@ from tuitrain.tui.spawn import (
 )
 from tuitrain.tui.steering import Steering
 from tuitrain.tui.step_panel import StepPanel
-from tuitrain.tui.step_timeline import StepTimeline
-from tuitrain.tui.trial_preset import save_summary, trial_settings
 from tuitrain.tui.trials_table import TrialsTable
 from tuitrain.tui.tuning import LiveTune, toggle_tune
 
@@ -74,7 +74,7 @@ LIVE_STATES = ("starting", "running", "paused")
 ENDED_STATES = ("finished", "stopped", "failed")
 
 
-class TuitrainApp(RunPanels):
+class TuitrainApp(App[None]):
     """Watch and steer one training run: its panels (tuitrain.tui.run_panels) wired to the
     worker, and the user's keys and requests wired to commands.
 
@@ -85,9 +85,12 @@ class TuitrainApp(RunPanels):
             process, see default_worker_factory). Tests pass a FakeWorker.
         attached: the worker is a run this app did not start (tuitrain.attach): quitting
             detaches from it, and it cannot be restarted from here.
+        read_only: watch and send nothing (attach --read-only, a finished run's replay):
+            no key, field or command that would change the run is offered.
     """
 
     TITLE = "tuitrain"
+    CSS = PANELS_CSS
     AUTO_FOCUS = None  # keys go to the app until the user tabs into a control
     BINDINGS = bindings()
 
@@ -97,9 +100,16 @@ class TuitrainApp(RunPanels):
         *,
         worker_factory: WorkerFactory | None = None,
         attached: bool = False,
+        read_only: bool = False,
     ):
-        super().__init__(settings)
+        super().__init__()
+        self.settings = settings.model_copy(deep=True)
+        self.started: Started | None = None
+        self.latest: StepStats | None = None
+        self.trial_book = TrialBook()
+        self.panels = RunPanels(self)
         self.attached = attached
+        self.read_only = read_only
         self.worker_factory = worker_factory or default_worker_factory
         self.worker: WorkerClient | None = None
         self.run_state = "starting"
@@ -111,14 +121,38 @@ class TuitrainApp(RunPanels):
         self.preset_pace: PresetPace | None = None  # a tuned preset's pace, said if far off
         self.saving = PresetSaving(self, report=self._report_save)
 
+    # --- the panels -----------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield from self.panels.compose()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.panels.lay_out(event.size.width, event.size.height)
+
+    @property
+    def view(self) -> View | None:
+        """The view shown: which panels are on screen (tuitrain.tui.layout)."""
+        return self.panels.view
+
+    def redraw(self) -> None:
+        """Draw everything that is stale now, without waiting for the timers."""
+        self.panels.redraw()
+
+    def add_log(self, message: str, *, level: str = "info", step: int | None = None) -> None:
+        """A line in the log panel, at the latest step unless `step` is given."""
+        if step is None and self.latest is not None:
+            step = self.latest.step
+        self.query_one(LogPanel).add(message, level=level, step=step)
+
     # --- start and end --------------------------------------------------------------------
 
     def on_mount(self) -> None:
-        self.lay_out(self.size.width, self.size.height)
+        self.query_one(RunHeader).show(read_only=self.read_only)
+        self.panels.lay_out(self.size.width, self.size.height)
         self._start_worker()
         self.set_interval(POLL_INTERVAL, self.poll_worker)
-        self.set_interval(PANEL_INTERVAL, self.redraw_panels)
-        self.set_interval(CHART_INTERVAL, self.redraw_charts)
+        self.set_interval(PANEL_INTERVAL, self.panels.redraw_panels)
+        self.set_interval(CHART_INTERVAL, self.panels.redraw_charts)
 
     async def on_unmount(self) -> None:
         await asyncio.to_thread(self._stop_worker)
@@ -180,10 +214,11 @@ class TuitrainApp(RunPanels):
             trainable=event.trainable,
         )
         self.query_one(ChunkMap).show(event.chunks)
+        self.steering.started_with(event.settings.get("engine") or {})
         self.query_one(MemoryChart).simulated = event.device.startswith("simulated")
         if event.ranks > 1:
             self.query_one(RanksTable).start(event.ranks)
-        self._show_ranks()
+        self.panels.show_ranks()
         controls = self.query_one(Controls)
         controls.allow_budget(event.device.startswith("simulated"))
         # The worker picks the default budget (the whole GPU, or one sized for the simulated
@@ -210,15 +245,15 @@ class TuitrainApp(RunPanels):
             self.query_one(RanksTable).record(0, stats)
         if self.run_state == "starting":
             self.set_state("running")
-        self._panels_stale = self._charts_stale = True
+        self.panels.mark_stale()
 
     def _on_rank_step(self, event: RankStep) -> None:
         self.query_one(RanksTable).record(event.rank, event.stats)
-        self._panels_stale = True
+        self.panels.mark_stale(charts=False)
 
     def _on_eval(self, event: Eval) -> None:
         self.query_one(StepPanel).record_eval(event.step, event.loss)
-        self._charts_stale = True
+        self.panels.mark_stale(panels=False)
 
     def _on_log(self, event: Log) -> None:
         self.add_log(event.message, level=event.level)
@@ -233,7 +268,7 @@ class TuitrainApp(RunPanels):
         self.query_one(LogPanel).shorten(True)  # the failure panel needs the rows
         where = "" if event.rank is None else f" on rank {event.rank}"
         self.add_log(f"failed{where}: {event.reason}", level="error")
-        self._panels_stale = self._charts_stale = True
+        self.panels.mark_stale()
 
     def _on_finished(self, event: Finished) -> None:
         self.finished = event
@@ -244,13 +279,14 @@ class TuitrainApp(RunPanels):
             self.add_log(line)
         if summary.get("eval_loss") is not None:  # beside the loss, not only in the log
             self.query_one(StepPanel).record_eval(summary["eval_step"], summary["eval_loss"])
-        self._panels_stale = self._charts_stale = True
+        self.panels.mark_stale()
 
     def set_state(self, state: str) -> None:
         """Show the run's new state, and offer the keys that make sense in it."""
         self.run_state = state
         self.steering.state_changed(state)
         self.query_one(RunHeader).show(state=state)
+        self.query_one(Controls).allow_changes(self.steerable, why=self._why_not_steerable())
         if self.started is not None:
             self._show_waiting()
         self.refresh_bindings()
@@ -276,6 +312,17 @@ class TuitrainApp(RunPanels):
             return self.started.log_path
         return str(getattr(self.worker, "log_path", "") or "")
 
+    @property
+    def steerable(self) -> bool:
+        """Whether the user may change the run's settings: a live run this viewer may
+        steer, or an ended run of this app's own (the change is for its restart)."""
+        return not self.read_only and (self.live or not self.attached)
+
+    def _why_not_steerable(self) -> str:
+        if self.read_only:
+            return "read-only: nothing is sent"
+        return f"run {self.run_state}: nothing to change"  # fits the 36 columns at 80x24
+
     # --- what steering asks of the app ----------------------------------------------------
 
     @property
@@ -297,7 +344,8 @@ class TuitrainApp(RunPanels):
 
     def request(self, setting: str, value: Value) -> None:
         """Ask for a new policy, margin_ratio or device_budget (see Steering.request)."""
-        self.steering.request(setting, value)
+        if self.steerable:
+            self.steering.request(setting, value)
 
     def on_controls_policy_chosen(self, message: Controls.PolicyChosen) -> None:
         if message.policy != self.steering.target["policy"]:
@@ -322,6 +370,8 @@ class TuitrainApp(RunPanels):
     def can_run(self, action: str) -> bool:
         """Whether `action` makes sense in the run's state (the palette asks too, and it
         runs actions without the key bindings' check)."""
+        if action in STEERING_ACTIONS and not self.steerable:
+            return False  # read-only, or an attached run that has ended
         if action in ("pause", "resume"):  # the one the run is not in (or heading for)
             return self.live and self.steering.want_paused == (action == "resume")
         if action == "tune":
@@ -361,16 +411,9 @@ class TuitrainApp(RunPanels):
         if not self.can_run("restart"):
             return
         await asyncio.to_thread(self._stop_worker)
-        self.query_one(FailurePanel).hide()
-        self.query_one(LogPanel).shorten(False)
-        self.query_one(MemoryChart).reset()
-        self.query_one(StepPanel).reset()
-        self.query_one(StepTimeline).reset()
-        self.query_one(TrialsTable).reset()
         self.latest = self.failure = self.finished = self.started = None
-        self._show_ranks()
         self.trial_book.reset()
-        self.query_one(RunHeader).show(step=0, tokens_per_s=None)
+        self.panels.reset()
         self.add_log(f"restarting {self.settings.model} with policy {self.settings.engine.policy}")
         self._start_worker()
 
@@ -378,15 +421,16 @@ class TuitrainApp(RunPanels):
         toggle_tune(self)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(views_for(self.size_class), self.view))
+        self.push_screen(HelpScreen(views_for(self.panels.size_class), self.view,
+                                    read_only=not self.steerable and self.attached))
 
     def action_next_view(self) -> None:
-        views = views_for(self.size_class)
+        views = views_for(self.panels.size_class)
         if len(views) == 1:
             self.notify("every panel is on screen at this size")
             return
         assert self.view is not None
-        self.show_view(next_view(self.size_class, self.view))
+        self.panels.show_view(next_view(self.panels.size_class, self.view))
 
     def action_leave_field(self) -> None:
         self.set_focus(None)
@@ -411,9 +455,9 @@ class TuitrainApp(RunPanels):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Our actions that can run now, then Textual's theme and screenshot commands."""
         textual = super().get_system_commands(screen)
-        views = views_for(self.size_class)
+        views = views_for(self.panels.size_class)
         shows = [
-            SystemCommand(f"Show view: {v.name}", v.about, partial(self.show_view, v))
+            SystemCommand(f"Show view: {v.name}", v.about, partial(self.panels.show_view, v))
             for v in views
             if len(views) > 1
         ]
@@ -433,15 +477,8 @@ class TuitrainApp(RunPanels):
     def save_trial(self, trial: Trial | None) -> None:
         """Open the save dialog for `trial`'s settings and measurements (None: the settings
         in force, nothing measured yet)."""
-        default = self.started.device_budget if self.started is not None else None
-        settings = self.settings
-        if trial is not None:
-            settings = trial_settings(settings, trial, default_budget=default)
         in_force = trial is not None and trial.setting == self.trial_book.current
-        summary = save_summary(settings, trial, in_force=in_force, default_budget=default)
-        measured = trial.measured() if trial is not None else None
-        nproc = self.started.ranks if self.started is not None else 1
-        self.saving.start(settings, measured, summary=summary, nproc=nproc)
+        self.saving.start_trial(self.settings, trial, in_force=in_force, started=self.started)
 
     def _report_save(self, message: str, *, error: bool) -> None:
         self.query_one(Controls).show_message(message, error=error)

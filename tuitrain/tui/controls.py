@@ -22,6 +22,7 @@ from tuitrain.tui.changes import Change
 from tuitrain.tui.fitting import wrap_at_separators
 
 STATUS_STYLES = {"pending": "yellow", "applied": "green", "rejected": "red"}
+HINT = "Enter applies · c policy · +- margin"
 
 
 def _valid(setting: str) -> Function:
@@ -100,6 +101,8 @@ class Controls(Vertical):
         super().__init__(id=id)
         self.border_title = "Controls"
         self._initial = (policy, margin_ratio, device_budget)
+        self._steerable = True  # see allow_changes
+        self._budget_allowed = True  # see allow_budget
 
     def compose(self) -> ComposeResult:
         policy, margin_ratio, device_budget = self._initial
@@ -123,7 +126,7 @@ class Controls(Vertical):
                 id="budget",
                 validators=[_valid("device_budget")],
             )
-        yield Static("Enter applies · c policy · +- margin", id="control-hint")
+        yield Static(HINT, id="control-hint")
         yield Static("", id="control-message")
         yield Static("", id="changes")
 
@@ -148,10 +151,20 @@ class Controls(Vertical):
 
     def allow_budget(self, allowed: bool) -> None:
         """The budget is a simulated device's; a real GPU's capacity is what it is."""
+        self._budget_allowed = allowed
         field = self.query_one("#budget", Input)
-        field.disabled = not allowed
+        field.disabled = not (allowed and self._steerable)
         if not allowed:
             field.tooltip = "only a simulated device has a budget to change"
+
+    def allow_changes(self, allowed: bool, *, why: str = "") -> None:
+        """Whether the user may change the run's settings here; `why` not, on the hint's
+        line (a read-only viewer, a run that ended and is not this app's to restart)."""
+        self._steerable = allowed
+        self.query_one("#policy", Select).disabled = not allowed
+        self.query_one("#margin", Input).disabled = not allowed
+        self.allow_budget(self._budget_allowed)
+        self.query_one("#control-hint", Static).update(HINT if allowed else why)
 
     def show_default_budget(self, device_budget: str) -> None:
         """Show, greyed in the empty budget field, the budget the worker chose by default."""

@@ -39,6 +39,7 @@ class HeaderInfo:
     policy: str = "auto"
     margin_ratio: float = 0.0
     device_budget: int | None = None
+    read_only: bool = False  # a viewer that watches and sends nothing (tuitrain attach)
 
 
 def settings_fields(engine: EngineSettings) -> dict[str, object]:
@@ -67,11 +68,14 @@ def header_items(info: HeaderInfo) -> tuple[list[Item], list[Item]]:
     total = "?" if info.total_steps is None else str(info.total_steps)
     rate = unknown if info.tokens_per_s is None else format_rate(info.tokens_per_s)
     budget = unknown if info.device_budget is None else format_size(info.device_budget)
+    state = ((f"● {info.state}", STATE_STYLES.get(info.state, "")),)
+    if info.read_only:
+        state += ((" read-only", "bold"),)
     first = [
         Item((("tuitrain", "bold"),), rank=1),
         Item(((model_label(info.model), "bold"),), rank=50, shrink=True, stays=True),
         Item(((params, ""),), rank=3),
-        Item(((f"● {info.state}", STATE_STYLES.get(info.state, "")),), rank=KEEP),
+        Item(state, rank=KEEP),
         Item(((f"step {info.step}/{total}", ""),), rank=KEEP),
         Item(((f"{rate} tok/s", ""),), rank=KEEP),
     ]

@@ -10,24 +10,39 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from tuitrain.tui.keys import KEYS, PALETTE_ONLY
+from tuitrain.tui.keys import KEYS, PALETTE_ONLY, STEERING_ACTIONS
 from tuitrain.tui.layout import View
 
+INTRO = (
+    "Changes take effect between steps; each shows as pending until the worker\n"
+    "reports the step it was applied at."
+)
+READ_ONLY_INTRO = "Read-only: this viewer watches the run and sends it nothing."
 
-def help_table(views: tuple[View, ...] = (), shown: View | None = None) -> Table:
-    """Every key and command; then the views of the screen's size, the one shown marked."""
+
+def help_table(
+    views: tuple[View, ...] = (), shown: View | None = None, *, read_only: bool = False
+) -> Table:
+    """Every key and command; then the views of the screen's size, the one shown marked.
+    A `read_only` viewer's table leaves out the keys that would change the run."""
     table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
     table.add_column(style="bold", justify="right", no_wrap=True)
     table.add_column()
     shown_keys: set[str] = set()
     for key in KEYS:  # a key with two actions (space) reads as one row
+        if read_only and key.action in STEERING_ACTIONS:
+            continue
         table.add_row("" if key.shown in shown_keys else key.shown, key.help)
         shown_keys.add(key.shown)
     table.add_row("ctrl+p", "command palette: the actions above that apply now, and:")
     for command in PALETTE_ONLY:
+        if read_only and command.action in STEERING_ACTIONS:
+            continue
         table.add_row("", Text.assemble((command.title, "italic"), f": {command.help}"))
-    table.add_row("enter", "in the margin or budget field: ask for that value;")
-    table.add_row("", "in the trials table (tab to it, ↑ ↓ pick a row): save that row")
+    if not read_only:
+        table.add_row("enter", "in the margin or budget field: ask for that value;")
+    table.add_row("" if not read_only else "enter",
+                  "in the trials table (tab to it, ↑ ↓ pick a row): save that row")
     table.add_row("escape", "leave a field, close a dialog")
     if len(views) > 1:
         table.add_row("", "")
@@ -70,22 +85,22 @@ class HelpScreen(ModalScreen[None]):
         Binding("escape,question_mark,q", "close", "Close", show=False),
     ]
 
-    def __init__(self, views: tuple[View, ...] = (), shown: View | None = None) -> None:
+    def __init__(
+        self, views: tuple[View, ...] = (), shown: View | None = None, *, read_only: bool = False
+    ) -> None:
         super().__init__()
         self.views = views
         self.shown = shown
+        self.read_only = read_only
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help-box") as box:
             box.border_title = "Keys"
             # On the frame, so that how to scroll and close is in sight at any size.
             box.border_subtitle = f"↑ ↓ scroll · {self.CLOSING}"
-            yield Static(
-                "Changes take effect between steps; each shows as pending until the worker\n"
-                "reports the step it was applied at.",
-                id="help-intro",
-            )
-            yield Static(help_table(self.views, self.shown), id="help-keys")
+            yield Static(READ_ONLY_INTRO if self.read_only else INTRO, id="help-intro")
+            yield Static(help_table(self.views, self.shown, read_only=self.read_only),
+                         id="help-keys")
             yield Static(f"{self.CLOSING} this screen", id="help-footer")
 
     def on_mount(self) -> None:

@@ -84,6 +84,11 @@ KEYS: tuple[KeyAction, ...] = (
     ),
 )
 
+# What changes the run: never offered to a viewer that sends nothing (attach --read-only).
+STEERING_ACTIONS = frozenset(
+    {"cycle_policy", "margin_up", "margin_down", "pause", "resume", "tune", "checkpoint"}
+)
+
 # Reached from the command palette only: rare enough not to take a key.
 PALETTE_ONLY: tuple[KeyAction, ...] = (
     KeyAction(

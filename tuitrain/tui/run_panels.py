@@ -5,13 +5,19 @@ Which panels show depends on the terminal's size (tuitrain.tui.layout): all of t
 large one, the others a key away on a small one. Panels are redrawn from the latest sample
 at a bounded rate (tuitrain.tui.app's timers), so a worker doing hundreds of steps a second
 never floods the screen.
+
+The app holds a RunPanels and tells it when a step arrived (mark_stale) and when the
+terminal changed size; RunPanels reads the run's data through PanelsHost.
 """
 
 from __future__ import annotations
 
-from textual import events
-from textual.app import App, ComposeResult
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.widget import Widget
 from textual.widgets import Footer
 
 from engine.telemetry import StepStats
@@ -31,65 +37,86 @@ from tuitrain.tui.step_panel import StepPanel
 from tuitrain.tui.step_timeline import StepTimeline
 from tuitrain.tui.trials_table import TrialsTable
 
+# The body carries its size (-full, -standard, -compact) and view (-view-<name>) as
+# classes; tuitrain.tui.layout says which panels each view shows. The app's CSS.
+PANELS_CSS = """
+#body { height: 1fr; }
+#top { height: 3fr; }
+#side { width: 52; }
+#middle { height: 2fr; min-height: 9; }
+#controls { width: 52; }
+#trials { width: 86; }
 
-class RunPanels(App[None]):
-    """The panels of one training run and how they are laid out and drawn; TuitrainApp
-    wires them to the worker and the user's keys.
+#body.-standard.-view-tuning #trials { width: 1fr; }
+#body.-standard.-view-tuning #controls { width: 40; }
+
+#body.-compact #top { height: 1fr; }
+#body.-compact #middle { height: 9; min-height: 0; }
+#body.-compact #controls { width: 40; }
+#body.-compact Controls > Horizontal { margin-bottom: 0; }
+#body.-compact.-view-run #loss-plot { display: none; }
+#body.-compact.-view-run #step-times { width: 1fr; }
+#body.-compact.-view-trials #middle { layout: vertical; height: 1fr; }
+#body.-compact.-view-trials #trials { width: 1fr; height: 1fr; }
+#body.-compact.-view-trials #controls { width: 1fr; height: 8; }
+#body.-compact.-view-step #middle { height: 10; }
+#body.-compact.-view-run.-tall-step #middle { height: 12; }
+#body.-compact.-view-step.-tall-step #middle { height: 12; }
+#body.-compact.-view-placement #side { width: 1fr; }
+#body.-compact.-view-log #log { height: 1fr; }
+Footer.-compact FooterLabel { margin: 0 1 0 0; }
+"""
+
+
+class PanelsHost(Protocol):
+    """What the panels read of the app: the run so far, and the app's own DOM calls."""
+
+    settings: Settings  # as the run uses them now
+    started: Started | None
+    latest: StepStats | None  # the latest step
+    trial_book: TrialBook
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def focused(self) -> Widget | None: ...
+
+    def query_one(self, selector: Any, expect_type: Any = None) -> Any: ...
+
+    def set_focus(self, widget: Widget | None) -> None: ...
+
+    def call_after_refresh(self, callback: Callable[[], object]) -> bool: ...
+
+
+class RunPanels:
+    """The panels of one training run and how they are laid out and drawn; the app wires
+    them to the worker and the user's keys.
 
     Args:
-        settings: the run's settings; the screen keeps its own copy, which the app updates
-            as changes are applied.
+        app: the app they are drawn in, whose run they show.
     """
 
-    # The body carries its size (-full, -standard, -compact) and view (-view-<name>) as
-    # classes; tuitrain.tui.layout says which panels each view shows.
-    CSS = """
-    #body { height: 1fr; }
-    #top { height: 3fr; }
-    #side { width: 52; }
-    #middle { height: 2fr; min-height: 9; }
-    #controls { width: 52; }
-    #trials { width: 86; }
-
-    #body.-standard.-view-tuning #trials { width: 1fr; }
-    #body.-standard.-view-tuning #controls { width: 40; }
-
-    #body.-compact #top { height: 1fr; }
-    #body.-compact #middle { height: 9; min-height: 0; }
-    #body.-compact #controls { width: 40; }
-    #body.-compact Controls > Horizontal { margin-bottom: 0; }
-    #body.-compact.-view-run #loss-plot { display: none; }
-    #body.-compact.-view-run #step-times { width: 1fr; }
-    #body.-compact.-view-trials #middle { layout: vertical; height: 1fr; }
-    #body.-compact.-view-trials #trials { width: 1fr; height: 1fr; }
-    #body.-compact.-view-trials #controls { width: 1fr; height: 8; }
-    #body.-compact.-view-step #middle { height: 10; }
-    #body.-compact.-view-run.-tall-step #middle { height: 12; }
-    #body.-compact.-view-step.-tall-step #middle { height: 12; }
-    #body.-compact.-view-placement #side { width: 1fr; }
-    #body.-compact.-view-log #log { height: 1fr; }
-    Footer.-compact FooterLabel { margin: 0 1 0 0; }
-    """
-
-    def __init__(self, settings: Settings):
-        super().__init__()
-        self.settings = settings.model_copy(deep=True)
-        self.started: Started | None = None
-        self.latest: StepStats | None = None
-        self.trial_book = TrialBook()
+    def __init__(self, app: PanelsHost) -> None:
+        self.app = app
         self.size_class = ""
         self.view: View | None = None
-        self._panels_stale = False  # a step arrived since the panels were drawn
-        self._charts_stale = False
+        self.panels_stale = False  # a step arrived since the panels were drawn
+        self.charts_stale = False
+
+    def mark_stale(self, *, panels: bool = True, charts: bool = True) -> None:
+        """Something they show changed: redrawn at the timers' next tick."""
+        self.panels_stale |= panels
+        self.charts_stale |= charts
 
     # --- layout ---------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        engine = self.settings.engine
+        engine = self.app.settings.engine
         yield RunHeader(
             HeaderInfo(
-                model=self.settings.model,
-                total_steps=self.settings.training.steps,
+                model=self.app.settings.model,
+                total_steps=self.app.settings.training.steps,
                 policy=engine.policy,
                 margin_ratio=engine.margin_ratio,
                 device_budget=engine.device_budget.nbytes if engine.device_budget else None,
@@ -119,9 +146,6 @@ class RunPanels(App[None]):
 
     # --- views ----------------------------------------------------------------------------
 
-    def on_resize(self, event: events.Resize) -> None:
-        self.lay_out(event.size.width, event.size.height)
-
     def lay_out(self, width: int, height: int) -> None:
         """Pick the size class for `width` x `height`, and the view of it closest to the one
         shown, and show that view's panels."""
@@ -133,33 +157,42 @@ class RunPanels(App[None]):
     def show_view(self, view: View) -> None:
         """Show `view`'s panels (of this size class) and hide the others."""
         self.view = view
-        body = self.query_one("#body")
+        body = self.app.query_one("#body")
         for size in ("full", "standard", "compact"):
             body.set_class(size == self.size_class, f"-{size}")
         for other in {*views_for(self.size_class), view}:
             body.set_class(other == view, f"-view-{other.name}")
         for panel in PANELS:
-            self.query_one(f"#{panel}").display = panel in view.panels
-        side = self.query_one("#side")
+            self.app.query_one(f"#{panel}").display = panel in view.panels
+        side = self.app.query_one("#side")
         side.display = bool({"states", "chunks"} & view.panels)
         for row in ("#top", "#middle"):
-            node = self.query_one(row)
+            node = self.app.query_one(row)
             node.display = any(child.display for child in node.children)
-        self._show_ranks()
-        self.query_one(Footer).compact = self.size_class == "compact"
-        trials = self.query_one(TrialsTable)
+        self.show_ranks()
+        self.app.query_one(Footer).compact = self.size_class == "compact"
+        trials = self.app.query_one(TrialsTable)
         if trials.display and self.size_class == "compact":
             trials.focus()  # the view is for picking a row: the arrows move it at once
-        elif self.focused is trials and not trials.display:
-            self.set_focus(None)
-        self._charts_stale = self.latest is not None  # hidden charts were not drawn
-        self.call_after_refresh(self.redraw_charts)
+        elif self.app.focused is trials and not trials.display:
+            self.app.set_focus(None)
+        self.charts_stale = self.app.latest is not None  # hidden charts were not drawn
+        self.app.call_after_refresh(self.redraw_charts)
 
-    def _show_ranks(self) -> None:
+    def show_ranks(self) -> None:
         """The rank rows go with the memory charts, in a run of several ranks."""
-        several = self.started is not None and self.started.ranks > 1
+        several = self.app.started is not None and self.app.started.ranks > 1
         shown = several and self.view is not None and "memory" in self.view.panels
-        self.query_one(RanksTable).display = shown
+        self.app.query_one(RanksTable).display = shown
+
+    def reset(self) -> None:
+        """Empty every panel for a new run (the log keeps the old run's lines)."""
+        self.app.query_one(FailurePanel).hide()
+        self.app.query_one(LogPanel).shorten(False)
+        for panel in (MemoryChart, StepPanel, StepTimeline, TrialsTable):
+            self.app.query_one(panel).reset()
+        self.show_ranks()
+        self.app.query_one(RunHeader).show(step=0, tokens_per_s=None)
 
     # --- drawing --------------------------------------------------------------------------
 
@@ -170,10 +203,10 @@ class RunPanels(App[None]):
 
     def redraw_panels(self) -> None:
         """Push the latest sample into the header, tables and maps, if a step arrived."""
-        if not self._panels_stale or self.latest is None or not self.is_running:
+        if not self.panels_stale or self.app.latest is None or not self.app.is_running:
             return
-        self._panels_stale = False
-        stats = self.latest
+        self.panels_stale = False
+        stats = self.app.latest
         # Settings come from the Applied answers, which can arrive before the step that
         # first ran with them: the header shows what is in force, not what the last step had.
         shown = {
@@ -181,40 +214,36 @@ class RunPanels(App[None]):
             "tokens_per_s": self._pace(),
             "device_budget": stats.device_budget,
         }
-        self.query_one(RunHeader).show(**{**shown, **settings_fields(self.settings.engine)})
-        self.query_one(StatesTable).show(stats.memory)
-        self.query_one(ChunkMap).show(stats.memory.chunks)
-        step = self.query_one(StepPanel)
+        self.app.query_one(RunHeader).show(**{**shown, **settings_fields(self.app.settings.engine)})
+        self.app.query_one(StatesTable).show(stats.memory)
+        self.app.query_one(ChunkMap).show(stats.memory.chunks)
+        step = self.app.query_one(StepPanel)
         step.redraw_breakdown()
         # A step with disk traffic or a held-out loss has more lines than a small screen's
         # step panel: it takes two rows from the charts rather than cut its last lines.
-        self.query_one("#body").set_class(step.lines > 7, "-tall-step")
-        self.query_one(StepTimeline).show(stats)
-        self.query_one(TrialsTable).show(self.trial_book.rows(), self.trial_book.current)
-        self.query_one(RanksTable).redraw()
+        self.app.query_one("#body").set_class(step.lines > 7, "-tall-step")
+        self.app.query_one(StepTimeline).show(stats)
+        book = self.app.trial_book
+        self.app.query_one(TrialsTable).show(book.rows(), book.current)
+        self.app.query_one(RanksTable).redraw()
 
     def _pace(self) -> float | None:
         """The header's tok/s: the setting in force's, as its trials row has it (median of
         its settled steps), so the two never show one fact as two values."""
-        current = self.trial_book.current
-        row = next((t for t in self.trial_book.rows() if t.setting == current), None)
+        current = self.app.trial_book.current
+        row = next((t for t in self.app.trial_book.rows() if t.setting == current), None)
         return row.tokens_per_second if row is not None else None
 
     def redraw_charts(self) -> None:
         """Redraw the memory and loss charts from their recorded windows, if a step arrived;
         a chart hidden in this view is drawn when it is shown."""
-        if not self._charts_stale or not self.is_running:
+        if not self.charts_stale or not self.app.is_running:
             return
-        self._charts_stale = False
-        memory = self.query_one(MemoryChart)
+        self.charts_stale = False
+        memory = self.app.query_one(MemoryChart)
         if memory.display:
             memory.redraw()
-        step = self.query_one(StepPanel)
+        step = self.app.query_one(StepPanel)
         if step.display:
             step.redraw_loss()
 
-    def add_log(self, message: str, *, level: str = "info", step: int | None = None) -> None:
-        """A line in the log panel, at the latest step unless `step` is given."""
-        if step is None and self.latest is not None:
-            step = self.latest.step
-        self.query_one(LogPanel).add(message, level=level, step=step)

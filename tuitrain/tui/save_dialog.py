@@ -18,8 +18,11 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
+from tuitrain.events import Started
 from tuitrain.presets import SUFFIX, default_preset_name, run_command, save_preset, saved_dir
 from tuitrain.settings import Settings
+from tuitrain.trials import Trial
+from tuitrain.tui.trial_preset import save_summary, trial_settings
 
 Measured = Mapping[str, object]  # what presets.save_preset records in the header
 
@@ -171,6 +174,19 @@ class PresetSaving:
         self.app.push_screen(
             SaveDialog(path, summary=summary), partial(self._chosen, settings, measured)
         )
+
+    def start_trial(self, settings: Settings, trial: Trial | None, *, in_force: bool,
+                    started: Started | None) -> None:
+        """Open the dialog for `trial` of a run of `settings` (None: those settings, nothing
+        measured yet); `in_force`: the setting the run is in now. `started` (None before
+        the run said it started) gives the default budget it chose and its ranks."""
+        default = started.device_budget if started is not None else None
+        if trial is not None:
+            settings = trial_settings(settings, trial, default_budget=default)
+        summary = save_summary(settings, trial, in_force=in_force, default_budget=default)
+        measured = trial.measured() if trial is not None else None
+        self.start(settings, measured, summary=summary,
+                   nproc=started.ranks if started is not None else 1)
 
     def write(
         self, settings: Settings, measured: Measured | None, path: str, *, overwrite: bool

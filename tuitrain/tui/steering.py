@@ -169,6 +169,22 @@ class Steering:
             self.show_targets()
         self.screen.use_setting(name, value, from_step=event.step)
 
+    def started_with(self, engine: dict) -> None:
+        """The worker started with these engine settings (a Started event's, as JSON): a
+        policy or margin the plan chose for a run that left it unset is in force, and the
+        screen shows it rather than the default it asked with."""
+        for name in ("policy", "margin_ratio"):
+            if name not in engine or self.changes.latest_pending(name) is not None:
+                continue
+            try:
+                value = check_engine_setting(name, str(engine[name]))
+            except ValueError:
+                continue
+            if value != self.in_force[name]:
+                self.in_force[name] = self.target[name] = value
+                self.screen.use_setting(name, value, from_step=1)
+        self.show_targets()
+
     def rejected(self, event: Rejected) -> None:
         change = self.changes.rejected(event.id, event.reason)
         if change is None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from textual.widgets._footer import FooterKey
 
 from tests.tuitrain.fakeworker import fake_run
 from tuitrain.events import SetMargin, SetPolicy
@@ -43,7 +44,8 @@ async def wait_for(pilot, done) -> None:
 def attached_app(path: str, **options) -> TuitrainApp:
     client = SocketClient(path, **options)
     settings = Settings.model_validate(client.hello["settings"])
-    return TuitrainApp(settings, worker_factory=lambda _: client, attached=True)
+    return TuitrainApp(settings, worker_factory=lambda _: client, attached=True,
+                       read_only=client.read_only)
 
 
 async def test_c_steers_the_run_and_q_detaches_leaving_it_running() -> None:
@@ -86,15 +88,37 @@ async def test_a_change_another_viewer_made_is_shown_in_force_with_who_made_it()
         other.stop()
 
 
-async def test_read_only_sends_nothing_and_says_so() -> None:
+def footer_keys(app) -> set[str]:
+    return {key.description for key in app.query(FooterKey)}
+
+
+def palette_titles(app) -> set[str]:
+    return {c.title for c in app.get_system_commands(app.screen)}
+
+
+STEERING = {"Policy", "Margin+", "Margin-", "Pause", "Resume", "Tune"}
+
+
+async def test_read_only_offers_no_steering_key_sends_nothing_and_says_so() -> None:
     served, fake = served_fake(steps=10_000)
     with Pump(served):
         app = attached_app(served.record.socket, read_only=True)
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=(120, 40)) as pilot:
             await wait_for(pilot, lambda: app.latest is not None)
-            await pilot.press("c")
-            await wait_for(pilot, lambda: "read-only" in "\n".join(
-                app.query_one(LogPanel).messages))
+            await pilot.pause()
+            assert "read-only" in app.query_one(RunHeader).plain
+            assert not STEERING & footer_keys(app) and "Quit" in footer_keys(app)
+            assert not {"Cycle policy", "Pause", "Tune", "Save checkpoint"} & palette_titles(app)
+            assert "Save preset" in palette_titles(app)  # a file of the viewer's own
+            assert app.query_one("#policy").disabled and app.query_one("#margin").disabled
+            for key in ("c", "plus", "space", "a"):
+                await pilot.press(key)
+            await pilot.press("question_mark")
+            await pilot.pause()
+            shown = str(app.screen.query_one("#help-keys").render())
+            assert "placement policy" not in shown and "pause training" not in shown
+            assert "Read-only" in str(app.screen.query_one("#help-intro").render())
+            await pilot.press("escape")
             assert app.settings.engine.policy == "auto"
             await pilot.press("q")
     assert fake.commands == []
@@ -120,6 +144,13 @@ async def test_a_finished_run_is_shown_again_from_its_metrics(tmp_path: Path) ->
         assert app.latest.step == 12 and app.run_state == "finished"
         assert [row.policy for row in app.trial_book.rows()] == ["auto", "cpu"]
         assert not app.can_run("restart")  # nothing of this app's to restart
+        # Nothing can change a run that has ended and is not this app's to restart.
+        assert not STEERING & footer_keys(app)
+        await pilot.press("c")
+        app.request("margin_ratio", 0.5)
+        await pilot.pause()
+        assert app.settings.engine.policy == "cpu" and app.settings.engine.margin_ratio == 0.0
+        assert "restarts" not in "\n".join(app.query_one(LogPanel).messages)
         await pilot.press("q")
     assert app.return_code == 0
 

@@ -342,7 +342,7 @@ async def test_nothing_is_drawn_once_the_app_has_shut_down():
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         app.poll_worker()
-    app._panels_stale = app._charts_stale = True
+    app.panels.mark_stale()
     app.redraw()  # a timer that fires while the panels are taken down must not fail
     assert app.poll_worker() == 0
 

@@ -8,7 +8,7 @@ import pytest
 from textual.widgets._footer import FooterKey
 
 from tests.tuitrain.fakeworker import GiB, fake_run, fake_started
-from tuitrain.events import Finished, Log, Pause, Rejected, SetBudget
+from tuitrain.events import Finished, Log, Pause, Rejected, SetBudget, Step
 from tuitrain.formatting import format_size
 from tuitrain.settings import Settings
 from tuitrain.trials import BEST_MIN_SETTLED
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.anyio
 SUMMARY = {
     "steps": 3, "last_step": 3, "planned_steps": 3, "stopped": False, "tokens": 768,
     "seconds": 113.56255251200037, "first_step_seconds": 0.8202008860002934,
-    "mean_step_seconds": 0.0312, "tokens_per_second": 482.59, "final_loss": 3.912345,
+    "final_loss": 3.912345,
     "peak_device_bytes": 2 * GiB, "peak_host_bytes": 3 * GiB, "metrics": None,
     "eval_step": 3, "eval_loss": 3.714, "eval_perplexity": 41.014482761837215,
 }
@@ -92,7 +92,10 @@ async def test_save_checkpoint_is_offered_only_to_a_run_with_a_checkpoint_folder
 
 
 async def test_a_run_ends_with_its_summary_in_words_and_its_evaluation_beside_the_loss():
-    app, _ = make_app([*fake_run(3), Finished(SUMMARY)])
+    run = fake_run(3)
+    # The worker's host peak is its steps' highest (TrainingRun), as the trials row has it.
+    rss = max(e.stats.memory.process_rss for e in run if isinstance(e, Step))
+    app, _ = make_app([*run, Finished({**SUMMARY, "peak_host_bytes": rss})])
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         messages = app.query_one(LogPanel).messages
@@ -101,8 +104,9 @@ async def test_a_run_ends_with_its_summary_in_words_and_its_evaluation_beside_th
     assert "finished: 3 steps, 768 tokens in 113.56 s" in text
     assert "held-out loss 3.7140, perplexity 41.01 after step 3" in text
     assert "113.56255" not in text and "metrics None" not in text
-    rss = max(t.process_rss for t in app.trial_book.rows())
+    assert rss == max(t.process_rss for t in app.trial_book.rows())
     assert f"peak host RSS {format_size(rss)}" in text  # as the trials row has it
+    assert text.count("host RSS") == 2  # the summary's and its trial's line: one value
     assert step.evals[-1] == (3, 3.714)
 
 
@@ -168,3 +172,16 @@ async def test_start_up_stages_show_on_a_small_screen():
         await settle(app, pilot)
         step = app.query_one(StepPanel)
         assert step.display and step.times_text.startswith("preparing data")
+
+
+async def test_a_policy_the_plan_chose_is_the_one_the_header_and_controls_show():
+    """Settings that leave the policy to the plan start with its choice (cuda here): the
+    screen shows what the run trains with, not the default the app asked with."""
+    started = fake_started(model="opt-125m", settings={"engine": {"policy": "cuda",
+                                                                  "margin_ratio": 0.0}})
+    app, _ = make_app([started])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert "policy cuda" in app.query_one(RunHeader).plain
+        assert app.query_one("#policy").value == "cuda"
+        assert app.settings.engine.policy == "cuda"
