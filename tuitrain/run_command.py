@@ -67,7 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _warn_of_a_short_run(settings)
         pace = preset_pace(args.preset, err=sys.stderr)
     if not args.headless:
-        from tuitrain.tui.app import run_app
+        from tuitrain.tui.run_app import run_app
 
         settings = settings.model_copy(  # what the app saves as a preset runs on as many
             update={"training": settings.training.model_copy(update={"nproc": app_ranks})})

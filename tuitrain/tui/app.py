@@ -13,10 +13,8 @@ module wires them to the worker and to the user's keys.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Iterable
 from functools import partial
-from typing import TextIO
 
 from textual import events
 from textual.app import App, ComposeResult, SystemCommand
@@ -46,7 +44,7 @@ from tuitrain.trials import Trial, TrialBook
 from tuitrain.tui.changes import Value
 from tuitrain.tui.chunk_map import ChunkMap
 from tuitrain.tui.controls import Controls
-from tuitrain.tui.failure_panel import FailurePanel, exit_status, failure_line
+from tuitrain.tui.failure_panel import FailurePanel, exit_status
 from tuitrain.tui.header import RunHeader, settings_fields
 from tuitrain.tui.help_screen import HelpScreen
 from tuitrain.tui.keys import KEYS, MARGIN_STEP, STEERING_ACTIONS, bindings, palette_commands
@@ -58,7 +56,6 @@ from tuitrain.tui.run_panels import PANELS_CSS, RunPanels
 from tuitrain.tui.save_dialog import PresetSaving
 from tuitrain.tui.spawn import (
     WorkerFactory,
-    data_parallel_factory,
     default_worker_factory,
     start_worker,
 )
@@ -485,21 +482,3 @@ class TuitrainApp(App[None]):
         self.add_log(message, level="error" if error else "change")
         if not error:
             self.notify(message)
-
-
-def run_app(settings: Settings, *, nproc: int = 1, err: TextIO | None = None,
-            pace: PresetPace | None = None) -> int:
-    """Run the terminal app until the user quits; `nproc` ranks train data parallel
-    (tuitrain.rank_worker), the app steering rank 0 and showing every rank's memory.
-
-    Returns 0; 1 when the run had failed, 2 when it failed on a mistake in the input (as
-    the headless runner does). A failure is also told in one line on `err` (default
-    stderr), since the screen that showed it is gone once the app exits.
-    """
-    factory = data_parallel_factory(nproc) if nproc > 1 else None
-    app = TuitrainApp(settings, worker_factory=factory)
-    app.preset_pace = pace
-    app.run()
-    if app.failure_at_quit is not None:
-        print(failure_line(app.failure_at_quit, log_path=app.log_path), file=err or sys.stderr)
-    return app.return_code or 0
