@@ -29,12 +29,15 @@ __all__ = ["Event", "record_step"]
 # A recording is a flat list of events, in the order the engine would see them:
 #   ("point", module name, phase)  a module's chunks are fetched (engine._point)
 #   ("post", module name)          a module's forward is done (its parameters leave COMPUTE)
+#   ("done", module name)          a module with frozen parameters has computed its inputs'
+#                                  gradients (its frozen parameters leave COMPUTE)
 #   ("nm", delta)                  non-model bytes change by delta (an op allocated, a storage
 #                                  was freed)
 #   ("grad", parameter name)       a parameter's gradient arrives
 #   ("backward",)                  forward is over; the loss's backward starts
 
 Event = tuple
+_NAMED = ("point", "post", "done", "grad")  # the events that name a module or parameter
 
 
 class _Recorder(LiveBytes):
@@ -137,11 +140,15 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
             )
         return output
 
+    def after_backward(key: int) -> None:
+        events.append(("done", names[modules[key]]))
+
     def on_grad(param: torch.nn.Parameter) -> None:
         events.append(("grad", rec.names[id(param)]))
         param.grad = None
 
-    handles, _ = install(model, pre_forward=pre_forward, post_forward=post_forward)
+    handles, _ = install(model, pre_forward=pre_forward, post_forward=post_forward,
+                         after_backward=after_backward)
     grad_hooks: dict[int, object] = {}
     hook_gradients(model.parameters(), on_grad, grad_hooks)
     handles += grad_hooks.values()
@@ -224,7 +231,7 @@ def _expand(events: list[Event], stack: str, traced: int, layers: int) -> list[E
     seg = dict(segments)
     for (_, layer), events_of in ((k, v) for k, v in segments if isinstance(k, tuple)):
         if isinstance(layer, int) and any(
-            e[0] in ("point", "post", "grad") and layer_of(e[1]) not in (None, layer)
+            e[0] in _NAMED and layer_of(e[1]) not in (None, layer)
             for e in events_of
         ):
             return None  # a layer's segment touches another layer: not a plain stack
@@ -234,7 +241,7 @@ def _expand(events: list[Event], stack: str, traced: int, layers: int) -> list[E
         old, new = f"{stack}.{source}.", f"{stack}.{target}."
         return [
             (e[0], new + e[1][len(old) :], *e[2:])
-            if e[0] in ("point", "post", "grad") and e[1].startswith(old)
+            if e[0] in _NAMED and e[1].startswith(old)
             else e
             for e in seg[(backward, source)]
         ]

@@ -318,6 +318,13 @@ class StepReplay:
         for param in self.lay.module_params[module]:
             self._set(param, S.HOLD_AFTER_FWD)
 
+    def done(self, module: str) -> None:
+        """StepRunner._after_backward: frozen parameters leave COMPUTE (idle, then released
+        as the rules say)."""
+        for param in self.lay.module_params[module]:
+            if self.state.get(param) == S.COMPUTE and self.lay.is_frozen(self.lay.chunk_of[param]):
+                self._set(param, None)
+
     def non_model(self, delta: int) -> None:
         self.nm += delta
         if delta > 0:
@@ -387,6 +394,8 @@ class StepReplay:
                 self.point(event[1], event[2])
             elif kind == "post":
                 self.post(event[1])
+            elif kind == "done":
+                self.done(event[1])
             elif kind == "nm":
                 self.non_model(event[1])
             elif kind == "grad":

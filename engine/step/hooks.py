@@ -4,6 +4,11 @@
 - forward hook: parameters become HOLD_AFTER_FWD, and the outputs are wrapped in an identity
   autograd Function whose backward fetches the chunks again. A full-backward-pre-hook would
   not fire for a module none of whose inputs needs grad (the embedding), this does;
+- for a module with frozen parameters, its inputs are wrapped the same way, and that
+  backward says the module's backward is done: no gradient will ever arrive to move a frozen
+  parameter on, so without it every frozen chunk would stay on the device until backward
+  ends. Where no input needs grad (a layer fed by a frozen embedding), nothing fires and the
+  end of backward moves them on;
 - post-accumulate-grad hook (per parameter): the gradient goes into the chunk's buffer.
   Autograd sums every use of a tied weight before calling it, so tied weights add up in one
   chunk by construction.
@@ -89,15 +94,32 @@ def weak(method: Callable) -> Callable:
     return call
 
 
+def _wrap_inputs(params: list[torch.nn.Parameter], after_backward: Callable[[], None],
+                 args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The module's inputs routed through a _PreBackward node calling `after_backward`, if
+    one of its parameters is frozen; None (the inputs as they are) otherwise."""
+    if not torch.is_grad_enabled() or all(p.requires_grad for p in params):
+        return None
+    found: list[torch.Tensor] = []
+    _collect((args, kwargs), found)
+    if not found:
+        return None
+    return wrap_outputs((args, kwargs), after_backward)
+
+
 def install(model: torch.nn.Module, *, pre_forward: Callable[[int], None],
             post_forward: Callable[[int, object], object],
+            after_backward: Callable[[int], None] | None = None,
             borrowed: dict[int, list[torch.nn.Parameter]] | None = None,
             ) -> tuple[list, dict[int, list[torch.nn.Parameter]]]:
     """Hook every module that uses parameters directly: its own, and those its forward
-    reads from other modules (`borrowed`, by id(module); see packing.first_uses). Returns
-    (handles, key -> parameters). The callbacks are held weakly (see `weak`)."""
+    reads from other modules (`borrowed`, by id(module); see packing.first_uses).
+    `after_backward(key)` is called once a module with frozen parameters has computed its
+    inputs' gradients. Returns (handles, key -> parameters). The callbacks are held weakly
+    (see `weak`)."""
     borrowed = borrowed or {}
     pre_forward, post_forward = weak(pre_forward), weak(post_forward)
+    done = weak(after_backward) if after_backward is not None else None
     handles = []
     owned: dict[int, list[torch.nn.Parameter]] = {}
     for key, module in enumerate(model.modules()):
@@ -110,6 +132,10 @@ def install(model: torch.nn.Module, *, pre_forward: Callable[[int], None],
             lambda _m, _args, key=key: pre_forward(key), prepend=True))
         handles.append(module.register_forward_hook(
             lambda _m, _args, out, key=key: post_forward(key, out), prepend=True))
+        if done is not None:
+            handles.append(module.register_forward_pre_hook(
+                lambda _m, args, kwargs, key=key, params=params: _wrap_inputs(
+                    params, lambda: done(key), args, kwargs), with_kwargs=True))
     return handles, owned
 
 

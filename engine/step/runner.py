@@ -82,7 +82,8 @@ class StepRunner:
         self._opening_bytes = 0
         self.slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
         self._handles, owned = install(model, pre_forward=self._pre_forward,
-                                       post_forward=self._post_forward, borrowed=borrowed)
+                                       post_forward=self._post_forward, borrowed=borrowed,
+                                       after_backward=self._after_backward)
         self._grad_hooks: dict[int, object] = {}  # id(param) -> its gradient hook
         self.module_slots: dict[int, list[tuple[Chunk, Slot]]] = {
             k: [self.slot_of[id(p)] for p in ps] for k, ps in owned.items()}
@@ -285,6 +286,11 @@ class StepRunner:
         for chunk, slot in self.module_slots[key]:
             if slot.state != S.HOLD_AFTER_BWD:
                 chunk.set_state(slot, S.COMPUTE)
+
+    def _after_backward(self, key: int) -> None:  # no gradient will move frozen ones on
+        for chunk, slot in self.module_slots[key]:
+            if slot.state == S.COMPUTE and not slot.param.requires_grad:
+                chunk.set_state(slot, S.HOLD)
 
     def _borrow(self, running: list[torch.nn.Module], param: torch.nn.Parameter) -> None:
         """A traced forward hands `param` to a function while `running` run: if no hook of

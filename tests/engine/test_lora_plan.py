@@ -5,6 +5,7 @@ disk tier's bytes are what the engine measures on the same LoRA model, as for a 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.models.lora import Lora, apply_lora
 from engine.models.zoo import build_model
@@ -83,3 +84,35 @@ def test_the_disk_tier_of_a_lora_run_is_forecast_byte_for_byte(small_pieces, tmp
     assert row.copied == stats.bytes_h2d + stats.bytes_d2h
     assert forecast.disk_needed == engine.manager.disk_placement(set()).disk_bytes > 0
     engine.close()
+
+
+def test_frozen_chunks_leave_the_device_after_their_module_s_backward(tmp_path, monkeypatch):
+    """No gradient moves a frozen weight on in backward: its module's backward does. Under
+    `cpu` a LoRA step then holds about one module's chunks beside the activations, not the
+    whole base model, and the planner forecasts the same peak."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import tests.engine.test_planner as planner_tests
+
+    # Weights well above the activations, over six layers (the planner traces three and
+    # repeats the inner one), no tied head: no single chunk is most of the model.
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=256,
+                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])
+    config.save_pretrained(tmp_path)
+    shape = {"batch_size": 1, "seq_len": 8}
+    monkeypatch.setattr(planner_tests, "SHAPE", shape)
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_config(config), LORA)
+    stats, engine = engine_steps(model, policy="cpu", precision="fp32", budget="6GiB")
+    forecast = plan(str(tmp_path), device_mem="6GiB", host_mem="64GiB", precision="fp32",
+                    simulated=True, lora=LORA, **shape)
+
+    frozen = sum(c.nbytes for c in engine.chunks if c.frozen)
+    activations = max(p.non_model_peak for p in engine.trace.points)
+    one_module = 2 * max(c.nbytes for c in engine.chunks)
+    assert frozen > 4 * one_module  # so holding them all could not pass below
+    assert stats.memory.device_peak <= activations + one_module
+    assert forecast.cpu.device_peak == pytest.approx(stats.memory.device_peak, rel=EXACT)
+    assert forecast.working_set == pytest.approx(engine.trace.working_set, rel=EXACT)
