@@ -5,9 +5,11 @@ an op, 10-20% of a small model's step on this CPU. A step whose batch shape, act
 checkpointing and trainable set are the trace's (its step key) runs the same ops on the same
 shapes, so its non-model bytes are the trace's; what can still differ is where the chunks
 are, and that shows in the model bytes at each trace point and the bytes copied between
-them (the step's *fingerprint*). So a step counts when it is traced, when it is the first
-of its micro-batch since the trace, when the previous one's fingerprint differed from the
-last counted one's, and every RECOUNT_EVERY steps (data-dependent shapes, such as routed
+them (the step's *fingerprint*). So a step counts when it is traced, when it is one of the
+first two of its micro-batch since the trace or a settings change (until two counted ones
+in a row have one fingerprint: the chunks have settled into their places), when the
+previous one's fingerprint differed from the last counted one's, and every RECOUNT_EVERY
+steps (data-dependent shapes, such as routed
 experts, are not in the key). The rest run without the dispatch mode:
 
 - their placement decisions are the counted ones': the rules keep room for the interval's
@@ -38,6 +40,9 @@ class _Counted:
     non_model_peak: int
     tops: list[tuple[int, int]]  # per trace interval: (model, non-model) at its peak
     since: int = 0  # uncounted steps that reused these figures
+    # Whether the count before this one had the same fingerprint: the placement has
+    # settled (after a trace or a change, chunks may still be moving into their places).
+    settled: bool = False
 
 
 @dataclass
@@ -64,7 +69,7 @@ class CountedSteps:
             # A new trace, new figures; not this step's, placed by the tracing rules.
             self._last.clear()
         last = self._last.get(self._micro)
-        self.counting = (self.every_step or tracing or last is None
+        self.counting = (self.every_step or tracing or last is None or not last.settled
                          or last.since + 1 >= RECOUNT_EVERY)
         return self.counting
 
@@ -89,7 +94,10 @@ class CountedSteps:
         fingerprint = tuple(self._marks)
         if self.counting:
             if not self._tracing:
-                self._last[self._micro] = _Counted(fingerprint, peak, non_model_peak, tops)
+                before = self._last.get(self._micro)
+                self._last[self._micro] = _Counted(
+                    fingerprint, peak, non_model_peak, tops,
+                    settled=before is not None and before.fingerprint == fingerprint)
             return peak, non_model_peak, tops
         last = self._last.get(self._micro)
         if last is None or last.fingerprint != fingerprint:

@@ -39,7 +39,7 @@ from tuitrain.events import (
 from tuitrain.formatting import format_size
 from tuitrain.run_preset import PresetPace
 from tuitrain.run_summary import run_summary_lines
-from tuitrain.settings import Settings, Size
+from tuitrain.settings import Settings
 from tuitrain.trials import Trial, TrialBook
 from tuitrain.tui.changes import Value
 from tuitrain.tui.chunk_map import ChunkMap
@@ -222,8 +222,9 @@ class TuitrainApp(App[None]):
         # device): show it now rather than after the first step, which can take a while.
         if event.device_budget is not None and self.settings.engine.device_budget is None:
             self.query_one(RunHeader).show(device_budget=event.device_budget)
-            controls.show_default_budget(Size.of_bytes(event.device_budget))
+            # In the header's words: one value, one unit (and the field reads it back).
             self.steering.default_budget = format_size(event.device_budget)
+            controls.show_default_budget(self.steering.default_budget)
         self._show_waiting()
         where = f", log {event.log_path}" if event.log_path else ""
         self.add_log(f"started {event.model} on {event.device or 'N/A'} (pid {event.pid}{where})")

@@ -144,7 +144,9 @@ async def test_a_finished_run_is_shown_again_from_its_metrics(tmp_path: Path) ->
         assert app.latest.step == 12 and app.run_state == "finished"
         assert [row.policy for row in app.trial_book.rows()] == ["auto", "cpu"]
         assert not app.can_run("restart")  # nothing of this app's to restart
-        # Nothing can change a run that has ended and is not this app's to restart.
+        # Nothing can change a run that has ended and is not this app's to restart (the
+        # footer redraws on the app's next refresh after the end).
+        await wait_for(pilot, lambda: not STEERING & footer_keys(app))
         assert not STEERING & footer_keys(app)
         await pilot.press("c")
         app.request("margin_ratio", 0.5)

@@ -332,7 +332,7 @@ async def test_the_default_budget_shows_once_the_worker_has_chosen_it():
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         assert "budget 6.0 GiB" in app.query_one(RunHeader).plain  # before the first step
-        assert app.query_one("#budget").placeholder == "6GiB"
+        assert app.query_one("#budget").placeholder == "6.0 GiB"  # the header's words
         assert "first step running" in app.query_one(StepPanel).times_text
     assert app.settings.engine.device_budget is None  # still the default, as a preset saves it
 

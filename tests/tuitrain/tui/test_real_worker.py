@@ -26,12 +26,14 @@ STEPS = 3
 
 
 def worker_children() -> list[psutil.Process]:
-    """Child processes other than multiprocessing's resource tracker, which every spawning
-    parent keeps for its own lifetime and which is not a worker."""
+    """Child processes other than multiprocessing's resource tracker and the tests' fork
+    server (tests/forked.py), which the test process keeps for its own lifetime and which
+    are not workers."""
     children = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
+            line = " ".join(child.cmdline())
+            if "resource_tracker" not in line and "forkserver" not in line:
                 children.append(child)
         except psutil.NoSuchProcess:
             pass
