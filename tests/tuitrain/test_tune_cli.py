@@ -46,10 +46,16 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
     assert 1 <= len(measured) < len(trials)
     assert tuned["stopped_by"] in ("time limit", "converged")
     rest = [t for t in trials if t not in measured]
+    # What the search ruled out before it ended keeps its reason: a forecast slower than the
+    # best measured, or a trial stopped once clearly slower (on a quiet machine both come
+    # before the limit); only the time limit leaves candidates not tried.
+    ruled_out = {"forecast slower", "stopped early"}
     if tuned["stopped_by"] == "time limit":
-        assert all(t["status"] == "not tried" and t["reason"] == "time limit" for t in rest)
+        assert all(t["status"] in ruled_out
+                   or (t["status"] == "not tried" and t["reason"] == "time limit")
+                   for t in rest), rest
     else:
-        assert all(t["status"] == "forecast slower" for t in rest)
+        assert all(t["status"] in ruled_out for t in rest), rest
     best = min(measured, key=lambda t: t["measured_seconds"])
     assert tuned["settings"] == best["settings"] and best["settled_steps"] == 3
     assert set(tuned["settings"]["engine"]) >= {"policy", "margin_ratio"}
