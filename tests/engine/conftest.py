@@ -18,6 +18,7 @@ from transformers import (
 
 from tests.engine.references import (  # noqa: F401 - the tests import them from here too
     VOCAB,
+    engine_run,
     make_batches,
     max_relative_difference,
     reference_run,

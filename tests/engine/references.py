@@ -63,3 +63,20 @@ def whole_model_relative_difference(a: dict[str, torch.Tensor],
     diff = sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in b)
     norm = sum(float(b[k].float().pow(2).sum()) for k in b)
     return (diff / norm) ** 0.5
+
+
+def engine_run(model: torch.nn.Module, batches: list[dict], *, changes=(), **config):
+    """The engine's side of a comparison: a copy of `model` trained in fp32 on `batches`,
+    the settings changes of `changes[i]` ((kind, value) pairs) made before step i, each
+    step's device peak checked against its budget. Returns (engine, losses)."""
+    from engine import Engine, EngineConfig
+
+    eng = Engine(copy.deepcopy(model), EngineConfig(precision="fp32", **config))
+    losses = []
+    for i, batch in enumerate(batches):
+        for kind, value in changes[i] if i < len(changes) else ():
+            getattr(eng, f"set_{kind}")(value)
+        stats = eng.step(batch)
+        assert stats.memory.device_peak <= stats.device_budget
+        losses.append(stats.loss)
+    return eng, losses

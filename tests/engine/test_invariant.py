@@ -11,6 +11,7 @@ import copy
 import pytest
 from conftest import (
     build,
+    engine_run,
     make_batches,
     max_relative_difference,
     reference_run,
@@ -40,16 +41,8 @@ BUDGETS = {"ample": 64 * 2**20, "tight": int(WORKING_SET * 1.05)}
 
 
 def run_engine(model, batches, *, policy, budget, margin, changes=(), **config):
-    eng = Engine(copy.deepcopy(model), EngineConfig(
-        policy=policy, device_budget=budget, margin_ratio=margin, precision="fp32", **config))
-    losses = []
-    for i, batch in enumerate(batches):
-        for kind, value in changes[i] if i < len(changes) else ():
-            getattr(eng, f"set_{kind}")(value)
-        stats = eng.step(batch)
-        assert stats.memory.device_peak <= stats.device_budget
-        losses.append(stats.loss)
-    return eng, losses
+    return engine_run(model, batches, changes=changes, policy=policy, device_budget=budget,
+                      margin_ratio=margin, **config)
 
 
 def assert_matches_reference(eng, losses, ref_losses=REF_LOSSES, ref_weights=REF_WEIGHTS):

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import build, make_batches, max_relative_difference, reference_run
+from conftest import build, engine_run, make_batches, max_relative_difference, reference_run
 
 from engine import Engine, EngineConfig
 from engine.models.lora import Lora, LoraWeights, NoTargets, apply_lora, parameter_counts
@@ -42,15 +42,7 @@ REF_LOSSES, REF_WEIGHTS = reference_run(MODEL, BATCHES)
 
 
 def run_engine(model, batches, *, changes=(), **config):
-    eng = Engine(copy.deepcopy(model), EngineConfig(precision="fp32", **config))
-    losses = []
-    for i, batch in enumerate(batches):
-        for kind, value in changes[i] if i < len(changes) else ():
-            getattr(eng, f"set_{kind}")(value)
-        stats = eng.step(batch)
-        assert stats.memory.device_peak <= stats.device_budget
-        losses.append(stats.loss)
-    return eng, losses
+    return engine_run(model, batches, changes=changes, **config)
 
 
 def assert_matches_peft(eng, losses, ref_losses=REF_LOSSES, ref_weights=REF_WEIGHTS):

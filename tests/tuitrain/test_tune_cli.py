@@ -66,9 +66,11 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
     text = preset.read_text()
     assert "# tuned on machine: " in text and "# forecast: " in text and "# search: " in text
     assert f"policy: {tuned['settings']['engine']['policy']}" in text
-    # The trial ran under another policy than the run started with, from its second step.
+    # Trials ran under other policies than the run started with, while it trained (the
+    # first trial's commands may reach the worker before its first step: a run tunes from
+    # step 1).
     steps = [r for r in records if "step" in r and "loss" in r]
-    assert steps[0]["policy"] == "cpu" and steps[-1]["policy"] != "cpu"
+    assert {s["policy"] for s in steps} - {"cpu"}
 
     plain = tmp_path / "plain.jsonl"
     assert main(["run", *run, "--headless", "--steps", str(len(steps)),
