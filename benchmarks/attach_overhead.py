@@ -6,7 +6,8 @@ Each round runs the same headless run twice, in turn: as shipped (tuitrain.serve
 socket, its accepting thread, every event handed to the listener, the run's record
 rewritten now and then) and with no socket at all. Measured per run: the median step time
 the worker reported (the first step left out), the headless process's own CPU seconds (its
-threads included, the worker process not) and the wall time from start to summary. The
+threads included, the worker process not), the worker process's CPU seconds (less moved by
+the machine's other load than its step times) and the wall time from start to summary. The
 last line gives each as a ratio, socket / none; the machine's load average is printed with
 it, since on a shared machine it moves the figures more than the socket does.
 
@@ -46,6 +47,7 @@ def one_run(settings: Settings, folder: Path, *, socket: bool) -> dict[str, floa
     settings = settings.model_copy(
         update={"logging": settings.logging.model_copy(update={"metrics": str(metrics)})})
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     with mock.patch.object(headless, "serve", headless.serve if socket else
                            (lambda *a, **k: None)):
@@ -53,6 +55,7 @@ def one_run(settings: Settings, folder: Path, *, socket: bool) -> dict[str, floa
                             log_path=str(folder / "worker.log"))
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_SELF)
+    after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
     if code != 0:
         raise SystemExit(f"the run failed (exit {code}); see {folder / 'worker.log'}")
     steps = [json.loads(line) for line in metrics.read_text().splitlines()
@@ -60,6 +63,8 @@ def one_run(settings: Settings, folder: Path, *, socket: bool) -> dict[str, floa
     return {
         "step_seconds": statistics.median(s["seconds"] for s in steps[1:]),
         "cpu_seconds": (after.ru_utime + after.ru_stime) - (usage.ru_utime + usage.ru_stime),
+        "worker_cpu_seconds": (after_children.ru_utime + after_children.ru_stime)
+        - (children.ru_utime + children.ru_stime),
         "wall_seconds": wall,
     }
 
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {
         key: statistics.median(r[key] for r in results[True])
         / statistics.median(r[key] for r in results[False])
-        for key in ("step_seconds", "cpu_seconds", "wall_seconds")
+        for key in ("step_seconds", "cpu_seconds", "worker_cpu_seconds", "wall_seconds")
     }
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TUITRAIN_RUNTIME_DIR"] = str(Path(tmp) / "runtime")
