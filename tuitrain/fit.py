@@ -110,7 +110,8 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
     least room any of them found, so that all decide alike.
 
     `steady_heap`: called where the plan's host peak is tight in this machine's memory
-    (TIGHT_HOST), which `say` hears too: the run's process then keeps glibc's heap steady
+    (TIGHT_HOST) or the plan puts state on disk (host memory is then the limit), which `say`
+    hears too: the run's process then keeps glibc's heap steady
     (engine.devices.host_memory.steady_heap), so that its peak is what the plan says.
     """
     from engine.config import format_size
@@ -204,12 +205,16 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
             line += (f"; policy {rec.policy} would (--policy {rec.policy} "
                      f"--margin {rec.margin_ratio:g})")
         raise ValueError(line)
-    if here(row) > TIGHT_HOST * room:
+    # A run that spills to disk is one whose host memory is the limit: held to the plan too.
+    if here(row) > TIGHT_HOST * room or row.disk_bytes > 0:
         if steady_heap is not None:
             steady_heap()
-        say(f"steady host memory: the plan's peak {format_size(here(row))} is "
-            f"close to the {format_size(room)} this machine has free, so every tensor of a "
-            f"MiB or more gets fresh memory and gives it back (steps take somewhat longer)")
+        why = (f"is close to the {format_size(room)} this machine has free"
+               if here(row) > TIGHT_HOST * room else
+               "holds the host budget, with the rest on disk")
+        say(f"steady host memory: the plan's peak {format_size(here(row))} {why}, so every "
+            f"tensor of a MiB or more gets fresh memory and gives it back (steps take "
+            f"somewhat longer)")
     if not chosen:
         return settings
     return settings.model_copy(update={"engine": e.model_copy(update=chosen)})
