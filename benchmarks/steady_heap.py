@@ -1,13 +1,19 @@
 """What keeping glibc's heap steady costs and gives: step time, page faults and peak
-resident memory, with engine.devices.host_memory.steady_heap and without, in fresh
-processes taken in turn (the setting lasts a process's life).
+resident memory, with engine.devices.host_memory.steady_heap and without, and with the
+simulated device's kept chunk buffers (engine.devices.buffer_pool) and without, in fresh
+processes taken in turn (the heap setting lasts a process's life), round after round so
+that the machine's load hits every mode alike.
 
     python benchmarks/steady_heap.py [--model opt-125m] [--policy auto] [--budget 975MiB]
-                                     [--pairs 2] [--steps 8] [--seq-len 128]
+                                     [--rounds 2] [--steps 8] [--seq-len 128]
+                                     [--modes glibc steady steady+pool]
 
---model is a zoo name or a model folder (its config is built as a model of its own, so
-weights need not be there). Batch 2, fp32, simulated device, 1 thread. Medians of the steps
-after the first two; the plan's host peak beside each for comparison.
+Modes: `glibc` (glibc's own heap, no kept buffers: a run before the pool, where memory was
+not tight), `steady` (the heap steady, no kept buffers: a tight run then), `steady+pool`
+(every run now), `glibc+pool`. --model is a zoo name or a model folder (its config is built
+as a model of its own, so weights need not be there). Batch 2, fp32, simulated device, 1
+thread. Process CPU seconds (not wall time: a neighbour's load does not stretch them),
+medians of the steps after the first two; the plan's host peak above for comparison.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ torch.set_num_threads(1)
 from engine import Engine, EngineConfig
 from engine.devices.host_memory import steady_heap
 from engine.models.zoo import KNOWN_MODELS, build_model
-name, steady, policy, budget, steps, seq = sys.argv[1:7]
-if steady == "1":
+name, mode, policy, budget, steps, seq = sys.argv[1:7]
+if mode.startswith("steady"):
     assert steady_heap()
 if name in KNOWN_MODELS:
     model = build_model(name, seed=0)
@@ -36,6 +42,8 @@ else:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name))
 engine = Engine(model, EngineConfig(policy=policy, device_budget=budget, precision="fp32",
                                     simulate=True))
+if not mode.endswith("+pool"):
+    engine.device.pool.bytes.limit = 0  # keeps nothing: every buffer new, as before the pool
 g = torch.Generator().manual_seed(0)
 cpu, faults = [], []
 for _ in range(int(steps)):
@@ -56,9 +64,11 @@ def main() -> None:
     ap.add_argument("--model", default="opt-125m")
     ap.add_argument("--policy", default="auto")
     ap.add_argument("--budget", default="975MiB")
-    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--modes", nargs="+", default=["glibc", "steady", "steady+pool"],
+                    choices=["glibc", "steady", "steady+pool", "glibc+pool"])
     args = ap.parse_args()
 
     from engine import format_size
@@ -68,16 +78,16 @@ def main() -> None:
                     simulated=True, batch_size=2, seq_len=args.seq_len)
     print(f"{args.model}, {args.policy} at {args.budget}, batch 2 x {args.seq_len}, fp32, "
           f"1 thread; plan's host peak {format_size(forecast.policies[args.policy].host_peak)}")
-    print(f"{'heap':<8}{'CPU s/step':>12}{'faults/step':>13}{'peak RSS':>12}")
-    for _ in range(args.pairs):
-        for steady in ("0", "1"):
+    print(f"{'mode':<13}{'CPU s/step':>12}{'faults/step':>13}{'peak RSS':>12}")
+    for _ in range(args.rounds):
+        for mode in args.modes:
             done = subprocess.run(
-                [sys.executable, "-c", RUN, args.model, steady, args.policy, args.budget,
+                [sys.executable, "-c", RUN, args.model, mode, args.policy, args.budget,
                  str(args.steps), str(args.seq_len)],
                 capture_output=True, text=True, check=True)
             row = json.loads(done.stdout.splitlines()[-1])
-            print(f"{'steady' if steady == '1' else 'glibc':<8}{row['cpu']:>12.3f}"
-                  f"{row['faults']:>13.0f}{format_size(row['peak']):>12}", flush=True)
+            print(f"{mode:<13}{row['cpu']:>12.3f}{row['faults']:>13.0f}"
+                  f"{format_size(row['peak']):>12}", flush=True)
 
 
 if __name__ == "__main__":

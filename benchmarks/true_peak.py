@@ -18,7 +18,8 @@ step's forward and backward the device peak is
     model bytes on the device when forward starts (resident chunks)
     + the running total's highest rise over its value at the window's start.
 
-Host memory is left out by construction, not by subtraction: the chunks' host buffers
+Host memory is left out by construction, not by subtraction (and the device's kept chunk
+buffers, by keeping none in the measured step): the chunks' host buffers
 (payload, master, moments, landing gradients) and the copy staging buffers are allocated
 when the engine is built and never freed during a step, and forward and backward allocate
 nothing else on the host (the batch is already where the device is; gradients are copied
@@ -98,11 +99,19 @@ def measured_step(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[StepS
             return run(*args, **kwargs)
 
     runner.forward_backward = annotated
+    # Chunk buffers the device keeps (engine.devices.buffer_pool) are free device memory
+    # that the allocator still holds, and a copy that takes one allocates nothing: the
+    # measured step keeps none, so every byte it puts on the device goes through the
+    # allocator. Where bytes are placed does not depend on it.
+    pool = engine.device.pool
+    pool.trim()
+    limit, pool.bytes.limit = pool.bytes.limit, 0
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             stats = engine.step(batch)
     finally:
         del runner.forward_backward  # the bound method again
+        pool.bytes.limit = limit
     events = prof.profiler.kineto_results.events()
     (window,) = [e for e in events if e.name() == WINDOW]
     memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")

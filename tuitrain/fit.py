@@ -57,10 +57,6 @@ def default_host_budget() -> int:
 # Host memory left to the rest of the machine.
 HOST_RESERVE = 1024**3
 MiB = 2**20
-# Host memory is tight when the plan's peak is above this share of the room: glibc's heap,
-# left to itself, has put a process's peak up to 20% above the plan (engine.devices.
-# host_memory), so past this a run keeps the heap steady, at some cost in step time.
-TIGHT_HOST = 0.8
 
 
 def host_room(ranks: int = 1) -> int:
@@ -89,8 +85,7 @@ def _least_room(room: int, nproc: int) -> int:
 
 
 def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
-           local: int | None = None, steady_heap: Callable[[], object] | None = None
-           ) -> Settings:
+           local: int | None = None) -> Settings:
     """The run as it will start, decided by the plan before anything is built.
 
     What the user left to the defaults adapts until the plan says the run fits this
@@ -108,11 +103,6 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
     within its share of this machine's room. When the ranks have joined
     (torch.distributed), every rank must call this at the same point: they plan with the
     least room any of them found, so that all decide alike.
-
-    `steady_heap`: called where the plan's host peak is tight in this machine's memory
-    (TIGHT_HOST) or the plan puts state on disk (host memory is then the limit), which `say`
-    hears too: the run's process then keeps glibc's heap steady
-    (engine.devices.host_memory.steady_heap), so that its peak is what the plan says.
     """
     from engine.config import format_size
     from engine.devices.device import uses_cuda
@@ -205,16 +195,6 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
             line += (f"; policy {rec.policy} would (--policy {rec.policy} "
                      f"--margin {rec.margin_ratio:g})")
         raise ValueError(line)
-    # A run that spills to disk is one whose host memory is the limit: held to the plan too.
-    if here(row) > TIGHT_HOST * room or row.disk_bytes > 0:
-        if steady_heap is not None:
-            steady_heap()
-        why = (f"is close to the {format_size(room)} this machine has free"
-               if here(row) > TIGHT_HOST * room else
-               "holds the host budget, with the rest on disk")
-        say(f"steady host memory: the plan's peak {format_size(here(row))} {why}, so every "
-            f"tensor of a MiB or more gets fresh memory and gives it back (steps take "
-            f"somewhat longer)")
     if not chosen:
         return settings
     return settings.model_copy(update={"engine": e.model_copy(update=chosen)})

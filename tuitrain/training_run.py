@@ -151,8 +151,11 @@ class TrainingRun:
         # so that the plan says the run fits, and what they chose and cannot fit is refused.
         # Data parallel, every rank settles here on the same per-rank plan (one collective).
         s = self.settings = settle(s, self.say, nproc=self.ranks.world,
-                                   local=ranks.on_this_machine(self.ranks),
-                                   steady_heap=steady_heap)
+                                   local=ranks.on_this_machine(self.ranks))
+        # Every run keeps glibc's heap steady, so that its host peak is the plan's, tight or
+        # not; the simulated device keeps its chunk buffers, which makes that cost nothing
+        # measurable (engine.devices.host_memory, engine.devices.buffer_pool).
+        steady_heap()
         resume = self._checkpoint_hooks()
         if s.logging.metrics and self.ranks.leader:
             self.metrics = MetricsWriter(s.logging.metrics)

@@ -26,7 +26,7 @@ class Gradients(ChunkTiers):
             self.grad_bytes += chunk.nbytes
             # Not zeroed: every gradient that arrives overwrites its slot, and finish_grads
             # zeroes what none wrote (a chunk-sized memset per chunk per step, saved).
-            chunk.grad = self._alloc("device", chunk.numel, chunk.dtype)
+            chunk.grad = self._buffer(chunk.numel, chunk.dtype)
             if chunk.sharded or chunk.holds_grads:
                 # Gradients add up in it (one may come after its chunk was reduced, or
                 # after its gradients went to disk), and the padding and unused parameters
@@ -50,7 +50,7 @@ class Gradients(ChunkTiers):
     def free_grad_buffer(self, buffer: torch.Tensor) -> None:
         """A gradient buffer no chunk points to any more (reduced, or dropped)."""
         self.grad_bytes -= buffer.nbytes
-        self._free("device", buffer)
+        self._free_buffer(buffer)
 
     def grad_home(self, chunk: Chunk) -> torch.Tensor:
         """Where a non-resident chunk's gradients land on the host (not one whose payload
@@ -104,7 +104,7 @@ class Gradients(ChunkTiers):
             self._copy(self.grad_home(chunk), chunk.grad, "d2h", host_reads=False)
         chunk.mark_stale()  # the device copy will be outdated by the update
         self.grad_bytes -= chunk.nbytes
-        self._free("device", chunk.grad)
+        self._free_buffer(chunk.grad)
         chunk.grad = None
         chunk.holds_grads = True
 
@@ -134,7 +134,7 @@ class Gradients(ChunkTiers):
         self._late.pop(chunk.index, None)
         if chunk.grad is not None:
             self.grad_bytes -= chunk.nbytes
-            self._free("device", chunk.grad)
+            self._free_buffer(chunk.grad)
             chunk.grad = None
 
 

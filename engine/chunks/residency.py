@@ -153,6 +153,9 @@ class Residency(ChunkTiers):
                 if placement is not None:
                     self.spill.move(chunk, placement.level(chunk.index))
         self.release_all()
+        # A new resident set (a new trace, new settings): the buffers kept for the old
+        # placement's copies are of sizes and numbers it may not use again.
+        self.device.trim()
         for chunk in self.chunks:
             if chunk.index in want:
                 if chunk.disk_level:

@@ -108,9 +108,28 @@ class ChunkTiers:
         self._free(src, t)
         return dst
 
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device buffer for a chunk's gradients, in memory the device kept from an
+        earlier one where it keeps any (engine.devices.buffer_pool); `_free_buffer` gives
+        it back."""
+        t = self.device.buffer(numel, dtype)
+        self.device_bytes += t.nbytes
+        self.on_change()
+        return t
+
+    def _free_buffer(self, t: torch.Tensor) -> None:
+        """Give a `_buffer` back; `t` is left without memory, so a stale use fails."""
+        self._free("device", t)
+        self.device.drain(t.untyped_storage())
+
     def _storage_resize(self, chunk: Chunk, on: bool) -> None:
+        """Give the chunk's device copy its memory, or take it back (the parameters keep
+        viewing the same storage, empty while the copy is absent)."""
         storage = chunk.device_payload.untyped_storage()
-        storage.resize_(chunk.nbytes if on else 0)
+        if on:
+            self.device.fill(storage, chunk.nbytes)
+        else:
+            self.device.drain(storage)
         chunk.set_copy(DeviceCopy.FRESH if on else DeviceCopy.ABSENT)
         self.device_bytes += chunk.nbytes if on else -chunk.nbytes
         self.on_change()

@@ -118,6 +118,24 @@ class CudaDevice:
         # Pageable: copies stream through the pinned staging ring instead.
         return torch.empty(numel, dtype=dtype)
 
+    # The caching allocator keeps freed blocks for the next tensor of their size: a chunk
+    # buffer needs no pool of the engine's here.
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.empty(numel, dtype)
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        storage.resize_(nbytes)
+
+    def drain(self, storage: torch.UntypedStorage) -> None:
+        storage.resize_(0)
+
+    def trim(self) -> None:
+        pass
+
+    def kept_bytes(self) -> int:
+        return 0
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, host_reads: bool = True) -> float:
         """Copy `src` into `dst` in stream order; returns the seconds the host spent.
 

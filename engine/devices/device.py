@@ -50,6 +50,28 @@ class ComputeDevice(Protocol):
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
 
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor for a chunk's copy or gradients, uninitialised, in memory kept
+        from an earlier buffer of its size where the device keeps any; give it back with
+        `drain(t.untyped_storage())`."""
+        ...
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give an empty device storage `nbytes` of memory, uninitialised (as `buffer`)."""
+        ...
+
+    def drain(self, storage: torch.UntypedStorage) -> None:
+        """Take a device storage's memory back, leaving it empty."""
+        ...
+
+    def trim(self) -> None:
+        """Free the memory kept for later buffers: the step changed, and so their sizes."""
+        ...
+
+    def kept_bytes(self) -> int:
+        """Memory kept for later buffers (on the simulated device, host memory)."""
+        ...
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, host_reads: bool = True) -> float:
         """Stream-ordered copy; device -> host without `host_reads` lands by `settle_host`."""
         ...

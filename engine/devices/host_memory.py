@@ -14,11 +14,12 @@ or more is then mapped and unmapped, and resident memory is the live bytes plus 
 heap. Setting it also stops glibc from moving its trim threshold, so the heap's free top
 goes back at 128 KiB as at start. Measured on that Llama (cpu policy, simulated device):
 a peak of 3.05 GiB in every run, and resident memory steady from step to step. The price is a
-fresh page for every page of each large tensor, every time: about twice the page faults,
-and 8-13% more CPU time per step on opt-125m, 20-30% on that Llama, most of it the chunks'
-device copies of the simulated device. So it is not the engine's default; a run takes it
-where host memory is tight (tuitrain.fit.settle), where a peak that the plan can trust
-matters more than the time.
+fresh page for every page of each large tensor, every time: that was about twice the page
+faults and 8-13% more CPU time per step on opt-125m, 20-30% on that Llama, most of it the
+simulated device's chunk copies and gradient buffers, which came and went at every use.
+The simulated device now keeps those (engine.devices.buffer_pool), so every run takes the
+steady heap (tuitrain.training_run). The engine does not set it by itself: it is the
+process's, and a program that trains with the engine in its own loop decides.
 
 Trimming the heap walks it and costs time, so the engine does it at the rare moments when
 a lot has been freed (after packing a model into chunks, and at close), not per step:

@@ -4,7 +4,8 @@ Stands in for a GPU on machines without one: tensors "on the device" are separat
 tensors, a move is a real copy, and the budget is enforced by the engine's accounting.
 Copies run the same code as on CUDA (engine.devices.transfers) with events that are
 no-ops; given `staging`, they also go through staging buffers (plain memory here), so
-that path is tested without a GPU.
+that path is tested without a GPU. Chunk buffers given back are kept for the next of their
+size, as a GPU's caching allocator keeps them (engine.devices.buffer_pool).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from engine.config import format_size
+from engine.devices.buffer_pool import BufferPool
 from engine.devices.streams import HostStreams
 from engine.devices.transfers import Staging, Transfers
 
@@ -38,12 +40,14 @@ class SimulatedDevice:
         self.transfers = Transfers(HostStreams(), staging)
         # Device and host tensors are both CPU tensors; this tells a copy's direction.
         self._device_tensors = WeakIdKeyDictionary()
+        self.pool = BufferPool(self.budget)
 
     def describe(self) -> str:
         return f"simulated, {format_size(self.budget)}"
 
     def set_budget(self, budget: int) -> None:
         self.budget = int(budget)
+        self.pool.trim(self.budget)
 
     def capacity(self) -> int:
         return self.budget
@@ -55,6 +59,24 @@ class SimulatedDevice:
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor in memory the pool kept, where it kept one of its size."""
+        t = self.empty(numel, dtype)  # untouched memory, which a kept buffer replaces
+        self.pool.fill(t.untyped_storage(), t.nbytes)
+        return t
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        self.pool.fill(storage, nbytes)
+
+    def drain(self, storage: torch.UntypedStorage) -> None:
+        self.pool.drain(storage)
+
+    def trim(self) -> None:
+        self.pool.trim()
+
+    def kept_bytes(self) -> int:
+        return self.pool.kept_bytes
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, host_reads: bool = True) -> float:
         """Copy `src` into `dst`; see CudaDevice.copy for what `host_reads` promises."""
@@ -101,4 +123,5 @@ class SimulatedDevice:
         return None  # no GPU to share
 
     def close(self) -> None:
+        self.pool.trim()
         self.transfers.close()

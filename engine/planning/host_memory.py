@@ -127,13 +127,15 @@ class HostMemory:
         itemsize = self.cost.itemsize if self.lay.is_frozen(chunk) else 4
         return itemsize * self.cost.home(self.lay.numel[chunk])
 
-    def during(self, resident: set[int], device: int) -> int:
+    def during(self, resident: set[int], device: int, between: int = 0) -> int:
         """Host bytes during a steady step, the runtime aside.
 
         The host holds the non-resident chunks' parts that are not on disk and the disk
         tier's I/O buffers and, when the device is simulated, the device's bytes and the
-        allocator's slack too (`device`). The update of a chunk in a 16-bit precision reads
-        its gradients as fp32, one chunk at a time.
+        allocator's slack too (`device`), of which its kept buffers (engine.devices.
+        buffer_pool) and resident chunks' state (`between`) stay through the update. The
+        update of a chunk in a 16-bit precision reads its gradients as fp32, one chunk at
+        a time.
         """
         chunks = self.placement(resident).host_total
         # Only chunks with gradients are updated: a frozen one never is.
@@ -142,13 +144,14 @@ class HostMemory:
         update = 0 if self.cost.aliased else 4 * largest
         during = chunks + update
         if self.simulated:
-            during = max(during, chunks + device)
+            during = max(during + between, chunks + device)
         return during
 
-    def peak(self, resident: set[int], device: int) -> int:
+    def peak(self, resident: set[int], device: int, between: int = 0) -> int:
         """Resident bytes of the training process (sharded: of one rank) at its peak;
-        `device` is the simulated device's step peak with the allocator's slack."""
-        return self.runtime + max(self.built(), self.during(resident, device))
+        `device` is the simulated device's host bytes at the step's peak with the
+        allocator's slack, `between` what of it stays through the update."""
+        return self.runtime + max(self.built(), self.during(resident, device, between))
 
     def fits(self, host_peak: int) -> bool:
         """Whether the machine holds the peak of every rank at once (they share it)."""
@@ -181,10 +184,10 @@ class HostMemory:
             f"{self.disk_dir} has {format_size(self.disk_free)} free"
         )
 
-    def parts(self, resident: set[int], step_peak: int, slack: int) -> str:
-        """The parts of the host peak, with their sizes, for a reason that it is too much."""
-        device = step_peak + slack
-        if self.built() > self.during(resident, device):
+    def parts(self, resident: set[int], device: int, between: int = 0) -> str:
+        """The parts of the host peak, with their sizes, for a reason that it is too much
+        (`device`, `between`: as `peak`'s)."""
+        if self.built() > self.during(resident, device, between):
             holds = ("the parts kept so far, one chunk and one tensor read"
                      if self.host_budget is not None else "all of them at once")
             return (f"building the chunks holds {holds}, "
@@ -194,7 +197,7 @@ class HostMemory:
         if where.buffer_bytes:
             parts.append(f"disk I/O buffers {format_size(where.buffer_bytes)}")
         if self.simulated:
-            parts.append(f"simulated device {format_size(step_peak)}")
-            parts.append(f"allocator slack {format_size(slack)}")
+            parts.append(f"simulated device {format_size(device)} (its buffers kept for "
+                         f"reuse and the allocator's slack included)")
         parts.append(f"runtime {format_size(self.runtime)}")
         return " + ".join(parts)

@@ -187,7 +187,16 @@ class _Planner:
         return step.peak + (0 if self.simulated else self.slack)
 
     def host_peak(self, outcome: _Outcome) -> int:
-        return self.host.peak(outcome.resident, outcome.step.peak + self.slack)
+        return self.host.peak(outcome.resident, *self._device_in_host(outcome.step))
+
+    def _device_in_host(self, step: StepReplay) -> tuple[int, int]:
+        """The simulated device's host bytes at the step's peak (its pool of kept buffers
+        and the rest, with the allocator's slack), and those that stay through the update
+        (engine.devices.buffer_pool). On CUDA the device's bytes are not the host's: the
+        step's peak, which the host ignores."""
+        if not self.simulated:
+            return step.peak + self.slack, 0
+        return step.host_device_bytes + self.slack, step.host_device_between_steps
 
     def policy_plan(self, policy: Policy, margin_ratio: float) -> tuple[PolicyPlan, _Outcome]:
         outcome = self.run(policy, self.capacity, margin_ratio)
@@ -215,10 +224,8 @@ class _Planner:
             if self.cost.sharded:
                 need = (f"{self.ranks} ranks need {format_size(self.ranks * host_peak)} of "
                         f"host memory, {format_size(host_peak)} each")
-            reason = (
-                f"{need} ({self.host.parts(outcome.resident, outcome.step.peak, self.slack)}), "
-                f"have {format_size(self.host.host_mem)}"
-            )
+            parts = self.host.parts(outcome.resident, *self._device_in_host(outcome.step))
+            reason = f"{need} ({parts}), have {format_size(self.host.host_mem)}"
         reason = reason or self.host.disk_reason()
         step = outcome.step
         where = self.host.placement(outcome.resident)
@@ -229,6 +236,7 @@ class _Planner:
             host_peak=int(host_peak),
             host_model=self.host.host_model(outcome.resident),
             copied=outcome.step.copied,
+            device_buffers=outcome.step.pool.peak if self.simulated else 0,
             fits=not reason,
             reason=reason,
             io_buffers=where.buffer_bytes,

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from engine.chunks.state import TensorState
 from engine.config import format_size
+from engine.devices.buffer_pool import HeldBytes
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace, TracePoint
@@ -98,6 +99,14 @@ class StepReplay:
         self.on_device = set() if cost.sharded else set(resident)
         self.device_bytes = sum(cost.resident(lay.numel[c], lay.is_frozen(c)) for c in resident)
         self.peak = self.device_bytes
+        # The simulated device's kept buffers (engine.devices.buffer_pool): every chunk
+        # copy and gradient buffer comes from them, a resident chunk's copy for good.
+        self.pool = HeldBytes(capacity)
+        for chunk in sorted(self.on_device):
+            self.pool.take(self.nbytes[chunk])
+        # Resident chunks' optimizer state: device bytes from outside the pool, for good.
+        self.resident_state = self.device_bytes - self.pool.in_use
+        self.beside_pool = self.resident_state  # the most device bytes beside the pool
         self.grads: set[int] = set()
         self.grad_bytes = 0
         # Chunks whose gradients are coming in, resident or not, and their bytes: the
@@ -157,6 +166,29 @@ class StepReplay:
             self.held = max(self.held, self.pinned + self.opening_bytes + held)
             point.working_set = self.held + point.non_model_peak
         self.peak = max(self.peak, self.device_bytes + self.nm)
+        self.beside_pool = max(self.beside_pool, self.device_bytes - self.pool.in_use + self.nm)
+
+    @property
+    def host_device_bytes(self) -> int:
+        """The simulated device's host memory at its peak, once a step like this one has
+        run before it: then the pool holds every buffer this step takes from the start, and
+        the peak is the pool beside the most of everything else (on CUDA: no such bytes)."""
+        return self.pool.peak + self.beside_pool
+
+    @property
+    def host_device_between_steps(self) -> int:
+        """The simulated device's host memory between steps and through the update: its
+        buffers, all kept by then, and the resident chunks' optimizer state."""
+        return self.pool.peak + self.resident_state
+
+    def take_buffer(self, chunk: int) -> None:
+        """A chunk's device copy or gradient buffer comes in (from the pool)."""
+        self.device_bytes += self.nbytes[chunk]
+        self.pool.take(self.nbytes[chunk])
+
+    def give_buffer(self, chunk: int) -> None:
+        self.device_bytes -= self.nbytes[chunk]
+        self.pool.give(self.nbytes[chunk])
 
     # ChunkManager
 
@@ -169,7 +201,7 @@ class StepReplay:
             return
         self.on_device.discard(chunk)
         self.stale.discard(chunk)
-        self.device_bytes -= self.nbytes[chunk]
+        self.give_buffer(chunk)
         for param in self.lay.params[chunk]:
             self._set(param, None)
         self._sample()
@@ -203,7 +235,7 @@ class StepReplay:
             return
         self._make_room(self.nbytes[chunk], protect + (chunk,))
         self.on_device.add(chunk)
-        self.device_bytes += self.nbytes[chunk]
+        self.take_buffer(chunk)
         self.copied += self.nbytes[chunk]
         self.fetches.append((chunk, chunk in self.home))
         if chunk not in self.home:
@@ -218,7 +250,7 @@ class StepReplay:
             self.stale.add(chunk)
         self.grads.discard(chunk)
         self.grad_bytes -= self.nbytes[chunk]
-        self.device_bytes -= self.nbytes[chunk]
+        self.give_buffer(chunk)
         self._sample()
 
     # Engine hooks
@@ -265,7 +297,7 @@ class StepReplay:
                 c in self.disk.chunks and self.ahead.get(c, 0) < self.disk.pieces[c]))
         for chunk in chosen:
             self.on_device.add(chunk)
-            self.device_bytes += self.nbytes[chunk]
+            self.take_buffer(chunk)
             self.copied += self.nbytes[chunk]
             self.fetches.append((chunk, False))
             self.ahead.pop(chunk, None)
@@ -375,7 +407,7 @@ class StepReplay:
         self._make_room(self.nbytes[chunk], protect)
         self.grads.add(chunk)
         self.grad_bytes += self.nbytes[chunk]
-        self.device_bytes += self.nbytes[chunk]
+        self.take_buffer(chunk)
         self._sample()
 
     def _close(self, chunk: int) -> None:

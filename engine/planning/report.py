@@ -22,6 +22,9 @@ class PolicyPlan:
     copied: int  # bytes copied between host and device per step (bytes_h2d + bytes_d2h)
     fits: bool
     reason: str = ""  # why it does not fit, with the numbers; empty when it fits
+    # The simulated device's chunk buffers at a step's peak, in use and kept for reuse: host
+    # memory for the whole run (engine.devices.buffer_pool); 0 on a real device.
+    device_buffers: int = 0
     # The disk tier (a host budget): the I/O buffers the host budget holds beside host_model
     # (MemorySnapshot.host_io_buffers), the chunk bytes in the scratch folder
     # (MemorySnapshot.disk_model), and what a steady step reads and writes there.

@@ -77,7 +77,7 @@ class ShardedReplay:
         if chunk not in r.on_device:
             r._make_room(r.nbytes[chunk], protect + (chunk,))
             r.on_device.add(chunk)
-            r.device_bytes += r.nbytes[chunk]
+            r.take_buffer(chunk)
             r._sample()
         self._gather(chunk)
 
@@ -86,7 +86,7 @@ class ShardedReplay:
         r = self.replay
         if chunk not in r.on_device:
             r.on_device.add(chunk)
-            r.device_bytes += r.nbytes[chunk]
+            r.take_buffer(chunk)
             r._sample()
         self._gather(chunk)
 
@@ -145,7 +145,7 @@ class ShardedReplay:
             r.stale.add(chunk)
         self.held_bytes -= self._held.pop(chunk, 0)
         r.grad_bytes -= r.nbytes[chunk]
-        r.device_bytes -= r.nbytes[chunk]
+        r.give_buffer(chunk)
         r._sample()
 
     def finish(self) -> None:

@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
     from engine.models.zoo import meta_build
     from transformers import OPTConfig, OPTForCausalLM
 
-    steady_heap()  # as a run whose host memory is tight keeps it (tuitrain.fit)
+    steady_heap()  # as every run keeps it (tuitrain.training_run)
     folder, scratch = Path(sys.argv[1]), Path(sys.argv[2])
     config = EngineConfig(policy="cpu", device_budget="1GiB", precision="fp32", simulate=True,
                           host_budget=%d, disk_dir=scratch)
