@@ -4,8 +4,10 @@ a trial of its own, and a preset saved from a trial records the shape it ran wit
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from tests.tuitrain.fakeworker import GiB, fake_stats
+from tuitrain.replay import ReplayClient
 from tuitrain.settings import Settings
 from tuitrain.trials import Setting, trials
 from tuitrain.tui.trial_preset import settings_line, trial_settings
@@ -42,3 +44,15 @@ def test_a_saved_trial_records_its_shape_at_the_runs_global_batch():
     assert (t.batch_size, t.grad_accum, t.activation_checkpointing) == (2, 4, True)
     assert settings_line(saved, default_budget=None).endswith(
         " · micro-batches 2 x 4 · checkpointing")
+
+
+def test_a_finished_runs_replay_has_the_shape_its_last_step_ran_with(tmp_path):
+    """So that a preset saved from the replay holds it, as it holds the last policy."""
+    settings = Settings(model="tiny", training={"batch_size": 2, "grad_accum": 2})
+    lines = [{"settings": settings.model_dump(mode="json")},
+             *(dataclasses.asdict(s) for s in (step(1, 2), step(2, 4, True)))]
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    training = ReplayClient(metrics).settings["training"]
+    assert (training["batch_size"], training["grad_accum"]) == (1, 4)
+    assert training["activation_checkpointing"] is True
