@@ -71,8 +71,7 @@ class EngineConfig:
             self.disk_dir = Path(self.disk_dir).expanduser()
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, not {self.lr}")
-        if self.grad_accum < 1:
-            raise ValueError(f"grad_accum must be at least 1, not {self.grad_accum}")
+        self.grad_accum = check_grad_accum(self.grad_accum)
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {self.chunk_size}")
         if not self.collective_timeout > 0:
@@ -125,32 +124,75 @@ class LiveSettings:
     policy: Policy
     margin_ratio: float
     device_budget: int
+    # How a step is built from its batch: the micro-batches it is split into, in order (the
+    # same sequences and the same update whatever their number), and whether the layers
+    # recompute their activations in backward. Either one makes the next step trace again.
+    grad_accum: int = 1
+    activation_checkpointing: bool = False
 
     def replace(self, *, policy: str | Policy | None = None, margin_ratio: float | None = None,
-                device_budget: int | str | None = None) -> LiveSettings:
+                device_budget: int | str | None = None, grad_accum: int | None = None,
+                activation_checkpointing: bool | None = None) -> LiveSettings:
         """A copy with the given fields changed, each checked here (ValueError if bad)."""
         return LiveSettings(
             policy=self.policy if policy is None else Policy.parse(policy),
             margin_ratio=self.margin_ratio if margin_ratio is None else check_margin(margin_ratio),
             device_budget=(self.device_budget if device_budget is None
-                           else check_budget_bytes(device_budget)))
+                           else check_budget_bytes(device_budget)),
+            grad_accum=self.grad_accum if grad_accum is None else check_grad_accum(grad_accum),
+            activation_checkpointing=(self.activation_checkpointing
+                                      if activation_checkpointing is None
+                                      else check_flag(activation_checkpointing)))
+
+    @property
+    def shape(self) -> tuple[int, bool]:
+        """What a trace depends on among these: (grad_accum, activation_checkpointing)."""
+        return self.grad_accum, self.activation_checkpointing
 
     def changes_from(self, before: LiveSettings) -> list[str]:
         """How each field that differs from `before` is worded (see describe_setting)."""
         return [describe_setting(name, getattr(self, name)) for name in LIVE_FIELDS
                 if getattr(self, name) != getattr(before, name)]
 
+    def as_row(self) -> list[float]:
+        """The settings as numbers (data parallel: rank 0 sends them to every rank)."""
+        return [list(Policy).index(self.policy), self.margin_ratio, self.device_budget,
+                self.grad_accum, float(self.activation_checkpointing)]
 
-LIVE_FIELDS = ("device_budget", "policy", "margin_ratio")
+    @classmethod
+    def from_row(cls, row: list[float]) -> LiveSettings:
+        """The settings as_row() wrote."""
+        return cls(list(Policy)[int(row[0])], row[1], int(row[2]), int(row[3]), bool(row[4]))
+
+
+LIVE_FIELDS = ("device_budget", "policy", "margin_ratio", "grad_accum",
+               "activation_checkpointing")
+
+
+def check_grad_accum(value: int) -> int:
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"grad_accum must be a whole number of micro-batches, at least 1, "
+                         f"not {value!r}")
+    return int(value)
+
+
+def check_flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"activation_checkpointing must be true or false, not {value!r}")
+    return value
 
 
 def describe_setting(field: str, value: object) -> str:
     """A live setting as every part of the tool words it: "policy cpu", "margin_ratio 0.3",
-    "device_budget 4.0 GiB"."""
+    "device_budget 4.0 GiB", "grad_accum 4", "activation_checkpointing on"."""
     if field == "device_budget":
         return f"device_budget {format_size(int(value))}"
     if field == "margin_ratio":
         return f"margin_ratio {float(value):g}"
     if field == "policy":
         return f"policy {Policy.parse(value).value}"
+    if field == "grad_accum":
+        return f"grad_accum {int(value)}"
+    if field == "activation_checkpointing":
+        return f"activation_checkpointing {'on' if value else 'off'}"
     raise ValueError(f"not a live setting: {field!r}")

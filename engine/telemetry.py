@@ -78,6 +78,7 @@ class StepStats:
     # `loss` is their mean and `tokens` their total.
     micro_batches: int = 1
     micro_losses: list[float] = field(default_factory=list)
+    activation_checkpointing: bool = False  # whether layers recomputed activations in backward
     # The step interval by interval (the last micro-batch's, with accumulation).
     timeline: list[TimelinePoint] = field(default_factory=list)
     # The disk tier (host_budget): bytes read and written for this step (writes issued;

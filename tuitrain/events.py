@@ -34,6 +34,19 @@ class SetBudget(Command):
 
 
 @dataclass(frozen=True)
+class SetShape(Command):
+    """How the run builds a step from its global batch, from the next step: micro-batches
+    of `batch_size` sequences, `grad_accum` of them (their product is the run's global
+    batch, which never changes: the same sequences, the same update), and whether layers
+    recompute their activations in backward. A field left None keeps its value; one of
+    batch_size and grad_accum gives the other."""
+
+    batch_size: int | None = None
+    grad_accum: int | None = None
+    activation_checkpointing: bool | None = None
+
+
+@dataclass(frozen=True)
 class Pause(Command):
     pass
 

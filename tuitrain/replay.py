@@ -116,8 +116,8 @@ def _read_run(path: Path) -> tuple[dict, list[Event]]:
 
 
 def _as_it_ended(settings: dict, steps: list[StepStats]) -> dict:
-    """The run's settings with the policy, margin and budget its last step ran with: what a
-    preset saved from the replay should hold."""
+    """The run's settings with the policy, margin, budget and step shape its last step ran
+    with: what a preset saved from the replay should hold."""
     if not steps:
         return settings
     first, last = steps[0], steps[-1]
@@ -125,4 +125,10 @@ def _as_it_ended(settings: dict, steps: list[StepStats]) -> dict:
               "margin_ratio": last.margin_ratio}
     if last.device_budget != first.device_budget:
         engine["device_budget"] = f"{last.device_budget}"
-    return {**settings, "engine": engine}
+    training = dict(settings.get("training", {}))
+    if (last.micro_batches, last.activation_checkpointing) != (
+            first.micro_batches, first.activation_checkpointing) and "batch_size" in training:
+        rows = training["batch_size"] * training.get("grad_accum", 1)  # the global batch
+        training.update(batch_size=rows // last.micro_batches, grad_accum=last.micro_batches,
+                        activation_checkpointing=last.activation_checkpointing)
+    return {**settings, "engine": engine, "training": training}

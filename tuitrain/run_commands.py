@@ -2,6 +2,10 @@
 
 A change (policy, margin, budget) is checked by the engine and staged for the next step; a
 pause, resume or stop acts at the step boundary; a checkpoint saves after the last step.
+A change of the steps' shape (SetShape: micro-batches, activation checkpointing) and the
+changes that come with it are checked by the plan once the commands waiting are staged
+(tuitrain.step_shape), and answered once a step has run with them: that step traces the new
+shape, and one that overruns the budget is taken back (refuse_untried) and runs again.
 Data parallel, rank 0 alone hears the UI: it decides at each step boundary, and every rank
 carries out that decision before the same step (`_agree`), so a change's answer names one
 step for all of them.
@@ -28,8 +32,10 @@ from tuitrain.events import (
     SetBudget,
     SetMargin,
     SetPolicy,
+    SetShape,
     Stop,
 )
+from tuitrain.step_shape import Shape, check_fits, global_batch, resolve, shaped
 
 # How long a paused run sleeps between looks at the command channel.
 PAUSE_WAIT_SECONDS = 0.2
@@ -73,10 +79,11 @@ class RunCommands:
         # Data parallel, rank 0: changes and checkpoints asked for since the last step
         # boundary, carried out by every rank at the next one.
         self.proposed: list[Command] = []
-        # Changes asked for before the first step, which nothing could check them against
-        # yet: answered once a step ran with them, or refused if it could not.
-        self.untried: list[tuple[int, str]] = []
-        self.settings_at_start: Any = None  # the engine's, before the first of those
+        # Changes no step has checked yet (any asked for before the first step; a new shape,
+        # and what comes with it): answered once a step ran with them, or refused if it
+        # could not. With the shapes they set, which the run's settings take then.
+        self.untried: list[tuple[int, str, Shape | None]] = []
+        self.settings_before: Any = None  # the engine's staged ones, before the first of those
 
     # --- what the run asks, at its step boundaries -----------------------------------------
 
@@ -87,6 +94,7 @@ class RunCommands:
         if not self.run.ranks.parallel:
             while self.paused and not self.stopping:
                 self._wait_for_command(PAUSE_WAIT_SECONDS)
+            self._plan_shape()
             return
         self._agree()
         while self.paused and not self.stopping:
@@ -94,11 +102,29 @@ class RunCommands:
             self._wait_for_command(PAUSE_WAIT_SECONDS)
             self._agree()
 
+    def _plan_shape(self) -> None:
+        """A new shape, and what came with it, checked by the plan as it will run (the
+        engine checks none of it against a trace of the old shape); refused before any
+        step runs with it if it does not fit."""
+        shapes = [shape for _, _, shape in self.untried if shape is not None]
+        if not shapes:
+            return
+        try:
+            check_fits(self.run.settings, self.run.engine.staged, shapes[-1])
+        except ValueError as err:
+            self.refuse_untried(str(err))
+        except Exception:  # noqa: BLE001 - a model the planner cannot read: the step checks
+            traceback.print_exc()
+
     def first_step_ran(self, step: int) -> None:
         """Step `step` ran with the changes asked for before it: each is answered."""
-        for command_id, what in self.untried:
+        for command_id, what, shape in self.untried:
+            if shape is not None:  # a checkpoint or a preset of the run records it
+                self.run.settings = shaped(self.run.settings, shape)
             self._answer(Applied(command_id, step, what))
+            print(f"applied from step {step}: {what}", flush=True)
         self.untried.clear()
+        self.settings_before = None
 
     def finish(self) -> None:
         """Training has finished: commands that arrived after the last step still get an
@@ -168,9 +194,13 @@ class RunCommands:
 
     def _handle(self, command: Command) -> None:
         done = self.run.next_step - 1  # the step after which a pause or a checkpoint acts
-        change = isinstance(command, SetPolicy | SetMargin | SetBudget)
+        change = isinstance(command, SetPolicy | SetMargin | SetBudget | SetShape)
         saves = isinstance(command, Checkpoint) and bool(self.run.settings.checkpoint.dir)
-        if self.run.ranks.parallel and (change or saves):
+        if isinstance(command, SetShape) and self.run.ranks.parallel:
+            # Each rank's part of every micro-batch is cut before the step (ranks.slice).
+            self.run.outbox.put(Rejected(command.id, "a data-parallel run keeps the shape it "
+                                                     "started with"))
+        elif self.run.ranks.parallel and (change or saves):
             self.proposed.append(command)  # every rank carries it out at the step boundary
         elif change:
             self._change(command)
@@ -197,14 +227,18 @@ class RunCommands:
     def _change(self, command: Command) -> bool:
         """Apply an engine setting, worded as the engine words it; a bad value is refused
         and training goes on. Whether it was taken."""
+        before = self.run.engine.staged
         try:
-            what = self._stage(command)
+            what, shape = self._stage(command)
         except ValueError as err:
             self._answer(Rejected(command.id, str(err)))
             return False
-        if self.run.steps_run == 0 and not self.run.ranks.parallel:
-            self.settings_at_start = self.settings_at_start or self.run.engine.settings
-            self.untried.append((command.id, what))
+        # Data parallel, every rank's first step tries what rank 0 staged (no shape).
+        if not self.run.ranks.parallel and (self.run.steps_run == 0 or self.untried
+                                            or shape is not None):
+            if not self.untried:
+                self.settings_before = before
+            self.untried.append((command.id, what, shape))
             return True
         # The engine switches at the next step boundary: the next step is the first with it.
         self._answer(Applied(command.id, self.run.next_step, what))
@@ -212,25 +246,33 @@ class RunCommands:
         return True
 
     def refuse_untried(self, reason: str) -> None:
-        """The first step could not run with the changes asked for before it: each is
-        refused, and the run goes back to the settings it started with."""
-        start = self.settings_at_start
-        self.run.engine.set_policy(start.policy)
-        self.run.engine.set_margin(start.margin_ratio)
-        self.run.engine.set_budget(start.device_budget)
-        for command_id, _ in self.untried:
+        """The step could not run with the changes no step had checked: each is refused,
+        and the run goes back to the settings it had before them (the step runs again)."""
+        self.run.engine.restore_settings(self.settings_before)
+        for command_id, _, _ in self.untried:
             self._answer(Rejected(command_id, f"{reason}; the run keeps its settings"))
         self.untried.clear()
-        self.run.say(f"step {self.run.next_step} ran again with the settings it started with")
+        self.settings_before = None
+        self.run.say(f"step {self.run.next_step} runs with the settings it had before")
 
-    def _stage(self, command: Command) -> str:
-        """Hand a setting to the engine for the next step (ValueError: it refuses it)."""
+    def _stage(self, command: Command) -> tuple[str, Shape | None]:
+        """Hand a setting to the engine for the next step (ValueError: it refuses it); how
+        it is worded, and the shape it sets, if it is one."""
+        engine = self.run.engine
         if isinstance(command, SetPolicy):
-            return self.run.engine.set_policy(command.policy)
+            return engine.set_policy(command.policy), None
         if isinstance(command, SetMargin):
-            return self.run.engine.set_margin(command.margin_ratio)
-        assert isinstance(command, SetBudget)
-        return self.run.engine.set_budget(command.device_budget)
+            return engine.set_margin(command.margin_ratio), None
+        if isinstance(command, SetBudget):
+            return engine.set_budget(command.device_budget), None
+        assert isinstance(command, SetShape)
+        staged = engine.staged
+        shape = resolve(command, global_batch=global_batch(self.run.settings),
+                        grad_accum=staged.grad_accum,
+                        checkpointing=staged.activation_checkpointing)
+        engine.set_grad_accum(shape.grad_accum)
+        engine.set_checkpointing(shape.activation_checkpointing)
+        return shape.describe(), shape
 
     def _change_on_every_rank(self, command: Command) -> None:
         """Data parallel: every rank's engine checks the change, and rank 0 stages it when
@@ -241,7 +283,7 @@ class RunCommands:
         refusal = what = None
         if not self.run.ranks.leader:
             try:
-                what = self._stage(command)
+                what, _ = self._stage(command)
             except ValueError as err:
                 refusal = str(err)
         said = ranks.gather_from_ranks(self.run.collectives, refusal)

@@ -1,7 +1,8 @@
 """Trials: what each setting a run has used achieved, to compare them and keep the best.
 
-A setting is the triple the user steers live: (policy, margin_ratio, device_budget). A run
-that changed it went through several; each is one trial, whose steps may come in several
+A setting is what a run changes live: policy, margin_ratio, device_budget, and how its steps
+are built (micro-batches of its global batch, activation checkpointing). A run that changed
+it went through several; each is one trial, whose steps may come in several
 stretches when the user went back to a setting tried before. Pure bookkeeping over
 StepStats, no UI: the app shows the rows as a table, the headless runner prints them and
 appends them to the metrics file in the run's summary line.
@@ -41,17 +42,29 @@ class Setting:
     policy: str
     margin_ratio: float
     device_budget: int  # bytes
+    micro_batches: int = 1  # per step, of the run's global batch (its grad_accum)
+    activation_checkpointing: bool = False
 
     @classmethod
     def of(cls, stats: StepStats) -> Setting:
-        return cls(stats.policy, round(stats.margin_ratio, 4), stats.device_budget)
+        return cls(stats.policy, round(stats.margin_ratio, 4), stats.device_budget,
+                   stats.micro_batches, stats.activation_checkpointing)
 
     def describe(self) -> str:
-        """The setting in words: auto, margin 0.30, budget 3.0 GiB."""
+        """The setting in words: auto, margin 0.30, budget 3.0 GiB (and ", 4 micro-batches,
+        checkpointing" when a step is built so)."""
         return (
             f"{self.policy}, margin {self.margin_ratio:.2f}, "
-            f"budget {format_size(self.device_budget)}"
+            f"budget {format_size(self.device_budget)}{shape_words(self, ', ')}"
         )
+
+
+def shape_words(setting: Setting, before: str) -> str:
+    """How its steps were built, after `before`: "4 micro-batches, checkpointing"; nothing
+    for one micro-batch without checkpointing."""
+    parts = [f"{setting.micro_batches} micro-batches"] if setting.micro_batches > 1 else []
+    parts += ["checkpointing"] if setting.activation_checkpointing else []
+    return before + ", ".join(parts) if parts else ""
 
 
 @dataclass(frozen=True)
@@ -79,10 +92,13 @@ class Trial:
     bytes_copied: int | None  # h2d + d2h per settled step, bytes
     process_rss: int  # host RSS, bytes, highest of its steps
     within_budget: bool  # device_peak <= device_budget on every step it ran
+    micro_batches: int = 1
+    activation_checkpointing: bool = False
 
     @property
     def setting(self) -> Setting:
-        return Setting(self.policy, self.margin_ratio, self.device_budget)
+        return Setting(self.policy, self.margin_ratio, self.device_budget, self.micro_batches,
+                       self.activation_checkpointing)
 
     def measured(self) -> dict[str, object]:
         """What a preset saved for this trial records in its header (presets.save_preset)."""
@@ -229,6 +245,8 @@ def _trial(setting: Setting, tally: _Tally) -> Trial:
         bytes_copied=None if copied is None else int(copied),
         process_rss=tally.process_rss,
         within_budget=tally.within_budget,
+        micro_batches=setting.micro_batches,
+        activation_checkpointing=setting.activation_checkpointing,
     )
 
 

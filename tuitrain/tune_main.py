@@ -58,9 +58,10 @@ def add_tune_parser(commands, run_flags) -> argparse.ArgumentParser:
     tune = commands.add_parser(
         "tune",
         help="find the fastest setting that fits, measured on the run's own steps",
-        description="Start the run and search its settings (policy, margin) while it "
-        "trains: the plan drops what does not fit, the time model orders the rest, and the "
-        "most promising are measured on real steps at the run's global batch.",
+        description="Start the run and search its settings (policy, margin, the split of "
+        "its global batch into micro-batches, activation checkpointing) while it trains: "
+        "the plan drops what does not fit, the time model orders the rest, and the most "
+        "promising are measured on real steps at the run's global batch.",
     )
     tune.add_argument("model", nargs="?", metavar="MODEL", help="as for `tuitrain run`")
     tune.add_argument("--preset", metavar="FILE", help="tune the preset's settings")

@@ -26,15 +26,19 @@ MARGINS = (0.0, 0.5, 1.0)
 
 
 def tune_space(settings: Settings, *, device_budget: int) -> list[Candidate]:
-    """What a running run can change between steps: policy and margin at the run's device
-    budget, its micro-batch, accumulation and checkpointing (tuitrain.tune_worker)."""
+    """What a running run can change between steps (tuitrain.tune_worker): policy and margin
+    at the run's device budget, and every split of its global batch into micro-batches,
+    with activation checkpointing and without. A data-parallel run keeps its shape (each
+    rank's part of every micro-batch is cut before the step)."""
     t = settings.training
     host = settings.engine.host_budget.nbytes if settings.engine.host_budget else None
-    return [c for c in candidates(global_batch=t.batch_size * t.grad_accum,
-                                  device_budgets=(device_budget,), policies=POLICIES,
-                                  margins=MARGINS, checkpointing=(t.activation_checkpointing,),
-                                  host_budget=host)
-            if (c.batch_size, c.grad_accum) == (t.batch_size, t.grad_accum)]
+    space = candidates(global_batch=t.batch_size * t.grad_accum,
+                       device_budgets=(device_budget,), policies=POLICIES, margins=MARGINS,
+                       checkpointing=(False, True), host_budget=host)
+    if t.nproc == 1:
+        return space
+    return [c for c in space if (c.batch_size, c.grad_accum, c.activation_checkpointing)
+            == (t.batch_size, t.grad_accum, t.activation_checkpointing)]
 
 
 def run_budget(settings: Settings, simulated: bool) -> int:

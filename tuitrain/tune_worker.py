@@ -1,11 +1,8 @@
-"""The running worker as the tuner's `Trainer`: a setting goes to the worker as the commands
-the app sends (SetPolicy, SetMargin, SetBudget), applied at the next step boundary, and a
-trial step is the next step the run reports under it. No restart, no reload: the run goes
-on at its global batch, and every trial step is one of its steps.
-
-Micro-batch, accumulation and activation checkpointing change how a step is built, which
-the worker does not take between steps: a candidate that differs from the run in them is
-refused with that reason (the search records it and goes on).
+"""The running worker as the tuner's `Trainer`: a setting goes to the worker as commands
+(SetShape for its micro-batch, accumulation and activation checkpointing; SetBudget,
+SetMargin, SetPolicy), all applied at the same step boundary, and a trial step is the next
+step the run reports under it. No restart, no reload: the run goes on at its global batch,
+and every trial step is one of its steps.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from tuitrain.events import (
     SetBudget,
     SetMargin,
     SetPolicy,
+    SetShape,
     Step,
 )
 from tuitrain.tune import Candidate, Refused, StepResult
@@ -41,8 +39,8 @@ class WorkerTrainer:
     Args:
         send: sends a command to the worker; returns its id.
         events: the worker's events since the last call, waiting a moment for some.
-        batch_size, grad_accum, checkpointing: how the run builds a step (fixed).
-        policy, margin_ratio, device_budget: the run's setting now (what it started with).
+        batch_size, grad_accum, checkpointing, policy, margin_ratio, device_budget: the
+            run's setting now (what it started with).
         on_event: every event read while waiting, so the caller still shows the run.
         stopped: asked while waiting; True makes the wait end as a failed step.
     """
@@ -55,9 +53,9 @@ class WorkerTrainer:
                  stopped: Callable[[], bool] = lambda: False) -> None:
         self.send = send
         self.events = events
-        self.shape = (batch_size, grad_accum, checkpointing)
-        self.current: dict[str, object] = {"policy": policy, "margin_ratio": margin_ratio,
-                                           "device_budget": device_budget}
+        self.current: dict[str, object] = {
+            "shape": (batch_size, grad_accum, checkpointing), "policy": policy,
+            "margin_ratio": margin_ratio, "device_budget": device_budget}
         self.on_event = on_event
         self.stopped = stopped
         self.first_step = 0  # the first step of the run under the setting applied last
@@ -66,19 +64,21 @@ class WorkerTrainer:
         self.ended: str | None = None  # why the run will give no more steps
 
     def apply(self, candidate: Candidate) -> None:
-        shape = (candidate.batch_size, candidate.grad_accum, candidate.activation_checkpointing)
-        if shape != self.shape:
-            raise Refused("micro-batch, accumulation and checkpointing change only when the "
-                          "run starts")
-        wanted = {"policy": candidate.policy, "margin_ratio": candidate.margin_ratio,
-                  "device_budget": candidate.device_budget}
-        commands = {"policy": SetPolicy(policy=candidate.policy),
-                    "margin_ratio": SetMargin(margin_ratio=candidate.margin_ratio),
-                    "device_budget": SetBudget(device_budget=candidate.device_budget)}
+        c = candidate
+        shape = (c.batch_size, c.grad_accum, c.activation_checkpointing)
+        wanted = {"shape": shape, "policy": c.policy, "margin_ratio": c.margin_ratio,
+                  "device_budget": c.device_budget}
+        commands = {"shape": SetShape(batch_size=c.batch_size, grad_accum=c.grad_accum,
+                                      activation_checkpointing=c.activation_checkpointing),
+                    "policy": SetPolicy(policy=c.policy),
+                    "margin_ratio": SetMargin(margin_ratio=c.margin_ratio),
+                    "device_budget": SetBudget(device_budget=c.device_budget)}
         # All sent before any answer is awaited, so that the worker applies them at the
-        # same step: no step runs under half of the change (a setting of its own).
-        sent = {key: self.send(commands[key]) for key in ("device_budget", "margin_ratio",
-                                                          "policy")
+        # same step: no step runs under half of the change (a setting of its own). The
+        # shape first: the worker then checks the rest with it, by the plan, not against a
+        # trace of the old shape, and takes all of them back if its first step overruns.
+        sent = {key: self.send(commands[key]) for key in ("shape", "device_budget",
+                                                          "margin_ratio", "policy")
                 if wanted[key] != self.current[key] and wanted[key] is not None}
         refused = None
         for key, command_id in sent.items():

@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[type[ev.Command], dict[str, tuple[type, ...]]]] = {
     "SetPolicy": (ev.SetPolicy, {"policy": (str,)}),
     "SetMargin": (ev.SetMargin, {"margin_ratio": (int, float)}),
     "SetBudget": (ev.SetBudget, {"device_budget": (int, str)}),
+    "SetShape": (ev.SetShape, {"batch_size": (int,), "grad_accum": (int,),
+                               "activation_checkpointing": (bool,)}),
     "Pause": (ev.Pause, {}),
     "Resume": (ev.Resume, {}),
     "Checkpoint": (ev.Checkpoint, {}),

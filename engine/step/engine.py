@@ -25,7 +25,6 @@ import torch
 from engine.chunks import weights
 from engine.chunks.packing import build_chunks, fill, first_use_order, first_uses, move_buffers
 from engine.chunks.sharding import ShardedChunks
-from engine.chunks.state import TensorState
 from engine.config import EngineConfig, LiveSettings, describe_setting
 from engine.devices.device import ComputeDevice, make_device
 from engine.devices.disk import DiskTierError, default_disk_dir, rank_folder
@@ -38,18 +37,19 @@ from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
 from engine.placement.trace import Trace
 from engine.step import checkpoint_state
+from engine.step.activation_checkpointing import is_checkpointing, set_checkpointing
 from engine.step.dropout import WholeBatchDropout
 from engine.step.evaluation import evaluate_loss
-from engine.step.micro_batches import split_batch
+from engine.step.micro_batches import check_split, split_batch
 from engine.step.optimizer import ChunkAdamW
 from engine.step.overrun import overrun_error
+from engine.step.rank_zero import agree_step, follow_rank_zero
 from engine.step.runner import StepInterrupted, StepRunner
 from engine.step.snapshot import memory_snapshot
 from engine.telemetry import MemorySnapshot, StepStats
 
 __all__ = ["BudgetTooSmall", "Engine", "StepInterrupted", "first_use_order"]
 
-S = TensorState
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -86,7 +86,9 @@ class Engine:
         self.dtype = DTYPES[config.precision]
         self.step_count = 0
         self.settings = LiveSettings(Policy(config.policy), config.margin_ratio,
-                                     self.device.budget)
+                                     self.device.budget, config.grad_accum,
+                                     is_checkpointing(model))
+        self._rows: int | None = None  # sequences in the latest step's batch
         self._pending: LiveSettings | None = None  # replaces settings at the next step
         self._last_non_model_peak = 0
         self._last_peak = 0
@@ -148,10 +150,31 @@ class Engine:
         """Change the device budget at the next step. Raises ValueError if it is too small."""
         return self._stage("device_budget", budget)
 
+    def set_grad_accum(self, grad_accum: int) -> str:
+        """Micro-batches per step from the next step (the same sequences and update, in
+        another memory and time); ValueError if the latest batch does not split so. This
+        and set_checkpointing trace anew at their first step, which checks the budget (no
+        change is checked against the old trace meanwhile): BudgetTooSmall if it overruns,
+        and restore_settings(settings before) goes back, unchecked."""
+        return self._stage("grad_accum", grad_accum)
+
+    def set_checkpointing(self, on: bool) -> str:
+        """Recompute the layers' activations in backward (True) from the next step, or not."""
+        return self._stage("activation_checkpointing", on)
+
+    @property
+    def staged(self) -> LiveSettings:
+        """The settings the next step runs with: the live ones and what is staged."""
+        return self._pending or self.settings
+
+    def restore_settings(self, settings: LiveSettings) -> None:
+        self._pending = settings
+
     def _stage(self, field: str, value: object) -> str:
-        base = self._pending or self.settings
-        wanted = base.replace(**{field: value})
-        self._check_budget(wanted.device_budget, wanted.policy)
+        wanted = self.staged.replace(**{field: value})
+        check_split(self._rows, wanted.grad_accum)
+        if wanted.shape == self.settings.shape:  # else the trace is another shape's
+            self._check_budget(wanted.device_budget, wanted.policy)
         self._pending = wanted
         return describe_setting(field, getattr(wanted, field))
 
@@ -178,25 +201,11 @@ class Engine:
         self.settings = wanted
         self.device.set_budget(wanted.device_budget)
         self.manager.set_policy(wanted.policy)
+        set_checkpointing(self.model, wanted.activation_checkpointing)  # traced anew
         if applied:
             self._place()
             self.runner.counts.forget()
         return applied
-
-    def _follow_rank_zero(self) -> None:
-        """Data parallel: the settings rank 0 staged are every rank's, so that a change
-        made on rank 0 alone (the app steers rank 0) takes effect on every rank at the
-        same step. One small collective per step."""
-        staged = self._pending or self.settings
-        policies = list(Policy)
-        row = torch.tensor([float(self._pending is not None), policies.index(staged.policy),
-                            staged.margin_ratio, staged.device_budget], dtype=torch.float64,
-                           device=self.collectives.device)
-        first = self.collectives.all_gather_rows(row)[0].tolist()
-        if not first[0]:
-            self._pending = None
-            return
-        self._pending = LiveSettings(policies[int(first[1])], first[2], int(first[3]))
 
     def _place(self, *, margin: bool = True) -> None:
         """Make resident what the policy and the margin ask for (rules.resident_chunks)."""
@@ -241,10 +250,11 @@ class Engine:
         self.manager.reset_counters()
         if self.collectives is not None:
             self.collectives.reset_counters()
-            self._follow_rank_zero()
+            self._pending = follow_rank_zero(self.collectives, self._pending, self.settings)
         applied = self._apply_pending()
         m = self.manager
-        parts = split_batch(batch, self.config.grad_accum)
+        self._rows = int(batch["input_ids"].shape[0])
+        parts = split_batch(batch, self.settings.grad_accum)
         dev = self.device.torch_device
         losses: list[float] = []
         traced = False
@@ -271,7 +281,8 @@ class Engine:
         tokens = int(batch["input_ids"].numel())
         try:
             if self.collectives is not None:
-                loss_value, tokens = self._agree_step(loss_value, tokens)
+                loss_value, tokens = agree_step(self.collectives, self.chunks, loss_value,
+                                                tokens)
             self._settle_update()  # the last step's, if it overlapped this forward
         except BaseException:
             for chunk in self.chunks:
@@ -296,6 +307,7 @@ class Engine:
         return StepStats(
             step=self.step_count, loss=loss_value, tokens=tokens,
             micro_batches=len(parts), micro_losses=losses,
+            activation_checkpointing=self.settings.activation_checkpointing,
             seconds=t3 - t_start, forward=forward - fwd_transfer,
             backward=(t2 - t0 - forward) - bwd_transfer, optimizer=t3 - t2,
             transfer=m.transfer_seconds, bytes_h2d=m.bytes_h2d, bytes_d2h=m.bytes_d2h,
@@ -308,17 +320,6 @@ class Engine:
             bytes_gathered=self.collectives.bytes_gathered if self.collectives else 0,
             bytes_reduce_scattered=(self.collectives.bytes_reduce_scattered
                                     if self.collectives else 0))
-
-    def _agree_step(self, loss: float, tokens: int) -> tuple[float, int]:
-        """Data parallel: the whole batch's loss and tokens, and which parameters got a
-        gradient on some rank (those are updated everywhere, as DDP would); raises if the
-        ranks issued different collectives this step."""
-        slots = [s for c in self.chunks for s in c.slots]
-        loss, tokens, used = self.collectives.agree_step(loss, tokens,
-                                                         [s.got_grad for s in slots])
-        for slot, got in zip(slots, used, strict=True):
-            slot.got_grad = got
-        return loss, tokens
 
     def finish_update(self) -> tuple[int, int, float]:
         """Wait for the last step's update if it still runs (state on disk: it overlaps the
@@ -414,9 +415,6 @@ class Engine:
     def trace(self) -> Trace | None:
         return self.runner.trace
 
-    def describe_device(self) -> str:
-        return self.device.describe()
-
     def snapshot(self) -> MemorySnapshot:
         """Where memory is now (mid-step too), and the peaks of the last step."""
         rss = self._resident.read() if self._last_rss_peak is None else self._last_rss_peak
@@ -478,6 +476,8 @@ class Engine:
                 "good_steps": self.optimizer.good_steps, "policy": self.settings.policy.value,
                 "margin_ratio": self.settings.margin_ratio,
                 "device_budget": self.settings.device_budget,
+                "grad_accum": self.settings.grad_accum,
+                "activation_checkpointing": self.settings.activation_checkpointing,
                 "precision": self.config.precision}
 
     def load_state_dict(self, state: dict) -> None:

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["split_batch"]
+__all__ = ["check_split", "split_batch"]
 
 
 def split_batch(batch: dict, parts: int) -> list[dict]:
     """`batch` as `parts` equal micro-batches along its first dimension, in order."""
     if parts == 1:
         return [batch]
-    size = batch["input_ids"].shape[0]
-    if size % parts:
-        raise ValueError(f"a batch of {size} sequences does not split into {parts} "
-                         f"equal micro-batches (grad_accum)")
+    check_split(batch["input_ids"].shape[0], parts)
     return [{k: v.chunk(parts)[i] if isinstance(v, torch.Tensor) else v
              for k, v in batch.items()} for i in range(parts)]
+
+
+def check_split(rows: int | None, parts: int) -> None:
+    """ValueError unless a batch of `rows` sequences splits into `parts` equal micro-batches
+    (None: no batch seen yet, nothing to check)."""
+    if rows is not None and rows % parts:
+        raise ValueError(f"a batch of {rows} sequences does not split into {parts} "
+                         f"equal micro-batches (grad_accum)")

@@ -22,6 +22,7 @@ from engine.chunks.manager import ChunkManager
 from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
 from engine.placement.trace import Trace, TracePoint
+from engine.step.activation_checkpointing import is_checkpointing
 from engine.step.borrowing import watch_borrowing
 from engine.step.counting import CountedSteps
 from engine.step.hooks import hook_gradients, install, wrap_outputs
@@ -357,10 +358,7 @@ class StepRunner:
     def step_key(self, shape: tuple) -> tuple:
         """What a trace depends on: the batch shape, activation checkpointing, and which
         parameters need a gradient."""
-        # transformers 5 renamed the flag; the old name warns where the new one exists.
-        flag = ("is_activation_checkpointing" if hasattr(self.model, "is_activation_checkpointing")
-                else "is_gradient_checkpointing")
-        checkpointing = bool(getattr(self.model, flag, False))
+        checkpointing = is_checkpointing(self.model)
         trainable = tuple(s.param.requires_grad for c in self.chunks for s in c.slots)
         return (shape, checkpointing, trainable)
 

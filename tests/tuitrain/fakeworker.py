@@ -35,6 +35,7 @@ from tuitrain.events import (
     SetBudget,
     SetMargin,
     SetPolicy,
+    SetShape,
     Started,
     Step,
     Stop,
@@ -111,6 +112,7 @@ class FakeWorker:
         self._answers: deque[Event] = deque()
         self._waiting: list[tuple[Command, str, object]] = []  # (command, field, value)
         self._overrides: dict[str, object] = {}
+        self._shape: dict[str, object] = {}  # StepStats fields a SetShape set
         self._paused = False
         self._alive = False
         self._last_step = 0
@@ -191,6 +193,11 @@ class FakeWorker:
                 self._stage(command, "margin_ratio", command.margin_ratio)
             elif isinstance(command, SetBudget):
                 self._stage(command, "device_budget", command.device_budget)
+            elif isinstance(command, SetShape):
+                accum = command.grad_accum or 1
+                self._waiting.append((command, "shape", {
+                    "micro_batches": accum,
+                    "activation_checkpointing": bool(command.activation_checkpointing)}))
             elif isinstance(command, Pause):
                 self._paused = True
                 self._answers.append(Applied(command.id, self._last_step, "paused"))
@@ -218,17 +225,28 @@ class FakeWorker:
         stats = event.stats
         applied: list[str] = []
         for command, field, value in self._waiting:
+            if field == "shape":
+                self._shape.update(value)
+                what = " ".join(f"{k} {v}" for k, v in value.items())
+                applied.append(what)
+                out.append(Applied(command.id, stats.step, what))
+                continue
             self._overrides[field] = value
             what = describe_setting(field, value)
             applied.append(what)
             out.append(Applied(command.id, stats.step, what))
         self._waiting.clear()
         self._last_step = stats.step
-        if not self._overrides and not applied:
+        if not self._overrides and not applied and not self._shape:
             return event
         if self.restep is not None and self._overrides:
             stats = self.restep(stats, dict(self._overrides))
-        stats = dataclasses.replace(stats, **self._overrides, applied=stats.applied + applied)
+        stats = dataclasses.replace(stats, **self._overrides, **self._shape,
+                                    applied=stats.applied + applied)
+        if self._shape:  # each micro-batch more costs 5%, recomputing the layers 20%
+            slower = (1 + 0.05 * (stats.micro_batches - 1)
+                      + 0.2 * stats.activation_checkpointing)
+            stats = dataclasses.replace(stats, seconds=stats.seconds * slower)
         if "device_budget" in self._overrides:
             memory = dataclasses.replace(
                 stats.memory, device_capacity=self._overrides["device_budget"]

@@ -10,7 +10,7 @@ import pytest
 from engine.planning.calibration import load_calibration
 from tests.tuitrain.fakeworker import fake_stats
 from tuitrain.cli import main
-from tuitrain.events import Applied, Finished, Rejected, SetMargin, SetPolicy, Step
+from tuitrain.events import Applied, Finished, Rejected, SetMargin, SetPolicy, SetShape, Step
 from tuitrain.tune import Candidate, Failed, Refused
 from tuitrain.tune_main import parse_duration
 from tuitrain.tune_worker import WorkerTrainer
@@ -24,12 +24,13 @@ GIB = 2**30
 @pytest.mark.slow
 def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses(
         tmp_path, capsys):
-    """A trial or two (the time limit passes during them) on a run that starts on cpu: a trial
-    switches the policy while the run trains, and every loss is the one an untuned run of
-    the same global batch gets."""
+    """A trial or two (the time limit passes during them) on a run that starts on cpu, in
+    two checkpointed micro-batches of one sequence: a trial switches the policy and the
+    split while the run trains, and every loss is the one an untuned run of the same global
+    batch gets."""
     metrics, preset = tmp_path / "m.jsonl", tmp_path / "p.yaml"
-    run = ["tiny", "--seq-len", "32", "--batch-size", "2", "--policy", "cpu",
-           "--precision", "fp32"]
+    run = ["tiny", "--seq-len", "32", "--batch-size", "1", "--grad-accum", "2",
+           "--checkpointing", "--policy", "cpu", "--precision", "fp32"]
     status = main(["tune", *run, "--trial-steps", "3", "--time-limit", "1s",
                    "--metrics", str(metrics), "--save-preset", str(preset)])
     out = capsys.readouterr().out
@@ -37,7 +38,8 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     trials = [r["trial"] for r in records if "trial" in r]
     (tuned,) = [r["tuned"] for r in records if "tuned" in r]
-    assert len(trials) == 7  # cuda, and auto and cpu at three margins
+    # cuda, and auto and cpu at three margins; each in 2 x 1 and 1 x 2, checkpointed or not
+    assert len(trials) == 28
     # How many trials fit in the second depends on the machine: on a loaded one the limit
     # passes during the first; on a quiet one the search may end first, when the forecast
     # says no untried setting can beat the best measured. Either way every candidate is
@@ -59,7 +61,7 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
     best = min(measured, key=lambda t: t["measured_seconds"])
     assert tuned["settings"] == best["settings"] and best["settled_steps"] == 3
     assert set(tuned["settings"]["engine"]) >= {"policy", "margin_ratio"}
-    assert out.count("\ntrial ") + out.startswith("trial ") == 7
+    assert out.count("\ntrial ") + out.startswith("trial ") == 28
     # What the trials measured teaches the next forecast on this machine.
     assert "time model: steps took " in out
     assert load_calibration().learned_from == 1
@@ -71,6 +73,11 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
     # step 1).
     steps = [r for r in records if "step" in r and "loss" in r]
     assert {s["policy"] for s in steps} - {"cpu"}
+    # and other splits: the fastest forecast is not the slowest shape the run started in
+    shapes = {(s["micro_batches"], s["activation_checkpointing"]) for s in steps}
+    assert shapes - {(2, True)}, shapes
+    assert set(tuned["settings"]["training"]) == {"batch_size", "grad_accum",
+                                                 "activation_checkpointing"}
 
     plain = tmp_path / "plain.jsonl"
     assert main(["run", *run, "--headless", "--steps", str(len(steps)),
@@ -162,13 +169,30 @@ def test_a_setting_goes_as_commands_and_its_steps_start_where_it_was_applied():
         t.step()
 
 
-def test_a_refused_command_and_a_change_of_shape_are_refused():
+def test_a_refused_command_refuses_the_setting():
     worker = Scripted([], {SetPolicy: "not enough memory", SetMargin: 1})
     t = trainer(worker)
     with pytest.raises(Refused, match="not enough memory"):
         t.apply(Candidate("cuda", 0.0, 2, 1, False, GIB))
-    with pytest.raises(Refused, match="only when the run starts"):
-        t.apply(Candidate("cpu", 0.0, 1, 2, False, GIB))
+
+
+def test_a_change_of_shape_goes_first_as_set_shape_and_a_refused_one_is_sent_again():
+    """The worker checks what comes after a new shape with that shape (not against a trace
+    of the old one), and takes them all back if its first step overruns."""
+    worker = Scripted([step(5, 1.0)], {SetShape: "micro-batches of 1 do not fit",
+                                       SetPolicy: 5})
+    t = trainer(worker)
+    with pytest.raises(Refused, match="micro-batches of 1 do not fit"):
+        t.apply(Candidate("auto", 0.0, 1, 2, True, GIB))
+    assert worker.sent == [SetShape(batch_size=1, grad_accum=2, activation_checkpointing=True),
+                           SetPolicy(policy="auto")]
+    worker.answers[SetShape] = 5
+    t.apply(Candidate("auto", 0.0, 1, 2, True, GIB))  # the policy is in force: not sent again
+    assert worker.sent[2:] == [SetShape(batch_size=1, grad_accum=2,
+                                        activation_checkpointing=True)]
+    assert t.step().seconds == 1.0
+    t.apply(Candidate("auto", 0.0, 1, 2, True, GIB))  # all in force: nothing sent
+    assert len(worker.sent) == 3
 
 
 def test_the_commands_of_one_setting_all_go_before_any_step_runs():

@@ -1,5 +1,6 @@
-"""What a saved trial becomes: the run's settings with the trial's policy, margin ratio and
-budget, and the lines the save dialog shows about it. Pure functions over settings and
+"""What a saved trial becomes: the run's settings with the trial's policy, margin ratio,
+budget and step shape (micro-batches of the run's global batch, checkpointing), and the
+lines the save dialog shows about it. Pure functions over settings and
 trials; the app opens the dialog (tuitrain.tui.save_dialog)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from tuitrain.trials import Trial, describe_measurements
 
 
 def trial_settings(settings: Settings, trial: Trial, *, default_budget: int | None) -> Settings:
-    """`settings` with `trial`'s policy, margin ratio and budget.
+    """`settings` with `trial`'s policy, margin ratio, budget and step shape.
 
     A budget the run took by default (none given, the worker chose `default_budget`) stays
     none when the trial ran under it, so that a run of the preset takes the default of its
@@ -24,7 +25,12 @@ def trial_settings(settings: Settings, trial: Trial, *, default_budget: int | No
         update={"policy": trial.policy, "margin_ratio": trial.margin_ratio,
                 "device_budget": budget}
     )
-    return settings.model_copy(update={"engine": engine})
+    t = settings.training
+    training = t.model_copy(update={
+        "batch_size": t.batch_size * t.grad_accum // trial.micro_batches,
+        "grad_accum": trial.micro_batches,
+        "activation_checkpointing": trial.activation_checkpointing})
+    return settings.model_copy(update={"engine": engine, "training": training})
 
 
 def settings_line(settings: Settings, *, default_budget: int | None) -> str:
@@ -36,7 +42,10 @@ def settings_line(settings: Settings, *, default_budget: int | None) -> str:
     budget = engine.device_budget or "default"
     if engine.device_budget is None and default_budget:
         budget += f" ({format_size(default_budget)} on this run)"
-    return f"policy {engine.policy} · margin {engine.margin_ratio:.2f} · budget {budget}"
+    t = settings.training
+    shape = f" · micro-batches {t.batch_size} x {t.grad_accum}" if t.grad_accum > 1 else ""
+    shape += " · checkpointing" if t.activation_checkpointing else ""
+    return f"policy {engine.policy} · margin {engine.margin_ratio:.2f} · budget {budget}{shape}"
 
 
 def save_summary(

@@ -32,28 +32,37 @@ COLUMNS = (
     ("mark", "", 2),
     ("policy", "policy", 6),
     ("margin", "margin", 7),
-    ("budget", "budget", 9),
+    ("budget", "budget", 7),
+    ("accum", "μb", 3),
     ("steps", "steps", 6),
     ("forecast", "fcst", 9),
     ("seconds", "s/step", 9),
     ("spread", "±", 5),
-    ("rate", "tok/s", 7),
+    ("rate", "tok/s", 6),
     ("note", " note", 17),
 )
 NOTE_MIN = COLUMNS[-1][2]
 FRAME = 3  # the border's two cells and the scrollbar's one
 LEGEND = (
     f"★ fastest within budget ({BEST_MIN_SETTLED}+ settled steps) · ▶ in trial · ● in force · "
-    "! over budget · ✗ does not fit · Enter/s: save row"
+    "! over budget · ✗ does not fit · μb: micro-batches a step, c: checkpointing · "
+    "Enter/s: save row"
 )
 
 
 def row_key(setting: Setting) -> str:
-    return f"{setting.policy}|{setting.margin_ratio}|{setting.device_budget}"
+    return (f"{setting.policy}|{setting.margin_ratio}|{setting.device_budget}|"
+            f"{setting.micro_batches}|{setting.activation_checkpointing}")
 
 
 def candidate_setting(candidate: tune.Candidate) -> Setting:
-    return Setting(candidate.policy, round(candidate.margin_ratio, 4), candidate.device_budget)
+    return Setting(candidate.policy, round(candidate.margin_ratio, 4), candidate.device_budget,
+                   candidate.grad_accum, candidate.activation_checkpointing)
+
+
+def short_size(nbytes: int) -> str:
+    """A budget in a narrow column: 6.0G, 512.0M."""
+    return format_size(nbytes).replace(" ", "").replace("iB", "")
 
 
 def _number(text: str, style: str = "") -> Text:
@@ -126,7 +135,8 @@ def trial_cells(trial: Trial | None, *, best: bool, in_force: bool,
         mark,
         policy,
         _number(f"{setting.margin_ratio:.2f}"),
-        _number(format_size(setting.device_budget)),
+        _number(short_size(setting.device_budget)),
+        _number(f"{setting.micro_batches}{'c' if setting.activation_checkpointing else ''}"),
         cells[0],
         _number(forecast, "dim"),
         *cells[1:],

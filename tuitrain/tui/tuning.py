@@ -51,14 +51,17 @@ class LiveTune:
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def start(self, settings: Settings, *, policy: str, margin_ratio: float,
-              device_budget: int, simulated: bool, trial_steps: int = 3) -> None:
-        """Search from the run's setting now; the run is `settings` (its batch shape)."""
+    def start(self, settings: Settings, *, shape: tuple[int, int, bool], policy: str,
+              margin_ratio: float, device_budget: int, simulated: bool,
+              trial_steps: int = 3) -> None:
+        """Search from the run's setting now: `shape` (micro-batch, accumulation,
+        checkpointing), policy, margin and budget; the run is `settings` (its global
+        batch)."""
         self.stopping = False
         self.events = queue.Queue()
-        run = {"settings": settings, "policy": policy, "margin_ratio": margin_ratio,
-               "device_budget": device_budget, "simulated": simulated,
-               "trial_steps": trial_steps}
+        run = {"settings": settings, "shape": shape, "policy": policy,
+               "margin_ratio": margin_ratio, "device_budget": device_budget,
+               "simulated": simulated, "trial_steps": trial_steps}
         self.thread = threading.Thread(target=self._run, kwargs=run, daemon=True,
                                        name="tuitrain-tune")
         self.thread.start()
@@ -80,8 +83,9 @@ class LiveTune:
             out.append(self.events.get_nowait())
         return out
 
-    def _run(self, *, settings: Settings, policy: str, margin_ratio: float,
-             device_budget: int, simulated: bool, trial_steps: int) -> None:
+    def _run(self, *, settings: Settings, shape: tuple[int, int, bool], policy: str,
+             margin_ratio: float, device_budget: int, simulated: bool,
+             trial_steps: int) -> None:
         from tuitrain.tune_setup import learn_from, tune_forecaster, tune_space
         from tuitrain.tune_worker import WorkerTrainer
 
@@ -89,11 +93,11 @@ class LiveTune:
             forecast, cal = tune_forecaster(
                 settings, simulated=simulated, say=lambda line: self.call(self.say, line))
             space = tune_space(settings, device_budget=device_budget)
-            t = settings.training
+            batch_size, grad_accum, checkpointing = shape
             trainer = WorkerTrainer(
                 lambda command: self.call(self.send, command), self._events,
-                batch_size=t.batch_size, grad_accum=t.grad_accum,
-                checkpointing=t.activation_checkpointing, policy=policy,
+                batch_size=batch_size, grad_accum=grad_accum,
+                checkpointing=checkpointing, policy=policy,
                 margin_ratio=margin_ratio, device_budget=device_budget,
                 stopped=lambda: self.stopping)
             result: TuneResult | str = search(
@@ -126,15 +130,20 @@ def toggle_tune(app: Any) -> None:
     table.forget_candidates()
     t = app.settings.training
     tokens = t.batch_size * t.grad_accum * t.seq_len
+    shape = (t.batch_size, t.grad_accum, t.activation_checkpointing)
+    if latest is not None:  # a search before may have changed it: the global batch stays
+        accum = latest.micro_batches
+        shape = (t.batch_size * t.grad_accum // accum, accum, latest.activation_checkpointing)
     app.tuning = tune = LiveTune(
         send=lambda command: app.worker.send(command), call=app.call_from_thread,
         on_trial=lambda trial: _trial_line(app, trial, tokens),
         on_done=lambda result: _done(app, result), say=app.add_log)
-    tune.start(app.settings,
+    tune.start(app.settings, shape=shape,
                policy=latest.policy if latest else engine.get("policy", "auto"),
                margin_ratio=latest.margin_ratio if latest else engine.get("margin_ratio", 0.0),
                device_budget=budget, simulated=started.device.startswith("simulated"))
-    app.add_log("tune: searching policy and margin on this run's steps (a stops)")
+    app.add_log("tune: searching policy, margin, micro-batches and checkpointing on this "
+                "run's steps (a stops)")
 
 
 def _trial_line(app: Any, trial: Trial, tokens: int) -> None:

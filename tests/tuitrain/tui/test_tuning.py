@@ -72,6 +72,8 @@ async def test_a_measures_settings_on_the_run_applies_the_best_and_s_saves_it():
         saved = load_preset(saved_dir() / f"tiny-{best.setting.policy}.yaml")
         assert saved.engine.policy == best.setting.policy
         assert saved.engine.margin_ratio == best.setting.margin_ratio
+        assert saved.training.grad_accum == best.setting.micro_batches
+        assert saved.training.activation_checkpointing == best.setting.activation_checkpointing
 
 
 async def test_a_again_stops_the_search_and_keeps_the_best_so_far():

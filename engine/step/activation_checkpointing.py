@@ -1,0 +1,27 @@
+"""Activation checkpointing of a Hugging Face model, read and switched between steps.
+
+transformers 5 renamed the methods and the flag (`activation_checkpointing_*`); 4.x has only
+the old names (`gradient_checkpointing_*`), which 5 still answers with a warning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["is_checkpointing", "set_checkpointing"]
+
+
+def is_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether `model`'s layers recompute their activations in backward."""
+    flag = ("is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    return bool(getattr(model, flag, False))
+
+
+def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """Switch it on or off (a model that cannot is a ValueError, transformers' own)."""
+    if on == is_checkpointing(model):
+        return
+    verb = "enable" if on else "disable"
+    switch = getattr(model, f"activation_checkpointing_{verb}", None)
+    (switch or getattr(model, f"gradient_checkpointing_{verb}"))()
