@@ -31,7 +31,7 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
     for precision, table in cal.matmul.items():
         rates = ", ".join(f"{_flops(r)} at width {w}" for w, r in sorted(table.items()))
         print(f"matmul {precision}: {rates}")
-    print(f"elementwise: {_bytes(cal.elementwise)} written")
+    print(f"elementwise: {_bytes(cal.elementwise)} read and written")
     print(f"copies:      host to device {_bytes(cal.h2d)}, device to host {_bytes(cal.d2h)}")
     print(f"AdamW:       {cal.adamw_host / 1e6:,.0f} M parameters/s on the host, "
           f"{cal.adamw_device / 1e6:,.0f} M/s on the device")

@@ -469,4 +469,5 @@ def plan(
         build_peak=host.runtime + host.built(),
         nproc=nproc,
         grad_accum=grad_accum,
+        lora=lora,
     )

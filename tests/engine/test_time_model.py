@@ -10,10 +10,12 @@ import math
 import pytest
 import torch
 
+from engine.models.lora import Lora
 from engine.models.zoo import count_parameters, model_config
 from engine.planning import calibration as calibration_module
 from engine.planning.calibration import (
-    LEARNING_WEIGHT,
+    CORRECTION_BOUNDS,
+    LEARNED_RUNS,
     calibration,
     calibration_path,
     fingerprint,
@@ -132,6 +134,29 @@ def test_a_plans_rows_get_their_own_traffic():
     assert cpu.total > cuda.total
 
 
+def test_a_lora_step_sends_back_and_updates_the_adapters_alone():
+    """Frozen chunks get no gradient: nothing of theirs is copied out or updated, and
+    backward computes the inputs' gradients through them, not the weights'."""
+    shape = dict(device_mem="1GiB", host_mem="16GiB", precision="fp32", batch_size=2,
+                 seq_len=32, simulated=True)
+    full = plan("tiny", **shape)
+    lora = plan("tiny", lora=Lora(rank=4), **shape)
+    work = step_work(model_config("tiny"), torch.float32, batch_size=2, seq_len=32,
+                     checkpointing=False, lora=Lora(rank=4))
+    assert 0 < work.trainable < 0.1 * full.parameters
+    cal = fixed_calibration()
+    plain, adapted = step_times(full, cal)["cpu"], step_times(lora, cal)["cpu"]
+    assert adapted.optimizer_host == pytest.approx(work.trainable / cal.adamw_host)
+    assert adapted.copy_d2h == pytest.approx(work.trainable * 4 / cal.d2h)
+    # Every frozen chunk is still fetched (forward and backward): the copies in stay.
+    assert adapted.copy_h2d == pytest.approx((lora.cpu.copied - work.trainable * 4) / cal.h2d)
+    assert adapted.copy_h2d > 0.9 * plain.copy_h2d
+    assert plain.forward < adapted.forward < 1.3 * plain.forward  # the adapters' own ops
+    assert adapted.backward < 0.75 * plain.backward
+    assert step_times(lora, cal)["cuda"].optimizer_device == pytest.approx(
+        work.trainable / cal.adamw_device)
+
+
 # --- the calibration --------------------------------------------------------------------
 
 
@@ -240,9 +265,10 @@ def test_a_runs_measured_steps_correct_the_next_forecast_on_this_machine(empty_c
     after = forecast(WORK, TRAFFIC, taught, precision="fp32", simulated=True)
     assert after.total == pytest.approx(2 * before.total)
     assert after.forward == pytest.approx(2 * before.forward)  # the parts still add up
-    # A later run weighs LEARNING_WEIGHT against what the earlier ones taught.
-    learn(taught, 4.0)
-    assert load_calibration().correction == pytest.approx(2.0 * 4.0 ** LEARNING_WEIGHT)
+    # A later run is one voice beside the earlier ones: the median of their ratios
+    # against the uncorrected model (here 2 and 0.75 x 2), within the bounds.
+    learn(taught, 0.75)
+    assert load_calibration().correction == pytest.approx((2.0 + 1.5) / 2)
     assert learn(load_calibration(), 1e4).learned_from == 2  # a wild ratio teaches nothing
     # A profile of another GPU keeps none of it; a new measurement starts over.
     assert hardware_profile("a100-40gb").calibration(load_calibration()).correction == 1.0
@@ -250,3 +276,23 @@ def test_a_runs_measured_steps_correct_the_next_forecast_on_this_machine(empty_c
         fixed_calibration(key, words), measured_at="2026-02-01T00:00:00+00:00"))
     assert load_calibration().correction == 1.0
     assert "correction" not in json.loads(calibration_path().read_text())
+
+
+def test_a_run_on_a_loaded_machine_cannot_swing_the_correction(empty_cache):
+    """Steps that waited for cores (x12 their forecast, seen at a load of 30 on 2 cores)
+    are one voice among the last runs', and no correction goes beyond its bounds."""
+    key, words = fingerprint()
+    cal = calibration(measure_fn=lambda: fixed_calibration(key, words))
+    for ratio in (1.10, 0.95, 1.05):
+        cal = learn(cal, ratio / cal.correction)  # measured against the corrected forecast
+    assert cal.correction == pytest.approx(1.05)
+    cal = learn(cal, 12.0 / cal.correction)
+    assert load_calibration().correction == pytest.approx((1.05 + 1.10) / 2)
+    low, high = CORRECTION_BOUNDS
+    for _ in range(LEARNED_RUNS):  # every run disturbed: bounded all the same
+        cal = learn(cal, 12.0 / cal.correction)
+    assert load_calibration().correction == high and len(cal.learned) == LEARNED_RUNS
+    for _ in range(LEARNED_RUNS):
+        cal = learn(cal, 0.01 / cal.correction)
+    assert load_calibration().correction == low
+    assert load_calibration().learned_from == 3 + 1 + 2 * LEARNED_RUNS
