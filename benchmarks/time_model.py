@@ -38,7 +38,8 @@ from engine.planning.calibration import calibration
 from engine.planning.planner import plan
 from engine.planning.time_model import step_times
 
-BATCH, SEQ = 2, 128
+SEQ = 128
+BATCH = 2  # sequences per micro-batch (--batch)
 TOLERANCE = 0.15
 
 
@@ -67,7 +68,8 @@ class Row:
         return self.predicted / self.measured if self.measured else float("nan")
 
     def label(self) -> str:
-        return (f"{self.model} {self.policy} m{self.margin:g} {format_size(self.budget)}"
+        return (f"{Path(self.model).name} {self.policy} m{self.margin:g} "
+                f"{format_size(self.budget)}"
                 f"{' ckpt' if self.checkpointing else ''} x{self.accum}"
                 f"{' disk' if self.disk else ''}")
 
@@ -144,13 +146,18 @@ def grid(models: list[str], quick: bool) -> list[Row]:
 
 
 def main() -> None:
+    global BATCH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["opt-125m", "llama"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--quick", action="store_true", help="three rows of the first model")
     parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
                         help="the rows whose label contains every TEXT (e.g. cpu ckpt)")
+    parser.add_argument("--rows", nargs="+", default=[], metavar="LABEL",
+                        help="these rows alone, by their label as the table prints it")
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per micro-batch")
     args = parser.parse_args()
+    BATCH = args.batch
     with tempfile.TemporaryDirectory() as root:
         models = [llama_folder(Path(root)) if m == "llama" else m for m in args.models]
         # The model alone: what tunes taught this machine (the learned correction) is left
@@ -159,7 +166,8 @@ def main() -> None:
         print(f"calibration: {cal.machine} ({cal.measured_at}); load "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         rows = [r for r in grid(models, args.quick)
-                if all(text in r.label() for text in args.only)]
+                if all(text in r.label() for text in args.only)
+                and (not args.rows or r.label() in args.rows)]
         print(f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'WALL':>8} "
               f"{'CPU':>8} {'LOAD':>5}")
         for row in rows:
