@@ -97,6 +97,17 @@ def test_on_cuda_copies_hide_behind_compute_up_to_its_length():
     assert t.total == pytest.approx(30.0 + 0.25)  # the link is the bottleneck, + the update
 
 
+def test_a_real_decoders_measured_cost_scales_the_compute_and_nothing_else():
+    """The calibration's compute factor (a real decoder measured against what the rates
+    forecast for it) multiplies the kernels' time; copies and the update are their own."""
+    plain = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True)
+    cal = dataclasses.replace(fixed_calibration(), compute_factor=3.0)
+    slow = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=True)
+    assert slow.forward == pytest.approx(3 * (1.0 + 1.0) + 1000 / 3 * 1e-5)
+    assert (slow.copy_h2d, slow.copy_d2h, slow.optimizer_host) == (
+        plain.copy_h2d, plain.copy_d2h, plain.optimizer_host)
+
+
 def test_the_precision_picks_its_matmul_rate():
     fp32 = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True)
     bf16 = forecast(WORK, TRAFFIC, fixed_calibration(), precision="bf16", simulated=True)
@@ -209,6 +220,7 @@ def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     assert all(math.isfinite(r) and r > 0 for r in rates)
     assert set(cal.matmul) == {"fp32", "bf16", "fp16"}
     assert cal.op_overhead >= 0 and cal.source == "this machine's calibration"
+    assert math.isfinite(cal.compute_factor) and cal.compute_factor > 0
     assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
 
 
