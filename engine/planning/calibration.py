@@ -27,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -67,14 +69,11 @@ COPY_BYTES = 64 * 2**20
 ADAMW_ELEMENTS = 4 * 2**20
 ELEMENTWISE_ELEMENTS = 4 * 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The correction is the median of the last runs' measured / forecast (the forecast without
-# correction): a run whose steps waited for cores others took (a shared machine) is one
-# voice among several, not a new factor for every later forecast.
+# The correction is the median of the last runs' measured / uncorrected forecast, so that a
+# run whose steps waited for cores (a shared machine) is one voice among several; and it
+# stays within bounds: a run 2x or more off its forecast was disturbed (seen: x12 at a load
+# of 30 on 2 cores), and would rank the next tune's candidates by that moment's load.
 LEARNED_RUNS = 9
-# How far the correction may go: the model's own terms are within tens of percent of a
-# quiet machine's step; a run measured 2x or more off its forecast was disturbed (seen: x12
-# at a load of 30 on 2 cores), and a correction that large would rank the next tune's
-# candidates by that moment's load.
 CORRECTION_BOUNDS = (0.5, 2.0)
 CORRECTION_RANGE = (1e-3, 1e3)  # beyond these a run measured nonsense: it teaches nothing
 
@@ -106,10 +105,10 @@ class Calibration:
     source: str = "this machine's calibration"
     extra: dict = field(default_factory=dict)
     # What runs on this machine taught (`learn`), kept in a file of its own beside this one:
-    # measured / forecast step time, and how many runs it comes from.
+    # the correction, how many runs taught it, and the uncorrected measured / forecast
+    # ratios of the last LEARNED_RUNS of them, oldest first.
     correction: float = 1.0
     learned_from: int = 0
-    # The uncorrected measured / forecast ratios of the last LEARNED_RUNS runs, oldest first.
     learned: list[float] = field(default_factory=list)
 
     def matmul_rate(self, precision: str, hidden: int) -> float:
@@ -121,8 +120,6 @@ class Calibration:
             return table[widths[0]]
         if hidden >= widths[-1]:
             return table[widths[-1]]
-        import math
-
         for lo, hi in zip(widths, widths[1:], strict=False):
             if lo <= hidden <= hi:
                 t = (math.log(hidden) - math.log(lo)) / (math.log(hi) - math.log(lo))
@@ -219,8 +216,6 @@ def load_calibration(key: str | None = None) -> Calibration | None:
 
 
 def _correction(ratios: list[float]) -> float:
-    import statistics
-
     low, high = CORRECTION_BOUNDS
     return min(high, max(low, statistics.median(ratios))) if ratios else 1.0
 
@@ -284,11 +279,10 @@ def calibration(*, refresh: bool = False, say: Callable[[str], None] | None = No
 class _Clock:
     """Shares the time limit out: each measurement repeats until its share is spent.
 
-    Runs are timed by `timer`: on the simulated device the measuring thread's CPU seconds.
-    That thread takes part in every parallel kernel (OpenMP's thread 0), so its CPU time is
-    the kernel's duration on a quiet machine, and a loaded one, which takes the cores away
-    between its slices, does not stretch it as it stretches the wall clock. A GPU's kernels
-    run while the thread waits: there, the wall clock."""
+    Timed by `timer`: on the simulated device the measuring thread's CPU seconds, which are
+    a kernel's duration on a quiet machine (that thread is OpenMP's thread 0 in every
+    parallel kernel) and which a loaded one, taking the cores away between its slices,
+    stretches far less than the wall clock. A GPU's kernels run while it waits: wall."""
 
     def __init__(self, limit: float, shares: int,
                  timer: Callable[[], float] = time.perf_counter) -> None:
