@@ -3,10 +3,12 @@
 For every setting of the grid, the plan's forecast (engine.planning.time_model, with this
 machine's calibration) beside the median of the measured steps (warm-up excluded), and
 their ratio; then every pair of rows whose measured times differ by more than 15%: does
-the forecast order them the same way?
+the forecast order them the same way? Measured is the stepping thread's CPU seconds (what
+a step takes on a quiet machine, see Row.measured); wall and process CPU seconds beside it.
 
     python benchmarks/time_model.py                    # the whole grid (long)
     python benchmarks/time_model.py --quick            # a few rows, few steps
+    python benchmarks/time_model.py --only opt-125m x1 # the rows whose label has both
 
 The grid: opt-125m and a Llama-shaped model of similar size (`--models`; the Llama one is
 written once to a temporary folder with random weights), policies cuda/auto/cpu, margins
@@ -18,6 +20,7 @@ per micro-batch. The calibration is this machine's cached one (measured first if
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import statistics
@@ -35,7 +38,8 @@ from engine.planning.calibration import calibration
 from engine.planning.planner import plan
 from engine.planning.time_model import step_times
 
-BATCH, SEQ = 2, 128
+SEQ = 128
+BATCH = 2  # sequences per micro-batch (--batch)
 TOLERANCE = 0.15
 
 
@@ -49,8 +53,14 @@ class Row:
     accum: int
     disk: bool
     predicted: float = 0.0
+    # The stepping thread's CPU seconds per step: what the step takes on a quiet machine.
+    # That thread runs the engine's Python and takes part in every parallel kernel (it is
+    # OpenMP's thread 0), so it is busy for the whole step whether or not other threads
+    # help; a loaded machine takes the cores away between its slices, which this clock
+    # does not count and the wall clock does.
     measured: float = 0.0
-    cpu: float = 0.0  # the process's CPU seconds per step: what a busy machine cannot stretch
+    wall: float = 0.0  # wall seconds per step: the same on a quiet machine, longer on a busy one
+    cpu: float = 0.0  # the process's CPU seconds per step, every thread's
     note: str = ""
 
     @property
@@ -58,7 +68,8 @@ class Row:
         return self.predicted / self.measured if self.measured else float("nan")
 
     def label(self) -> str:
-        return (f"{self.model} {self.policy} m{self.margin:g} {format_size(self.budget)}"
+        return (f"{Path(self.model).name} {self.policy} m{self.margin:g} "
+                f"{format_size(self.budget)}"
                 f"{' ckpt' if self.checkpointing else ''} x{self.accum}"
                 f"{' disk' if self.disk else ''}")
 
@@ -76,9 +87,9 @@ def llama_folder(root: Path) -> str:
     return str(folder)
 
 
-def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float]:
-    """(wall, CPU) seconds of a steady step: medians, the traced step and the one after it
-    excluded."""
+def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
+    """(stepping thread's CPU, wall, process CPU) seconds of a steady step: medians, the
+    traced step and the one after it excluded."""
     model = build_model(row.model, seed=0)
     if row.checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -91,14 +102,15 @@ def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float]:
     config = EngineConfig(policy=row.policy, margin_ratio=row.margin, device_budget=row.budget,
                           precision="fp32", grad_accum=row.accum, host_budget=host_budget,
                           disk_dir=disk_dir if row.disk else None, seed=0)
-    times, cpu = [], []
+    thread, wall, cpu = [], [], []
     with Engine(model, config) as eng:
         for _ in range(steps):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, w0, c0 = time.thread_time(), time.perf_counter(), time.process_time()
             eng.step({"input_ids": ids, "labels": ids})
-            times.append(time.perf_counter() - t0)
+            thread.append(time.thread_time() - t0)
+            wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
-    return statistics.median(times[2:]), statistics.median(cpu[2:])
+    return tuple(statistics.median(x[2:]) for x in (thread, wall, cpu))
 
 
 def _half_the_chunks(row: Row) -> int:
@@ -134,27 +146,39 @@ def grid(models: list[str], quick: bool) -> list[Row]:
 
 
 def main() -> None:
+    global BATCH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["opt-125m", "llama"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--quick", action="store_true", help="three rows of the first model")
+    parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
+                        help="the rows whose label contains every TEXT (e.g. cpu ckpt)")
+    parser.add_argument("--rows", nargs="+", default=[], metavar="LABEL",
+                        help="these rows alone, by their label as the table prints it")
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per micro-batch")
     args = parser.parse_args()
+    BATCH = args.batch
     with tempfile.TemporaryDirectory() as root:
         models = [llama_folder(Path(root)) if m == "llama" else m for m in args.models]
-        cal = calibration(say=print)
+        # The model alone: what tunes taught this machine (the learned correction) is left
+        # out, so that the table says how good the terms are.
+        cal = dataclasses.replace(calibration(say=print), correction=1.0)
         print(f"calibration: {cal.machine} ({cal.measured_at}); load "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-        rows = grid(models, args.quick)
-        print(f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'CPU':>8} "
-              f"{'LOAD':>5}")
+        rows = [r for r in grid(models, args.quick)
+                if all(text in r.label() for text in args.only)
+                and (not args.rows or r.label() in args.rows)]
+        print(f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'WALL':>8} "
+              f"{'CPU':>8} {'LOAD':>5}")
         for row in rows:
             row.predicted = predict(row, cal, root)
             if row.note:
                 print(f"{row.label():<44} {row.predicted:9.3f} {'-':>9} {'-':>6}  {row.note}")
                 continue
-            row.measured, row.cpu = measure(row, args.steps, root)
+            row.measured, row.wall, row.cpu = measure(row, args.steps, root)
             print(f"{row.label():<44} {row.predicted:9.3f} {row.measured:9.3f} "
-                  f"{row.ratio:6.2f} {row.cpu:8.3f} {os.getloadavg()[0]:5.1f}", flush=True)
+                  f"{row.ratio:6.2f} {row.wall:8.3f} {row.cpu:8.3f} "
+                  f"{os.getloadavg()[0]:5.1f}", flush=True)
         done = [r for r in rows if r.measured]
         within = sum(abs(r.ratio - 1) <= TOLERANCE for r in done)
         pairs = [(a, b) for a, b in itertools.combinations(done, 2)
@@ -162,6 +186,9 @@ def main() -> None:
         ordered = sum((a.measured < b.measured) == (a.predicted < b.predicted) for a, b in pairs)
         print(f"within {TOLERANCE:.0%}: {within}/{len(done)} rows; ordered as measured: "
               f"{ordered}/{len(pairs)} pairs; load now {os.getloadavg()[0]:.1f}")
+        for a, b in pairs:
+            if (a.measured < b.measured) != (a.predicted < b.predicted):
+                print(f"  out of order: {a.label()} / {b.label()}")
 
 
 if __name__ == "__main__":

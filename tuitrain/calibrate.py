@@ -31,13 +31,15 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
     for precision, table in cal.matmul.items():
         rates = ", ".join(f"{_flops(r)} at width {w}" for w, r in sorted(table.items()))
         print(f"matmul {precision}: {rates}")
-    print(f"elementwise: {_bytes(cal.elementwise)} written")
+    print(f"elementwise: {_bytes(cal.elementwise)} read and written")
     print(f"copies:      host to device {_bytes(cal.h2d)}, device to host {_bytes(cal.d2h)}")
     print(f"AdamW:       {cal.adamw_host / 1e6:,.0f} M parameters/s on the host, "
           f"{cal.adamw_device / 1e6:,.0f} M/s on the device")
     disk = (f"read {_bytes(cal.disk_read)}, write {_bytes(cal.disk_write)}" if cal.disk_read
             else "not measured (the scratch folder could not be written)")
     print(f"disk:        {disk}")
+    print(f"decoder:     x{cal.compute_factor:.2f} the rates' forecast for a real decoder's "
+          f"forward and backward")
     print(f"engine:      {format_seconds(cal.op_overhead)} per op (hooks and byte counting)")
     learned = (f"forecasts x{cal.correction:.2f}, from the steps of {cal.learned_from} "
                f"tune{'s' if cal.learned_from != 1 else ''} on this machine"

@@ -17,7 +17,9 @@ machine, or a new torch, measures again.
 
 Runs teach it: beside the figures, a correction (measured / forecast step time, learned from
 the steps a tune measured: `learn`) that every later forecast on this machine is multiplied
-by. A new measurement starts it over.
+by: the median of what the last LEARNED_RUNS runs measured, within CORRECTION_BOUNDS, so
+that one run on a loaded machine moves it little and no run moves it far. A new
+measurement starts it over.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,7 +55,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 1  # bump when what is measured changes: older files are measured again
+FORMAT = 2  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -65,9 +69,12 @@ COPY_BYTES = 64 * 2**20
 ADAMW_ELEMENTS = 4 * 2**20
 ELEMENTWISE_ELEMENTS = 4 * 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# A correction learned from one run is trusted this much against what earlier runs taught
-# (in log space): one run's load, or its model, must not swing every later forecast.
-LEARNING_WEIGHT = 0.5
+# The correction is the median of the last runs' measured / uncorrected forecast, so that a
+# run whose steps waited for cores (a shared machine) is one voice among several; and it
+# stays within bounds: a run 2x or more off its forecast was disturbed (seen: x12 at a load
+# of 30 on 2 cores), and would rank the next tune's candidates by that moment's load.
+LEARNED_RUNS = 9
+CORRECTION_BOUNDS = (0.5, 2.0)
 CORRECTION_RANGE = (1e-3, 1e3)  # beyond these a run measured nonsense: it teaches nothing
 
 
@@ -79,7 +86,7 @@ class Calibration:
     machine: str  # the fingerprint in words
     device: str  # "simulated" or the GPU's name
     matmul: dict[str, dict[int, float]]  # dtype -> width -> FLOPs per second on the device
-    elementwise: float  # bytes per second that non-matmul ops write on the device
+    elementwise: float  # bytes per second that non-matmul ops read and write on the device
     h2d: float  # copy bandwidth host -> device
     d2h: float  # device -> host
     adamw_host: float  # elements per second of the fused AdamW update on the host
@@ -87,6 +94,10 @@ class Calibration:
     disk_read: float  # the scratch folder's sequential bandwidth (0: not measured)
     disk_write: float
     op_overhead: float  # the engine's seconds per op beyond the op itself (hooks, counting)
+    # A real decoder's forward and backward measured over what the FLOPs and bytes above
+    # forecast for it: the small matmuls, the barriers between a parallel kernel's threads,
+    # and the dispatch of each op, which kernels measured alone at their best do not show.
+    compute_factor: float = 1.0
     measured_at: str = ""  # ISO time
     seconds: float = 0.0  # how long the measurement took
     # Where the device's figures come from: "this machine's calibration", or a hardware profile's
@@ -94,9 +105,11 @@ class Calibration:
     source: str = "this machine's calibration"
     extra: dict = field(default_factory=dict)
     # What runs on this machine taught (`learn`), kept in a file of its own beside this one:
-    # measured / forecast step time, and how many runs it comes from.
+    # the correction, how many runs taught it, and the uncorrected measured / forecast
+    # ratios of the last LEARNED_RUNS of them, oldest first.
     correction: float = 1.0
     learned_from: int = 0
+    learned: list[float] = field(default_factory=list)
 
     def matmul_rate(self, precision: str, hidden: int) -> float:
         """FLOPs per second of this precision's matmuls at a model width of `hidden`,
@@ -107,8 +120,6 @@ class Calibration:
             return table[widths[0]]
         if hidden >= widths[-1]:
             return table[widths[-1]]
-        import math
-
         for lo, hi in zip(widths, widths[1:], strict=False):
             if lo <= hidden <= hi:
                 t = (math.log(hidden) - math.log(lo)) / (math.log(hi) - math.log(lo))
@@ -119,7 +130,7 @@ class Calibration:
         out = dataclasses.asdict(self)
         out["matmul"] = {k: {str(w): r for w, r in v.items()} for k, v in self.matmul.items()}
         out["format"] = FORMAT
-        for learned in ("correction", "learned_from"):  # in the file beside
+        for learned in ("correction", "learned_from", "learned"):  # in the file beside
             out.pop(learned)
         return out
 
@@ -194,31 +205,42 @@ def load_calibration(key: str | None = None) -> Calibration | None:
     try:
         learned = json.loads(learned_path(cal.fingerprint).read_text(encoding="utf-8"))
         if learned.get("measured_at") == cal.measured_at:  # taught this measurement
-            cal.correction = float(learned["correction"])
+            # A file from before the history was kept holds its correction alone.
+            ratios = [float(r) for r in learned.get("ratios") or [learned["correction"]]]
+            cal.learned = ratios[-LEARNED_RUNS:]
+            cal.correction = _correction(cal.learned)
             cal.learned_from = int(learned["runs"])
     except (OSError, ValueError, TypeError, KeyError):
         pass
     return cal
 
 
+def _correction(ratios: list[float]) -> float:
+    low, high = CORRECTION_BOUNDS
+    return min(high, max(low, statistics.median(ratios))) if ratios else 1.0
+
+
 def learn(cal: Calibration, ratio: float) -> Calibration:
     """What a run measured teaches the calibration: `ratio` is its step times over their
-    forecasts (made with `cal`, its correction included). Kept beside the calibration for
-    the next forecast, and returned; a ratio beyond CORRECTION_RANGE teaches nothing.
+    forecasts (made with `cal`, its correction included). The new correction is the median
+    of the last LEARNED_RUNS runs' ratios, within CORRECTION_BOUNDS; kept beside the
+    calibration for the next forecast, and returned. A ratio beyond CORRECTION_RANGE
+    teaches nothing.
 
     Raises OSError when the file cannot be written."""
-    import math
-
     low, high = CORRECTION_RANGE
     if not low <= ratio <= high:
         return cal
-    weight = 1.0 if cal.learned_from == 0 else LEARNING_WEIGHT
-    correction = cal.correction * math.exp(weight * math.log(ratio))
-    taught = dataclasses.replace(cal, correction=correction, learned_from=cal.learned_from + 1)
+    # Against the model alone, so that every run's voice is comparable whatever the
+    # correction its forecast carried.
+    ratios = [*cal.learned, ratio * cal.correction][-LEARNED_RUNS:]
+    taught = dataclasses.replace(cal, correction=_correction(ratios), learned=ratios,
+                                 learned_from=cal.learned_from + 1)
     path = learned_path(cal.fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"correction": correction, "runs": taught.learned_from,
-                       "measured_at": cal.measured_at}, indent=2) + "\n"
+    text = json.dumps({"correction": taught.correction, "ratios": ratios,
+                       "runs": taught.learned_from, "measured_at": cal.measured_at},
+                      indent=2) + "\n"
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return taught
 
@@ -255,11 +277,18 @@ def calibration(*, refresh: bool = False, say: Callable[[str], None] | None = No
 
 
 class _Clock:
-    """Shares the time limit out: each measurement repeats until its share is spent."""
+    """Shares the time limit out: each measurement repeats until its share is spent.
 
-    def __init__(self, limit: float, shares: int) -> None:
+    Timed by `timer`: on the simulated device the measuring thread's CPU seconds, which are
+    a kernel's duration on a quiet machine (that thread is OpenMP's thread 0 in every
+    parallel kernel) and which a loaded one, taking the cores away between its slices,
+    stretches far less than the wall clock. A GPU's kernels run while it waits: wall."""
+
+    def __init__(self, limit: float, shares: int,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
         self.share = limit / shares
         self.deadline = time.perf_counter() + limit
+        self.timer = timer
 
     def rate(self, work: float, run: Callable[[], None], sync: Callable[[], None]) -> float:
         """`work` per second of `run`'s fastest run of as many as the share allows (one
@@ -273,10 +302,10 @@ class _Clock:
         while not times or (
                 (len(times) < 3 or time.perf_counter() - start < self.share)
                 and len(times) < 50 and time.perf_counter() < self.deadline):
-            t0 = time.perf_counter()
+            t0 = self.timer()
             run()
             sync()
-            times.append(time.perf_counter() - t0)
+            times.append(self.timer() - t0)
         return work / max(min(times), 1e-9)
 
 
@@ -302,7 +331,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     precisions = list(DTYPES) if cuda else ["fp32", "bf16"]
     # The engine's steps (_op_overhead) take what is left of the limit: building `tiny`
     # and its first steps take a few seconds on a busy machine.
-    clock = _Clock(left * KERNELS_SHARE, len(widths) * len(precisions) + 8)
+    clock = _Clock(left * KERNELS_SHARE, len(widths) * len(precisions) + 10,
+                   time.perf_counter if cuda else time.thread_time)
     tokens = max(16, int(TOKENS * scale))
 
     matmul: dict[str, dict[int, float]] = {}
@@ -322,7 +352,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     n = max(4096, int(ELEMENTWISE_ELEMENTS * scale))
     x, y = torch.full((n,), 0.5, device=where), torch.full((n,), 0.25, device=where)
     out = torch.empty(n, device=where)
-    elementwise = clock.rate(out.nbytes, lambda: torch.add(x, y, out=out), sync)
+    # Two tensors read, one written.
+    elementwise = clock.rate(3 * out.nbytes, lambda: torch.add(x, y, out=out), sync)
 
     numel = max(4096, int(COPY_BYTES * scale)) // 4
     host, dev = device.host_empty(numel, torch.float32), device.empty(numel, torch.float32)
@@ -347,6 +378,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         adamw_host=adamw_host, adamw_device=adamw_device,
         disk_read=disk_read, disk_write=disk_write, op_overhead=0.0,
     )
+    cal.compute_factor = _compute_factor(cal, clock, where, sync, scale)
     cal.op_overhead = _op_overhead(cal, model, simulate,
                                    started + limit - time.perf_counter())
     cal.seconds = time.perf_counter() - started
@@ -395,6 +427,39 @@ def _disk(scale: float) -> tuple[float, float]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# The decoder the compute factor is measured on: opt-125m's layers, two of them, at a
+# batch of 2 x 128 with a small vocabulary (so that its head does not dominate).
+REFERENCE = {"model": "opt-125m", "layers": 2, "vocab": 8192, "batch": 2, "seq_len": 128}
+
+
+def _compute_factor(cal: Calibration, clock: _Clock, where: torch.device,
+                    sync: Callable[[], None], scale: float) -> float:
+    """A real decoder's forward and backward (plain PyTorch, no engine) over the time the
+    calibration's rates forecast for its FLOPs and bytes (engine.planning.flops)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.zoo import model_config
+    from engine.planning.flops import step_work
+
+    config = model_config("tiny" if scale < 1.0 else REFERENCE["model"])
+    config.num_hidden_layers = REFERENCE["layers"]
+    config.vocab_size = min(config.vocab_size, REFERENCE["vocab"])
+    batch, seq = REFERENCE["batch"], max(8, int(REFERENCE["seq_len"] * scale))
+    with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
+        model = AutoModelForCausalLM.from_config(config).to(where).train()
+        ids = torch.zeros(batch, seq, dtype=torch.long, device=where)
+
+        def run() -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        measured = 1.0 / clock.rate(1.0, run, sync)
+    work = step_work(config, torch.float32, batch_size=batch, seq_len=seq, checkpointing=False)
+    forecast = ((work.forward_flops + work.backward_flops) / cal.matmul_rate("fp32", work.hidden)
+                + (work.forward_bytes + work.backward_bytes) / cal.elementwise)
+    return measured / forecast if forecast > 0 else 1.0
+
+
 def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None,
                  limit: float) -> float:
     """The engine's own seconds per op (its hooks and live-byte counter see every op): a
@@ -428,8 +493,8 @@ def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None
             wall = time.perf_counter() - w0
     steady = min(times[1:])  # the traced step left out; the fastest, as in _Clock.rate
     flops = work.forward_flops + work.backward_flops
-    ops = (flops / cal.matmul_rate("fp32", work.hidden)
-           + (work.forward_bytes + work.backward_bytes) / cal.elementwise
+    ops = (cal.compute_factor * (flops / cal.matmul_rate("fp32", work.hidden)
+                                 + (work.forward_bytes + work.backward_bytes) / cal.elementwise)
            + stats.bytes_h2d / cal.h2d + stats.bytes_d2h / cal.d2h
            + sum(p.numel() for p in model.parameters()) / cal.adamw_host)
     return max(0.0, (steady - ops) / work.ops)

@@ -1,5 +1,5 @@
 """The work of one training step, counted on the meta device: matmul FLOPs and the bytes
-the other ops write, forward, backward and recomputed, and the module intervals.
+the other ops read and write, forward, backward and recomputed, and the module intervals.
 
     work = step_work(model_config("opt-125m"), torch.float32, batch_size=2, seq_len=128,
                      checkpointing=False)
@@ -7,10 +7,10 @@ the other ops write, forward, backward and recomputed, and the module intervals.
 
 Matmuls (and attention) are compute-bound: their FLOPs come from torch.utils.flop_counter's
 formulas. Every other op (norms, activations, softmax, the loss, copies) is bound by memory:
-what it costs is the bytes it writes, which the time model prices at the device's elementwise
-bandwidth (engine.planning.calibration). The recomputation of activation checkpointing is
-the backward of a checkpointed step less the backward of a plain one: the same layers run
-their forward again.
+what it costs is the bytes it reads and writes, which the time model prices at the
+device's elementwise bandwidth (engine.planning.calibration). The recomputation of
+activation checkpointing is the backward of a checkpointed step less the backward of a plain
+one: the same layers run their forward again.
 
 The step runs with the recording's own attention (engine.planning.recording) on a shallow
 model: a stack of like layers is counted one and two layers deep and extrapolated, since
@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from transformers import PretrainedConfig
 
+from engine.models.lora import Lora
 from engine.planning.recording import _CpuAttention, _meta_model
 
 __all__ = ["StepWork", "step_work"]
@@ -51,7 +52,9 @@ _FREE = {"view", "_unsafe_view", "expand", "t", "transpose", "permute", "unsquee
 class StepWork:
     """The work of one micro-batch's forward and backward, summed over the model.
 
-    FLOPs are multiply-adds counted twice; bytes are what ops other than matmuls write."""
+    FLOPs are multiply-adds counted twice; bytes are what ops other than matmuls read and
+    write (a reduction such as a bias's gradient writes little and reads a whole
+    activation: the bytes it writes alone priced it at a thousandth of its time)."""
 
     forward_flops: float
     backward_flops: float  # the gradients' own, recomputation excluded
@@ -62,6 +65,8 @@ class StepWork:
     intervals: int  # module intervals the engine's hooks see in a step (fetch points)
     ops: int  # aten ops dispatched: the engine's live-byte counter sees each one
     hidden: int  # width of the model: the matmul shape its throughput is looked up at
+    # Parameters with gradients, which AdamW updates: every one, or a LoRA run's adapters.
+    trainable: int = 0
 
     def scaled(self, factor: float) -> StepWork:
         """This work `factor` times (micro-batches of one step)."""
@@ -72,7 +77,8 @@ class StepWork:
 
 
 class _Counter(TorchDispatchMode):
-    """Matmul FLOPs and written bytes of every op, forward apart from backward."""
+    """Matmul FLOPs and the bytes every other op reads and writes, forward apart from
+    backward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,15 +98,17 @@ class _Counter(TorchDispatchMode):
         elif func in (_ATTENTION, _ATTENTION_BACKWARD):
             self.flops[phase] += _attention_flops(func, args)
         elif packet.__name__.rstrip("_") not in _FREE:
-            self.bytes[phase] += sum(t.numel() * t.element_size() for t in _tensors(out))
+            moved = [*_tensors(out), *_tensors(args), *_tensors(list(kwargs.values()))]
+            self.bytes[phase] += sum(t.numel() * t.element_size() for t in moved)
         return out
 
 
-def _tensors(out: object) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for t in out if isinstance(t, torch.Tensor)]
+def _tensors(values: object, depth: int = 2) -> list[torch.Tensor]:
+    """The tensors of an op's output or arguments, lists included (torch.cat's inputs)."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (tuple, list)) and depth > 0:
+        return [t for v in values for t in _tensors(v, depth - 1)]
     return []
 
 
@@ -114,9 +122,12 @@ def _attention_flops(func: object, args: tuple) -> float:
 
 
 def _count(config: PretrainedConfig, dtype: torch.dtype, batch_size: int, seq_len: int,
-           checkpointing: bool) -> tuple[list[float], list[float], int, int]:
-    """(flops, bytes, intervals, ops) of one step: flops and bytes [forward, backward]."""
-    model = _meta_model(config, dtype, checkpointing)
+           checkpointing: bool, lora: Lora | None) -> tuple[list[float], list[float], int, int,
+                                                            int]:
+    """(flops, bytes, intervals, ops, trainable parameters) of one step: flops and bytes
+    [forward, backward]."""
+    model = _meta_model(config, dtype, checkpointing, lora)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fired = [0]
     handles = [m.register_forward_pre_hook(lambda *_: fired.__setitem__(0, fired[0] + 1))
                for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
@@ -133,7 +144,7 @@ def _count(config: PretrainedConfig, dtype: torch.dtype, batch_size: int, seq_le
             h.remove()
     # Every module fetched in forward is fetched again in backward; a recomputed one a
     # third time (its pre-hook fires again in backward).
-    return counter.flops, counter.bytes, forward_points + fired[0], counter.ops
+    return counter.flops, counter.bytes, forward_points + fired[0], counter.ops, trainable
 
 
 def _depth(config: PretrainedConfig, layers: int) -> PretrainedConfig:
@@ -146,28 +157,32 @@ def _depth(config: PretrainedConfig, layers: int) -> PretrainedConfig:
 
 @lru_cache(maxsize=32)
 def _cached(config_json: str, config_class: type, dtype: torch.dtype, batch_size: int,
-            seq_len: int, checkpointing: bool) -> tuple[list[float], list[float], int, int]:
+            seq_len: int, lora: Lora | None, checkpointing: bool
+            ) -> tuple[list[float], list[float], int, int, int]:
     config = config_class.from_dict(json.loads(config_json))
     layers = getattr(config, "num_hidden_layers", None)
     uniform = len(set(getattr(config, "layer_types", None) or [None])) == 1
     if not (isinstance(layers, int) and layers > 2 and uniform):
-        return _count(config, dtype, batch_size, seq_len, checkpointing)
-    one = _count(_depth(config, 1), dtype, batch_size, seq_len, checkpointing)
-    two = _count(_depth(config, 2), dtype, batch_size, seq_len, checkpointing)
+        return _count(config, dtype, batch_size, seq_len, checkpointing, lora)
+    one = _count(_depth(config, 1), dtype, batch_size, seq_len, checkpointing, lora)
+    two = _count(_depth(config, 2), dtype, batch_size, seq_len, checkpointing, lora)
     # Work grows by the same amount with every layer: base + layers x one layer's.
     flops, nbytes = ([a + (layers - 1) * (b - a) for a, b in zip(x, y, strict=True)]
                      for x, y in ((one[0], two[0]), (one[1], two[1])))
-    intervals, ops = (one[i] + (layers - 1) * (two[i] - one[i]) for i in (2, 3))
-    return flops, nbytes, intervals, ops
+    intervals, ops, trainable = (one[i] + (layers - 1) * (two[i] - one[i]) for i in (2, 3, 4))
+    return flops, nbytes, intervals, ops, trainable
 
 
 def step_work(config: PretrainedConfig, dtype: torch.dtype, *, batch_size: int, seq_len: int,
-              checkpointing: bool) -> StepWork:
-    """The work of one forward and backward of `config`'s model on a batch of this shape.
+              checkpointing: bool, lora: Lora | None = None) -> StepWork:
+    """The work of one forward and backward of `config`'s model on a batch of this shape
+    (with `lora`'s adapters: the frozen base weights get no gradient, so backward computes
+    the inputs' gradients alone through them).
 
     Nothing is allocated (the model lives on the meta device); a few tenths of a second."""
-    key = (config.to_json_string(use_diff=False), type(config), dtype, batch_size, seq_len)
-    flops, nbytes, intervals, ops = _cached(*key, checkpointing)
+    key = (config.to_json_string(use_diff=False), type(config), dtype, batch_size, seq_len,
+           lora)
+    flops, nbytes, intervals, ops, trainable = _cached(*key, checkpointing)
     recompute_flops = recompute_bytes = 0.0
     if checkpointing:
         plain_flops, plain_bytes, *_ = _cached(*key, False)
@@ -183,4 +198,5 @@ def step_work(config: PretrainedConfig, dtype: torch.dtype, *, batch_size: int, 
         intervals=intervals,
         ops=ops,
         hidden=int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0),
+        trainable=trainable,
     )

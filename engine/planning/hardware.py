@@ -32,8 +32,6 @@ PCIE_LANE = {3: 0.985e9, 4: 1.969e9, 5: 3.938e9}
 # Bytes AdamW moves per element: reads parameter, gradient and both moments, writes back
 # the parameter and both moments, all fp32.
 ADAMW_BYTES = 28
-# Bytes an elementwise op moves per byte it writes (it reads about two inputs).
-ELEMENTWISE_TRAFFIC = 3
 
 
 class UnknownHardware(ValueError):
@@ -66,12 +64,14 @@ class HardwareProfile:
             host,
             device=self.description,
             matmul={p: {768: r} for p, r in rates.items()},
-            elementwise=memory / ELEMENTWISE_TRAFFIC,
+            elementwise=memory,  # what other ops read and write
             h2d=self.pcie,
             d2h=self.pcie,
             adamw_device=memory / ADAMW_BYTES,
+            compute_factor=1.0,  # the derating stands for it
             correction=1.0,  # what runs on this host taught is no property of that GPU
             learned_from=0,
+            learned=[],
             source=(f"the published specs of {self.description}, an estimate "
                     f"(derated: matmul x{DERATING['matmul']}, memory x{DERATING['memory']}, "
                     f"PCIe x{DERATING['pcie']}) with this host's measured CPU and disk"),

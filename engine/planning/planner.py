@@ -477,4 +477,5 @@ def plan(
         build_peak=host.runtime + host.built(),
         nproc=nproc,
         grad_accum=grad_accum,
+        lora=lora,
     )

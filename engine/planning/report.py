@@ -7,6 +7,10 @@ them as plain data, for --json).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.models.lora import Lora
 
 __all__ = ["Plan", "PolicyPlan", "Recommendation"]
 
@@ -91,6 +95,7 @@ class Plan:
     # included): the model is never whole in host memory, only the chunk state kept so
     # far (under a host budget, at most the budget), one chunk and one tensor read.
     build_peak: int = 0
+    lora: Lora | None = None  # the adapters a LoRA run trains; None: every parameter trains
 
     @property
     def uses_disk(self) -> bool:

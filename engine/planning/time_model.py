@@ -6,8 +6,9 @@
 A step is `grad_accum` micro-batches of forward and backward, then one update:
 
 - compute: matmul FLOPs at the calibrated throughput of the precision and the model's width,
-  the bytes other ops write at the device's elementwise bandwidth, and the engine's own cost
-  per op (engine.planning.flops counts both; engine.planning.calibration measures the rates),
+  the bytes other ops read and write at the device's elementwise bandwidth, and the engine's
+  own cost per op (engine.planning.flops counts both; engine.planning.calibration measures
+  the rates),
   forward, backward and the forward recomputed under activation checkpointing;
 - copies each way: the plan's copied bytes (fetches to the device, gradients back for the
   chunks updated on the host) at the calibrated bandwidths;
@@ -93,7 +94,7 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     micro = max(1, grad_accum)
 
     def seconds(flops: float, nbytes: float, ops: float) -> float:
-        kernels = flops / rate + nbytes / cal.elementwise
+        kernels = cal.compute_factor * (flops / rate + nbytes / cal.elementwise)
         # The engine's own work per op runs on the host: in line with the ops on the
         # simulated device; on CUDA beside the kernels it queued, which run asynchronously.
         host = ops * cal.op_overhead
@@ -148,14 +149,17 @@ def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[s
     StepTime; `grad_accum` micro-batches of the plan's batch per step."""
     from engine.models.zoo import model_config
 
+    lora = getattr(plan, "lora", None)
     work = step_work(model_config(plan.model), _DTYPES[plan.precision],
                      batch_size=plan.batch_size // plan.nproc, seq_len=plan.seq_len,
-                     checkpointing=plan.checkpointing)
+                     checkpointing=plan.checkpointing, lora=lora)
     itemsize = _DTYPES[plan.precision].itemsize
     # A rank's share of the chunks' state; what is on neither host nor disk is on the
     # device, whose chunks update there.
     state = plan.model_bytes / plan.nproc
-    parameters = plan.parameters / plan.nproc
+    # What AdamW updates and what sends gradients back: a LoRA run's adapters alone (its
+    # frozen chunks get no gradient, so they copy nothing out and update nothing).
+    parameters = (work.trainable if lora is not None else plan.parameters) / plan.nproc
     out = {}
     for name, row in plan.policies.items():
         off_device = (row.host_model + row.disk_bytes) / state if state else 1.0

@@ -10,10 +10,12 @@ import math
 import pytest
 import torch
 
+from engine.models.lora import Lora
 from engine.models.zoo import count_parameters, model_config
 from engine.planning import calibration as calibration_module
 from engine.planning.calibration import (
-    LEARNING_WEIGHT,
+    CORRECTION_BOUNDS,
+    LEARNED_RUNS,
     calibration,
     calibration_path,
     fingerprint,
@@ -95,6 +97,17 @@ def test_on_cuda_copies_hide_behind_compute_up_to_its_length():
     assert t.total == pytest.approx(30.0 + 0.25)  # the link is the bottleneck, + the update
 
 
+def test_a_real_decoders_measured_cost_scales_the_compute_and_nothing_else():
+    """The calibration's compute factor (a real decoder measured against what the rates
+    forecast for it) multiplies the kernels' time; copies and the update are their own."""
+    plain = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True)
+    cal = dataclasses.replace(fixed_calibration(), compute_factor=3.0)
+    slow = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=True)
+    assert slow.forward == pytest.approx(3 * (1.0 + 1.0) + 1000 / 3 * 1e-5)
+    assert (slow.copy_h2d, slow.copy_d2h, slow.optimizer_host) == (
+        plain.copy_h2d, plain.copy_d2h, plain.optimizer_host)
+
+
 def test_the_precision_picks_its_matmul_rate():
     fp32 = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True)
     bf16 = forecast(WORK, TRAFFIC, fixed_calibration(), precision="bf16", simulated=True)
@@ -130,6 +143,29 @@ def test_a_plans_rows_get_their_own_traffic():
     assert cpu.copy_h2d + cpu.copy_d2h == pytest.approx(p.cpu.copied / 1e9)
     assert cpu.compute == pytest.approx(cuda.compute)
     assert cpu.total > cuda.total
+
+
+def test_a_lora_step_sends_back_and_updates_the_adapters_alone():
+    """Frozen chunks get no gradient: nothing of theirs is copied out or updated, and
+    backward computes the inputs' gradients through them, not the weights'."""
+    shape = dict(device_mem="1GiB", host_mem="16GiB", precision="fp32", batch_size=2,
+                 seq_len=32, simulated=True)
+    full = plan("tiny", **shape)
+    lora = plan("tiny", lora=Lora(rank=4), **shape)
+    work = step_work(model_config("tiny"), torch.float32, batch_size=2, seq_len=32,
+                     checkpointing=False, lora=Lora(rank=4))
+    assert 0 < work.trainable < 0.1 * full.parameters
+    cal = fixed_calibration()
+    plain, adapted = step_times(full, cal)["cpu"], step_times(lora, cal)["cpu"]
+    assert adapted.optimizer_host == pytest.approx(work.trainable / cal.adamw_host)
+    assert adapted.copy_d2h == pytest.approx(work.trainable * 4 / cal.d2h)
+    # Every frozen chunk is still fetched (forward and backward): the copies in stay.
+    assert adapted.copy_h2d == pytest.approx((lora.cpu.copied - work.trainable * 4) / cal.h2d)
+    assert adapted.copy_h2d > 0.9 * plain.copy_h2d
+    assert plain.forward < adapted.forward < 1.3 * plain.forward  # the adapters' own ops
+    assert adapted.backward < 0.75 * plain.backward
+    assert step_times(lora, cal)["cuda"].optimizer_device == pytest.approx(
+        work.trainable / cal.adamw_device)
 
 
 # --- the calibration --------------------------------------------------------------------
@@ -184,6 +220,7 @@ def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     assert all(math.isfinite(r) and r > 0 for r in rates)
     assert set(cal.matmul) == {"fp32", "bf16", "fp16"}
     assert cal.op_overhead >= 0 and cal.source == "this machine's calibration"
+    assert math.isfinite(cal.compute_factor) and cal.compute_factor > 0
     assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
 
 
@@ -240,9 +277,10 @@ def test_a_runs_measured_steps_correct_the_next_forecast_on_this_machine(empty_c
     after = forecast(WORK, TRAFFIC, taught, precision="fp32", simulated=True)
     assert after.total == pytest.approx(2 * before.total)
     assert after.forward == pytest.approx(2 * before.forward)  # the parts still add up
-    # A later run weighs LEARNING_WEIGHT against what the earlier ones taught.
-    learn(taught, 4.0)
-    assert load_calibration().correction == pytest.approx(2.0 * 4.0 ** LEARNING_WEIGHT)
+    # A later run is one voice beside the earlier ones: the median of their ratios
+    # against the uncorrected model (here 2 and 0.75 x 2), within the bounds.
+    learn(taught, 0.75)
+    assert load_calibration().correction == pytest.approx((2.0 + 1.5) / 2)
     assert learn(load_calibration(), 1e4).learned_from == 2  # a wild ratio teaches nothing
     # A profile of another GPU keeps none of it; a new measurement starts over.
     assert hardware_profile("a100-40gb").calibration(load_calibration()).correction == 1.0
@@ -250,3 +288,23 @@ def test_a_runs_measured_steps_correct_the_next_forecast_on_this_machine(empty_c
         fixed_calibration(key, words), measured_at="2026-02-01T00:00:00+00:00"))
     assert load_calibration().correction == 1.0
     assert "correction" not in json.loads(calibration_path().read_text())
+
+
+def test_a_run_on_a_loaded_machine_cannot_swing_the_correction(empty_cache):
+    """Steps that waited for cores (x12 their forecast, seen at a load of 30 on 2 cores)
+    are one voice among the last runs', and no correction goes beyond its bounds."""
+    key, words = fingerprint()
+    cal = calibration(measure_fn=lambda: fixed_calibration(key, words))
+    for ratio in (1.10, 0.95, 1.05):
+        cal = learn(cal, ratio / cal.correction)  # measured against the corrected forecast
+    assert cal.correction == pytest.approx(1.05)
+    cal = learn(cal, 12.0 / cal.correction)
+    assert load_calibration().correction == pytest.approx((1.05 + 1.10) / 2)
+    low, high = CORRECTION_BOUNDS
+    for _ in range(LEARNED_RUNS):  # every run disturbed: bounded all the same
+        cal = learn(cal, 12.0 / cal.correction)
+    assert load_calibration().correction == high and len(cal.learned) == LEARNED_RUNS
+    for _ in range(LEARNED_RUNS):
+        cal = learn(cal, 0.01 / cal.correction)
+    assert load_calibration().correction == low
+    assert load_calibration().learned_from == 3 + 1 + 2 * LEARNED_RUNS
