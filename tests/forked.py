@@ -12,6 +12,7 @@ absolute peak.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -39,6 +40,9 @@ def adopt(environ: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(environ)
     tempfile.tempdir = None  # chosen again from TMPDIR
+    # The server's imports, out of the cycle collector's sight (tests/conftest.py says
+    # why): each engine's close collects, and would walk all of them every time.
+    gc.freeze()
 
 
 def _exec(script: str, argv: list[str], out: str, environ: dict[str, str]) -> None:
