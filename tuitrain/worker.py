@@ -42,6 +42,10 @@ HISTORY_LENGTH = 2000  # step samples kept for plots: minutes of a fast run, hou
 MAX_EVENTS_PER_POLL = 5000
 # After stop() gives up waiting: SIGTERM, then this long before SIGKILL.
 TERMINATE_GRACE_SECONDS = 2.0
+# How a worker process starts: a fresh interpreter, since CUDA does not survive a fork. The
+# tests put a context of their own here, which forks workers from a server that imported
+# torch once (tests/tuitrain/forked_workers.py): the same child, without seconds of imports.
+CONTEXT: multiprocessing.context.BaseContext = multiprocessing.get_context("spawn")
 
 
 class ProcessWorker:
@@ -93,10 +97,9 @@ class ProcessWorker:
             raise RuntimeError("this worker was already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.touch()
-        context = multiprocessing.get_context("spawn")  # CUDA does not survive fork
-        command_reader, command_writer = context.Pipe(duplex=False)
-        event_reader, event_writer = context.Pipe(duplex=False)
-        process = context.Process(
+        command_reader, command_writer = CONTEXT.Pipe(duplex=False)
+        event_reader, event_writer = CONTEXT.Pipe(duplex=False)
+        process = CONTEXT.Process(
             target=worker_main,
             name="tuitrain-worker",
             kwargs={

@@ -9,8 +9,6 @@ import json
 import math
 import multiprocessing
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -268,14 +266,14 @@ def test_a_missing_eval_data_path_is_one_line(capsys, tmp_path):
 
 
 # --- held-out text the worker cannot use: one line, status 2 ---------------------------------
+# The worker finds these (it reads the data): the command in this process, its worker a
+# process of its own (tests/tuitrain/forked_workers.py).
 
 
-def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tuitrain", *args], cwd=cwd, text=True,
-                          capture_output=True, stdin=subprocess.DEVNULL, timeout=240)
-
-
-def one_error_line(err: str) -> str:
+def refused_by_the_worker(capsys, args: list[str]) -> str:
+    """The one line on stderr of `tuitrain ARGS`, which exits with status 2."""
+    assert main(args) == 2
+    err = capsys.readouterr().err
     assert "Traceback" not in err
     lines = err.splitlines()
     assert len(lines) == 1, err
@@ -284,25 +282,23 @@ def one_error_line(err: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_corpus_of_one_document_has_nothing_to_hold_out(tmp_path):
+def test_a_corpus_of_one_document_has_nothing_to_hold_out(tmp_path, capsys):
     corpus = tmp_path / "one.txt"
     corpus.write_text("a single text file is a single document\n" * 200)
-    done = run_cli(["run", "tiny", "--headless", "--steps", "1", "--seq-len", "16",
-                    "--data", str(corpus), "--eval-fraction", "0.05"], tmp_path)
-    assert done.returncode == 2
-    line = one_error_line(done.stderr)
+    line = refused_by_the_worker(capsys, [
+        "run", "tiny", "--headless", "--steps", "1", "--seq-len", "16", "--data", str(corpus),
+        "--eval-fraction", "0.05"])
     assert "nothing to hold out: the data is one document (a text file is one)" in line
 
 
 @pytest.mark.slow
-def test_a_missing_text_field_names_the_file_and_the_fields_found(tmp_path):
+def test_a_missing_text_field_names_the_file_and_the_fields_found(tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i}", "id": i}) + "\n"
                               for i in range(50)))
-    done = run_cli(["run", "tiny", "--headless", "--steps", "1", "--seq-len", "16",
-                    "--data", str(corpus), "--text-field", "body"], tmp_path)
-    assert done.returncode == 2
-    line = one_error_line(done.stderr)
+    line = refused_by_the_worker(capsys, [
+        "run", "tiny", "--headless", "--steps", "1", "--seq-len", "16", "--data", str(corpus),
+        "--text-field", "body"])
     assert line == (f'tuitrain: error: {corpus}:1: expected an object with a string "body" '
                     f"field (fields: text, id)")
 

@@ -16,6 +16,7 @@ import torch
 
 from engine.config import format_size
 from engine.planning.planner import plan
+from tests.forked import adopt, context
 from tuitrain import fit
 from tuitrain.events import Log, Stop
 from tuitrain.settings import SIMULATED_DEVICE_BUDGET, Settings
@@ -247,8 +248,11 @@ def test_ranks_whose_state_does_not_fit_this_machine_each_get_a_host_budget(monk
     assert f"of training state per rank goes to disk under {tmp_path}" in said[0]
 
 
-def _settle_as_rank(rank: int, store: str, out: str, rooms: list[int]) -> None:
-    """A rank that joined the others, whose reading of the machine's room is its own."""
+def _settle_as_rank(rank: int, store: str, out: str, rooms: list[int],
+                    environ: dict[str, str]) -> None:
+    """A rank that joined the others, whose reading of the machine's room is its own.
+    Forked from the tests' server (tests/forked.py), with the test's environment."""
+    adopt(environ)
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -272,9 +276,9 @@ def test_ranks_that_found_different_room_settle_alike_on_the_least(monkeypatch, 
                   precision="fp32", batch_size=2, seq_len=64, simulated=True, nproc=2)
     least = result.auto.machine_host_peak - (result.auto.device_peak - result.working_set)
     rooms = [least + 64 * MiB, least]  # read at other moments, other processes coming and going
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_settle_as_rank, args=(r, str(tmp_path / "store"),
-                                                       str(tmp_path), rooms)) for r in (0, 1)]
+    procs = [context().Process(target=_settle_as_rank,
+                               args=(r, str(tmp_path / "store"), str(tmp_path), rooms,
+                                     dict(os.environ))) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.tuitrain.forked_workers import worker_processes
 from tuitrain.headless import run_headless
 from tuitrain.settings import Settings
 
@@ -162,19 +163,7 @@ def _session_empties(session: int, timeout: float = 10.0) -> bool:
 @pytest.fixture(autouse=True)
 def _no_worker_left_behind():
     yield
-    spawned = [
-        child
-        for child in psutil.Process().children(recursive=True)
-        if "spawn_main" in " ".join(_cmdline(child))
-    ]
-    assert spawned == []
-
-
-def _cmdline(process: psutil.Process) -> list[str]:
-    try:
-        return process.cmdline()
-    except psutil.NoSuchProcess:
-        return []
+    assert worker_processes() == []
 
 
 def test_a_step_with_a_disk_tier_says_what_it_read_wrote_and_waited() -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from engine.data.tokenizer import train_tokenizer
+from tuitrain.cli import main
 
 pytestmark = pytest.mark.slow  # a pretraining loop and a worker process: tens of seconds
 
@@ -75,7 +74,7 @@ def held_out_loss(model_folder: Path, tokenizer_folder: Path, text: str) -> floa
         return float(model(input_ids=sequences, labels=sequences).loss)
 
 
-def test_fine_tuning_a_pretrained_folder_lowers_its_held_out_loss(tmp_path):
+def test_fine_tuning_a_pretrained_folder_lowers_its_held_out_loss(tmp_path, monkeypatch, capsys):
     start = tmp_path / "pretrained"
     pretrained_model(start)
     train = tmp_path / "train.txt"
@@ -83,15 +82,15 @@ def test_fine_tuning_a_pretrained_folder_lowers_its_held_out_loss(tmp_path):
     held_out = prose(999, DOMAIN, 80)
     (tmp_path / "held.txt").write_text(held_out)
 
-    done = subprocess.run(
-        [sys.executable, "-m", "tuitrain", "run", str(start), "--headless", "--steps", "12",
-         "--batch-size", str(BATCH), "--seq-len", str(SEQ_LEN), "--lr", "3e-3",
-         "--precision", "fp32", "--data", "train.txt", "--eval-data", "held.txt",
-         "--eval-every", "6", "--eval-batches", str(EVAL_BATCHES), "--checkpoint-dir", "ck",
-         "--metrics", "m.jsonl"],
-        cwd=tmp_path, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "held-out loss" in done.stdout
+    monkeypatch.chdir(tmp_path)
+    status = main(["run", str(start), "--headless", "--steps", "12",
+                   "--batch-size", str(BATCH), "--seq-len", str(SEQ_LEN), "--lr", "3e-3",
+                   "--precision", "fp32", "--data", "train.txt", "--eval-data", "held.txt",
+                   "--eval-every", "6", "--eval-batches", str(EVAL_BATCHES),
+                   "--checkpoint-dir", "ck", "--metrics", "m.jsonl"])
+    done = capsys.readouterr()
+    assert status == 0, done.out + done.err
+    assert "held-out loss" in done.out
 
     checkpoint = tmp_path / "ck" / "step-000012" / "model"
     config = json.loads((checkpoint / "config.json").read_text())

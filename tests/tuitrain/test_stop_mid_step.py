@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import subprocess
-import sys
 
 import torch
 from safetensors.torch import load_file
 
 from engine.step.runner import StepRunner
+from tests.forked import run_script
 from tuitrain.events import Finished, Log, Step, Stop
 from tuitrain.settings import Settings
 from tuitrain.training_run import TrainingRun
@@ -110,7 +109,6 @@ lock.acquire()
 lock.acquire(timeout=2)  # the main thread blocked in native code, as in a CUDA backward
 print(heard)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['tuitrain-interrupt']"
+    # A process of its own, for its signal mask and threads: forked (tests/forked.py).
+    out = run_script(script, timeout=60)
+    assert out.strip().splitlines()[-1] == "['tuitrain-interrupt']", out

@@ -1,7 +1,9 @@
-"""ProcessWorker: a real spawned worker training `tiny`, steered and observed over its pipes.
+"""ProcessWorker: a real worker training `tiny`, steered and observed over its pipes.
 
-Starting a worker costs seconds (the child imports torch and transformers), so one long run
-is shared by the tests that steer it, in the order they are written, and ended by the last.
+Starting a worker costs seconds (a spawned child imports torch and transformers), so one
+long run is shared by the tests that steer it, in the order they are written, and ended by
+the last. That run is spawned, as the product starts its workers; the other tests' workers
+are forked from the tests' server (tests/tuitrain/forked_workers.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import psutil
 import pytest
 
 from engine import format_size, parse_size
+from tests.tuitrain.forked_workers import spawned, worker_processes
 from tuitrain.events import (
     Applied,
     Checkpoint,
@@ -96,18 +99,6 @@ class Watch:
         return self.until(lambda e: isinstance(e, Step))
 
 
-def worker_children() -> list[psutil.Process]:
-    """Spawned workers still running under this test process."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "spawn_main" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Watch]:
     folder = tmp_path_factory.mktemp("live")
@@ -115,7 +106,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Watch]:
         settings=tiny_settings(metrics=str(folder / "metrics.jsonl")),
         log_path=folder / "worker.log",
     )
-    worker.start()
+    with spawned():
+        worker.start()
     try:
         watch = Watch(worker)
         watch.until(lambda e: isinstance(e, Started), timeout=START_SECONDS)
@@ -135,6 +127,8 @@ def test_started_names_the_model_the_device_and_the_settings_used(live: Watch) -
     assert started.device == f"simulated, {format_size(budget)}"
     assert started.chunks, "the chunk map is known before the first step"
     assert started.pid == live.worker.pid != os.getpid()
+    # The product's own start: a fresh interpreter, not a fork of the tests' server.
+    assert "spawn_main" in " ".join(psutil.Process(started.pid).cmdline())
     assert started.log_path == str(live.worker.log_path)
     # the budget the engine runs with is written out, so the settings reproduce the run
     assert started.settings["training"]["seq_len"] == 16
@@ -233,7 +227,7 @@ def test_stop_finishes_writes_metrics_and_leaves_no_process(live: Watch) -> None
 
     assert not worker.alive
     assert not psutil.pid_exists(pid)
-    assert worker_children() == []
+    assert worker_processes() == []
     worker.stop()  # idempotent
     late = worker.send(SetMargin(margin_ratio=0.5))
     assert worker.poll() == [Rejected(late, "the worker is not running")]
@@ -258,7 +252,7 @@ def test_a_killed_worker_is_reported_within_a_second(tmp_path: Path) -> None:
     assert "signal 9 (SIGKILL)" in failed.reason
     assert any("started" in line for line in failed.log_tail), failed.log_tail
     assert worker.result is failed
-    assert worker_children() == []
+    assert worker_processes() == []
 
 
 @pytest.mark.alone
@@ -321,4 +315,4 @@ def test_an_error_after_start_reaches_the_client_with_the_log_tail(tmp_path: Pat
     assert any(line.startswith("Traceback") for line in failed.log_tail), failed.log_tail
     assert "No space left on device" in failed.log_tail[-1]
     assert worker.exitcode == 1
-    assert worker_children() == []
+    assert worker_processes() == []

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.tuitrain.fakeworker import MiB, fake_run, fake_stats
+from tests.tuitrain.forked_workers import worker_processes
 from tuitrain.events import Failed, RankStep, SetMargin, Step
 from tuitrain.formatting import format_size
 from tuitrain.settings import Settings
@@ -24,7 +25,7 @@ from tuitrain.tui.spawn import data_parallel_factory
 from tuitrain.tui.step_panel import StepPanel
 
 from .helpers import SIZE, make_app, settle
-from .test_real_worker import START_SECONDS, worker_children
+from .test_real_worker import START_SECONDS
 
 pytestmark = pytest.mark.anyio
 
@@ -155,7 +156,7 @@ async def test_two_real_ranks_take_a_change_at_one_step_and_a_killed_rank_is_nam
         assert all(s.margin_ratio == 0.05 for s in steps.values())
         assert app.latest.margin_ratio == 0.05
 
-        assert len(worker_children()) == 2  # a process per rank
+        assert len(worker_processes()) == 2  # a process per rank
         os.kill(app.worker.pids[1], signal.SIGKILL)
         deadline = time.monotonic() + 10.0
         while app.failure is None and time.monotonic() < deadline:
@@ -163,7 +164,7 @@ async def test_two_real_ranks_take_a_change_at_one_step_and_a_killed_rank_is_nam
         assert app.failure is not None and app.failure.rank == 1
         assert app.query_one(FailurePanel).plain.startswith("Training failed on rank 1")
         deadline = time.monotonic() + 10.0
-        while worker_children() and time.monotonic() < deadline:
+        while worker_processes() and time.monotonic() < deadline:
             await pilot.pause(0.1)
-        assert worker_children() == []  # rank 0 ended too, nothing left waiting
+        assert worker_processes() == []  # rank 0 ended too, nothing left waiting
         await pilot.press("q")

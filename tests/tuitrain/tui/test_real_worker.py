@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import pytest
 
+from tests.tuitrain.forked_workers import worker_processes
 from tuitrain.settings import Settings
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.chunk_map import ChunkMap
@@ -23,21 +23,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 # Generous: the machine is shared and a cold start imports torch and tokenises the corpus.
 START_SECONDS = 240.0
 STEPS = 3
-
-
-def worker_children() -> list[psutil.Process]:
-    """Child processes other than multiprocessing's resource tracker and the tests' fork
-    server (tests/forked.py), which the test process keeps for its own lifetime and which
-    are not workers."""
-    children = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            line = " ".join(child.cmdline())
-            if "resource_tracker" not in line and "forkserver" not in line:
-                children.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return children
 
 
 async def test_real_steps_reach_the_panels_and_q_leaves_no_worker_behind(tmp_path, monkeypatch):
@@ -56,7 +41,7 @@ async def test_real_steps_reach_the_panels_and_q_leaves_no_worker_behind(tmp_pat
             await pilot.pause(0.2)
         assert app.failure is None, app.failure
         assert app.latest is not None and app.latest.step >= STEPS
-        assert worker_children(), "the worker should be running while the app is open"
+        assert worker_processes(), "the worker should be running while the app is open"
         assert "running" in app.query_one(RunHeader).plain
         # Pause, so that no step lands between drawing the panels and reading them: the
         # worker answers Pause at a step boundary, after the last step it reports.
@@ -90,6 +75,6 @@ async def test_real_steps_reach_the_panels_and_q_leaves_no_worker_behind(tmp_pat
         await pilot.pause()
     assert app.return_code == 0
     deadline = time.monotonic() + 10
-    while worker_children() and time.monotonic() < deadline:
+    while worker_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert worker_children() == []
+    assert worker_processes() == []
