@@ -60,10 +60,11 @@ class HeldBytes:
             self._unkeep(nbytes)
             return True, []
         dropped = []
-        for size in sorted(self.kept, reverse=True):
-            while self.kept.get(size) and self.total > self.limit:
-                self._unkeep(size)
-                dropped.append(size)
+        if self.total > self.limit:
+            for size in sorted(self.kept, reverse=True):
+                while self.kept.get(size) and self.total > self.limit:
+                    self._unkeep(size)
+                    dropped.append(size)
         self.peak = max(self.peak, self.total)
         return False, dropped
 
