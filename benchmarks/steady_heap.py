@@ -43,7 +43,7 @@ else:
 engine = Engine(model, EngineConfig(policy=policy, device_budget=budget, precision="fp32",
                                     simulate=True))
 if not mode.endswith("+pool"):
-    engine.device.pool.bytes.limit = 0  # keeps nothing: every buffer new, as before the pool
+    engine.device.pool.bytes.keeps = False  # every buffer new, as before the pool
 g = torch.Generator().manual_seed(0)
 cpu, faults = [], []
 for _ in range(int(steps)):

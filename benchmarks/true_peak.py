@@ -105,13 +105,13 @@ def measured_step(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[StepS
     # allocator. Where bytes are placed does not depend on it.
     pool = engine.device.pool
     pool.trim()
-    limit, pool.bytes.limit = pool.bytes.limit, 0
+    pool.bytes.keeps = False
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             stats = engine.step(batch)
     finally:
         del runner.forward_backward  # the bound method again
-        pool.bytes.limit = limit
+        pool.bytes.keeps = True
     events = prof.profiler.kineto_results.events()
     (window,) = [e for e in events if e.name() == WINDOW]
     memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")

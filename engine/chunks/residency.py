@@ -154,8 +154,12 @@ class Residency(ChunkTiers):
                     self.spill.move(chunk, placement.level(chunk.index))
         self.release_all()
         # A new resident set (a new trace, new settings): the buffers kept for the old
-        # placement's copies are of sizes and numbers it may not use again.
-        self.device.trim()
+        # placement's copies are of sizes and numbers it may not use again. Kept buffers
+        # are free device memory, which the activations take at their peak: the buffers
+        # get the rest, so that the device's bytes stay within its budget as a GPU's do.
+        trace = self.trace
+        self.device.trim(None if trace is None
+                         else max(0, self.device.capacity() - trace.non_model_peak))
         for chunk in self.chunks:
             if chunk.index in want:
                 if chunk.disk_level:

@@ -36,10 +36,13 @@ class HeldBytes:
     """The pool's rule, in bytes only: which buffers it keeps and which it drops.
 
     `in_use`: bytes of buffers handed out; `kept`: bytes held for reuse, by size;
-    `peak`: the most bytes the pool held at once (handed out and kept)."""
+    `peak`: the most bytes the pool held at once (handed out and kept). With `keeps`
+    False it keeps nothing, as a device without a pool (what a measurement of the
+    allocator's own total needs: benchmarks/true_peak.py)."""
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
+        self.keeps = True
         self.in_use = 0
         self.kept: dict[int, int] = {}  # size -> buffers of that size held for reuse
         self.kept_bytes = 0
@@ -57,17 +60,18 @@ class HeldBytes:
             self._unkeep(nbytes)
             return True, []
         dropped = []
-        for size in sorted(self.kept, reverse=True):
-            while self.kept.get(size) and self.total > self.limit:
-                self._unkeep(size)
-                dropped.append(size)
+        if self.total > self.limit:
+            for size in sorted(self.kept, reverse=True):
+                while self.kept.get(size) and self.total > self.limit:
+                    self._unkeep(size)
+                    dropped.append(size)
         self.peak = max(self.peak, self.total)
         return False, dropped
 
     def give(self, nbytes: int) -> bool:
         """A buffer of `nbytes` is given back; returns whether it is kept."""
         self.in_use -= nbytes
-        if self.total + nbytes > self.limit:
+        if not self.keeps or self.total + nbytes > self.limit:
             return False
         self.kept[nbytes] = self.kept.get(nbytes, 0) + 1
         self.kept_bytes += nbytes

@@ -130,7 +130,7 @@ class CudaDevice:
     def drain(self, storage: torch.UntypedStorage) -> None:
         storage.resize_(0)
 
-    def trim(self) -> None:
+    def trim(self, keep_at_most: int | None = None) -> None:
         pass
 
     def kept_bytes(self) -> int:

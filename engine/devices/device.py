@@ -64,8 +64,10 @@ class ComputeDevice(Protocol):
         """Take a device storage's memory back, leaving it empty."""
         ...
 
-    def trim(self) -> None:
-        """Free the memory kept for later buffers: the step changed, and so their sizes."""
+    def trim(self, keep_at_most: int | None = None) -> None:
+        """Free the memory kept for later buffers (the step changed, and so their sizes),
+        and from now hold at most `keep_at_most` in buffers, in use and kept (default:
+        the budget)."""
         ...
 
     def kept_bytes(self) -> int:

@@ -72,8 +72,9 @@ class SimulatedDevice:
     def drain(self, storage: torch.UntypedStorage) -> None:
         self.pool.drain(storage)
 
-    def trim(self) -> None:
+    def trim(self, keep_at_most: int | None = None) -> None:
         self.pool.trim()
+        self.pool.bytes.limit = self.budget if keep_at_most is None else keep_at_most
 
     def kept_bytes(self) -> int:
         return self.pool.kept_bytes

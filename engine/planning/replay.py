@@ -100,8 +100,10 @@ class StepReplay:
         self.device_bytes = sum(cost.resident(lay.numel[c], lay.is_frozen(c)) for c in resident)
         self.peak = self.device_bytes
         # The simulated device's kept buffers (engine.devices.buffer_pool): every chunk
-        # copy and gradient buffer comes from them, a resident chunk's copy for good.
-        self.pool = HeldBytes(capacity)
+        # copy and gradient buffer comes from them, a resident chunk's copy for good,
+        # within the room the activations' peak leaves (ChunkManager.apply_residency).
+        self.pool = HeldBytes(capacity if trace is None
+                              else max(0, capacity - trace.non_model_peak))
         for chunk in sorted(self.on_device):
             self.pool.take(self.nbytes[chunk])
         # Resident chunks' optimizer state: device bytes from outside the pool, for good.

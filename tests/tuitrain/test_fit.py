@@ -101,7 +101,7 @@ def test_state_that_cannot_fit_the_host_goes_to_disk_under_a_chosen_host_budget(
     assert s.engine.host_budget is not None and chosen.fits and chosen.disk_bytes > 0
     assert chosen.host_peak <= room
     assert len(said) == 1
-    assert said[0].startswith(f"host budget {s.engine.host_budget.nbytes / GiB:.1f} GiB")
+    assert said[0].startswith(f"host budget {format_size(s.engine.host_budget.nbytes)}")
     assert "goes to disk under" in said[0]
 
 
