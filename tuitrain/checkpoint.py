@@ -194,11 +194,11 @@ def _write_weights(folder: Path, model: torch.nn.Module, data: Any,
     if is_adapted(model):
         write_adapter(folder / ADAPTER_DIR, model, pairs)
     else:
-        _write_model(folder / "model", model, data, pairs, shard_bytes)
+        write_model_folder(folder / "model", model, data, pairs, shard_bytes)
 
 
-def _write_model(model_dir: Path, model: torch.nn.Module, data: Any,
-                 pairs: Iterator[tuple[str, torch.Tensor]], shard_bytes: int) -> None:
+def write_model_folder(model_dir: Path, model: torch.nn.Module, data: Any,
+                       pairs: Iterator[tuple[str, torch.Tensor]], shard_bytes: int) -> None:
     """What `model.save_pretrained(model_dir, state_dict=engine.model_state_dict())` writes,
     with the weights streamed from the engine (`pairs`, iter_model_state) into shards
     rather than gathered first; the tokenizer, if the data has one, beside them."""

@@ -1,10 +1,13 @@
 """`tuitrain export CHECKPOINT --merge OUT`: a checkpoint as a Hugging Face model folder.
 
-A LoRA run's checkpoint holds its adapters only (tuitrain.adapter_folder): the base is built
-again from the run's model and seed, the adapters are loaded onto it with peft and merged
-into its weights layer by layer, in place, and the merged model is written in safetensors
-shards. The host holds the model once (merging adds no copy). A checkpoint of a run that
-trained every weight already holds the model folder, which is copied.
+A LoRA run's checkpoint holds its adapters only (tuitrain.adapter_folder): the base is made
+again from the run's model and seed on the meta device, and each of its weights is made (or
+read from the run's model folder), has its adapters' update added and goes into the
+safetensors shards before the next is made (engine.models.merged_weights). The host holds
+one shard being filled, at most half the run's host budget (SHARD_BYTES without one), one
+weight and its update: never the model. The tokenizer files of the run's model folder, if
+it came from one, are copied beside. A checkpoint of a run that trained every weight
+already holds the model folder (its tokenizer too), which is copied.
 
 The folder is written beside OUT under a hidden name and renamed into place once complete;
 an OUT that exists is never overwritten.
@@ -17,8 +20,12 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tuitrain.errors import EXIT_OK, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_export_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -64,17 +71,70 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# A model folder's tokenizer, in the files transformers' tokenizers save.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                   "tokenizer.model", "spiece.model", "chat_template.jinja",
+                   "chat_template.json")
+
+
 def merge_adapter(checkpoint: Path, out: Path) -> None:
     """The base of the run that wrote `checkpoint` with its adapter merged in, written as a
-    Hugging Face model folder `out`."""
-    from peft import PeftModel
-
-    from engine.models.zoo import build_model
+    Hugging Face model folder `out` (made here), a weight at a time."""
+    from engine.models.merged_weights import merged_tensors
+    from engine.models.zoo import is_model_folder, meta_build
     from tuitrain.adapter_folder import ADAPTER_DIR
+    from tuitrain.checkpoint import tied_copies, write_model_folder
     from tuitrain.settings import validate_settings
+    from tuitrain.shard_files import SHARD_BYTES
 
     state = json.loads((checkpoint / "state.json").read_text())
     settings = validate_settings(state["settings"])
-    base = build_model(settings.model, seed=settings.training.seed)
-    merged = PeftModel.from_pretrained(base, checkpoint / ADAPTER_DIR).merge_and_unload()
-    merged.save_pretrained(out, safe_serialization=True)
+    built = meta_build(settings.model, seed=settings.training.seed)
+    base = built.model
+    left_out = tied_copies(base)  # by the names it saves under, before peft renames them
+    entries = [(name, t) for name, t in base.state_dict(keep_vars=True).items()
+               if name not in left_out]
+    adapted = read_adapter(base, checkpoint / ADAPTER_DIR)
+    budget = settings.engine.host_budget
+    shard_bytes = SHARD_BYTES if budget is None else min(SHARD_BYTES, budget.nbytes // 2)
+    write_model_folder(out, base, None, merged_tensors(entries, built.weights, adapted),
+                       shard_bytes)
+    if is_model_folder(settings.model):
+        folder = Path(settings.model).expanduser()
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                shutil.copy2(folder / name, out / name)
+
+
+def read_adapter(base: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """`base` (on the meta device) wrapped by peft with the adapters of the adapter folder
+    `folder`, their weights read from it onto the CPU; the base weights stay on the meta
+    device. peft wraps the layers of `base` in place."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors import safe_open
+
+    from engine.models.lora import is_lora_parameter
+    from tuitrain.adapter_folder import ADAPTER_WEIGHTS, peft_name
+
+    config = LoraConfig.from_pretrained(folder)
+    if config.use_dora:
+        raise UsageError(f"{folder}: DoRA adapters cannot be merged a weight at a time")
+    with torch.random.fork_rng(devices=[]):  # peft draws adapters that are replaced below
+        adapted = get_peft_model(base, config)
+    with safe_open(folder / ADAPTER_WEIGHTS, framework="pt") as f:
+        stored = set(f.keys())
+        for name, param in adapted.named_parameters():
+            if not is_lora_parameter(name):
+                continue
+            key = peft_name(name)
+            if key not in stored:
+                raise UsageError(f"{folder / ADAPTER_WEIGHTS} lacks {key}")
+            value = f.get_tensor(key)
+            if value.shape != param.shape:
+                raise UsageError(f"{folder / ADAPTER_WEIGHTS}: {key} has shape "
+                                 f"{tuple(value.shape)}, the model needs {tuple(param.shape)}")
+            torch.utils.swap_tensors(
+                param, torch.nn.Parameter(value.to(torch.float32), requires_grad=False))
+    return adapted

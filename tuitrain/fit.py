@@ -135,7 +135,7 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
             host_budget=host_budget,
             disk_dir=e.disk_dir,
             nproc=nproc,
-            lora=settings.training.lora.as_lora() if settings.training.lora else None,
+            lora=settings.lora(),
         )
         return result, result.policies[chosen.get("policy", e.policy)]
 

@@ -45,7 +45,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         margin_ratio=settings.engine.margin_ratio,
         disk_dir=args.disk,
         nproc=nproc,
-        lora=settings.training.lora.as_lora() if settings.training.lora else None,
+        lora=settings.lora(),
         json=args.json,
         hardware=hardware,
     )

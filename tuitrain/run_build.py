@@ -36,7 +36,7 @@ def build_run(s: Settings, say: Callable[[str], None]) -> BuiltRun:
     # On the meta device: the engine fills its chunks from `weights` one at a time, so the
     # model never exists whole in host memory. Adapters wrap the meta model before its
     # chunks are made, and draw their own weights by name whatever the placement.
-    lora = s.training.lora.as_lora() if s.training.lora is not None else None
+    lora = s.lora()
     built = meta_build(s.model, seed=s.training.seed)
     model, weights = built.model, built.weights
     if lora is not None:

@@ -28,13 +28,14 @@ def check_model(name: str, seq_len: int) -> None:
 def check_lora(settings: Settings) -> None:
     """The LoRA targets name modules of the model (checked on the meta device: nothing is
     allocated)."""
-    if settings.training.lora is None:
+    lora = settings.lora()
+    if lora is None:
         return
     from engine.models.lora import NoTargets, apply_lora
     from engine.models.zoo import meta_model
 
     try:
-        apply_lora(meta_model(settings.model), settings.training.lora.as_lora())
+        apply_lora(meta_model(settings.model), lora)
     except NoTargets as error:
         raise UsageError(f"--lora-targets: {error}") from None
 

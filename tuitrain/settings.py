@@ -235,6 +235,11 @@ class Settings(_Strict):
         run's to choose, and it takes the plan's recommendation (tuitrain.fit.settle)."""
         return "policy" in self.engine.model_fields_set
 
+    def lora(self) -> Any:
+        """The run's LoRA adapters (engine.models.lora.Lora), None when every parameter
+        trains."""
+        return self.training.lora.as_lora() if self.training.lora is not None else None
+
     def precision_for(self, simulated: bool) -> str:
         """The compute precision: the one asked for, else the best for this device."""
         if self.engine.precision is not None:

@@ -64,8 +64,7 @@ def tune_forecaster(settings: Settings, *, simulated: bool,
                                precision=settings.precision_for(simulated),
                                seq_len=settings.training.seq_len, simulated=simulated,
                                calibration=cal, disk_dir=settings.engine.disk_dir,
-                               lora=(settings.training.lora.as_lora()
-                                     if settings.training.lora else None))
+                               lora=settings.lora())
     return forecast, cal
 
 

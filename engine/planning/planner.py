@@ -173,10 +173,15 @@ class _Planner:
         return int(ALLOCATOR_SLACK * non_model)
 
     def _too_small(self, trace: Trace) -> str:
+        """Why no policy fits, by part: at the interval that needs most, the chunks in use
+        with the gradient buffers they open, and the activations (every non-model byte)."""
+        widest = max(trace.points, key=lambda p: p.working_set)
+        chunks = widest.working_set - widest.non_model_peak
         return (
             f"device budget {format_size(self.device_mem)} is below the minimum working "
-            f"set {format_size(self.working_set(trace))} (chunks in use, gradients and "
-            f"activations)"
+            f"set {format_size(self.working_set(trace))} (chunks in use and their gradient "
+            f"buffers {format_size(chunks)} + activations "
+            f"{format_size(self.working_set(trace) - chunks)} in {widest.phase})"
         )
 
     def working_set(self, trace: Trace) -> int:
