@@ -186,6 +186,10 @@ class DataParallelWorker:
             reason += "; the other rank was stopped"
         elif others:
             reason += f"; the other {len(others)} ranks were stopped"
+        elif len(self.ranks) == 2:  # it had failed already, in a collective waiting for this
+            reason += "; the other rank ended with it"
+        else:
+            reason += "; the other ranks ended with it"
         self.result = dataclasses.replace(failed, reason=reason, rank=rank,
                                           log_path=str(self.log_paths[rank]))
         return self.result
