@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_checkpointing", "set_checkpointing"]
+from engine.config import LiveSettings
+
+__all__ = ["as_the_model_has_it", "is_checkpointing", "set_checkpointing"]
 
 
 def is_checkpointing(model: torch.nn.Module) -> bool:
@@ -25,3 +27,13 @@ def set_checkpointing(model: torch.nn.Module, on: bool) -> None:
     verb = "enable" if on else "disable"
     switch = getattr(model, f"activation_checkpointing_{verb}", None)
     (switch or getattr(model, f"gradient_checkpointing_{verb}"))()
+
+
+def as_the_model_has_it(settings: LiveSettings, model: torch.nn.Module) -> LiveSettings:
+    """`settings` with checkpointing as `model` has it. Switched on the model itself
+    (transformers' own call, as before the engine could switch it), it is the run's
+    setting too, so that a change staged since does not switch it back."""
+    on = is_checkpointing(model)
+    if on == settings.activation_checkpointing:
+        return settings
+    return settings.replace(activation_checkpointing=on)

@@ -36,8 +36,8 @@ from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
 from engine.placement.trace import Trace
+from engine.step import activation_checkpointing as checkpointing
 from engine.step import checkpoint_state
-from engine.step.activation_checkpointing import is_checkpointing, set_checkpointing
 from engine.step.dropout import WholeBatchDropout
 from engine.step.evaluation import evaluate_loss
 from engine.step.micro_batches import check_split, split_batch
@@ -87,7 +87,7 @@ class Engine:
         self.step_count = 0
         self.settings = LiveSettings(Policy(config.policy), config.margin_ratio,
                                      self.device.budget, config.grad_accum,
-                                     is_checkpointing(model))
+                                     checkpointing.is_checkpointing(model))
         self._rows: int | None = None  # sequences in the latest step's batch
         self._pending: LiveSettings | None = None  # replaces settings at the next step
         self._last_non_model_peak = 0
@@ -151,11 +151,9 @@ class Engine:
         return self._stage("device_budget", budget)
 
     def set_grad_accum(self, grad_accum: int) -> str:
-        """Micro-batches per step from the next step (the same sequences and update, in
-        another memory and time); ValueError if the latest batch does not split so. This
-        and set_checkpointing trace anew at their first step, which checks the budget (no
-        change is checked against the old trace meanwhile): BudgetTooSmall if it overruns,
-        and restore_settings(settings before) goes back, unchecked."""
+        """Micro-batches per step from the next step (the same sequences and update); a
+        ValueError if the latest batch does not split so. Traced anew at its first step, which
+        checks the budget: BudgetTooSmall if it overruns; restore_settings(before) goes back."""
         return self._stage("grad_accum", grad_accum)
 
     def set_checkpointing(self, on: bool) -> str:
@@ -171,6 +169,7 @@ class Engine:
         self._pending = settings
 
     def _stage(self, field: str, value: object) -> str:
+        self.settings = checkpointing.as_the_model_has_it(self.settings, self.model)
         wanted = self.staged.replace(**{field: value})
         check_split(self._rows, wanted.grad_accum)
         if wanted.shape == self.settings.shape:  # else the trace is another shape's
@@ -201,7 +200,7 @@ class Engine:
         self.settings = wanted
         self.device.set_budget(wanted.device_budget)
         self.manager.set_policy(wanted.policy)
-        set_checkpointing(self.model, wanted.activation_checkpointing)  # traced anew
+        checkpointing.set_checkpointing(self.model, wanted.activation_checkpointing)  # traced anew
         if applied:
             self._place()
             self.runner.counts.forget()
@@ -251,6 +250,7 @@ class Engine:
         if self.collectives is not None:
             self.collectives.reset_counters()
             self._pending = follow_rank_zero(self.collectives, self._pending, self.settings)
+        self.settings = checkpointing.as_the_model_has_it(self.settings, self.model)
         applied = self._apply_pending()
         m = self.manager
         self._rows = int(batch["input_ids"].shape[0])
