@@ -109,6 +109,7 @@ class StepReplay:
         # Resident chunks' optimizer state: device bytes from outside the pool, for good.
         self.resident_state = self.device_bytes - self.pool.in_use
         self.beside_pool = self.resident_state  # the most device bytes beside the pool
+        self.footprint = 0  # the most host bytes of the device at one moment (_note_footprint)
         self.grads: set[int] = set()
         self.grad_bytes = 0
         # Chunks whose gradients are coming in, resident or not, and their bytes: the
@@ -169,13 +170,23 @@ class StepReplay:
             point.working_set = self.held + point.non_model_peak
         self.peak = max(self.peak, self.device_bytes + self.nm)
         self.beside_pool = max(self.beside_pool, self.device_bytes - self.pool.in_use + self.nm)
+        self._note_footprint()
+
+    def _note_footprint(self) -> None:
+        """The pool keeps buffers only within its limit (HeldBytes: it holds at most the limit
+        or what is in use, if more), so at any moment the device's host bytes are at most
+        that beside the rest; the pool's peak and the most beside it come at other moments
+        (the pool's at a full forward, the activations' in backward) and do not add up."""
+        pool = max(self.pool.limit, self.pool.in_use)
+        self.footprint = max(self.footprint,
+                             pool + self.device_bytes - self.pool.in_use + self.nm)
 
     @property
     def host_device_bytes(self) -> int:
         """The simulated device's host memory at its peak, once a step like this one has
         run before it: then the pool holds every buffer this step takes from the start, and
         the peak is the pool beside the most of everything else (on CUDA: no such bytes)."""
-        return self.pool.peak + self.beside_pool
+        return min(self.pool.peak + self.beside_pool, self.footprint)
 
     @property
     def host_device_between_steps(self) -> int:
@@ -187,6 +198,7 @@ class StepReplay:
         """A chunk's device copy or gradient buffer comes in (from the pool)."""
         self.device_bytes += self.nbytes[chunk]
         self.pool.take(self.nbytes[chunk])
+        self._note_footprint()
 
     def give_buffer(self, chunk: int) -> None:
         self.device_bytes -= self.nbytes[chunk]

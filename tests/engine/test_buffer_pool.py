@@ -15,6 +15,7 @@ from transformers import OPTConfig, OPTForCausalLM
 from engine import Engine, EngineConfig
 from engine.devices.buffer_pool import BufferPool, HeldBytes
 from engine.models.zoo import build_model
+from engine.planning import planner
 from engine.planning.planner import plan
 from tests.forked import run_script
 
@@ -171,3 +172,27 @@ def test_with_the_heap_steady_a_steady_step_faults_in_less_than_twice_the_model(
     buffer was fresh memory at every use as well: four times the model's bytes a step."""
     got = json.loads(run_script(STEADY_STEP_FAULTS, policy, timeout=300).splitlines()[-1])
     assert got["faulted"] < 2 * got["model"], got
+
+
+def test_the_plan_never_puts_more_of_the_device_in_host_memory_than_its_budget(monkeypatch):
+    """The pool's peak (chunks fetched in forward beside those resident, under auto) and
+    the activations' (in backward) come at different moments: the plan may not add them
+    up. An 8B LoRA run under auto was planned at 14.5 GiB of host memory this way and
+    peaked at 12.6 GiB."""
+    seen = {}
+    policy_plan = planner._Planner.policy_plan
+
+    def spy(self, policy, margin_ratio):
+        row, outcome = policy_plan(self, policy, margin_ratio)
+        step = outcome.step
+        seen[policy.value] = (row.fits, step.host_device_bytes, step.resident_state,
+                              self.capacity)
+        return row, outcome
+
+    monkeypatch.setattr(planner._Planner, "policy_plan", spy)
+    plan("opt-125m", device_mem="1GiB", host_mem="64GiB", precision="fp32", simulated=True,
+         batch_size=4, seq_len=128, margin_ratio=0.0)
+    assert seen["auto"][0] and seen["cpu"][0]
+    for policy in ("auto", "cpu"):
+        _, host, state, capacity = seen[policy]
+        assert host <= capacity + state, policy
