@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.devices.device import SIMULATE_ENV
+from tests.tuitrain.forked_workers import ForkedContext
+from tuitrain import worker
 from tuitrain.presets import CONFIG_ENV
 from tuitrain.runs import ENV_FOLDER
 
@@ -150,3 +152,14 @@ def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
     path = tmp_path_factory.mktemp("run")
     monkeypatch.setenv(ENV_FOLDER, str(path))
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def forked_workers() -> Iterator[None]:
+    """Every worker a test starts in its own process (ProcessWorker, the ranks of
+    DataParallelWorker) is forked from the tests' server (tests/tuitrain/forked_workers.py);
+    `forked_workers.spawned` starts one the product's way. Here, not in a conftest of
+    tests/tuitrain: a second conftest module would shadow the engine tests' own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker, "CONTEXT", ForkedContext())
+        yield

@@ -5,7 +5,7 @@ A spawned worker spends seconds of the machine's CPU importing torch and transfo
 before its first step; every real run in these tests starts one, and a data-parallel run
 one per rank. A forked worker starts from the server's copy of those imports. The child is
 otherwise the one the product starts (`tuitrain.worker_main.worker_main`, the same
-arguments, pipes and environment); tests/tuitrain/conftest.py puts `ForkedContext` in
+arguments, pipes and environment); tests/conftest.py puts `ForkedContext` in
 `tuitrain.worker.CONTEXT` for every test, and a test of the real spawn starts its worker
 inside `spawned()`.
 
