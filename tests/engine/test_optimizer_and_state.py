@@ -6,7 +6,13 @@ import copy
 
 import pytest
 import torch
-from conftest import build, make_batches, max_relative_difference
+from conftest import (
+    build,
+    make_batches,
+    max_relative_difference,
+    reference_run,
+    whole_model_relative_difference,
+)
 
 from engine import Engine, EngineConfig
 from engine.chunks.chunk import pack, packing_waste, search_chunk_size
@@ -99,8 +105,6 @@ def test_model_state_dict_loads_into_a_fresh_model():
 def test_gradient_buffers_hold_no_stale_bytes_where_no_gradient_was_written(policy):
     """Gradient buffers start unset: padding, and a parameter that gets no gradient (here a
     layer the forward never calls), must read as zero, or clipping's norm would see them."""
-    from conftest import reference_run, whole_model_relative_difference
-
     model = copy.deepcopy(MODEL)
     model.unused = torch.nn.Linear(64, 64)
     batches = make_batches(3)
@@ -150,8 +154,6 @@ class SharedBlock(torch.nn.Module):
                                            ("cuda", 0.0)])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_parameter_whose_gradient_completes_twice_adds_up(policy, margin, precision):
-    from conftest import reference_run, whole_model_relative_difference
-
     torch.manual_seed(0)
     model = SharedBlock()
     batches = make_batches(3)
