@@ -342,7 +342,7 @@ class _Report:
         # The launcher names the rank that failed first: it learns when, and whether this
         # rank's worker was killed (then the others' failures are its consequence).
         ranks.record_failure(event.reason, killed=event.exitcode is not None
-                             and event.exitcode < 0)
+                             and event.exitcode < 0, exitcode=EXIT_FAILED)
         if event.log_tail:
             self.say_err("  " + "\n  ".join(event.log_tail[-8:]))
         self.say_err(f"full log: {self.log_path}")

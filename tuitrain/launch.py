@@ -96,8 +96,9 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         if EXIT_BAD_INPUT in codes:
             return EXIT_BAD_INPUT  # a mistake in the input: rank 0 has said it, in one line
         rank, failure = first_failure(error.failures)
-        err.write(f"tuitrain: {failure_line(rank, failure.exitcode, nproc, len(codes) - 1)}\n")
-        return failure.exitcode if failure.exitcode > 0 else EXIT_FAILED
+        exitcode = ended_with(failure)
+        err.write(f"tuitrain: {failure_line(rank, exitcode, nproc, len(codes) - 1)}\n")
+        return exitcode if exitcode > 0 else EXIT_FAILED
     finally:
         agent.setLevel(level)
         if before is not None:
@@ -158,6 +159,16 @@ def first_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
         return (not killed, 1 if by_itself else 2, float(failure.timestamp), rank)
 
     return min(failures.items(), key=order)
+
+
+def ended_with(failure: Any) -> int:
+    """The exit status of a rank's end (a ProcessFailure): the one it recorded when it failed
+    by itself, where the launcher's SIGTERM (sent because another rank, which its own
+    failure had made fail, ended first) came before its own exit; else the process's."""
+    record = failure_record(failure.error_file_data)
+    if record is not None and failure.exitcode == -signal.SIGTERM:
+        return record.exitcode
+    return failure.exitcode
 
 
 def failure_line(rank: int, exitcode: int, nproc: int, others: int) -> str:

@@ -183,15 +183,18 @@ def sum_over_ranks(collectives: Collectives | None, value: float) -> float:
 
 @dataclass(frozen=True)
 class FailureRecord:
-    """What a rank that failed by itself tells its launcher: when it saw the failure (time.time())
-    and whether its worker was killed by a signal (then it is the cause: the other ranks
-    fail in a collective waiting for it, a moment later)."""
+    """What a rank that failed by itself tells its launcher: when it saw the failure (time.time()),
+    whether its worker was killed by a signal (then it is the cause: the other ranks fail in
+    a collective waiting for it, a moment later), and the exit status it ends with (which
+    the launcher's SIGTERM, sent when another rank ended first, may pre-empt)."""
 
     at: float
     killed: bool
+    exitcode: int = 1
 
 
-def record_failure(reason: str, *, killed: bool, env: dict[str, str] | None = None) -> None:
+def record_failure(reason: str, *, killed: bool, exitcode: int = 1,
+                   env: dict[str, str] | None = None) -> None:
     """Under a launcher (torchrun, or tuitrain.launch), tell it that this rank failed, now:
     the error file its agent reads (torch.distributed.elastic's format: a message and a
     timestamp, which torchrun shows as the root cause), with a FailureRecord beside them,
@@ -202,7 +205,7 @@ def record_failure(reason: str, *, killed: bool, env: dict[str, str] | None = No
         return
     now = time.time()
     data = {"message": reason, "timestamp": int(now),
-            "tuitrain": {"at": now, "killed": killed}}
+            "tuitrain": {"at": now, "killed": killed, "exitcode": exitcode}}
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(data, handle)
@@ -217,7 +220,8 @@ def failure_record(error_file_data: Any) -> FailureRecord | None:
     if not isinstance(record, dict):
         return None
     try:
-        return FailureRecord(at=float(record["at"]), killed=bool(record["killed"]))
+        return FailureRecord(at=float(record["at"]), killed=bool(record["killed"]),
+                             exitcode=int(record.get("exitcode", 1)))
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -11,7 +11,7 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from tuitrain.launch import failure_line, first_failure
+from tuitrain.launch import ended_with, failure_line, first_failure
 from tuitrain.ranks import ERROR_FILE_ENV, record_failure
 
 
@@ -61,6 +61,17 @@ def test_when_every_rank_was_ended_from_outside_the_first_seen_then_the_lowest(t
     assert first_failure({1: rank1, 0: rank0})[0] == 0
     rank0.timestamp = 1_001
     assert first_failure({1: rank1, 0: rank0})[0] == 1
+
+
+def test_a_rank_stopped_after_it_recorded_its_failure_ended_with_its_own_status(tmp_path):
+    # Rank 1's worker was killed; before rank 1 exited with status 1, rank 0 (whose
+    # collectives lost rank 1) ended, and the launcher stopped rank 1 with SIGTERM.
+    rank0 = ended(tmp_path, 0, 1, killed=False)
+    rank1 = ended(tmp_path, 1, -signal.SIGTERM, killed=True)
+    rank, failure = first_failure({0: rank0, 1: rank1})
+    assert (rank, ended_with(failure)) == (1, 1)
+    assert ended_with(ended(tmp_path, 2, -signal.SIGTERM)) == -signal.SIGTERM  # no record
+    assert ended_with(ended(tmp_path, 3, -signal.SIGKILL, killed=False)) == -signal.SIGKILL
 
 
 def test_the_line_names_the_first_rank_how_it_ended_and_the_others():
