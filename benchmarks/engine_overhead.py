@@ -3,7 +3,10 @@
 opt-125m shape (built from its config, no download), batch 2 x 128, fp32. Each round runs
 one step of every system in turn, so machine noise hits them alike; medians after warm-up.
 
-    python benchmarks/engine_overhead.py [--rounds 6] [--model opt-125m]
+    python benchmarks/engine_overhead.py [--rounds 6] [--model opt-125m | small-opt]
+
+`small-opt` is a 6-layer OPT (hidden 512, 8 heads, FFN 2048, vocab 8192), where the ops are
+small and the engine's own per-op cost shows most.
 
 Systems: plain PyTorch with AdamW(fused=True); the engine with policy cuda (ample budget),
 auto (a budget that holds the working set plus half the parameters), and cpu. On a machine
@@ -42,6 +45,22 @@ class _Uncounted(NonModelCounter):
 
     def __exit__(self, *exc) -> bool:
         return False
+
+
+SMALL_OPT = "small-opt"
+
+
+def build(name: str) -> torch.nn.Module:
+    """The zoo's model `name`, or the small OPT, initialised from seed 0."""
+    if name != SMALL_OPT:
+        return build_model(name, seed=0)
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=6, ffn_dim=2048,
+                       num_attention_heads=8, max_position_embeddings=512,
+                       word_embed_proj_dim=512)
+    return OPTForCausalLM(config)
 
 
 def synchronize() -> None:
@@ -90,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    base = build_model(args.model, seed=0)
+    base = build(args.model)
     vocab = base.config.vocab_size
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=g)
