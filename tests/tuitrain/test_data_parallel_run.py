@@ -1,114 +1,201 @@
-"""Data parallel from the command line: `torchrun -m tuitrain run ... --headless`, and the
-same ranks started by tuitrain itself (tuitrain.launch, behind `--nproc`).
+"""Data parallel from the command line: `tuitrain run tiny --nproc N --headless` (the ranks
+started by tuitrain itself, tuitrain.launch), killed and resumed on another world size.
 
-Two and then three gloo ranks on this CPU, the second run resuming the first's checkpoint:
-the same global batches as one process (so the same losses, in fp32 within 1e-5), rank 0
-alone writing the metrics and the checkpoint, every rank logging to a file of its own.
+One launch of two gloo ranks on this CPU, with checkpoints every two steps; once the first is
+written, rank 1's worker (the process that trains, which the out-of-memory killer would
+pick) gets SIGKILL. The launcher must exit non-zero well within the ranks' collective
+timeout, its last line naming rank 1 as the rank that failed first. The newest complete
+checkpoint then resumes on three ranks (resharded from two) and goes on exactly. Both runs
+train the same global batches as one process (so the same losses, in fp32 within 1e-5);
+rank 0 alone writes the metrics and the checkpoint, every rank logs to a file of its own.
+The two launches run once for the module; each test checks one thing they did.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
-import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from rank_launch import (
+    ROOT,
+    TOL,
+    environment,
+    launched,
+    losses_in,
+    one_process,
+    rank_logs,
+    run,
+    worker_pid,
+)
 
+from engine.distributed.collectives import DEFAULT_TIMEOUT
 from tuitrain import ranks
-from tuitrain.settings import Settings
+from tuitrain.checkpoint import find_checkpoint, step_folder
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# Both launches and the reference count in the first test: what two tests had before.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
-ROOT = Path(__file__).resolve().parents[2]
-FLAGS = ["--headless", "--batch-size", "6", "--seq-len", "16", "--precision", "fp32",
-         "--device-mem", "64MiB", "--seed", "3", "--eval-fraction", "0.05", "--eval-batches", "2"]
-STEPS = 4
-TOL = 1e-5
-
-
-def torchrun(nproc: int, tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "tuitrain", "run", "tiny", *FLAGS, *args]
-    return _run(command, tmp)
+EVERY = 2  # --checkpoint-every and --eval-every of the run that is killed
+# The ranks' collectives wait up to DEFAULT_TIMEOUT (600 s: --collective-timeout is not
+# given). A dead rank must not cost that: its own run reports its worker's death within a
+# second and exits, the launcher then stops the others; its connections closing fails
+# the survivors' collectives at once. So the bound is a small fraction of the timeout.
+STOP_BOUND = 30.0
+assert STOP_BOUND < DEFAULT_TIMEOUT / 10
+START_DEADLINE = 150.0  # seconds for the ranks to start and write their first checkpoint
 
 
-def launched(nproc: int, tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    """The ranks started by tuitrain itself: `tuitrain run --nproc N` (tuitrain.launch)."""
-    script = Path(sys.executable).with_name("tuitrain")
-    entry = [str(script)] if script.is_file() else [sys.executable, "-m", "tuitrain"]
-    return _run([*entry, "run", "tiny", "--nproc", str(nproc), *FLAGS, *args], tmp)
+@dataclass
+class Killed:
+    """The two-rank launch killed after its first checkpoint."""
+
+    status: int
+    stopped: float  # seconds from the SIGKILL to the launcher's exit
+    stderr: str
+    checkpoints: Path
+    saved: int  # the step of its newest complete checkpoint
+    metrics: Path
+    tmp: Path  # its TMPDIR
 
 
-def _run(command: list[str], tmp: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
+@dataclass
+class Resumed:
+    """The three-rank launch resuming the killed run's newest checkpoint for two steps."""
+
+    done: subprocess.CompletedProcess
+    checkpoints: Path
+    metrics: Path
+    preset: Path
+    tmp: Path
 
 
-def losses_in(metrics: Path) -> tuple[dict[int, float], dict[int, float]]:
-    """(loss per step, held-out loss per step evaluated after) from a metrics file."""
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    steps = {line["step"]: line["loss"] for line in lines if "step" in line}
-    evals = {line["eval"]["step"]: line["eval"]["loss"] for line in lines if "eval" in line}
-    return steps, evals
+@dataclass
+class Launches:
+    killed: Killed
+    resumed: Resumed
+    expected: list[float]  # one process's loss at each step
+    expected_evals: dict[int, float]  # and its held-out loss after each even step
 
 
-def one_process() -> tuple[list[float], dict[int, float]]:
-    """The run as one process trains it, in this process with the worker's own building:
-    its losses, and its held-out loss after steps 2 and 4 (scored as the worker does)."""
-    from tuitrain.run_build import build_run
-
-    settings = Settings(model="tiny", engine={"precision": "fp32", "device_budget": "64MiB"},
-                        training={"batch_size": 6, "seq_len": 16, "seed": 3, "steps": STEPS,
-                                  "eval_batches": 2},
-                        data={"eval_fraction": 0.05})
-    built = build_run(settings, lambda message: None)
-    batches = iter(built.data)
-    losses, evals = [], {}
-    for step in range(1, STEPS + 1):
-        losses.append(built.engine.step(next(batches)).loss)
-        if step in (2, STEPS):
-            scored = [(built.engine.evaluate(b), b["input_ids"].shape)
-                      for b in built.eval_data.batches]
-            evals[step] = (sum(loss * r * (c - 1) for loss, (r, c) in scored)
-                           / sum(r * (c - 1) for _, (r, c) in scored))
-    built.engine.close()
-    return losses, evals
+def evaluated(metrics: Path) -> set[int]:
+    """The steps after which a held-out loss is in `metrics`, as far as it is written."""
+    if not metrics.is_file():
+        return set()
+    whole = metrics.read_text().splitlines(keepends=True)
+    return {json.loads(line)["eval"]["step"] for line in whole
+            if line.endswith("\n") and line.startswith('{"eval"')}
 
 
-def test_ranks_train_the_global_batches_and_resume_on_another_world_size(tmp_path):
-    expected, expected_evals = one_process()
-    ck, first, second = tmp_path / "ck", tmp_path / "two.jsonl", tmp_path / "three.jsonl"
+def kill_rank_1_after_the_first_checkpoint(tmp: Path) -> Killed:
+    ck, metrics = tmp / "ck", tmp / "killed.jsonl"
+    tmp.mkdir()
+    with open(tmp / "out", "w") as out, open(tmp / "err", "w") as err:
+        launch = subprocess.Popen(
+            launched(2, "--steps", "1000", "--checkpoint-dir", str(ck),
+                     "--checkpoint-every", str(EVERY), "--eval-every", str(EVERY),
+                     "--metrics", str(metrics)),
+            cwd=ROOT, env=environment(tmp), stdout=out, stderr=err)
+        try:
+            deadline = time.monotonic() + START_DEADLINE
+            # The checkpoint after step EVERY is written, then the held-out loss scored.
+            while not (step_folder(ck, EVERY).is_dir() and EVERY in evaluated(metrics)):
+                assert launch.poll() is None, (tmp / "err").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint in time"
+                time.sleep(0.05)
+            os.kill(worker_pid(tmp, 1), signal.SIGKILL)
+            killed = time.monotonic()
+            status = launch.wait(timeout=STOP_BOUND)
+            stopped = time.monotonic() - killed
+        finally:
+            if launch.poll() is None:
+                launch.kill()
+                launch.wait()
+    newest = find_checkpoint(ck)  # the newest complete one: never one cut short
+    return Killed(status=status, stopped=stopped, stderr=(tmp / "err").read_text(),
+                  checkpoints=ck, saved=int(newest.name.removeprefix("step-")),
+                  metrics=metrics, tmp=tmp)
 
-    preset = tmp_path / "two.yaml"
-    two = launched(2, tmp_path, "--steps", "2", "--checkpoint-dir", str(ck),
-                   "--metrics", str(first), "--save-preset", str(preset))
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    # The preset runs it again on as many ranks.
-    assert f"preset saved to {preset}" in two.stdout
-    header = [line for line in preset.read_text().splitlines() if line.startswith("#")]
-    assert f"# reproduce: tuitrain run --preset {preset} --headless --nproc 2" in header
-    assert "2 ranks (gloo)" in two.stdout
-    assert two.stdout.count("done: 2 steps, 192 tokens") == 1  # rank 0's summary only
-    got, evals = losses_in(first)
-    assert sorted(got) == [1, 2]  # one line per step: rank 0 alone writes the metrics
-    assert [got[1], got[2]] == pytest.approx(expected[:2], rel=TOL)
-    assert evals == pytest.approx({2: expected_evals[2]}, rel=TOL)
-    assert sorted(p.name for p in ck.iterdir()) == ["step-000002"]  # nothing half-written
-    assert (ck / "step-000002" / "model" / "config.json").is_file()
-    logs = sorted(p.name.split("-")[0] for p in (tmp_path / "tuitrain").glob("rank*.log"))
-    assert logs == ["rank0", "rank1"]
 
-    three = torchrun(3, tmp_path, "--steps", str(STEPS), "--resume", str(ck),
-                     "--metrics", str(second))
-    assert three.returncode == 0, three.stdout[-3000:] + three.stderr[-3000:]
-    got, evals = losses_in(second)
-    assert sorted(got) == [3, 4]
-    assert evals == pytest.approx({STEPS: expected_evals[STEPS]}, rel=TOL)
+def resume_on_three_ranks(killed: Killed, tmp: Path) -> Resumed:
+    ck, metrics, preset = tmp / "ck", tmp / "resumed.jsonl", tmp / "three.yaml"
+    done = run(launched(3, "--steps", str(killed.saved + 2), "--resume",
+                        str(killed.checkpoints), "--checkpoint-dir", str(ck),
+                        "--metrics", str(metrics), "--save-preset", str(preset)), tmp)
+    return Resumed(done=done, checkpoints=ck, metrics=metrics, preset=preset, tmp=tmp)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    base = tmp_path_factory.mktemp("launches")
+    killed = kill_rank_1_after_the_first_checkpoint(base / "killed")
+    resumed = resume_on_three_ranks(killed, base / "resumed")
+    steps, _ = losses_in(killed.metrics)
+    last = max([killed.saved + 2, *steps])  # the killed run may have gone past `saved`
+    expected, evals = one_process(last, evaluated=tuple(range(EVERY, last + 1, EVERY)))
+    return Launches(killed, resumed, expected, evals)
+
+
+def test_a_rank_killed_with_sigkill_stops_the_run_naming_it(launches):
+    killed = launches.killed
+    assert killed.status != 0
+    print(f"the launcher exited {killed.stopped:.1f} s after the kill, status {killed.status}")
+    last = killed.stderr.strip().splitlines()[-1]
+    # Rank 1 alone is named, whether rank 0's collectives failed first (the connection to
+    # rank 1 reset) or the launcher stopped it: rank 1's worker was killed, the cause.
+    assert last == ("tuitrain: rank 1 of 2 failed first (exit status 1); the other rank was "
+                    "stopped because of it")
+    assert "rank 1: training failed: worker exited with signal 9 (SIGKILL)" in killed.stderr
+    assert rank_logs(killed.tmp) == ["rank0", "rank1"]  # a file of its own for each rank
+
+
+def test_ranks_train_the_global_batches_as_one_process(launches):
+    killed = launches.killed
+    assert killed.saved >= EVERY and killed.saved % EVERY == 0
+    got, evals = losses_in(killed.metrics)
+    assert [got[s] for s in range(1, killed.saved + 1)] == pytest.approx(
+        launches.expected[:killed.saved], rel=TOL)
+    # The held-out loss too: each rank scores its part, the parts add up by weight.
+    assert EVERY in evals
+    assert evals == pytest.approx({s: launches.expected_evals[s] for s in evals}, rel=TOL)
+
+
+def test_resume_after_the_kill_on_another_world_size_goes_on_exactly(launches):
+    saved, resumed = launches.killed.saved, launches.resumed
+    assert resumed.done.returncode == 0, (resumed.done.stdout[-3000:]
+                                         + resumed.done.stderr[-3000:])
+    assert "3 ranks (gloo)" in resumed.done.stdout
+    got, evals = losses_in(resumed.metrics)
+    assert sorted(got) == [saved + 1, saved + 2]
     # Resharded from two ranks to three, the run goes on as if it had never stopped.
-    assert [got[3], got[4]] == pytest.approx(expected[2:], rel=TOL)
+    assert [got[saved + 1], got[saved + 2]] == pytest.approx(
+        launches.expected[saved:saved + 2], rel=TOL)
+    assert evals == pytest.approx({saved + 2: launches.expected_evals[saved + 2]}, rel=TOL)
+
+
+def test_rank_0_alone_writes_the_metrics_the_summary_and_the_checkpoint(launches):
+    resumed = launches.resumed
+    assert resumed.done.returncode == 0, resumed.done.stderr[-3000:]
+    assert resumed.done.stdout.count("done: 2 steps, 192 tokens") == 1  # rank 0's summary
+    got, _ = losses_in(resumed.metrics)
+    assert len(got) == 2  # one line per step
+    last = launches.killed.saved + 2
+    assert sorted(p.name for p in resumed.checkpoints.iterdir()) == [f"step-{last:06d}"]
+    assert (step_folder(resumed.checkpoints, last) / "model" / "config.json").is_file()
+    assert rank_logs(resumed.tmp) == ["rank0", "rank1", "rank2"]
+
+
+def test_the_preset_saved_from_ranks_runs_again_on_as_many(launches):
+    resumed = launches.resumed
+    assert f"preset saved to {resumed.preset}" in resumed.done.stdout
+    header = [line for line in resumed.preset.read_text().splitlines() if line.startswith("#")]
+    assert (f"# reproduce: tuitrain run --preset {resumed.preset} --headless --nproc 3"
+            in header)
 
 
 def test_a_global_batch_splits_into_contiguous_equal_parts():

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from test_data_parallel_run import FLAGS, ROOT, TOL, losses_in, one_process
+from rank_launch import FLAGS, ROOT, TOL, losses_in, one_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def test_two_nodes_of_one_rank_each_train_the_global_batches(tmp_path):
-    expected, _ = one_process()
+    expected, _ = one_process(STEPS)
     port = free_port()
     nodes = []
     for node in (0, 1):

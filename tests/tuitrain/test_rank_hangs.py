@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_rank_killed import worker_pid
+from rank_launch import worker_pid
 
 from engine.distributed.collectives import DEFAULT_TIMEOUT
 

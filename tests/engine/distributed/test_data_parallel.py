@@ -10,6 +10,7 @@ padding (chunk sizes that are no multiple of three).
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -84,7 +85,11 @@ def ranks(request):
     return world, [result["matches"] for result in launch]
 
 
+# Cached: scenarios that differ only in how the ranks train compare with one run (in the
+# test process, seconds of CPU each); test_disk_ranks.py compares with the same.
+@functools.cache
 def _reference(world: int, *, lora: bool = False, **kw):
+    """One process's losses and final weights on the global batches of `world` ranks."""
     from dp_scenarios import with_lora
 
     model = with_lora(build()) if lora else build()
@@ -192,13 +197,20 @@ def _ddp_loss(world: int, step_of: dict):
     return loss_of
 
 
+@functools.cache
+def _unused_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """DDP's losses and final weights over GATES on two ranks (both policies compare with
+    it, and test_disk_ranks.py with the shards on disk)."""
+    world = 2
+    batches = make_batches(len(GATES), batch_size=PER_RANK * world)
+    return reference_run(
+        GatedLM(), batches, loss_of=_ddp_loss(world, {id(b): i for i, b in enumerate(batches)}))
+
+
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
 def test_a_parameter_unused_on_one_rank_gives_ddps_result(policy, two):
-    world = 2
     results = [result["unused"][policy] for result in two]
-    batches = make_batches(len(GATES), batch_size=PER_RANK * world)
-    ref_losses, ref_weights = reference_run(
-        GatedLM(), batches, loss_of=_ddp_loss(world, {id(b): i for i, b in enumerate(batches)}))
+    ref_losses, ref_weights = _unused_reference()
     for result in results:
         assert result["losses"] == pytest.approx(ref_losses, rel=TOL)
         assert whole_model_relative_difference(result["weights"], ref_weights) <= TOL

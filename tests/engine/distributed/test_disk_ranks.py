@@ -23,11 +23,9 @@ import torch
 from dp_harness import (
     COLLECTIVE_TIMEOUT,
     TINY_VOCAB,
-    GatedLM,
     build,
     make_batches,
     rank_slice,
-    reference_run,
     run_ranks,
     whole_model_relative_difference,
 )
@@ -222,9 +220,10 @@ def launch(request, tmp_path_factory):
 
 @pytest.mark.parametrize("name", [s["name"] for s in EXACT])
 def test_ranks_spilling_their_shards_train_as_one_process_on_the_global_batch(launch, name):
+    from test_data_parallel import _reference  # the same run: STEPS and PER_RANK alike
+
     world, _, _, _, results = launch
-    ref_losses, ref_weights = reference_run(build(),
-                                            make_batches(STEPS, batch_size=PER_RANK * world))
+    ref_losses, ref_weights = _reference(world)
     for rank, result in enumerate(r["exact"][name] for r in results):
         where = f"{name} on rank {rank} of {world}"
         assert result["losses"] == pytest.approx(ref_losses, rel=TOL), where
@@ -245,14 +244,12 @@ def test_ranks_spilling_their_shards_train_as_one_process_on_the_global_batch(la
 
 
 def test_a_parameter_unused_on_one_rank_gives_ddps_result_with_its_shard_on_disk(launch):
-    from test_data_parallel import GATES, _ddp_loss
+    from test_data_parallel import GATES, _unused_reference
 
     world, _, _, _, results = launch
     if world != 2:
         pytest.skip("GATES are for two ranks")
-    batches = make_batches(len(GATES), batch_size=PER_RANK * world)
-    ref_losses, ref_weights = reference_run(
-        GatedLM(), batches, loss_of=_ddp_loss(world, {id(b): i for i, b in enumerate(batches)}))
+    ref_losses, ref_weights = _unused_reference()
     for result in (r["unused"] for r in results):
         assert 2 in result["levels"]
         assert result["losses"] == pytest.approx(ref_losses, rel=TOL)
