@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import EngineConfig
+from engine.devices.device import SIMULATE_ENV
 from tuitrain.cli import build_parser, main, resolve_settings
 from tuitrain.events import Eval, Finished, Step
 from tuitrain.headless import run_headless
@@ -75,16 +76,34 @@ def weights(folder: Path) -> torch.Tensor:
 # --- gradient accumulation ---------------------------------------------------------------
 
 
+MICRO_COMMON = {"steps": 4, "eval_every": 2, "eval_batches": 2}
+MICRO_HELD_OUT = {"eval_fraction": 0.05}
+
+
+@pytest.fixture(scope="module")
+def whole_batch_of_4(tmp_path_factory) -> tuple[Sink, Path]:
+    """The run every split of a batch of 4 sequences is compared with: its events and the
+    folder of its checkpoints. Once per module: each split is batch_size x grad_accum = 4.
+    On the simulated device, as the splits are: a module's fixture is made before the
+    test's own `device_choice` asks for it."""
+    folder = tmp_path_factory.mktemp("whole")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SIMULATE_ENV, "1")
+        sink = train(folder, tiny(
+            folder, "whole", training={**MICRO_COMMON, "batch_size": 4}, data=MICRO_HELD_OUT,
+            checkpoint={"dir": str(folder / "whole")}))
+    return sink, folder / "whole"
+
+
 @pytest.mark.parametrize(("batch_size", "grad_accum"), [(1, 4), (2, 2)])
-def test_micro_batches_train_exactly_as_the_whole_batch(tmp_path, batch_size, grad_accum):
-    held_out = {"eval_fraction": 0.05}
-    common = {"steps": 4, "eval_every": 2, "eval_batches": 2}
-    whole = train(tmp_path, tiny(
-        tmp_path, "whole", training={**common, "batch_size": batch_size * grad_accum},
-        data=held_out, checkpoint={"dir": str(tmp_path / "whole")}))
+def test_micro_batches_train_exactly_as_the_whole_batch(tmp_path, whole_batch_of_4, batch_size,
+                                                        grad_accum):
+    assert batch_size * grad_accum == 4
+    whole, whole_folder = whole_batch_of_4
     split = train(tmp_path, tiny(
-        tmp_path, "split", training={**common, "batch_size": batch_size, "grad_accum": grad_accum},
-        data=held_out, checkpoint={"dir": str(tmp_path / "split")}))
+        tmp_path, "split",
+        training={**MICRO_COMMON, "batch_size": batch_size, "grad_accum": grad_accum},
+        data=MICRO_HELD_OUT, checkpoint={"dir": str(tmp_path / "split")}))
 
     expected, got = steps_of(whole), steps_of(split)
     assert sorted(got) == [1, 2, 3, 4]
@@ -93,7 +112,7 @@ def test_micro_batches_train_exactly_as_the_whole_batch(tmp_path, batch_size, gr
         assert stats.micro_batches == grad_accum and len(stats.micro_losses) == grad_accum
         assert stats.tokens == expected[step].tokens == batch_size * grad_accum * SEQ_LEN
     after = weights(tmp_path / "split" / "step-000004")
-    want = weights(tmp_path / "whole" / "step-000004")
+    want = weights(whole_folder / "step-000004")
     assert ((after - want).norm() / want.norm()).item() <= 1e-5
     # The held-out sequences do not depend on how a step's batch is split.
     for step, measured in evals_of(split).items():

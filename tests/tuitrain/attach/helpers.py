@@ -18,14 +18,18 @@ from tuitrain.wire import MAX_EVENT_BYTES, read_frame
 WAIT_SECONDS = 30.0  # threads on a loaded machine; a passing test takes milliseconds
 
 
-def served_fake(steps: int = 100, *, settings: Settings | None = None
+def served_fake(steps: int = 100, *, settings: Settings | None = None, then_wait: bool = False
                 ) -> tuple[ServedWorker, FakeWorker]:
     """A fake run of `steps` steps served on a socket in the test's runtime folder, started;
-    each poll plays one step."""
-    def script() -> Iterator[Event]:  # made as played: a long fake run costs nothing
+    each poll plays one step. With `then_wait` the run stays alive after its last step, as
+    one whose next step is long in coming: a viewer then has nothing more to draw, and a
+    Pilot's wait for an idle app returns at once rather than after its one-second limit."""
+    def script() -> Iterator[Event | None]:  # made as played: a long fake run costs nothing
         yield fake_started(model="tiny")
         for step in range(1, steps + 1):
             yield Step(fake_stats(step))
+        while then_wait:
+            yield None  # this poll has nothing; the run goes on
 
     fake = FakeWorker(script, steps_per_poll=1, restep=follow_settings())
     served = serve(fake, settings or Settings(model="tiny"), err=io.StringIO())

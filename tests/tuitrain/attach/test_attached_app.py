@@ -100,7 +100,7 @@ STEERING = {"Policy", "Margin+", "Margin-", "Pause", "Resume", "Tune"}
 
 
 async def test_read_only_offers_no_steering_key_sends_nothing_and_says_so() -> None:
-    served, fake = served_fake(steps=10_000)
+    served, fake = served_fake(steps=2, then_wait=True)
     with Pump(served):
         app = attached_app(served.record.socket, read_only=True)
         async with app.run_test(size=(120, 40)) as pilot:
