@@ -134,6 +134,9 @@ class StepReplay:
         self.stale: set[int] = set()  # on the device, but its gradients have gone home
         self.home: set[int] = set()  # gradients gone home (Chunk.holds_grads)
         self.got: set[str] = set()  # parameters whose gradient arrived
+        # Tied parameters whose first uses' gradients arrived, not their last (the engine's
+        # StepRunner._partial; engine.step.tied_uses).
+        self.partial: set[str] = set()
         self.in_backward = False
         self.recorded = Trace()  # what the engine's warm-up would record from this step
         self.sharding = sharding(self) if sharding is not None else None
@@ -291,7 +294,8 @@ class StepReplay:
             self._prefetch("backward" if self.in_backward else phase)
             self._read_ahead()
         for param in self.lay.module_params[module]:
-            if phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD:
+            if (phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD
+                    or param in self.partial):
                 self._set(param, S.COMPUTE)
 
     def _prefetch(self, phase: str) -> None:
@@ -391,10 +395,16 @@ class StepReplay:
                 self.evicting = False
             self._sample()
 
-    def grad(self, param: str) -> None:
+    def grad(self, param: str, last: bool = True) -> None:
+        """A gradient of `param` arrives: its own, or one use's of a tied one (complete
+        with the `last`)."""
         chunk = self.lay.chunk_of[param]
         if param in self.got:
-            return  # a second gradient adds up where the first is: no bytes, no count
+            # A later use's, or a second gradient: it adds up where the first is, no bytes.
+            if last and param in self.partial:
+                self.partial.discard(param)
+                self._complete(param, chunk)
+            return
         self.got.add(param)
         if chunk not in self.opened:
             self.opened.add(chunk)
@@ -411,6 +421,13 @@ class StepReplay:
             self._sample()
         elif chunk not in self.grads:
             self.open_grads(chunk, (chunk,))
+        if not last:
+            self.partial.add(param)
+            self._set(param, S.HOLD_AFTER_BWD)
+            return
+        self._complete(param, chunk)
+
+    def _complete(self, param: str, chunk: int) -> None:
         self._set(param, S.HOLD_AFTER_BWD)
         self.pending[chunk] -= 1
         if self.pending[chunk] == 0:
@@ -445,7 +462,7 @@ class StepReplay:
             elif kind == "nm":
                 self.non_model(event[1])
             elif kind == "grad":
-                self.grad(event[1])
+                self.grad(*event[1:])
             elif kind == "backward":
                 self.in_backward = True
         for chunk in sorted(self.opened):

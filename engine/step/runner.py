@@ -28,6 +28,7 @@ from engine.step.counting import CountedSteps
 from engine.step.hooks import hook_gradients, install, wrap_outputs
 from engine.step.non_model import NonModelCounter, storage_key
 from engine.step.optimizer import restore_params
+from engine.step.tied_uses import TiedUses
 from engine.telemetry import TimelinePoint
 
 S = TensorState
@@ -86,6 +87,9 @@ class StepRunner:
                                        post_forward=self._post_forward, borrowed=borrowed,
                                        after_backward=self._after_backward)
         self._grad_hooks: dict[int, object] = {}  # id(param) -> its gradient hook
+        self.tied = TiedUses(model, self._on_use_grad)  # tied weights: a gradient per use
+        self._partial: set[int] = set()  # id(param): its first uses' gradients in, not all
+        self._modules = list(model.modules())
         self.module_slots: dict[int, list[tuple[Chunk, Slot]]] = {
             k: [self.slot_of[id(p)] for p in ps] for k, ps in owned.items()}
         self.module_chunks: dict[int, tuple[Chunk, ...]] = {
@@ -265,6 +269,8 @@ class StepRunner:
         self.manager.prepare(self.module_chunks[key], self.pos, phase)
         for chunk, slot in self.module_slots[key]:
             chunk.set_state(slot, S.COMPUTE)
+        if not self._in_backward and self.tied.any:
+            self.tied.enter(self._modules[key])
 
     def _post_forward(self, key: int, output: object) -> object:
         if not self._in_step:
@@ -272,6 +278,8 @@ class StepRunner:
                 if slot.state == S.COMPUTE:
                     chunk.set_state(slot, S.HOLD)
             return output
+        if self.tied.any:
+            self.tied.leave(self._modules[key])
         for chunk, slot in self.module_slots[key]:
             # A borrowed parameter may have been released already by the module it was
             # borrowed from, if that one ran inside this one.
@@ -285,7 +293,7 @@ class StepRunner:
         self._point(key, "backward")
         self.manager.prepare(self.module_chunks[key], self.pos, "backward")
         for chunk, slot in self.module_slots[key]:
-            if slot.state != S.HOLD_AFTER_BWD:
+            if slot.state != S.HOLD_AFTER_BWD or self.tied.pending(slot.param):
                 chunk.set_state(slot, S.COMPUTE)
 
     def _after_backward(self, key: int) -> None:  # no gradient will move frozen ones on
@@ -316,16 +324,28 @@ class StepRunner:
         point.chunks = tuple(dict.fromkeys((*point.chunks, chunk.index)))
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        """A parameter's gradient is complete, usually once a backward. A parameter that
-        autograd accumulates more than once (a module shared by two reentrant-checkpointed
-        segments) adds up where its gradient already is, even once it has gone home."""
+        self._take_grad(param, param, last=True)
+
+    def _on_use_grad(self, param: torch.nn.Parameter, alias: torch.nn.Parameter) -> None:
+        self._take_grad(param, alias, last=not self.tied.pending(param))
+
+    def _take_grad(self, param: torch.nn.Parameter, holder: torch.nn.Parameter, *,
+                   last: bool) -> None:
+        """`holder.grad` is a gradient of `param`: its own, usually complete once a
+        backward, or one use's of a tied one (`holder` an alias, engine.step.tied_uses),
+        complete with the `last`. A parameter that autograd accumulates more than once (a
+        module shared by two reentrant-checkpointed segments) adds up where its gradient
+        already is, even once it has gone home."""
         chunk, slot = self.slot_of[id(param)]
         first = not slot.got_grad
         if first and chunk.index not in self._opening and chunk.grads_pending > 0:
             self._opening.add(chunk.index)
             self._opening_bytes += chunk.nbytes
-        grad = param.grad.reshape(-1)
-        if chunk.sharded:
+        grad = holder.grad.reshape(-1)
+        if not last and (chunk.sharded or chunk.holds_grads and chunk.payload_on_disk):
+            # Where arrivals are counted, a tied parameter's is its last use's.
+            self.manager.grad_buffer(chunk, self.pos)[slot.offset:slot.offset + slot.numel].add_(grad)
+        elif chunk.sharded:
             self.manager.add_shard_grad(chunk, slot, grad, self.pos)
         elif chunk.resident:
             self.manager.keep_slot_grad(chunk, slot, grad, self.pos)
@@ -334,12 +354,15 @@ class StepRunner:
         else:
             buf = self.manager.grad_buffer(chunk, self.pos)[slot.offset:slot.offset + slot.numel]
             buf.copy_(grad) if first else buf.add_(grad)
-        param.grad = None
+        holder.grad = None
         slot.got_grad = True
         if slot.state != S.HOLD_AFTER_BWD:
             chunk.set_state(slot, S.HOLD_AFTER_BWD)
-        if not first:
+        if not last and first:
+            self._partial.add(id(param))  # the first of its uses' gradients this step
+        if not last or not (first or id(param) in self._partial):
             return
+        self._partial.discard(id(param))
         chunk.grads_pending -= 1
         if chunk.grads_pending == 0:
             self._opening.discard(chunk.index)
@@ -377,6 +400,8 @@ class StepRunner:
         self._tracing = Trace(shape, key=key) if tracing else None
         self._opening.clear()
         self._opening_bytes = 0
+        self.tied.reset()
+        self._partial.clear()
         if tracing:
             # A trace of another step is no forecast of this one's activations; it is the
             # forecast again if this step fails (_abort).
@@ -462,6 +487,7 @@ class StepRunner:
     def _abort(self) -> None:
         """Leave the chunks consistent after a failed forward/backward: no grads, no copies."""
         self.device.settle_host()
+        self.tied.leave_all()
         for chunk in self.chunks:
             self.manager.drop_grad(chunk)
             self.manager.drop_slot_grads(chunk)
