@@ -8,6 +8,10 @@ gradient (a layer unfrozen mid-run). `key` holds what the trace was recorded for
 The working set counts, for every chunk whose gradients are coming in, room for a gradient
 buffer, even where the chunk is resident and needs none: a trace recorded under the cuda
 policy then still tells what cpu or auto would need after a switch.
+Within an interval, gradients arrive (and with them gradient buffers open and autograd's
+gradients go): `rest[k - 1]` is the interval's non-model peak from its k-th arrival on, so
+that room is kept only for the peak still to come (`arrived_at`), and the working set is
+the most chunk bytes held in each part of the interval beside that part's peak to come.
 The engine records it from a real step (engine.step), the planner from a replayed one
 (engine.planning.replay): one type, read by the same placement rules.
 """
@@ -24,6 +28,21 @@ class TracePoint:
     phase: str  # "forward" | "backward"
     non_model_peak: int = 0  # peak non-model bytes from this point to the next
     working_set: int = 0  # peak of pinned chunks + gradient buffers + non-model, same span
+    rest: tuple[int, ...] = ()  # rest[k - 1]: the non-model peak from the k-th gradient on
+
+    def close(self, parts: list[tuple[int, int]]) -> None:
+        """The interval's parts, split at each gradient arrival, as (most chunk bytes held,
+        non-model peak) each: its peaks and its working set."""
+        to_come, ahead = [], 0
+        for _, peak in reversed(parts):
+            ahead = max(ahead, peak)
+            to_come.append(ahead)
+        to_come.reverse()
+        self.non_model_peak = to_come[0] if to_come else 0
+        self.rest = tuple(to_come[1:])
+        self.working_set = max((held + ahead for (held, _), ahead in zip(parts, to_come,
+                                                                         strict=True)),
+                               default=0)
 
 
 @dataclass
@@ -32,6 +51,8 @@ class Trace:
     key: tuple = ()  # what the step looked like when traced; another key means re-trace
     points: list[TracePoint] = field(default_factory=list)
     _uses: dict[int, list[int]] = field(default_factory=dict)
+    # Where the step that forecasts from this trace is: (position, gradients arrived there).
+    _cursor: tuple[int, int] = (-1, 0)
 
     def finish(self) -> None:
         self._uses = {}
@@ -45,11 +66,21 @@ class Trace:
         i = bisect.bisect_right(uses, pos)
         return uses[i] if i < len(uses) else float("inf")
 
+    def arrived_at(self, pos: int, arrived: int) -> None:
+        """The step forecasting from this trace is at `pos`, where `arrived` gradients
+        have arrived so far: what is forecast there from now on is the peak still to come."""
+        self._cursor = (pos, arrived)
+
     def non_model_ahead(self, pos: int) -> int:
-        """Non-model peak forecast for the interval starting at `pos`."""
-        if 0 <= pos < len(self.points):
-            return self.points[pos].non_model_peak
-        return 0
+        """Non-model peak forecast for the interval starting at `pos`, from the latest
+        gradient arrival there on (`arrived_at`)."""
+        if not 0 <= pos < len(self.points):
+            return 0
+        point = self.points[pos]
+        at, arrived = self._cursor
+        if at != pos or arrived == 0 or not point.rest:
+            return point.non_model_peak
+        return point.rest[min(arrived, len(point.rest)) - 1]
 
     @property
     def non_model_peak(self) -> int:

@@ -21,6 +21,7 @@ from engine.models.training import prepare_for_training
 from engine.models.zoo import BadCheckpoint
 from engine.step.hooks import hook_gradients, install, wrap_outputs
 from engine.step.non_model import LiveBytes
+from engine.step.tied_uses import TiedUses
 
 __all__ = ["Event", "record_step"]
 
@@ -33,7 +34,8 @@ __all__ = ["Event", "record_step"]
 #                                  gradients (its frozen parameters leave COMPUTE)
 #   ("nm", delta)                  non-model bytes change by delta (an op allocated, a storage
 #                                  was freed)
-#   ("grad", parameter name)       a parameter's gradient arrives
+#   ("grad", parameter name, last) a parameter's gradient arrives; for a tied one, one use's,
+#                                  and `last` says whether its last (engine.step.tied_uses)
 #   ("backward",)                  forward is over; the loss's backward starts
 
 Event = tuple
@@ -128,11 +130,15 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
     names = {m: n for n, m in model.named_modules()}
     modules = list(model.modules())
     events = rec.events
+    in_backward = False
 
     def pre_forward(key: int) -> None:
         events.append(("point", names[modules[key]], "forward"))
+        if not in_backward:
+            tied.enter(modules[key])
 
     def post_forward(key: int, output: object) -> object:
+        tied.leave(modules[key])
         events.append(("post", names[modules[key]]))
         if torch.is_grad_enabled():
             return wrap_outputs(
@@ -144,9 +150,14 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
         events.append(("done", names[modules[key]]))
 
     def on_grad(param: torch.nn.Parameter) -> None:
-        events.append(("grad", rec.names[id(param)]))
+        events.append(("grad", rec.names[id(param)], True))
         param.grad = None
 
+    def on_use_grad(param: torch.nn.Parameter, alias: torch.nn.Parameter) -> None:
+        events.append(("grad", rec.names[id(param)], not tied.pending(param)))
+        alias.grad = None
+
+    tied = TiedUses(model, on_use_grad)
     handles, _ = install(model, pre_forward=pre_forward, post_forward=post_forward,
                          after_backward=after_backward)
     grad_hooks: dict[int, object] = {}
@@ -158,9 +169,11 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
             with _CpuAttention():
                 loss = model(input_ids=ids, labels=ids).loss
             events.append(("backward",))
+            in_backward = True
             loss.backward()
             del loss
     finally:
+        tied.leave_all()
         for h in handles:
             h.remove()
     return events

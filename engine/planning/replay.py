@@ -124,7 +124,12 @@ class StepReplay:
         self.nm = 0
         self.pos = -1
         self.pinned = 0
-        self.held = 0  # most chunk bytes held since the latest point: pinned, gradients opening
+        self.held = 0  # most chunk bytes held in this part of the interval (pinned, opening)
+        self.part_peak = 0  # the non-model peak in it
+        # The interval's parts before the latest gradient arrival, as (held, non-model peak)
+        # each (TracePoint.close), and how many gradients arrived in it.
+        self.parts: list[tuple[int, int]] = []
+        self.arrived = 0
         self.evicting = False
         self.overrun = 0
         self.copied = 0  # payload bytes copied between host and device (fetches, gradients)
@@ -134,6 +139,9 @@ class StepReplay:
         self.stale: set[int] = set()  # on the device, but its gradients have gone home
         self.home: set[int] = set()  # gradients gone home (Chunk.holds_grads)
         self.got: set[str] = set()  # parameters whose gradient arrived
+        # Tied parameters whose first uses' gradients arrived, not their last (the engine's
+        # StepRunner._partial; engine.step.tied_uses).
+        self.partial: set[str] = set()
         self.in_backward = False
         self.recorded = Trace()  # what the engine's warm-up would record from this step
         self.sharding = sharding(self) if sharding is not None else None
@@ -161,13 +169,12 @@ class StepReplay:
         if self.evicting:
             return
         if self.recorded.points:
-            point = self.recorded.points[-1]
-            point.non_model_peak = max(point.non_model_peak, self.nm)
             # What the rules keep room for (StepRunner._sample): the most chunk bytes held
-            # beside the whole non-model peak of the interval.
+            # beside the non-model peak to come, part by part (TracePoint.close).
             held = self.sharding.held_bytes if self.sharding is not None else 0
             self.held = max(self.held, self.pinned + self.opening_bytes + held)
-            point.working_set = self.held + point.non_model_peak
+            self.part_peak = max(self.part_peak, self.nm)
+            self.recorded.points[-1].close([*self.parts, (self.held, self.part_peak)])
         self.peak = max(self.peak, self.device_bytes + self.nm)
         self.beside_pool = max(self.beside_pool, self.device_bytes - self.pool.in_use + self.nm)
         self._note_footprint()
@@ -274,7 +281,10 @@ class StepReplay:
         chunks = self.lay.module_chunks[module]
         self.recorded.points.append(TracePoint(chunks, phase))
         self.pinned = sum(self.nbytes[c] for c in self.busy.union(chunks))
-        self.held = 0
+        self.held = self.part_peak = 0
+        self.parts, self.arrived = [], 0
+        if self.trace is not None:
+            self.trace.arrived_at(self.pos, 0)
         self._keep_room(tuple(self.busy.union(chunks)))
         for chunk in self.rules.release_before_use(sorted(self.on_device), chunks):
             self._release(chunk)
@@ -291,7 +301,8 @@ class StepReplay:
             self._prefetch("backward" if self.in_backward else phase)
             self._read_ahead()
         for param in self.lay.module_params[module]:
-            if phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD:
+            if (phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD
+                    or param in self.partial):
                 self._set(param, S.COMPUTE)
 
     def _prefetch(self, phase: str) -> None:
@@ -391,10 +402,17 @@ class StepReplay:
                 self.evicting = False
             self._sample()
 
-    def grad(self, param: str) -> None:
+    def grad(self, param: str, last: bool = True) -> None:
+        """A gradient of `param` arrives: its own, or one use's of a tied one (complete
+        with the `last`)."""
+        self._arrival()
         chunk = self.lay.chunk_of[param]
         if param in self.got:
-            return  # a second gradient adds up where the first is: no bytes, no count
+            # A later use's, or a second gradient: it adds up where the first is, no bytes.
+            if last and param in self.partial:
+                self.partial.discard(param)
+                self._complete(param, chunk)
+            return
         self.got.add(param)
         if chunk not in self.opened:
             self.opened.add(chunk)
@@ -411,10 +429,27 @@ class StepReplay:
             self._sample()
         elif chunk not in self.grads:
             self.open_grads(chunk, (chunk,))
+        if not last:
+            self.partial.add(param)
+            self._set(param, S.HOLD_AFTER_BWD)
+            return
+        self._complete(param, chunk)
+
+    def _complete(self, param: str, chunk: int) -> None:
         self._set(param, S.HOLD_AFTER_BWD)
         self.pending[chunk] -= 1
         if self.pending[chunk] == 0:
             self._close(chunk)
+
+    def _arrival(self) -> None:
+        """StepRunner._on_arrival: the interval's next part begins."""
+        self._sample()
+        self.parts.append((self.held, self.part_peak))
+        self.held = self.part_peak = 0
+        self.arrived += 1
+        if self.trace is not None:
+            self.trace.arrived_at(self.pos, self.arrived)
+        self._sample()
 
     def open_grads(self, chunk: int, protect: tuple[int, ...]) -> None:
         """ChunkManager.grad_buffer: a device gradient buffer for `chunk`."""
@@ -445,7 +480,7 @@ class StepReplay:
             elif kind == "nm":
                 self.non_model(event[1])
             elif kind == "grad":
-                self.grad(event[1])
+                self.grad(*event[1:])
             elif kind == "backward":
                 self.in_backward = True
         for chunk in sorted(self.opened):

@@ -10,8 +10,8 @@
   ends. Where no input needs grad (a layer fed by a frozen embedding), nothing fires and the
   end of backward moves them on;
 - post-accumulate-grad hook (per parameter): the gradient goes into the chunk's buffer.
-  Autograd sums every use of a tied weight before calling it, so tied weights add up in one
-  chunk by construction.
+  A tied weight's uses each run on an alias with a hook of its own, so each use's gradient
+  goes there as soon as it is made (engine.step.tied_uses).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
 from engine.placement.trace import Trace, TracePoint
 from engine.step.activation_checkpointing import is_checkpointing
+from engine.step.arrivals import GradientArrivals
 from engine.step.borrowing import watch_borrowing
 from engine.step.counting import CountedSteps
 from engine.step.hooks import hook_gradients, install, wrap_outputs
@@ -65,6 +66,10 @@ class StepRunner:
         self.peak = 0  # peak device bytes this step
         self._interval_peak = 0
         self._interval_ws = 0
+        # The interval's parts before the latest gradient arrival in it, as (most chunk bytes
+        # held, non-model peak) each (TracePoint.close), and how many gradients arrived.
+        self._parts: list[tuple[int, int]] = []
+        self._arrived = 0
         # The interval's peak of all device bytes, and its split into chunk bytes and the
         # rest at that moment (the timeline's bars: their top is the peak the step reached).
         self._interval_top = (0, 0)
@@ -77,15 +82,15 @@ class StepRunner:
         self._in_backward = False
         self._evicting = False
         self._interrupted = False
-        # Chunks whose gradients have started but not finished arriving this backward, and
-        # their bytes: the gradient buffers a non-resident placement holds (see trace.py).
-        self._opening: set[int] = set()
-        self._opening_bytes = 0
         self.slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
         self._handles, owned = install(model, pre_forward=self._pre_forward,
                                        post_forward=self._post_forward, borrowed=borrowed,
                                        after_backward=self._after_backward)
         self._grad_hooks: dict[int, object] = {}  # id(param) -> its gradient hook
+        self.arrivals = GradientArrivals(model, self.slot_of, self.manager, lambda: self.pos,
+                                         on_arrival=self._on_arrival)
+        self.tied = self.arrivals.tied  # tied weights: a gradient per use
+        self._modules = list(model.modules())
         self.module_slots: dict[int, list[tuple[Chunk, Slot]]] = {
             k: [self.slot_of[id(p)] for p in ps] for k, ps in owned.items()}
         self.module_chunks: dict[int, tuple[Chunk, ...]] = {
@@ -169,7 +174,7 @@ class StepRunner:
         # chunk bytes it holds (in use, and gradient buffers opening) beside its whole
         # non-model peak, which they reserve from its start on (rules.forecast). This part
         # is the chunk bytes; the interval adds its non-model peak when it closes.
-        self._interval_ws = max(self._interval_ws, self._pinned + self._opening_bytes
+        self._interval_ws = max(self._interval_ws, self._pinned + self.arrivals.opening_bytes
                                 + self.manager.held_grad_bytes)
         if model + non_model > sum(self._interval_top):
             self._interval_top = (model, non_model)
@@ -219,11 +224,14 @@ class StepRunner:
         if self._interrupted:
             self._interrupted = False
             raise StepInterrupted(f"step {self.step_number} was interrupted in the {phase}")
-        self.pos += 1
         chunks = self.module_chunks[key]
         if not self.device.simulated:
             self._sample()  # the allocator's peak since the last sample is the closing one's
         self._close_interval()
+        self.pos += 1
+        self._parts, self._arrived = [], 0
+        if self.manager.trace is not None:
+            self.manager.trace.arrived_at(self.pos, 0)
         if self._tracing is not None:
             self._tracing.points.append(TracePoint(tuple(c.index for c in chunks), phase))
         m = self.manager
@@ -241,14 +249,26 @@ class StepRunner:
         """The interval since the latest point ends: its peaks go to the trace being
         recorded, if any, and with the bytes copied in it to the timeline."""
         if self._tracing is not None and self._tracing.points:
-            last = self._tracing.points[-1]
-            last.non_model_peak = self._interval_peak
-            last.working_set = self._interval_ws + self._interval_peak
+            self._tracing.points[-1].close(
+                [*self._parts, (self._interval_ws, self._interval_peak)])
         if self.timeline:
             point, m = self.timeline[-1], self.manager
             point.model_bytes, point.non_model_bytes = self._interval_top
             point.bytes_h2d = m.bytes_h2d - self._copied_at[0]
             point.bytes_d2h = m.bytes_d2h - self._copied_at[1]
+
+    def _on_arrival(self) -> None:
+        """A gradient arrives: the interval's next part begins, and the forecast is of
+        the peak still to come in it (engine.placement.trace)."""
+        if not self._in_step:
+            return
+        self._sample()
+        self._parts.append((self._interval_ws, self._interval_peak))
+        self._interval_peak = self._interval_ws = 0
+        self._arrived += 1
+        if self.manager.trace is not None:
+            self.manager.trace.arrived_at(self.pos, self._arrived)
+        self._sample()
 
     def _pre_forward(self, key: int) -> None:
         if not self._in_step:
@@ -265,6 +285,8 @@ class StepRunner:
         self.manager.prepare(self.module_chunks[key], self.pos, phase)
         for chunk, slot in self.module_slots[key]:
             chunk.set_state(slot, S.COMPUTE)
+        if not self._in_backward and self.tied.any:
+            self.tied.enter(self._modules[key])
 
     def _post_forward(self, key: int, output: object) -> object:
         if not self._in_step:
@@ -272,6 +294,8 @@ class StepRunner:
                 if slot.state == S.COMPUTE:
                     chunk.set_state(slot, S.HOLD)
             return output
+        if self.tied.any:
+            self.tied.leave(self._modules[key])
         for chunk, slot in self.module_slots[key]:
             # A borrowed parameter may have been released already by the module it was
             # borrowed from, if that one ran inside this one.
@@ -285,7 +309,7 @@ class StepRunner:
         self._point(key, "backward")
         self.manager.prepare(self.module_chunks[key], self.pos, "backward")
         for chunk, slot in self.module_slots[key]:
-            if slot.state != S.HOLD_AFTER_BWD:
+            if slot.state != S.HOLD_AFTER_BWD or self.tied.pending(slot.param):
                 chunk.set_state(slot, S.COMPUTE)
 
     def _after_backward(self, key: int) -> None:  # no gradient will move frozen ones on
@@ -315,40 +339,6 @@ class StepRunner:
         point = self._tracing.points[at]
         point.chunks = tuple(dict.fromkeys((*point.chunks, chunk.index)))
 
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
-        """A parameter's gradient is complete, usually once a backward. A parameter that
-        autograd accumulates more than once (a module shared by two reentrant-checkpointed
-        segments) adds up where its gradient already is, even once it has gone home."""
-        chunk, slot = self.slot_of[id(param)]
-        first = not slot.got_grad
-        if first and chunk.index not in self._opening and chunk.grads_pending > 0:
-            self._opening.add(chunk.index)
-            self._opening_bytes += chunk.nbytes
-        grad = param.grad.reshape(-1)
-        if chunk.sharded:
-            self.manager.add_shard_grad(chunk, slot, grad, self.pos)
-        elif chunk.resident:
-            self.manager.keep_slot_grad(chunk, slot, grad, self.pos)
-        elif chunk.holds_grads:
-            self.manager.add_late_grad(chunk, slot, grad, self.pos)
-        else:
-            buf = self.manager.grad_buffer(chunk, self.pos)[slot.offset:slot.offset + slot.numel]
-            buf.copy_(grad) if first else buf.add_(grad)
-        param.grad = None
-        slot.got_grad = True
-        if slot.state != S.HOLD_AFTER_BWD:
-            chunk.set_state(slot, S.HOLD_AFTER_BWD)
-        if not first:
-            return
-        chunk.grads_pending -= 1
-        if chunk.grads_pending == 0:
-            self._opening.discard(chunk.index)
-            self._opening_bytes -= chunk.nbytes
-            if chunk.copy_is_home:
-                chunk.holds_grads = True
-            else:
-                self.manager.finish_grads(chunk)
-
     # --- one forward and backward ---------------------------------------------------------
 
     @property
@@ -370,13 +360,12 @@ class StepRunner:
         for chunk in self.chunks:
             if chunk.frozen and any(s.param.requires_grad for s in chunk.slots):
                 self.manager.thaw(chunk)  # unfrozen since: it needs optimizer state now
-        hook_gradients((s.param for c in self.chunks for s in c.slots), self._on_grad,
+        hook_gradients((s.param for c in self.chunks for s in c.slots), self.arrivals.on_grad,
                        self._grad_hooks)
         key = self.step_key(shape)
         tracing = self.trace is None or self.trace.key != key
         self._tracing = Trace(shape, key=key) if tracing else None
-        self._opening.clear()
-        self._opening_bytes = 0
+        self.arrivals.reset()
         if tracing:
             # A trace of another step is no forecast of this one's activations; it is the
             # forecast again if this step fails (_abort).
@@ -447,9 +436,7 @@ class StepRunner:
             # Parameters that got no gradient leave no chunk waiting.
             if chunk.slot_grads:
                 chunk.holds_grads = True
-            if chunk.index in self._opening:
-                self._opening.discard(chunk.index)
-                self._opening_bytes -= chunk.nbytes
+            self.arrivals.close(chunk)
             m.finish_grads(chunk)
             for slot in chunk.slots:
                 if slot.state in (S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
@@ -462,6 +449,7 @@ class StepRunner:
     def _abort(self) -> None:
         """Leave the chunks consistent after a failed forward/backward: no grads, no copies."""
         self.device.settle_host()
+        self.tied.leave_all()
         for chunk in self.chunks:
             self.manager.drop_grad(chunk)
             self.manager.drop_slot_grads(chunk)
