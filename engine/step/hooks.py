@@ -87,11 +87,13 @@ def weak(method: Callable) -> Callable:
     nothing (and a forward hook leaves the output as it is)."""
     if not inspect.ismethod(method):
         return method  # a plain function holds no engine
-    ref = weakref.WeakMethod(method)
+    # The instance held weakly and its function called with it: what WeakMethod does, less
+    # its Python-level __call__ and a bound method made at every hook call.
+    ref, func = weakref.ref(method.__self__), method.__func__
 
     def call(*args: object) -> object:
         target = ref()
-        return None if target is None else target(*args)
+        return None if target is None else func(target, *args)
 
     return call
 
