@@ -68,13 +68,15 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def timed(step) -> float:
-    """Seconds `step()` takes, the device idle before it starts and after it ends."""
+def timed(step) -> tuple[float, float]:
+    """(wall, process CPU) seconds `step()` takes, the device idle before it starts and
+    after it ends. On a shared machine the CPU seconds are the steadier of the two: other
+    jobs stretch the wall time, not this process's own work (with one thread)."""
     synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step()
     synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def uncounted_step(eng: Engine, batch) -> None:
@@ -148,30 +150,37 @@ def main(argv: list[str] | None = None) -> None:
     del base
 
     times: dict[str, list[float]] = {name: [] for name in systems}
+    cpu: dict[str, list[float]] = {name: [] for name in systems}
     moved: dict[str, int] = {}
     for i, batch in enumerate(batches):
         for name, step in systems.items():
-            seconds = step(batch)
+            seconds, cpu_seconds = step(batch)
             if i >= args.warmup:
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
     for policy, eng in engines.items():
         stats = eng.step(batches[-1])
         moved[policy] = stats.bytes_h2d + stats.bytes_d2h
 
     base_median = statistics.median(times["plain"])
+    base_cpu = statistics.median(cpu["plain"])
     print(f"{args.model}, batch {args.batch_size} x {args.seq_len}, fp32, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds; payload "
           f"{format_size(payload)}, working set {format_size(working_set)}")
-    print(f"{'system':<8}{'budget':>12}{'median s':>10}{'ratio':>8}{'moved/step':>13}")
+    print(f"{'system':<8}{'budget':>12}{'median s':>10}{'ratio':>8}{'CPU s':>8}{'ratio':>8}"
+          f"{'moved/step':>13}")
     for name, values in times.items():
-        median = statistics.median(values)
+        median, cpu_median = statistics.median(values), statistics.median(cpu[name])
         budget = format_size(budgets[name]) if name in budgets else "-"
         bytes_moved = format_size(moved[name]) if name in moved else "-"
         print(f"{name:<8}{budget:>12}{median:>10.3f}{median / base_median:>8.2f}"
-              f"{bytes_moved:>13}")
+              f"{cpu_median:>8.3f}{cpu_median / base_cpu:>8.2f}{bytes_moved:>13}")
     print(f"{args.model} on {device}: plain {base_median:.3f} s/step; " + ", ".join(
         f"{name} {statistics.median(values) / base_median:.2f}x"
-        for name, values in times.items() if name != "plain"))
+        for name, values in times.items() if name != "plain")
+        + f"; CPU: plain {base_cpu:.3f} s/step; " + ", ".join(
+        f"{name} {statistics.median(values) / base_cpu:.2f}x"
+        for name, values in cpu.items() if name != "plain"))
 
 
 if __name__ == "__main__":

@@ -146,6 +146,8 @@ class DeviceCopies(ChunkTiers):
         """Evict idle chunks (rules.evictions) until `nbytes` and the forecast fit."""
         forecast = self.rules.forecast(self.trace, pos, self.non_model_now())
         free = self.free_bytes(forecast)
+        if free >= nbytes:
+            return  # the common case, called for every gradient and copy: nothing to evict
         idle = [c.index for c in self.chunks if c.on_device and not c.copy_is_home
                 and not c.in_use() and c not in protect]
         victims, short = rules.evictions(nbytes, free, idle, lambda i: self.chunks[i].nbytes,

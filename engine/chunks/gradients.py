@@ -109,15 +109,17 @@ class Gradients(ChunkTiers):
         chunk.holds_grads = True
 
     def keep_slot_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
-        """A resident chunk keeps autograd's gradient tensor as is: no buffer, no copy.
+        """A resident chunk keeps autograd's gradient tensor `grad` (flattened) as is: no
+        buffer, no copy.
 
         Its room was planned with the residency, but the auto policy may have filled it
         with idle chunks since: those go first. A second gradient for the slot adds up."""
-        if slot.offset in chunk.slot_grads:
-            chunk.slot_grads[slot.offset][1].add_(grad.reshape(-1))
+        kept = chunk.slot_grads.get(slot.offset)
+        if kept is not None:
+            kept[1].add_(grad)
             return
         self.make_room(grad.nbytes, pos, (chunk,))
-        chunk.slot_grads[slot.offset] = (slot, grad.reshape(-1))
+        chunk.slot_grads[slot.offset] = (slot, grad)
         self.device_bytes += grad.nbytes
         self.on_change()
 

@@ -15,9 +15,10 @@ __all__ = ["as_the_model_has_it", "is_checkpointing", "set_checkpointing"]
 
 def is_checkpointing(model: torch.nn.Module) -> bool:
     """Whether `model`'s layers recompute their activations in backward."""
-    flag = ("is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing")
-            else "is_gradient_checkpointing")
-    return bool(getattr(model, flag, False))
+    # Read once: the flag is a property that walks every module (hasattr would walk them
+    # too), and a step reads it twice.
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
 
 
 def set_checkpointing(model: torch.nn.Module, on: bool) -> None:

@@ -134,8 +134,9 @@ def _fused(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
     grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
     if grad_scale != 1.0:
         torch._foreach_mul_(grads, grad_scale)
-    torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [],
-                        [_step_tensor(c, device) for c in counts],
+    # The kernel only reads the counts: parameters at the same count share one tensor.
+    steps = {count: _step_tensor(count, device) for count in set(counts)}
+    torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [], [steps[c] for c in counts],
                         amsgrad=False, maximize=False, **hyper)
 
 
