@@ -55,21 +55,52 @@ def _exec(script: str, argv: list[str], out: str, environ: dict[str, str]) -> No
     sys.stdout.flush()
 
 
+class Running:
+    """A script started in a forked process (`start_script`); `output` waits for it."""
+
+    def __init__(self, script: str, argv: list[str], tmp: tempfile.TemporaryDirectory) -> None:
+        self._tmp = tmp
+        self._out = Path(tmp.name) / "out"
+        self._child = context().Process(target=_exec, args=(script, argv, str(self._out),
+                                                            dict(os.environ)))
+        self._child.start()
+
+    def output(self, timeout: float) -> str:
+        """Its output (stdout and stderr together) once it has ended. Fails with that output
+        if it fails or is still running `timeout` seconds from now."""
+        child = self._child
+        try:
+            child.join(timeout)
+            if child.is_alive():
+                child.kill()
+                child.join()
+                raise AssertionError(
+                    f"still running after {timeout:g} s:\n{self._out.read_text()}")
+            text = self._out.read_text() if self._out.exists() else ""
+        finally:
+            self._tmp.cleanup()
+        if child.exitcode != 0:
+            raise AssertionError(f"exit code {child.exitcode}:\n{text[-3000:]}")
+        return text
+
+
+    def kill(self) -> None:
+        """End it if it still runs (a test that failed before asking for its output)."""
+        if self._child.is_alive():
+            self._child.kill()
+        self._child.join()
+        self._tmp.cleanup()
+
+
+def start_script(script: str, *argv: str) -> Running:
+    """Start `script` as `python -c script *argv` would, in a forked process, and return
+    at once: several such processes run side by side, each with its own resident memory
+    and high-water mark, so measuring them together changes neither."""
+    return Running(script, list(argv), tempfile.TemporaryDirectory())
+
+
 def run_script(script: str, *argv: str, timeout: float) -> str:
     """Run `script` as `python -c script *argv` would, in a forked process; its output
     (stdout and stderr together). Fails with that output if it fails or outlives
     `timeout` seconds."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out"
-        child = context().Process(target=_exec, args=(script, list(argv), str(out),
-                                                       dict(os.environ)))
-        child.start()
-        child.join(timeout)
-        if child.is_alive():
-            child.kill()
-            child.join()
-            raise AssertionError(f"still running after {timeout:g} s:\n{out.read_text()}")
-        text = out.read_text() if out.exists() else ""
-    if child.exitcode != 0:
-        raise AssertionError(f"exit code {child.exitcode}:\n{text[-3000:]}")
-    return text
+    return start_script(script, *argv).output(timeout)

@@ -3,15 +3,14 @@
 Forecasts are checked against real engine steps on the simulated device (the device peak of
 a steady step, the host chunk bytes, the working set), under each policy, precision, tight
 budgets, margins and activation checkpointing; then the large-model answers, which must come
-in seconds without allocating anything.
+in seconds without allocating anything. (The host peak against real processes:
+test_host_peak_fresh.py.)
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 
 import psutil
@@ -27,7 +26,6 @@ from engine.planning import planner as planner_module
 from engine.planning.host_memory import RUNTIME_BYTES
 from engine.planning.planner import plan
 from engine.step.engine import BudgetTooSmall
-from tests.forked import run_script
 
 SHAPE = {"batch_size": 2, "seq_len": 64}
 MiB = 2**20
@@ -318,98 +316,6 @@ def test_a_folder_whose_config_is_not_a_language_model_is_a_bad_checkpoint(tmp_p
         plan(str(tmp_path), device_mem="6GiB", host_mem="8GiB")
 
 
-# --- host memory of a real process -----------------------------------------------------------
-
-# Three steps, then the process's peak resident memory, for the scripts below.
-STEPS_THEN_PEAK = """
-g = torch.Generator().manual_seed(0)
-for _ in range(3):
-    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=g)
-    engine.step({"input_ids": ids, "labels": ids})
-for line in open("/proc/self/status"):
-    if line.startswith("VmHWM"):
-        print(json.dumps({"peak_rss": int(line.split()[1]) * 1024}))
-"""
-# A zoo model (argv 1) under a policy (argv 2) in a precision (argv 3), built on the meta
-# device and filled a chunk at a time, as the worker runs it.
-PEAK_RSS_SCRIPT = """
-import json, sys, torch
-from engine import Engine, EngineConfig
-from engine.models.zoo import meta_build
-built = meta_build(sys.argv[1])
-model = built.model
-engine = Engine(model, EngineConfig(policy=sys.argv[2], device_budget="6GiB",
-                                    precision=sys.argv[3], simulate=True),
-                weights=built.weights)
-""" + STEPS_THEN_PEAK
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_the_host_peak_is_the_peak_resident_memory_of_a_fresh_training_process():
-    """A fresh process, as the worker is: the runtime dominates tiny's host peak."""
-    forecast = plan(
-        "tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16", simulated=True, **SHAPE
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", PEAK_RSS_SCRIPT, "tiny", "auto", "bf16"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    peak = json.loads(done.stdout.splitlines()[-1])["peak_rss"]
-    assert forecast.auto.host_peak == pytest.approx(peak, rel=0.10)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("policy", ["auto", "cpu"])
-def test_the_host_peak_of_opt_125m_is_within_5_percent_of_a_fresh_process(policy):
-    """Where the chunks, not the runtime, make the peak: opt-125m in fp32 (2 GiB of
-    state), built from its config as the worker builds it."""
-    forecast = plan("opt-125m", device_mem="6GiB", host_mem="64GiB", precision="fp32",
-                    simulated=True, **SHAPE).policies[policy]
-    done = subprocess.run([sys.executable, "-c", PEAK_RSS_SCRIPT, "opt-125m", policy, "fp32"],
-                          capture_output=True, text=True, timeout=600, check=True)
-    peak = json.loads(done.stdout.splitlines()[-1])["peak_rss"]
-    assert forecast.host_peak == pytest.approx(peak, rel=0.05)
-
-
-# A model folder's config (argv 1) built as a model of its own, under policy cpu in fp32,
-# with the heap kept steady (engine.devices.host_memory) as a run where host memory is
-# tight keeps it.
-STEADY_PEAK_RSS_SCRIPT = """
-import json, sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
-from engine import Engine, EngineConfig
-from engine.devices.host_memory import steady_heap
-assert steady_heap()
-from engine.models.initial_weights import ModelInit
-with torch.device("meta"):
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
-engine = Engine(model, EngineConfig(policy="cpu", device_budget="6GiB", precision="fp32",
-                                    simulate=True), weights=ModelInit(model))
-""" + STEPS_THEN_PEAK
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_the_host_peak_of_a_tied_llama_is_within_5_percent_with_the_heap_steady(tmp_path):
-    """A 135M Llama with a 49k vocabulary and tied embeddings: left to itself glibc's heap
-    put this process's peak 12-20% above the plan, differently each run; kept steady, the
-    peak is the plan's."""
-    LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                tie_word_embeddings=True, max_position_embeddings=256
-                ).save_pretrained(tmp_path)
-    forecast = plan(str(tmp_path), device_mem="6GiB", host_mem="64GiB", precision="fp32",
-                    simulated=True, **SHAPE).cpu
-    done = subprocess.run([sys.executable, "-c", STEADY_PEAK_RSS_SCRIPT, str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, check=True)
-    peak = json.loads(done.stdout.splitlines()[-1])["peak_rss"]
-    assert forecast.host_peak == pytest.approx(peak, rel=0.05)
-
-
 # --- the disk tier: a host budget ------------------------------------------------------------
 
 # Elements per piece of disk I/O for tiny: small enough that its I/O buffers leave room for
@@ -626,60 +532,3 @@ def test_a_scratch_folder_that_cannot_be_made_fits_no_policy(small_pieces, tmp_p
         Engine(build_model("tiny"), EngineConfig(
             policy="cpu", device_budget="6GiB", precision="bf16", host_budget=host_budget,
             disk_dir=blocker / "scratch", simulate=True))
-
-
-# A fresh training process under a host budget (`folder`'s OPT config, fp32 weights made a
-# chunk at a time as the zoo makes them, pieces of 2**18 elements); prints its peak resident
-# memory.
-BUDGET_RSS_SCRIPT = """
-import json, sys, torch
-from transformers import OPTConfig, OPTForCausalLM
-from engine.placement import rules
-rules.DISK_PIECE = 2**18
-from engine import Engine, EngineConfig
-folder, budget, scratch = sys.argv[1], sys.argv[2], sys.argv[3]
-from engine.models.initial_weights import ModelInit
-with torch.device("meta"):
-    model = OPTForCausalLM(OPTConfig.from_pretrained(folder))
-engine = Engine(model, EngineConfig(policy="cpu", device_budget="1GiB", precision="fp32",
-                                    simulate=True, disk_dir=scratch,
-                                    host_budget=None if budget == "none" else int(budget)),
-                weights=ModelInit(model))
-""" + STEPS_THEN_PEAK
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_a_host_budget_lowers_the_peak_resident_memory_by_what_the_plan_says(tmp_path,
-                                                                              monkeypatch):
-    """Chunk by chunk filling, the parts kept on the host and the I/O buffers: what the disk
-    tier takes off a real process's peak is what the plan takes off its forecast. (The
-    runtime beside them is the other test's.)"""
-    monkeypatch.setattr(rules, "DISK_PIECE", 2**18)
-    folder = tmp_path / "opt-30m"  # ~450 MiB of fp32 training state
-    OPTConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-              ffn_dim=2048, max_position_embeddings=128, word_embed_proj_dim=512,
-              dropout=0.0, attention_dropout=0.0).save_pretrained(folder)
-    shape = {"device_mem": "1GiB", "host_mem": "64GiB", "precision": "fp32",
-             "simulated": True, "batch_size": 2, "seq_len": 64}
-    plain = plan(str(folder), **shape)
-    budget = int(0.3 * plain.model_bytes)
-    budgeted = plan(str(folder), host_budget=budget, disk_dir=tmp_path, **shape)
-    assert budgeted.cpu.fits and budgeted.cpu.disk_bytes > 0
-
-    # Forked processes (tests/forked.py): the imports they start with are the same in
-    # each, and the difference takes them out.
-    def peak(host_budget: str) -> int:
-        out = run_script(BUDGET_RSS_SCRIPT, str(folder), host_budget, str(tmp_path),
-                         timeout=240)
-        return json.loads(out.splitlines()[-1])["peak_rss"]
-
-    # A process's peak moves by a few tens of MB from run to run, upwards only (a transient
-    # the heap happened to hold at the wrong moment, shared libraries' pages; measured over
-    # four runs each: 962-1015 MB without the budget, 630-692 MB with it): the lowest of
-    # three runs each.
-    measured = (min(peak("none") for _ in range(3))
-                - min(peak(str(budget)) for _ in range(3)))
-    forecast = plain.cpu.host_peak - budgeted.cpu.host_peak
-    assert forecast > plain.model_bytes / 2  # the tier takes off most of the state
-    # Measured: 313-345 MB against 349 MB forecast with one run each (once 289 MB).
-    assert measured == pytest.approx(forecast, rel=0.15), (measured, forecast)

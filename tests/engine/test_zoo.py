@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -24,6 +22,7 @@ from engine.models.zoo import (
     meta_model,
     model_config,
 )
+from tests.forked import run_script
 
 
 def test_the_zoo_lists_tiny_then_the_opt_family_then_llama_by_size():
@@ -174,7 +173,9 @@ def test_a_dtype_is_built_directly():
 @pytest.mark.slow
 def test_building_opt_125m_peaks_at_one_copy_of_the_weights():
     # The kernel's high-water mark is reset once imports have settled (clear_refs 5), so
-    # the peak measures the build alone, even if cold import pages were reclaimed meanwhile.
+    # the peak measures the build alone, even if cold import pages were reclaimed meanwhile;
+    # so a forked process (tests/forked.py), whose imports the fork server already made,
+    # measures it as a fresh one does.
     script = textwrap.dedent(
         """
         from engine.models.zoo import build_model, meta_model
@@ -192,10 +193,7 @@ def test_building_opt_125m_peaks_at_one_copy_of_the_weights():
         print(status("VmHWM") - base)
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    peak_growth = int(done.stdout.split()[-1])
+    peak_growth = int(run_script(script, timeout=120).split()[-1])
     one_copy = 125_239_296 * 4
     assert peak_growth < 1.2 * one_copy
 
