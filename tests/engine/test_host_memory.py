@@ -15,7 +15,6 @@ import json
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -23,7 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from engine import Engine, EngineConfig
-from tests.forked import Running, start_script
+from tests.forked import run_script
 
 VOCAB = 32000
 GROWTH = 1.10
@@ -62,11 +61,14 @@ def assert_steady(rss: dict[int, int], growth: float) -> None:
     assert late <= growth * early, grew
 
 
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_resident_memory_at_step_50_is_what_it_was_at_step_5(arch):
+    assert_steady(rss_by_step(arch), GROWTH)
+
+
 # The same 50 steps in a process of their own whose heap is kept steady, as a run where host
 # memory is tight keeps it: no heap left to drift, so within 5%. A forked process
-# (tests/forked.py): the growth is measured against its own early steps. Both models' runs
-# start with the module and go on beside the tests in this process: resident memory is each
-# one's own.
+# (tests/forked.py): the growth is measured against its own early steps.
 STEADY_RSS_BY_STEP = """
 import json, sys
 from engine.devices.host_memory import steady_heap
@@ -76,24 +78,10 @@ print(json.dumps(rss_by_step(sys.argv[1])))
 """
 
 
-@pytest.fixture(scope="module")
-def steady_runs() -> Iterator[dict[str, Running]]:
-    runs = ({arch: start_script(STEADY_RSS_BY_STEP, arch) for arch in ("opt", "llama")}
-            if sys.platform.startswith("linux") else {})
-    yield runs
-    for run in runs.values():
-        run.kill()
-
-
-@pytest.mark.parametrize("arch", ["opt", "llama"])
-def test_resident_memory_at_step_50_is_what_it_was_at_step_5(steady_runs, arch):
-    assert_steady(rss_by_step(arch), GROWTH)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 @pytest.mark.parametrize("arch", ["opt", "llama"])
-def test_with_the_heap_steady_resident_memory_at_step_50_is_within_5_percent(steady_runs, arch):
-    out = steady_runs[arch].output(timeout=600)
+def test_with_the_heap_steady_resident_memory_at_step_50_is_within_5_percent(arch):
+    out = run_script(STEADY_RSS_BY_STEP, arch, timeout=600)
     rss = {int(k): v for k, v in json.loads(out.splitlines()[-1]).items()}
     assert_steady(rss, STEADY_GROWTH)
 
@@ -116,15 +104,10 @@ print(psutil.Process().memory_info().rss - before)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_steady_heap_gives_back_a_large_tensor_the_moment_it_is_freed():
-    # Both fresh interpreters at once: each heap is its own.
-    modes = {mode: subprocess.Popen([sys.executable, "-c", KEPT_AFTER_FREE, mode],
-                                    stdout=subprocess.PIPE, text=True)
-             for mode in ("dynamic", "steady")}
-
     def kept(mode: str) -> int:
-        out, _ = modes[mode].communicate(timeout=120)
-        assert modes[mode].returncode == 0, out
-        return int(out.split()[-1])
+        done = subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE, mode],
+                              capture_output=True, text=True, timeout=120, check=True)
+        return int(done.stdout.split()[-1])
 
     assert kept("dynamic") >= 7 * 2**20  # the heap kept the 8 MiB
     assert kept("steady") < 2**20
