@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -93,6 +94,22 @@ def device_choice(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
         monkeypatch.delenv(SIMULATE_ENV, raising=False)
 
 
+SHARED_CACHE = ("tokenizers", "tokens")  # what every worker may fill and read alike
+
+
+def _worker_cache(shared: Path, own: Path) -> Path:
+    """A pytest-xdist worker's own cache folder: its calibration, what a tune taught it
+    (which `unlearned` forgets after each test) and its disk scratch are its own, so that
+    the other worker's tests neither see nor remove them; the tokenisers and token streams,
+    the same for every test, are the shared folder's (links)."""
+    for name in SHARED_CACHE:
+        (shared / name).mkdir(exist_ok=True)
+        link = own / name
+        if not link.is_symlink():
+            link.symlink_to(shared / name, target_is_directory=True)
+    return own
+
+
 @pytest.fixture(autouse=True, scope="session")
 def tuitrain_cache(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Path]:
     """Trained tokenizers and token streams go under .pytest_cache, never ~/.cache.
@@ -103,6 +120,8 @@ def tuitrain_cache(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator
     """
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     path = cache.mkdir("tuitrain") if cache is not None else tmp_path_factory.mktemp("tuitrain")
+    if (worker := os.environ.get("PYTEST_XDIST_WORKER")) and cache is not None:
+        path = _worker_cache(Path(path), Path(cache.mkdir(f"tuitrain-{worker}")))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TUITRAIN_CACHE", str(path))
         yield Path(path)
