@@ -123,12 +123,29 @@ def test_accumulation_repeats_forward_backward_and_copies_but_updates_once():
     assert four.optimizer_host == one.optimizer_host
 
 
-def test_the_disk_tier_overlaps_the_step_and_shows_what_it_cannot_hide():
-    traffic = Traffic(copied=0, updated_on_host=0, updated_on_device=0, itemsize=4,
-                      disk_read=20_000_000_000, disk_written=10_000_000_000)
-    t = forecast(WORK, traffic, fixed_calibration(), precision="fp32", simulated=True)
+DISK = Traffic(copied=0, updated_on_host=0, updated_on_device=0, itemsize=4,
+               disk_read=20_000_000_000, disk_written=10_000_000_000)
+
+
+def test_on_cuda_the_disk_tier_overlaps_the_step_and_shows_what_it_cannot_hide():
+    t = forecast(WORK, DISK, fixed_calibration(), precision="fp32", simulated=False)
     assert t.disk == pytest.approx(30.0)
     assert t.total == pytest.approx(30.0)  # 30 s of disk, the ~6 s of compute beside it
+
+
+def test_on_the_simulated_device_the_disk_hides_behind_one_forward_only():
+    """The disk tier's threads take the cores the kernels need; only the update that flies
+    beside the next step's first forward hides, however many micro-batches a step has."""
+    for accum in (1, 4):
+        t = forecast(WORK, DISK, fixed_calibration(), precision="fp32", simulated=True,
+                     grad_accum=accum)
+        assert t.disk == pytest.approx(30.0)
+        assert t.overlap == pytest.approx(t.forward / accum)
+        assert t.total == pytest.approx(t.compute + 30.0 - t.forward / accum)
+    small = Traffic(copied=0, updated_on_host=0, updated_on_device=0, itemsize=4,
+                    disk_read=500_000_000)  # 0.5 s: all of it beside the ~2 s forward
+    t = forecast(WORK, small, fixed_calibration(), precision="fp32", simulated=True)
+    assert t.overlap == pytest.approx(0.5) and t.total == pytest.approx(t.compute)
 
 
 def test_a_plans_rows_get_their_own_traffic():
