@@ -3,8 +3,9 @@
 For every setting of the grid, the plan's forecast (engine.planning.time_model, with this
 machine's calibration) beside the median of the measured steps (warm-up excluded), and
 their ratio; then every pair of rows whose measured times differ by more than 15%: does
-the forecast order them the same way? Measured is the stepping thread's CPU seconds (what
-a step takes on a quiet machine, see Row.measured); wall and process CPU seconds beside it.
+the forecast order them the same way? Measured is the wall time of a step, which only a
+quiet machine gives (the load average is printed on every row); the stepping thread's and
+the process's CPU seconds beside it.
 
     python benchmarks/time_model.py                    # the whole grid (long)
     python benchmarks/time_model.py --quick            # a few rows, few steps
@@ -53,13 +54,13 @@ class Row:
     accum: int
     disk: bool
     predicted: float = 0.0
-    # The stepping thread's CPU seconds per step: what the step takes on a quiet machine.
-    # That thread runs the engine's Python and takes part in every parallel kernel (it is
-    # OpenMP's thread 0), so it is busy for the whole step whether or not other threads
-    # help; a loaded machine takes the cores away between its slices, which this clock
-    # does not count and the wall clock does.
+    # Wall seconds per step: what the user waits. Only a quiet machine measures it; the
+    # clocks beside it tell a loaded one apart.
     measured: float = 0.0
-    wall: float = 0.0  # wall seconds per step: the same on a quiet machine, longer on a busy one
+    # The stepping thread's CPU seconds: the engine's Python and OpenMP's thread 0 in every
+    # kernel, so close to the wall time on a quiet machine, except where the step waits on
+    # the disk tier's reads and writes, which it does not count.
+    thread: float = 0.0
     cpu: float = 0.0  # the process's CPU seconds per step, every thread's
     note: str = ""
 
@@ -88,7 +89,7 @@ def llama_folder(root: Path) -> str:
 
 
 def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
-    """(stepping thread's CPU, wall, process CPU) seconds of a steady step: medians, the
+    """(wall, stepping thread's CPU, process CPU) seconds of a steady step: medians, the
     traced step and the one after it excluded."""
     model = build_model(row.model, seed=0)
     if row.checkpointing:
@@ -110,7 +111,7 @@ def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
             thread.append(time.thread_time() - t0)
             wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
-    return tuple(statistics.median(x[2:]) for x in (thread, wall, cpu))
+    return tuple(statistics.median(x[2:]) for x in (wall, thread, cpu))
 
 
 def _half_the_chunks(row: Row) -> int:
@@ -168,16 +169,16 @@ def main() -> None:
         rows = [r for r in grid(models, args.quick)
                 if all(text in r.label() for text in args.only)
                 and (not args.rows or r.label() in args.rows)]
-        print(f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'WALL':>8} "
+        print(f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'THREAD':>8} "
               f"{'CPU':>8} {'LOAD':>5}")
         for row in rows:
             row.predicted = predict(row, cal, root)
             if row.note:
                 print(f"{row.label():<44} {row.predicted:9.3f} {'-':>9} {'-':>6}  {row.note}")
                 continue
-            row.measured, row.wall, row.cpu = measure(row, args.steps, root)
+            row.measured, row.thread, row.cpu = measure(row, args.steps, root)
             print(f"{row.label():<44} {row.predicted:9.3f} {row.measured:9.3f} "
-                  f"{row.ratio:6.2f} {row.wall:8.3f} {row.cpu:8.3f} "
+                  f"{row.ratio:6.2f} {row.thread:8.3f} {row.cpu:8.3f} "
                   f"{os.getloadavg()[0]:5.1f}", flush=True)
         done = [r for r in rows if r.measured]
         within = sum(abs(r.ratio - 1) <= TOLERANCE for r in done)
