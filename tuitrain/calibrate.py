@@ -1,13 +1,15 @@
 """`tuitrain calibrate`: this machine's measured speeds, which the plan's time forecast uses.
 
 Shows the cached calibration (engine.planning.calibration), measuring it first when this
-machine has none; `--refresh` measures again (at most 30 s, said while it runs), and forgets
-what tunes taught it (the correction its forecasts are multiplied by).
+machine has none, or when it was measured while the cores were busy and they are quiet now;
+`--refresh` measures again (at most 30 s, said while it runs), and forgets what tunes taught
+it (the correction its forecasts are multiplied by).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from engine.config import format_size
@@ -16,6 +18,7 @@ from tuitrain.formatting import format_seconds
 
 def calibrate_main(*, refresh: bool, as_json: bool) -> int:
     from engine.planning.calibration import calibration, calibration_path
+    from engine.planning.machine import busy
 
     cal = calibration(refresh=refresh,
                       say=lambda line: print(line, file=sys.stderr, flush=True))
@@ -25,8 +28,13 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
         sys.stdout.write("\n")
         return 0
     print(f"machine:     {cal.machine}")
+    load = cal.extra.get("load")
+    under = "" if load is None else f", at a load of {load:.1f} on {os.cpu_count()} cores"
     print(f"fingerprint: {cal.fingerprint}, measured {cal.measured_at} in "
-          f"{format_seconds(cal.seconds)}")
+          f"{format_seconds(cal.seconds)}{under}")
+    if busy(load):
+        print("             (the cores were busy: every figure may be slow; measured again "
+              "once the machine is quiet)")
     print(f"device:      {cal.device}")
     for precision, table in cal.matmul.items():
         rates = ", ".join(f"{_flops(r)} at width {w}" for w, r in sorted(table.items()))

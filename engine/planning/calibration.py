@@ -12,8 +12,9 @@ scratch folder; and the engine's own cost per module interval (hooks, chunk stat
 few steps of the `tiny` model.
 
 The figures are cached under the user cache folder, one file per machine fingerprint: the
-CPU model and cores, the torch version and the GPU's name, driver and memory. A different
-machine, or a new torch, measures again.
+CPU model and cores, the torch version and the GPU's name, driver and memory
+(engine.planning.machine). A different machine, or a new torch, measures again; so does a
+quiet machine whose figures were measured while its cores were busy.
 
 Runs teach it: beside the figures, a correction (measured / forecast step time, learned from
 the steps a tune measured: `learn`) that every later forecast on this machine is multiplied
@@ -25,11 +26,8 @@ measurement starts it over.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -42,6 +40,7 @@ from pathlib import Path
 import torch
 
 from engine.data.tokenizer import atomic_write, cache_dir
+from engine.planning.machine import busy, fingerprint, load_average, quiet
 
 __all__ = [
     "Calibration",
@@ -146,42 +145,6 @@ class Calibration:
 # --- the machine ----------------------------------------------------------------------
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _gpu() -> str:
-    """The GPU's name, driver and memory, or "" without one (or when simulating)."""
-    from engine.devices.device import uses_cuda
-
-    if not uses_cuda():
-        return ""
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    driver = ""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        driver = driver.decode() if isinstance(driver, bytes) else driver
-    except Exception:  # NVML absent or failing: the name and memory still tell the GPU
-        driver = "driver ?"
-    return f"{props.name}, {driver}, {props.total_memory // 2**20} MiB"
-
-
-def fingerprint() -> tuple[str, str]:
-    """(a short hash, the same in words) of what a calibration depends on."""
-    words = (f"{_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
-             f"{_gpu() or 'no GPU (simulated device)'}")
-    return hashlib.sha256(words.encode()).hexdigest()[:16], words
-
-
 def calibration_path(key: str | None = None) -> Path:
     """The cache file of the machine with fingerprint `key` (default: this one)."""
     return cache_dir() / "calibration" / f"{key or fingerprint()[0]}.json"
@@ -257,10 +220,13 @@ def calibration(*, refresh: bool = False, say: Callable[[str], None] | None = No
                 measure_fn: Callable[..., Calibration] | None = None) -> Calibration:
     """This machine's calibration: the cached one, or measured now and cached (`refresh`:
     measured now whatever the cache holds). `say` hears one line before a measurement."""
-    if not refresh and (cal := load_calibration()) is not None:
-        return cal
+    cached = None if refresh else load_calibration()
+    if cached is not None and not (busy(cached.extra.get("load")) and quiet(load_average())):
+        return cached
     if say is not None:
-        say(f"calibrating this machine's speeds (at most {TIME_LIMIT:.0f} s, once per "
+        why = ("" if cached is None else f"the cached one was measured while the machine was "
+               f"busy (load {cached.extra['load']:.1f}); now it is quiet: ")
+        say(f"{why}calibrating this machine's speeds (at most {TIME_LIMIT:.0f} s, once per "
             f"machine; `tuitrain calibrate` shows them)...")
     cal = (measure_fn or measure)()
     try:
@@ -315,7 +281,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     quick, rougher measurement (tests)."""
     from engine.devices.device import make_device, uses_cuda
 
-    started = time.perf_counter()
+    started, load = time.perf_counter(), load_average()
     # The engine's steps come last, but their model is built first (its imports take
     # seconds on a loaded machine, tens of them for transformers'): what is left of the
     # limit is then shared out.
@@ -384,6 +350,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     cal.seconds = time.perf_counter() - started
     parts["engine steps"] = cal.seconds - sum(parts.values())
     cal.extra["seconds"] = parts  # where the time went, for a machine that takes longer
+    cal.extra["load"] = load  # what else ran: busy cores slow every figure
     cal.measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return cal
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from engine.planning.calibration import (
 )
 from engine.planning.flops import StepWork, step_work
 from engine.planning.hardware import HARDWARE, UnknownHardware, hardware_profile
+from engine.planning.machine import busy, quiet
 from engine.planning.planner import plan
 from engine.planning.time_model import Traffic, forecast, step_times
 from tests.calibrations import GFLOP, fixed_calibration
@@ -212,6 +214,40 @@ def test_the_calibration_is_measured_once_and_then_read_from_the_cache(empty_cac
     assert calibration_path().parent.parent == empty_cache
     calibration(refresh=True, say=said.append, measure_fn=fake_measure)
     assert measured == [1, 1]
+
+
+def test_figures_measured_on_busy_cores_are_measured_again_once_they_are_quiet(
+        empty_cache, monkeypatch):
+    """A calibration taken while other work held every core forecasts everything too slow:
+    it is kept while the machine stays busy (measuring again then would be as wrong) and
+    measured again, saying why, at the first forecast on a quiet machine."""
+    cores = os.cpu_count() or 1
+    measured, said = [], []
+
+    def fake_measure():
+        measured.append(1)
+        cal = fixed_calibration(*fingerprint())
+        cal.extra["load"] = load  # as measure() records it
+        return cal
+
+    load = 1.5 * cores
+    monkeypatch.setattr(calibration_module, "load_average", lambda: load)
+    calibration(say=said.append, measure_fn=fake_measure)
+    assert calibration(say=said.append, measure_fn=fake_measure).extra["load"] == load
+    assert measured == [1] and len(said) == 1  # still busy: the cached figures
+    load = 0.25 * cores
+    again = calibration(say=said.append, measure_fn=fake_measure)
+    assert measured == [1, 1] and again.extra["load"] == load
+    assert said[1].startswith(f"the cached one was measured while the machine was busy "
+                              f"(load {1.5 * cores:.1f}); now it is quiet: calibrating")
+    calibration(say=said.append, measure_fn=fake_measure)
+    assert measured == [1, 1]  # measured when quiet: kept from then on
+    assert busy(2.0 * cores) and not busy(None) and quiet(0.0) and not quiet(None)
+
+
+def test_a_real_measurement_records_the_load_it_was_taken_under(empty_cache, monkeypatch):
+    monkeypatch.setattr(calibration_module, "load_average", lambda: 3.25)
+    assert measure(simulate=True, limit=0.5, scale=0.01).extra["load"] == 3.25
 
 
 def test_another_machine_or_an_outdated_file_is_measured_again(empty_cache, monkeypatch):

@@ -6,6 +6,7 @@ The calibration is the fixed one tests/conftest.py caches (tests/calibrations.py
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -94,6 +95,7 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
     assert "matmul fp32: 10.0 GFLOPS at width 768" in first.out
     assert "AdamW:       100 M parameters/s on the host" in first.out
     assert "decoder:     x1.00 the rates' forecast" in first.out
+    assert "busy" not in first.out  # the fixed figures record no load
     assert "learned:     nothing yet" in first.out
     learn(load_calibration(), 2.0)  # a tune's steps took twice their forecast
     assert main(["calibrate"]) == 0
@@ -105,6 +107,20 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
     assert "calibrating" in again.err and json.loads(again.out)["h2d"] == 1e9
     assert json.loads(again.out)["correction"] == 1.0  # measured again: taught again
     assert empty_cache == [1, 1]
+
+
+def test_calibrate_says_when_the_figures_were_measured_on_busy_cores(empty_cache, capsys,
+                                                                     monkeypatch):
+    cal = fixed_calibration(*fingerprint())
+    cal.extra["load"] = 9.5
+    calibration_module.save_calibration(cal)
+    monkeypatch.setattr(calibration_module, "load_average", lambda: 9.0)  # busy still
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert main(["calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert ", at a load of 9.5 on 2 cores" in out
+    assert "(the cores were busy: every figure may be slow; measured again once" in out
+    assert empty_cache == []  # kept: the cores are busy still
 
 
 def test_the_first_plan_on_a_machine_measures_it_and_says_so(empty_cache, capsys):

@@ -1,0 +1,75 @@
+"""What a calibration depends on and what disturbs it: the machine's fingerprint (the CPU
+model and cores, the torch version, the GPU) and how busy its cores are.
+
+A calibration times kernels on the CPU's cores; other processes taking those cores slow
+every figure down (one taken at a load of 11-22 on this project's 2-core machine forecast
+steps 2.25 times too slow). So a measurement records the load it was taken under, and one
+taken while the cores were busy is measured again once they are quiet
+(engine.planning.calibration.calibration).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+__all__ = ["busy", "fingerprint", "load_average", "quiet"]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu() -> str:
+    """The GPU's name, driver and memory, or "" without one (or when simulating)."""
+    from engine.devices.device import uses_cuda
+
+    if not uses_cuda():
+        return ""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    driver = ""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+    except Exception:  # NVML absent or failing: the name and memory still tell the GPU
+        driver = "driver ?"
+    return f"{props.name}, {driver}, {props.total_memory // 2**20} MiB"
+
+
+def fingerprint() -> tuple[str, str]:
+    """(a short hash, the same in words) of what a calibration depends on."""
+    words = (f"{_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+             f"{_gpu() or 'no GPU (simulated device)'}")
+    return hashlib.sha256(words.encode()).hexdigest()[:16], words
+
+
+def load_average() -> float | None:
+    """Runnable processes over the last minute (the 1-minute load average), or None where
+    the system does not say."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def busy(load: float | None) -> bool:
+    """Other work held every core: as many runnable processes as cores, or more."""
+    return load is not None and load >= (os.cpu_count() or 1)
+
+
+def quiet(load: float | None) -> bool:
+    """At most half the cores taken: a measurement now sees the machine's own speed."""
+    return load is not None and load <= (os.cpu_count() or 1) / 2
