@@ -37,14 +37,9 @@ def tuning_app(steps: int) -> tuple[TuitrainApp, FakeWorker, list[str]]:
 
 async def tune_until_done(app: TuitrainApp, pilot, *,
                           stop_when: Callable[[], bool] = lambda: False) -> None:
-    """Hand the search its steps one poll at a time until it ends. The screen is drawn by
-    the app's own timers meanwhile, as for a user, not forced after every step (a chart's
-    redraw costs more than a scripted step), and once more at the end."""
     stopped = False
     for _ in range(2000):
-        await pilot.pause()
-        app.poll_worker()
-        await pilot.pause()
+        await settle(app, pilot)
         if not stopped and stop_when():
             await pilot.press("a")
             stopped = True
