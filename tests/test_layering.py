@@ -1,7 +1,7 @@
 """The engine stands alone: it never imports the application or a UI.
 
 Checked twice, statically by import-linter's contract in pyproject.toml, and at run time by
-importing every engine module in a fresh interpreter and looking at what got loaded.
+importing every engine module in a fresh process and looking at what got loaded.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.forked import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 FORBIDDEN = ("tuitrain", "textual", "textual_plotext")
@@ -48,16 +50,12 @@ print(json.dumps({"imported": names, "loaded": sorted(sys.modules)}))
 """
 
 
-def test_importing_every_engine_module_loads_no_application_or_ui_module(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-c", IMPORT_ALL_OF_ENGINE],
-        cwd=tmp_path,  # not the repository: only what is installed is importable
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.splitlines()[-1])
+def test_importing_every_engine_module_loads_no_application_or_ui_module():
+    # A process forked from the tests' server (tests/forked.py), which has imported torch
+    # and transformers and nothing of the application or of a UI: what the engine's modules
+    # load besides is theirs alone, without a fresh interpreter's seconds of those imports.
+    out = run_script(IMPORT_ALL_OF_ENGINE, timeout=240)
+    report = json.loads(out.splitlines()[-1])
     assert "engine.step.engine" in report["imported"]
     assert "engine.models.zoo" in report["imported"]
     leaked = [m for m in report["loaded"] if m.split(".")[0] in FORBIDDEN]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+from textual.command import CommandList
 from textual.pilot import Pilot
 
 from tests.tuitrain.fakeworker import FakeWorker
@@ -27,3 +30,18 @@ async def settle(app: TuitrainApp, pilot: Pilot) -> None:
     app.poll_worker()
     app.redraw()
     await pilot.pause()
+
+
+async def palette_offers(app: TuitrainApp, pilot: Pilot, text: str,
+                         timeout: float = 30.0) -> None:
+    """Wait until the open command palette's search has put a command containing `text`
+    first (it searches in the background, for as long as a busy machine makes it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await pilot.pause()
+        found = app.screen.query(CommandList)
+        if found and found.first().option_count and found.first().highlighted is not None:
+            listed = found.first()
+            if text in str(listed.get_option_at_index(listed.highlighted).prompt).lower():
+                return
+    raise AssertionError(f"the palette offered no {text!r} within {timeout:g} s")

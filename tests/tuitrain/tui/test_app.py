@@ -31,7 +31,7 @@ from tuitrain.tui.memory_chart import HISTORY, MemoryChart
 from tuitrain.tui.states_table import StatesTable
 from tuitrain.tui.step_panel import StepPanel
 
-from .helpers import SIZE, make_app, settle
+from .helpers import SIZE, make_app, palette_offers, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -113,7 +113,7 @@ async def test_checkpoint_is_sent_from_the_command_palette(tmp_path):
         await pilot.press("ctrl+p")
         await pilot.pause()
         await pilot.press(*"checkpoint")
-        await pilot.pause(0.3)  # the palette searches in the background
+        await palette_offers(app, pilot, "checkpoint")
         await pilot.press("enter")
         await settle(app, pilot)
         assert "checkpoint" in app.query_one(LogPanel).messages[-1]

@@ -14,7 +14,7 @@ from tuitrain.tui.help_screen import HelpScreen
 from tuitrain.tui.layout import PANELS, VIEWS, closest_view, next_view, size_class
 from tuitrain.tui.trials_table import TrialsTable
 
-from .helpers import make_app, settle
+from .helpers import make_app, palette_offers, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -133,7 +133,7 @@ async def test_show_view_from_the_palette():
         await pilot.press("ctrl+p")
         await pilot.pause()
         await pilot.press(*"show view: placement")
-        await pilot.pause(0.3)  # the palette searches in the background
+        await palette_offers(app, pilot, "placement")
         await pilot.press("enter")
         await settle(app, pilot)
         assert shown(app) == {"states", "chunks"}
