@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ REF_LOSSES, REF_WEIGHTS = reference_run(MODEL, BATCHES)
 DEVICE = "64MiB"
 
 
+@cache  # the same answer for every test that sizes a budget by it
 def host_state(precision: str = "fp32") -> int:
     """Chunk bytes on the host with no budget and nothing resident (policy cpu)."""
     eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE,
@@ -46,6 +48,19 @@ def host_state(precision: str = "fp32") -> int:
 FULL = host_state()
 # Optimizer state (moments, in fp32) of some chunks on disk; and payloads too.
 HOST_BUDGETS = {"state": int(FULL * 0.8), "payload": int(FULL * 0.3)}
+
+
+@cache
+def plain_run(steps: int = STEPS, **config) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The engine without a disk (fp32 and policy cpu unless `config` says otherwise) over
+    the first `steps` batches: its losses and its state's tensors, made once for the tests
+    that compare a run with the disk against the same one (nothing changes them)."""
+    plain = Engine(copy.deepcopy(MODEL), EngineConfig(
+        **{"policy": "cpu", "device_budget": DEVICE, **config}))
+    losses = [plain.step(b).loss for b in BATCHES[:steps]]
+    tensors = {k: v.clone() for k, v in plain.state_dict()["tensors"].items()}
+    plain.close()
+    return losses, tensors
 
 
 @pytest.fixture
@@ -239,14 +254,13 @@ def test_building_holds_the_host_budget_but_for_the_one_chunk_being_placed(
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("host", ["state", "payload"])
 def test_half_precision_with_the_disk_gives_the_same_bits_as_without(disk_dir, precision, host):
-    plain = Engine(copy.deepcopy(MODEL), EngineConfig(
-        policy="auto", device_budget=DEVICE, precision=precision, max_grad_norm=0.5))
+    plain_losses, theirs = plain_run(policy="auto", precision=precision, max_grad_norm=0.5)
     budget = int(host_state(precision) * (0.8 if host == "state" else 0.2))
     eng = engine(disk_dir, policy="auto", precision=precision, host_budget=budget,
                  max_grad_norm=0.5)
     assert max(levels(eng)) == (1 if host == "state" else 2)
-    assert run(eng) == [plain.step(b).loss for b in BATCHES]
-    ours, theirs = eng.state_dict()["tensors"], plain.state_dict()["tensors"]
+    assert run(eng) == plain_losses
+    ours = eng.state_dict()["tensors"]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     eng.close()
 
@@ -278,12 +292,11 @@ def test_chunks_larger_than_a_piece_go_piece_by_piece_and_match_adamw(disk_dir, 
 def test_bf16_piece_by_piece_gives_the_same_bits_as_without_the_disk(disk_dir, monkeypatch,
                                                                      host):
     monkeypatch.setattr(rules, "DISK_PIECE", SMALL_PIECE)
-    plain = Engine(copy.deepcopy(MODEL), EngineConfig(
-        policy="cpu", device_budget=DEVICE, precision="bf16", max_grad_norm=0.5))
+    plain_losses, theirs = plain_run(precision="bf16", max_grad_norm=0.5)
     budget = int(host_state("bf16") * (0.8 if host == "state" else 0.2))
     eng = engine(disk_dir, precision="bf16", host_budget=budget, max_grad_norm=0.5)
-    assert run(eng) == [plain.step(b).loss for b in BATCHES]
-    ours, theirs = eng.state_dict()["tensors"], plain.state_dict()["tensors"]
+    assert run(eng) == plain_losses
+    ours = eng.state_dict()["tensors"]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     eng.close()
 
@@ -369,10 +382,7 @@ def test_state_dict_reads_the_disk_back_and_resumes_exactly(disk_dir, host):
     first = engine(disk_dir, host=host)
     run(first, BATCHES[:2])
     state = first.state_dict()
-    plain = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE))
-    run_plain = [plain.step(b) for b in BATCHES[:2]]
-    assert run_plain and all(torch.equal(state["tensors"][k], v)
-                             for k, v in plain.state_dict()["tensors"].items())
+    assert all(torch.equal(state["tensors"][k], v) for k, v in plain_run(2)[1].items())
     first.close()
     resumed = engine(disk_dir, host=host)
     resumed.load_state_dict(state)
@@ -545,10 +555,7 @@ def test_a_full_disk_mid_run_is_a_clean_error_and_loses_nothing(disk_dir, monkey
         eng.step(BATCHES[2])
     assert e.value.errno == errno.ENOSPC and eng.step_count == 2
     # What could not be written is held; a checkpoint now has step 2's state.
-    plain = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE))
-    for batch in BATCHES[:2]:
-        plain.step(batch)
-    ours, theirs = eng.state_dict()["tensors"], plain.state_dict()["tensors"]
+    ours, theirs = eng.state_dict()["tensors"], plain_run(2)[1]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     with pytest.raises(DiskTierError, match="No space left"):
         eng.step(BATCHES[2])  # still full: refused before anything changes

@@ -7,8 +7,10 @@ gives the losses and final weights of plain torch.optim.AdamW on the same batche
 from __future__ import annotations
 
 import copy
+from functools import cache
 
 import pytest
+import torch
 from conftest import (
     build,
     engine_run,
@@ -33,6 +35,21 @@ def working_set(model) -> int:
     eng = Engine(copy.deepcopy(model), EngineConfig(policy="auto", device_budget="1GiB"))
     eng.step(BATCHES[0])
     return eng.trace.working_set
+
+
+@cache
+def small(arch: str) -> tuple[torch.nn.Module, int]:
+    """A 4-layer `arch` model and its working set, made once for the tests that train
+    copies of it (nothing changes the model itself)."""
+    model = build(arch, layers=4)
+    return model, working_set(model)
+
+
+@cache
+def small_reference(arch: str, checkpointing: bool) -> tuple[list[float], dict]:
+    """The reference run of small(arch), shared by the tests (of either policy) that
+    compare against it."""
+    return reference_run(small(arch)[0], BATCHES, checkpointing=checkpointing)
 
 
 WORKING_SET = working_set(MODEL)
@@ -98,20 +115,20 @@ def test_switching_to_cuda_and_back_mid_run_matches_adamw():
 @pytest.mark.parametrize("arch", ["opt", "gpt2", "llama"])
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
 def test_activation_checkpointing_matches_adamw(arch, policy):
-    model = build(arch, layers=4)
-    ref_losses, ref_weights = reference_run(model, BATCHES, checkpointing=True)
+    model, model_working_set = small(arch)
+    ref_losses, ref_weights = small_reference(arch, checkpointing=True)
     ckpt = copy.deepcopy(model)
     ckpt.gradient_checkpointing_enable()
-    budget = int(working_set(model) * 1.1)
+    budget = int(model_working_set * 1.1)
     eng, losses = run_engine(ckpt, BATCHES, policy=policy, budget=budget, margin=0.5)
     assert_matches_reference(eng, losses, ref_losses, ref_weights)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_other_architectures_match_adamw(arch):
-    model = build(arch, layers=4)
-    ref_losses, ref_weights = reference_run(model, BATCHES)
-    budget = int(working_set(model) * 1.05)
+    model, model_working_set = small(arch)
+    ref_losses, ref_weights = small_reference(arch, checkpointing=False)
+    budget = int(model_working_set * 1.05)
     eng, losses = run_engine(model, BATCHES, policy="auto", budget=budget, margin=0.0)
     assert_matches_reference(eng, losses, ref_losses, ref_weights)
 
@@ -153,6 +170,7 @@ WHOLE_BATCHES = make_batches(STEPS, batch_size=4, seed=7)
 WHOLE_LOSSES, WHOLE_WEIGHTS = reference_run(MODEL, WHOLE_BATCHES)
 
 
+@cache
 def working_set_of_4(grad_accum: int) -> int:
     """The working set of a step on batches of 4 sequences, in `grad_accum` micro-batches
     (a scaled loss makes backward a little different from an unscaled one)."""
