@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ DEVICE = "64MiB"
 MiB = 2**20
 
 
+@cache  # asked for again by most tests, of the same model, which nothing changes
 def host_state(model: torch.nn.Module, precision: str = "fp32") -> int:
     eng = Engine(copy.deepcopy(model), EngineConfig(policy="cpu", device_budget=DEVICE,
                                                     precision=precision))

@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ import torch
 from conftest import build, make_batches, max_relative_difference, reference_run
 
 from engine import Engine, EngineConfig
+from engine.devices.device import SIMULATE_ENV
 from engine.devices.disk import DiskTierError, direct_io_supported, files, remove_stale
 from engine.placement import rules
 
@@ -30,10 +33,20 @@ STEPS = 4
 TOL = 1e-5
 BATCHES = make_batches(STEPS)
 MODEL = build("opt", layers=8, hidden=128)
-REF_LOSSES, REF_WEIGHTS = reference_run(MODEL, BATCHES)
 DEVICE = "64MiB"
 
+# What the tests compare with and size their budgets by is made when a test first asks for
+# it, once (functools.cache), not when the module is imported: under pytest-xdist every
+# worker imports every test module to collect it, and only one of them runs this one.
 
+
+@cache
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch with fused AdamW over MODEL and BATCHES."""
+    return reference_run(MODEL, BATCHES)
+
+
+@cache  # the same answer for every test that sizes a budget by it
 def host_state(precision: str = "fp32") -> int:
     """Chunk bytes on the host with no budget and nothing resident (policy cpu)."""
     eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE,
@@ -43,9 +56,23 @@ def host_state(precision: str = "fp32") -> int:
     return nbytes
 
 
-FULL = host_state()
-# Optimizer state (moments, in fp32) of some chunks on disk; and payloads too.
-HOST_BUDGETS = {"state": int(FULL * 0.8), "payload": int(FULL * 0.3)}
+def host_budget(host: str) -> int:
+    """Optimizer state (moments, in fp32) of some chunks on disk ("state"); and payloads
+    too ("payload")."""
+    return int(host_state() * {"state": 0.8, "payload": 0.3}[host])
+
+
+@cache
+def plain_run(steps: int = STEPS, **config) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The engine without a disk (fp32 and policy cpu unless `config` says otherwise) over
+    the first `steps` batches: its losses and its state's tensors, made once for the tests
+    that compare a run with the disk against the same one (nothing changes them)."""
+    plain = Engine(copy.deepcopy(MODEL), EngineConfig(
+        **{"policy": "cpu", "device_budget": DEVICE, **config}))
+    losses = [plain.step(b).loss for b in BATCHES[:steps]]
+    tensors = {k: v.clone() for k, v in plain.state_dict()["tensors"].items()}
+    plain.close()
+    return losses, tensors
 
 
 @pytest.fixture
@@ -53,9 +80,39 @@ def disk_dir(tmp_path: Path) -> Path:
     return tmp_path / "scratch"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def exiting_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """A fresh interpreter that builds an engine with state on disk, takes a step and exits
+    without close(), printing its scratch folder. Started with the module's first test, so
+    that its seconds of imports run beside the tests in this process rather than after
+    them; the test of what an exiting process leaves waits for it to end."""
+    disk = tmp_path_factory.mktemp("exiting") / "scratch"
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conftest import build, make_batches
+        from engine import Engine, EngineConfig
+        eng = Engine(build("opt", layers=8, hidden=128), EngineConfig(
+            policy="cpu", device_budget="64MiB", host_budget={host_budget("state")},
+            disk_dir={str(disk)!r}))
+        eng.step(make_batches(1)[0])
+        print(eng.manager.spill.tier.path)
+    """)  # exits without close()
+    # The simulated device, as every test's processes get it (tests/conftest.py), which sets
+    # it for each test: after a module's fixtures.
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).parents[2],
+                               env={**os.environ, SIMULATE_ENV: "1"})
+    yield process
+    if process.poll() is None:  # its test failed before waiting for it
+        process.kill()
+    process.communicate()
+
+
 def engine(disk_dir: Path, *, policy: str = "cpu", host: str = "state", margin: float = 0.0,
            precision: str = "fp32", model=MODEL, **config) -> Engine:
-    budget = config.pop("host_budget", None) or HOST_BUDGETS[host]
+    budget = config.pop("host_budget", None) or host_budget(host)
     return Engine(copy.deepcopy(model), EngineConfig(
         policy=policy, device_budget=DEVICE, margin_ratio=margin, precision=precision,
         host_budget=budget, disk_dir=disk_dir, **config))
@@ -82,9 +139,10 @@ def run(eng: Engine, batches=BATCHES, changes=()) -> list[float]:
 
 
 def assert_matches_reference(eng: Engine, losses: list[float]) -> None:
-    for ours, theirs in zip(losses, REF_LOSSES, strict=True):
+    ref_losses, ref_weights = reference()
+    for ours, theirs in zip(losses, ref_losses, strict=True):
         assert abs(ours - theirs) <= TOL * abs(theirs)
-    assert max_relative_difference(eng.model_state_dict(), REF_WEIGHTS) <= TOL
+    assert max_relative_difference(eng.model_state_dict(), ref_weights) <= TOL
 
 
 # --- what goes to disk ---------------------------------------------------------------------
@@ -101,7 +159,7 @@ def test_the_budgets_force_state_then_payloads_to_disk(disk_dir):
 
 
 def test_no_budget_or_one_that_holds_everything_uses_no_disk(disk_dir):
-    eng = engine(disk_dir, host_budget=FULL)
+    eng = engine(disk_dir, host_budget=host_state())
     assert levels(eng) == [0] * len(eng.chunks) and eng.manager.spill is None
     assert not disk_dir.exists() or not any(disk_dir.iterdir())
     eng.close()
@@ -239,14 +297,13 @@ def test_building_holds_the_host_budget_but_for_the_one_chunk_being_placed(
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("host", ["state", "payload"])
 def test_half_precision_with_the_disk_gives_the_same_bits_as_without(disk_dir, precision, host):
-    plain = Engine(copy.deepcopy(MODEL), EngineConfig(
-        policy="auto", device_budget=DEVICE, precision=precision, max_grad_norm=0.5))
+    plain_losses, theirs = plain_run(policy="auto", precision=precision, max_grad_norm=0.5)
     budget = int(host_state(precision) * (0.8 if host == "state" else 0.2))
     eng = engine(disk_dir, policy="auto", precision=precision, host_budget=budget,
                  max_grad_norm=0.5)
     assert max(levels(eng)) == (1 if host == "state" else 2)
-    assert run(eng) == [plain.step(b).loss for b in BATCHES]
-    ours, theirs = eng.state_dict()["tensors"], plain.state_dict()["tensors"]
+    assert run(eng) == plain_losses
+    ours = eng.state_dict()["tensors"]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     eng.close()
 
@@ -278,12 +335,11 @@ def test_chunks_larger_than_a_piece_go_piece_by_piece_and_match_adamw(disk_dir, 
 def test_bf16_piece_by_piece_gives_the_same_bits_as_without_the_disk(disk_dir, monkeypatch,
                                                                      host):
     monkeypatch.setattr(rules, "DISK_PIECE", SMALL_PIECE)
-    plain = Engine(copy.deepcopy(MODEL), EngineConfig(
-        policy="cpu", device_budget=DEVICE, precision="bf16", max_grad_norm=0.5))
+    plain_losses, theirs = plain_run(precision="bf16", max_grad_norm=0.5)
     budget = int(host_state("bf16") * (0.8 if host == "state" else 0.2))
     eng = engine(disk_dir, precision="bf16", host_budget=budget, max_grad_norm=0.5)
-    assert run(eng) == [plain.step(b).loss for b in BATCHES]
-    ours, theirs = eng.state_dict()["tensors"], plain.state_dict()["tensors"]
+    assert run(eng) == plain_losses
+    ours = eng.state_dict()["tensors"]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     eng.close()
 
@@ -369,17 +425,15 @@ def test_state_dict_reads_the_disk_back_and_resumes_exactly(disk_dir, host):
     first = engine(disk_dir, host=host)
     run(first, BATCHES[:2])
     state = first.state_dict()
-    plain = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE))
-    run_plain = [plain.step(b) for b in BATCHES[:2]]
-    assert run_plain and all(torch.equal(state["tensors"][k], v)
-                             for k, v in plain.state_dict()["tensors"].items())
+    assert all(torch.equal(state["tensors"][k], v) for k, v in plain_run(2)[1].items())
     first.close()
     resumed = engine(disk_dir, host=host)
     resumed.load_state_dict(state)
     losses = [resumed.step(b).loss for b in BATCHES[2:]]
-    for ours, theirs in zip(losses, REF_LOSSES[2:], strict=True):
+    ref_losses, ref_weights = reference()
+    for ours, theirs in zip(losses, ref_losses[2:], strict=True):
         assert abs(ours - theirs) <= TOL * abs(theirs)
-    assert max_relative_difference(resumed.model_state_dict(), REF_WEIGHTS) <= TOL
+    assert max_relative_difference(resumed.model_state_dict(), ref_weights) <= TOL
     with pytest.raises(ValueError, match="state has no"):
         resumed.load_state_dict({"tensors": {}, "meta": state["meta"]})
     resumed.close()
@@ -445,7 +499,7 @@ def test_the_folder_is_private_and_goes_at_close(disk_dir):
     assert not folder.exists() and disk_dir.exists()
 
 
-def test_a_dropped_engine_and_an_exiting_process_leave_no_folder(disk_dir):
+def test_a_dropped_engine_and_an_exiting_process_leave_no_folder(disk_dir, exiting_process):
     eng = engine(disk_dir)
     folder = run_folder(eng)
     del eng
@@ -453,20 +507,9 @@ def test_a_dropped_engine_and_an_exiting_process_leave_no_folder(disk_dir):
 
     gc.collect()
     assert not folder.exists()
-    script = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from conftest import build, make_batches
-        from engine import Engine, EngineConfig
-        eng = Engine(build("opt", layers=8, hidden=128), EngineConfig(
-            policy="cpu", device_budget="64MiB", host_budget={HOST_BUDGETS["state"]},
-            disk_dir={str(disk_dir)!r}))
-        eng.step(make_batches(1)[0])
-        print(eng.manager.spill.tier.path)
-    """)  # exits without close()
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).parents[2])
-    assert not Path(out.stdout.strip()).exists()
+    out, err = exiting_process.communicate(timeout=240)
+    assert exiting_process.returncode == 0, err
+    assert not Path(out.strip()).exists()
 
 
 def test_a_dead_runs_folder_is_removed_at_the_next_start_and_nothing_else(disk_dir):
@@ -545,19 +588,17 @@ def test_a_full_disk_mid_run_is_a_clean_error_and_loses_nothing(disk_dir, monkey
         eng.step(BATCHES[2])
     assert e.value.errno == errno.ENOSPC and eng.step_count == 2
     # What could not be written is held; a checkpoint now has step 2's state.
-    plain = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE))
-    for batch in BATCHES[:2]:
-        plain.step(batch)
-    ours, theirs = eng.state_dict()["tensors"], plain.state_dict()["tensors"]
+    ours, theirs = eng.state_dict()["tensors"], plain_run(2)[1]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     with pytest.raises(DiskTierError, match="No space left"):
         eng.step(BATCHES[2])  # still full: refused before anything changes
     assert eng.step_count == 2
     monkeypatch.setattr(os, "pwritev", real)  # space was freed
     losses = [eng.step(b).loss for b in BATCHES[2:]]
-    for ours, theirs in zip(losses, REF_LOSSES[2:], strict=True):
+    ref_losses, ref_weights = reference()
+    for ours, theirs in zip(losses, ref_losses[2:], strict=True):
         assert abs(ours - theirs) <= TOL * abs(theirs)
-    assert max_relative_difference(eng.model_state_dict(), REF_WEIGHTS) <= TOL
+    assert max_relative_difference(eng.model_state_dict(), ref_weights) <= TOL
     assert eng.manager.spill.tier.held_bytes == 0
     eng.close()
 

@@ -7,8 +7,10 @@ gives the losses and final weights of plain torch.optim.AdamW on the same batche
 from __future__ import annotations
 
 import copy
+from functools import cache
 
 import pytest
+import torch
 from conftest import (
     build,
     engine_run,
@@ -26,7 +28,17 @@ STEPS = 5
 TOL = 1e-5
 BATCHES = make_batches(STEPS)
 MODEL = build("opt", layers=8, hidden=128)
-REF_LOSSES, REF_WEIGHTS = reference_run(MODEL, BATCHES)
+AMPLE = 64 * 2**20
+
+# What the tests compare with is made when a test first asks for it, once (functools.cache),
+# not when the module is imported: under pytest-xdist every worker imports every test module
+# to collect it, and only one of them runs this one.
+
+
+@cache
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch with fused AdamW over MODEL and BATCHES."""
+    return reference_run(MODEL, BATCHES)
 
 
 def working_set(model) -> int:
@@ -35,9 +47,33 @@ def working_set(model) -> int:
     return eng.trace.working_set
 
 
-WORKING_SET = working_set(MODEL)
+@cache
+def small(arch: str) -> tuple[torch.nn.Module, int]:
+    """A 4-layer `arch` model and its working set, made once for the tests that train
+    copies of it (nothing changes the model itself)."""
+    model = build(arch, layers=4)
+    return model, working_set(model)
+
+
+@cache
+def small_reference(arch: str, checkpointing: bool) -> tuple[list[float], dict]:
+    """The reference run of small(arch), shared by the tests (of either policy) that
+    compare against it."""
+    return reference_run(small(arch)[0], BATCHES, checkpointing=checkpointing)
+
+
+@cache
+def tight() -> int:
+    """A device budget just above MODEL's working set."""
+    return int(working_set(MODEL) * 1.05)
+
+
+def budget_of(name: str) -> int:
+    """The budget named "ample" or "tight"."""
+    return AMPLE if name == "ample" else tight()
+
+
 PAYLOAD = sum(p.numel() * 4 for p in MODEL.parameters())
-BUDGETS = {"ample": 64 * 2**20, "tight": int(WORKING_SET * 1.05)}
 
 
 def run_engine(model, batches, *, policy, budget, margin, changes=(), **config):
@@ -45,7 +81,9 @@ def run_engine(model, batches, *, policy, budget, margin, changes=(), **config):
                       margin_ratio=margin, **config)
 
 
-def assert_matches_reference(eng, losses, ref_losses=REF_LOSSES, ref_weights=REF_WEIGHTS):
+def assert_matches_reference(eng, losses, ref_losses=None, ref_weights=None):
+    if ref_losses is None:
+        ref_losses, ref_weights = reference()
     for ours, theirs in zip(losses, ref_losses, strict=True):
         assert abs(ours - theirs) <= TOL * abs(theirs)
     assert max_relative_difference(eng.model_state_dict(), ref_weights) <= TOL
@@ -53,7 +91,7 @@ def assert_matches_reference(eng, losses, ref_losses=REF_LOSSES, ref_weights=REF
 
 def test_tight_budget_is_well_under_the_model():
     # Half the parameters alone exceed it, let alone the 16 bytes per parameter of training.
-    assert BUDGETS["tight"] < PAYLOAD / 2
+    assert tight() < PAYLOAD / 2
 
 
 @pytest.mark.parametrize("policy", ["cuda", "cpu", "auto"])
@@ -62,9 +100,9 @@ def test_tight_budget_is_well_under_the_model():
 def test_every_policy_budget_and_margin_matches_adamw(policy, budget, margin):
     if policy == "cuda" and budget == "tight":
         with pytest.raises(ValueError, match="policy cuda needs"):
-            run_engine(MODEL, BATCHES, policy=policy, budget=BUDGETS[budget], margin=margin)
+            run_engine(MODEL, BATCHES, policy=policy, budget=budget_of(budget), margin=margin)
         return
-    eng, losses = run_engine(MODEL, BATCHES, policy=policy, budget=BUDGETS[budget],
+    eng, losses = run_engine(MODEL, BATCHES, policy=policy, budget=budget_of(budget),
                              margin=margin)
     assert_matches_reference(eng, losses)
 
@@ -72,8 +110,8 @@ def test_every_policy_budget_and_margin_matches_adamw(policy, budget, margin):
 change = st.one_of(
     st.tuples(st.just("policy"), st.sampled_from(["cpu", "auto"])),
     st.tuples(st.just("margin"), st.sampled_from([0.0, 0.25, 0.5, 1.0])),
-    st.tuples(st.just("budget"), st.sampled_from(
-        [BUDGETS["tight"], BUDGETS["tight"] * 2, BUDGETS["ample"]])),
+    st.tuples(st.just("budget"), st.deferred(
+        lambda: st.sampled_from([tight(), tight() * 2, AMPLE]))),
 )
 
 
@@ -83,14 +121,14 @@ change = st.one_of(
        margin=st.sampled_from([0.0, 0.5, 1.0]),
        changes=st.lists(st.lists(change, max_size=3), min_size=STEPS, max_size=STEPS))
 def test_any_sequence_of_live_changes_matches_adamw(policy, budget, margin, changes):
-    eng, losses = run_engine(MODEL, BATCHES, policy=policy, budget=BUDGETS[budget],
+    eng, losses = run_engine(MODEL, BATCHES, policy=policy, budget=budget_of(budget),
                              margin=margin, changes=changes)
     assert_matches_reference(eng, losses)
 
 
 def test_switching_to_cuda_and_back_mid_run_matches_adamw():
     changes = [(), [("policy", "cuda")], [("margin", 0.5)], [("policy", "cpu")], ()]
-    eng, losses = run_engine(MODEL, BATCHES, policy="auto", budget=BUDGETS["ample"],
+    eng, losses = run_engine(MODEL, BATCHES, policy="auto", budget=AMPLE,
                              margin=0.0, changes=changes)
     assert_matches_reference(eng, losses)
 
@@ -98,20 +136,20 @@ def test_switching_to_cuda_and_back_mid_run_matches_adamw():
 @pytest.mark.parametrize("arch", ["opt", "gpt2", "llama"])
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
 def test_activation_checkpointing_matches_adamw(arch, policy):
-    model = build(arch, layers=4)
-    ref_losses, ref_weights = reference_run(model, BATCHES, checkpointing=True)
+    model, model_working_set = small(arch)
+    ref_losses, ref_weights = small_reference(arch, checkpointing=True)
     ckpt = copy.deepcopy(model)
     ckpt.gradient_checkpointing_enable()
-    budget = int(working_set(model) * 1.1)
+    budget = int(model_working_set * 1.1)
     eng, losses = run_engine(ckpt, BATCHES, policy=policy, budget=budget, margin=0.5)
     assert_matches_reference(eng, losses, ref_losses, ref_weights)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_other_architectures_match_adamw(arch):
-    model = build(arch, layers=4)
-    ref_losses, ref_weights = reference_run(model, BATCHES)
-    budget = int(working_set(model) * 1.05)
+    model, model_working_set = small(arch)
+    ref_losses, ref_weights = small_reference(arch, checkpointing=False)
+    budget = int(model_working_set * 1.05)
     eng, losses = run_engine(model, BATCHES, policy="auto", budget=budget, margin=0.0)
     assert_matches_reference(eng, losses, ref_losses, ref_weights)
 
@@ -120,7 +158,7 @@ def test_gradient_clipping_matches_clip_grad_norm():
     # The clip coefficient comes from per-chunk norms, torch's from per-tensor norms: equal
     # to float rounding, so the comparison is by relative norm (see conftest).
     ref_losses, ref_weights = reference_run(MODEL, BATCHES, max_grad_norm=0.5)
-    eng, losses = run_engine(MODEL, BATCHES, policy="cpu", budget=BUDGETS["ample"],
+    eng, losses = run_engine(MODEL, BATCHES, policy="cpu", budget=AMPLE,
                              margin=0.0, max_grad_norm=0.5)
     for ours, theirs in zip(losses, ref_losses, strict=True):
         assert abs(ours - theirs) <= TOL * abs(theirs)
@@ -150,9 +188,15 @@ def test_bf16_tracks_fp32():
 # key bias; see whole_model_relative_difference), so the weights are compared as one vector.
 
 WHOLE_BATCHES = make_batches(STEPS, batch_size=4, seed=7)
-WHOLE_LOSSES, WHOLE_WEIGHTS = reference_run(MODEL, WHOLE_BATCHES)
 
 
+@cache
+def whole_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch over the whole batches of 4."""
+    return reference_run(MODEL, WHOLE_BATCHES)
+
+
+@cache
 def working_set_of_4(grad_accum: int) -> int:
     """The working set of a step on batches of 4 sequences, in `grad_accum` micro-batches
     (a scaled loss makes backward a little different from an unscaled one)."""
@@ -162,7 +206,9 @@ def working_set_of_4(grad_accum: int) -> int:
     return eng.trace.working_set
 
 
-ACCUM_BUDGETS = {"ample": BUDGETS["ample"], "tight": int(working_set_of_4(2) * 1.05)}
+def accum_budget(name: str) -> int:
+    """"ample", or just above the working set of 2 micro-batches of 2."""
+    return AMPLE if name == "ample" else int(working_set_of_4(2) * 1.05)
 
 
 @pytest.mark.parametrize("policy", ["cuda", "cpu", "auto"])
@@ -171,28 +217,29 @@ def test_gradient_accumulation_equals_the_whole_batch(policy, budget):
     if policy == "cuda" and budget == "tight":
         pytest.skip("cuda keeps every chunk on the device: no tight budget")
     changes = [(), (("margin", 0.5),), (("policy", "cpu"),), (("policy", policy),)]
-    assert ACCUM_BUDGETS["tight"] < working_set_of_4(1)  # a micro-batch's memory suffices
-    eng, losses = run_engine(MODEL, WHOLE_BATCHES, policy=policy, budget=ACCUM_BUDGETS[budget],
+    assert accum_budget("tight") < working_set_of_4(1)  # a micro-batch's memory suffices
+    eng, losses = run_engine(MODEL, WHOLE_BATCHES, policy=policy, budget=accum_budget(budget),
                              margin=0.0, changes=changes, grad_accum=2)
-    assert losses == pytest.approx(WHOLE_LOSSES, rel=TOL)
-    assert whole_model_relative_difference(eng.model_state_dict(), WHOLE_WEIGHTS) <= TOL
+    whole_losses, whole_weights = whole_reference()
+    assert losses == pytest.approx(whole_losses, rel=TOL)
+    assert whole_model_relative_difference(eng.model_state_dict(), whole_weights) <= TOL
 
 
 def test_accumulated_micro_batches_are_the_batch_in_order():
-    first = Engine(copy.deepcopy(MODEL), EngineConfig(device_budget=BUDGETS["ample"],
+    first = Engine(copy.deepcopy(MODEL), EngineConfig(device_budget=AMPLE,
                                                       grad_accum=2))
     stats = first.step(WHOLE_BATCHES[0])
     assert stats.micro_batches == 2 and len(stats.micro_losses) == 2
     assert stats.loss == pytest.approx(sum(stats.micro_losses) / 2)
     halves = [{k: v[i * 2:(i + 1) * 2] for k, v in WHOLE_BATCHES[0].items()} for i in (0, 1)]
-    singles = [Engine(copy.deepcopy(MODEL), EngineConfig(device_budget=BUDGETS["ample"]))
+    singles = [Engine(copy.deepcopy(MODEL), EngineConfig(device_budget=AMPLE))
                .step(h).loss for h in halves]
     assert stats.micro_losses == singles
     assert stats.tokens == WHOLE_BATCHES[0]["input_ids"].numel()
 
 
 def test_a_batch_that_does_not_split_evenly_is_refused_before_anything_runs():
-    eng = Engine(copy.deepcopy(MODEL), EngineConfig(device_budget=BUDGETS["ample"],
+    eng = Engine(copy.deepcopy(MODEL), EngineConfig(device_budget=AMPLE,
                                                     grad_accum=3))
     with pytest.raises(ValueError, match="does not split into 3"):
         eng.step(WHOLE_BATCHES[0])

@@ -4,6 +4,7 @@ auto policy moves fewer bytes than cpu, close to the offline optimum for its tra
 from __future__ import annotations
 
 import copy
+from functools import cache
 
 import pytest
 from conftest import build, make_batches
@@ -19,6 +20,7 @@ def engine(policy="auto", budget="64MiB", **kw) -> Engine:
     return Engine(copy.deepcopy(MODEL), EngineConfig(policy=policy, device_budget=budget, **kw))
 
 
+@cache  # several tests size their budgets by it; an engine and a step each time otherwise
 def traced_working_set(seq_len: int) -> int:
     eng = engine()
     eng.step(make_batches(1, seq_len=seq_len)[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from functools import cache
 
 import psutil
 import pytest
@@ -330,6 +331,7 @@ def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
     return TINY_PIECE
 
 
+@cache  # a plan each time otherwise, for the same answer
 def host_state(model: str, precision: str) -> int:
     """Chunk bytes on the host with no budget and nothing resident."""
     return plan(model, device_mem="6GiB", host_mem="64GiB", precision=precision,
