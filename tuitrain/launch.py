@@ -27,6 +27,17 @@ from tuitrain.ranks import Ranks, failure_record
 MONITOR_SECONDS = 0.2  # how often the launcher looks at its ranks
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants become this process's children
 LEFTOVER_GRACE_SECONDS = 2.0
+# Set in the environment of the ranks this launcher starts: it has checked the run (the
+# model, the files and folders named) on this machine before starting them, so they do not
+# check it again. The check imports torch and transformers: seconds of CPU in every rank,
+# whose worker then imports them anyway.
+CHECKED_ENV = "TUITRAIN_CHECKED_BY_LAUNCHER"
+
+
+def checked_by_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a rank started by `tuitrain run --nproc`, whose launcher
+    checked the run on this machine already (a rank under torchrun checks it itself)."""
+    return (os.environ if env is None else env).get(CHECKED_ENV) == "1"
 
 
 def check_nproc(nproc: int) -> int:
@@ -89,6 +100,7 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
     level = agent.level
     agent.setLevel(logging.CRITICAL)
     before = _children() if _adopt_orphans() else None
+    os.environ[CHECKED_ENV] = "1"  # the ranks inherit this process's environment
     try:
         elastic_launch(config, entry)(*prefix, "run", *argv)
     except ChildFailedError as error:
@@ -100,6 +112,7 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         err.write(f"tuitrain: {failure_line(rank, exitcode, nproc, len(codes) - 1)}\n")
         return exitcode if exitcode > 0 else EXIT_FAILED
     finally:
+        del os.environ[CHECKED_ENV]
         agent.setLevel(level)
         if before is not None:
             _end_leftovers(before)

@@ -254,3 +254,35 @@ def test_the_launcher_refuses_what_cannot_run_before_starting_a_rank():
     assert check_nproc(3) == 3
     with pytest.raises(ValueError, match="batch_size 4 does not split evenly over 3 ranks"):
         launch(3, ["tiny", "--headless"], batch_size=4)
+
+
+def test_ranks_the_launcher_started_leave_the_checks_to_it(monkeypatch):
+    """The launcher checks the run (the model, the files named) on this machine before it
+    starts a rank; the ranks it starts do not check it again (which imports torch and
+    transformers, seconds of CPU in each), while a rank torchrun started does."""
+    import torch.distributed.launcher.api as launcher_api
+
+    from tuitrain import cli, headless, launch, run_checks
+
+    marked: list[bool] = []
+
+    def elastic_launch(config, entry):
+        return lambda *args: marked.append(launch.checked_by_launcher())
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", elastic_launch)
+    monkeypatch.delenv(launch.CHECKED_ENV, raising=False)
+    assert launch.launch(2, ["tiny", "--headless"], batch_size=4) == 0
+    assert marked == [True]  # in the ranks' environment, and not left in this one
+    assert not launch.checked_by_launcher()
+
+    checked: list[str] = []
+    monkeypatch.setattr(run_checks, "check_runnable", lambda s: checked.append(s.model))
+    monkeypatch.setattr(headless, "run_headless", lambda settings, **kw: 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    argv = ["run", "tiny", "--headless", "--batch-size", "4", "--steps", "1"]
+    assert cli.main(argv) == 0
+    assert checked == ["tiny"]  # under torchrun: checked by the rank itself
+    monkeypatch.setenv(launch.CHECKED_ENV, "1")
+    assert cli.main(argv) == 0
+    assert checked == ["tiny"]  # started by tuitrain's launcher: not again
