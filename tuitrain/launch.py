@@ -139,10 +139,18 @@ def _end_leftovers(before: set[int]) -> None:
     """Reap the processes that became this process's children during the launch: the
     ranks' orphans, which every rank having ended leaves with nothing to do. Those that do
     not end by themselves within LEFTOVER_GRACE_SECONDS (a resource tracker finishing its
-    cleanup does) are killed: SIGKILL, since a stopped process ignores anything else."""
+    cleanup does) are killed: SIGKILL, since a stopped process ignores anything else. A
+    stopped one (a hung rank's worker, kill -STOP) is killed at once: it cannot end by
+    itself, so waiting for it would only hold the launcher."""
     import psutil
 
     left = [child for child in psutil.Process().children() if child.pid not in before]
+    for child in left:
+        try:
+            if child.status() == psutil.STATUS_STOPPED:
+                child.kill()
+        except psutil.NoSuchProcess:
+            pass
     _, left = psutil.wait_procs(left, timeout=LEFTOVER_GRACE_SECONDS)
     for child in left:
         try:

@@ -26,11 +26,12 @@ from rank_launch import (
     ROOT,
     TOL,
     environment,
+    finish,
     launched,
     losses_in,
     one_process,
     rank_logs,
-    run,
+    start,
     worker_pid,
 )
 
@@ -68,7 +69,7 @@ class Killed:
 class Resumed:
     """The three-rank launch resuming the killed run's newest checkpoint for two steps."""
 
-    done: subprocess.CompletedProcess
+    done: subprocess.CompletedProcess | None  # None until the launch has ended
     checkpoints: Path
     metrics: Path
     preset: Path
@@ -122,22 +123,26 @@ def kill_rank_1_after_the_first_checkpoint(tmp: Path) -> Killed:
                   metrics=metrics, tmp=tmp)
 
 
-def resume_on_three_ranks(killed: Killed, tmp: Path) -> Resumed:
+def resume_on_three_ranks(killed: Killed, tmp: Path) -> tuple[subprocess.Popen, Resumed]:
+    """The three-rank launch, started; its Resumed once `finish` has waited for it."""
     ck, metrics, preset = tmp / "ck", tmp / "resumed.jsonl", tmp / "three.yaml"
-    done = run(launched(3, "--steps", str(killed.saved + 2), "--resume",
-                        str(killed.checkpoints), "--checkpoint-dir", str(ck),
-                        "--metrics", str(metrics), "--save-preset", str(preset)), tmp)
-    return Resumed(done=done, checkpoints=ck, metrics=metrics, preset=preset, tmp=tmp)
+    started = start(launched(3, "--steps", str(killed.saved + 2), "--resume",
+                             str(killed.checkpoints), "--checkpoint-dir", str(ck),
+                             "--metrics", str(metrics), "--save-preset", str(preset)), tmp)
+    return started, Resumed(done=None, checkpoints=ck, metrics=metrics, preset=preset, tmp=tmp)
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     base = tmp_path_factory.mktemp("launches")
     killed = kill_rank_1_after_the_first_checkpoint(base / "killed")
-    resumed = resume_on_three_ranks(killed, base / "resumed")
-    steps, _ = losses_in(killed.metrics)
-    last = max([killed.saved + 2, *steps])  # the killed run may have gone past `saved`
-    expected, evals = one_process(last, evaluated=tuple(range(EVERY, last + 1, EVERY)))
+    resuming, resumed = resume_on_three_ranks(killed, base / "resumed")
+    try:  # one process's run, while the three ranks start
+        steps, _ = losses_in(killed.metrics)
+        last = max([killed.saved + 2, *steps])  # the killed run may have gone past `saved`
+        expected, evals = one_process(last, evaluated=tuple(range(EVERY, last + 1, EVERY)))
+    finally:
+        resumed.done = finish(resuming)
     return Launches(killed, resumed, expected, evals)
 
 
@@ -286,3 +291,33 @@ def test_ranks_the_launcher_started_leave_the_checks_to_it(monkeypatch):
     monkeypatch.setenv(launch.CHECKED_ENV, "1")
     assert cli.main(argv) == 0
     assert checked == ["tiny"]  # started by tuitrain's launcher: not again
+
+
+def test_the_launcher_kills_a_stopped_leftover_without_waiting_for_it(monkeypatch):
+    """A hung rank's worker (stopped) that outlives its rank cannot end by itself: the
+    launcher kills it before it waits for its leftovers, so it does not wait in vain."""
+    import psutil
+
+    from tuitrain import launch
+
+    before = launch._children()
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        firsts: list[dict[int, int]] = []
+        real = psutil.wait_procs
+
+        def wait_procs(procs, timeout=None):
+            gone, alive = real(procs, timeout=timeout)
+            firsts.append({p.pid: p.returncode for p in gone})
+            return gone, alive
+
+        monkeypatch.setattr(psutil, "wait_procs", wait_procs)
+        monkeypatch.setattr(launch, "LEFTOVER_GRACE_SECONDS", 1.0)
+        launch._end_leftovers(before)
+        # Killed before the first wait, so it ended within that wait.
+        assert firsts[0].get(child.pid) == -signal.SIGKILL, firsts
+    finally:
+        if psutil.pid_exists(child.pid) and child.poll() is None:
+            child.kill()
+            child.wait()
