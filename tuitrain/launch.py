@@ -117,7 +117,7 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         err.write(f"tuitrain: {failure_line(rank, exitcode, nproc, len(codes) - 1)}\n")
         return exitcode if exitcode > 0 else EXIT_FAILED
     finally:
-        del os.environ[CHECKED_ENV]
+        os.environ.pop(CHECKED_ENV, None)
         agent.setLevel(level)
         if before is not None:
             _end_leftovers(before)

@@ -265,6 +265,8 @@ def test_ranks_the_launcher_started_leave_the_checks_to_it(monkeypatch):
     """The launcher checks the run (the model, the files named) on this machine before it
     starts a rank; the ranks it starts do not check it again (which imports torch and
     transformers, seconds of CPU in each), while a rank torchrun started does."""
+    import gc
+
     import torch.distributed.launcher.api as launcher_api
 
     from tuitrain import cli, headless, launch, run_checks
@@ -275,6 +277,7 @@ def test_ranks_the_launcher_started_leave_the_checks_to_it(monkeypatch):
         return lambda *args: marked.append(launch.checked_by_launcher())
 
     monkeypatch.setattr(launcher_api, "elastic_launch", elastic_launch)
+    monkeypatch.setattr(gc, "freeze", lambda: None)  # this test process's collector stays
     monkeypatch.delenv(launch.CHECKED_ENV, raising=False)
     assert launch.launch(2, ["tiny", "--headless"], batch_size=4) == 0
     assert marked == [True]  # in the ranks' environment, and not left in this one
