@@ -38,26 +38,9 @@ def environment(tmp: Path) -> dict[str, str]:
 
 
 def run(command: list[str], tmp: Path) -> subprocess.CompletedProcess:
-    return finish(start(command, tmp))
-
-
-def start(command: list[str], tmp: Path) -> subprocess.Popen:
-    """`command` started with TMPDIR `tmp`, its output kept; `finish` waits for it. In
-    between, the test may compute what it compares with while the ranks start."""
     tmp.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(command, cwd=ROOT, env=environment(tmp), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(started: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
-    """What `started` (see start) did, once it has ended; killed past `timeout` seconds."""
-    try:
-        out, err = started.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        started.kill()
-        started.communicate()
-        raise
-    return subprocess.CompletedProcess(started.args, started.returncode, out, err)
+    return subprocess.run(command, cwd=ROOT, env=environment(tmp), capture_output=True,
+                          text=True, timeout=240)
 
 
 def losses_in(metrics: Path) -> tuple[dict[int, float], dict[int, float]]:

@@ -26,12 +26,11 @@ from rank_launch import (
     ROOT,
     TOL,
     environment,
-    finish,
     launched,
     losses_in,
     one_process,
     rank_logs,
-    start,
+    run,
     worker_pid,
 )
 
@@ -69,7 +68,7 @@ class Killed:
 class Resumed:
     """The three-rank launch resuming the killed run's newest checkpoint for two steps."""
 
-    done: subprocess.CompletedProcess | None  # None until the launch has ended
+    done: subprocess.CompletedProcess
     checkpoints: Path
     metrics: Path
     preset: Path
@@ -123,26 +122,22 @@ def kill_rank_1_after_the_first_checkpoint(tmp: Path) -> Killed:
                   metrics=metrics, tmp=tmp)
 
 
-def resume_on_three_ranks(killed: Killed, tmp: Path) -> tuple[subprocess.Popen, Resumed]:
-    """The three-rank launch, started; its Resumed once `finish` has waited for it."""
+def resume_on_three_ranks(killed: Killed, tmp: Path) -> Resumed:
     ck, metrics, preset = tmp / "ck", tmp / "resumed.jsonl", tmp / "three.yaml"
-    started = start(launched(3, "--steps", str(killed.saved + 2), "--resume",
-                             str(killed.checkpoints), "--checkpoint-dir", str(ck),
-                             "--metrics", str(metrics), "--save-preset", str(preset)), tmp)
-    return started, Resumed(done=None, checkpoints=ck, metrics=metrics, preset=preset, tmp=tmp)
+    done = run(launched(3, "--steps", str(killed.saved + 2), "--resume",
+                        str(killed.checkpoints), "--checkpoint-dir", str(ck),
+                        "--metrics", str(metrics), "--save-preset", str(preset)), tmp)
+    return Resumed(done=done, checkpoints=ck, metrics=metrics, preset=preset, tmp=tmp)
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     base = tmp_path_factory.mktemp("launches")
     killed = kill_rank_1_after_the_first_checkpoint(base / "killed")
-    resuming, resumed = resume_on_three_ranks(killed, base / "resumed")
-    try:  # one process's run, while the three ranks start
-        steps, _ = losses_in(killed.metrics)
-        last = max([killed.saved + 2, *steps])  # the killed run may have gone past `saved`
-        expected, evals = one_process(last, evaluated=tuple(range(EVERY, last + 1, EVERY)))
-    finally:
-        resumed.done = finish(resuming)
+    resumed = resume_on_three_ranks(killed, base / "resumed")
+    steps, _ = losses_in(killed.metrics)
+    last = max([killed.saved + 2, *steps])  # the killed run may have gone past `saved`
+    expected, evals = one_process(last, evaluated=tuple(range(EVERY, last + 1, EVERY)))
     return Launches(killed, resumed, expected, evals)
 
 

@@ -28,6 +28,7 @@ def free_port() -> int:
 
 
 def test_two_nodes_of_one_rank_each_train_the_global_batches(tmp_path):
+    expected, _ = one_process(STEPS)
     port = free_port()
     nodes = []
     for node in (0, 1):
@@ -42,14 +43,7 @@ def test_two_nodes_of_one_rank_each_train_the_global_batches(tmp_path):
                "PYTHONPATH": str(ROOT)}
         nodes.append(subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    try:
-        expected, _ = one_process(STEPS)  # while the nodes start
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.communicate()
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
     for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output[-3000:]
     assert "2 ranks (gloo)" in outputs[0]
