@@ -32,7 +32,6 @@ from dp_harness import (  # noqa: E402 - the data-parallel harness lives with th
     rank_slice,
     reference_run,
     run_ranks,
-    start_ranks,
 )
 
 from engine import Engine, EngineConfig  # noqa: E402
@@ -168,18 +167,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The checkpoints of one process, two ranks and three (after step 2 of 4), each resumed
     at other world sizes, and the uninterrupted run's losses: two launches of ranks."""
     tmp = tmp_path_factory.mktemp("ranks")
+    expected, _ = reference_run(build(), make_batches(STEPS, batch_size=BATCH))
     ck1, ck2, ck3 = (str(tmp / f"ck{n}") for n in (1, 2, 3))
     model = build()
     engine = _engine(model)
     single_losses = _steps(engine, 0, 1, 1, SAVED_AT)
     single = save_checkpoint(engine, model, None, _settings(ck1), SAVED_AT)
     engine.close()
-    two = start_ranks(2, "test_checkpoint_ranks.train_save_resume", tmp / "two",
-                      ck=ck2, resume=[ck1])
-    try:  # the uninterrupted run, while the two ranks train
-        expected, _ = reference_run(build(), make_batches(STEPS, batch_size=BATCH))
-    finally:
-        two = two.results()
+    two = run_ranks(2, "test_checkpoint_ranks.train_save_resume", tmp / "two",
+                    ck=ck2, resume=[ck1])
     three = run_ranks(3, "test_checkpoint_ranks.train_save_resume", tmp / "three",
                       ck=ck3, resume=[ck2])
     return {"expected": expected, "single": single, "single_losses": single_losses,

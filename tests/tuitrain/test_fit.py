@@ -281,16 +281,14 @@ def test_ranks_that_found_different_room_settle_alike_on_the_least(monkeypatch, 
                                      dict(os.environ))) for r in (0, 1)]
     for p in procs:
         p.start()
-    try:  # what one process settles on with the least room, while the ranks settle
-        monkeypatch.setattr(fit, "host_room", lambda ranks=1: least)
-        alone = fit.settle(ranks_settings("opt-125m", batch_size=2), print, nproc=2)
-    finally:
-        for p in procs:
-            p.join(120)
-            if p.is_alive():
-                p.kill()
+    for p in procs:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all("error" not in g for g in got), got
+    monkeypatch.setattr(fit, "host_room", lambda ranks=1: least)
+    alone = fit.settle(ranks_settings("opt-125m", batch_size=2), print, nproc=2)
     assert got[0] == got[1]
     assert got[0]["budget"] == alone.engine.device_budget.nbytes < SIMULATED_DEVICE_BUDGET
 

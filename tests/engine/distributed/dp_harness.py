@@ -132,55 +132,6 @@ def run_ranks(world: int, target: str, tmp: Path, *, deadline: float = 120.0,
     this folder) on `world` gloo ranks; returns each rank's result, in rank order (None
     for a rank in `may_die` that wrote none). Fails with every rank's traceback if any
     rank raised, and kills them all past `deadline` seconds."""
-    return start_ranks(world, target, tmp, deadline=deadline, may_die=may_die,
-                       **args).results()
-
-
-class RankGroup:
-    """Ranks started by start_ranks, running; `results()` waits for them (as run_ranks)."""
-
-    def __init__(self, procs: list, tmp: Path, deadline: float,
-                 may_die: tuple[int, ...]) -> None:
-        self.procs, self.tmp, self.deadline, self.may_die = procs, tmp, deadline, may_die
-        self.start = datetime.datetime.now()
-
-    def results(self) -> list[dict | None]:
-        procs, tmp = self.procs, self.tmp
-        for p in procs:
-            left = self.deadline - (datetime.datetime.now() - self.start).total_seconds()
-            p.join(max(0.1, left))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if hung:
-            raise AssertionError(f"ranks {hung} still running after {self.deadline:g} s")
-        results = []
-        errors = []
-        for r in range(len(procs)):
-            path = tmp / f"rank{r}.pt"
-            if not path.exists():
-                if r in self.may_die:
-                    results.append(None)
-                else:
-                    errors.append(f"rank {r} wrote nothing (exit code {procs[r].exitcode})")
-                continue
-            got = torch.load(path, weights_only=False)
-            if got["ok"]:
-                results.append(got["result"])
-            else:
-                errors.append(got["error"])
-        if errors:
-            raise AssertionError("\n".join(errors))
-        return results
-
-
-def start_ranks(world: int, target: str, tmp: Path, *, deadline: float = 120.0,
-                may_die: tuple[int, ...] = (), **args) -> RankGroup:
-    """run_ranks, returning as soon as the ranks are started: the test computes what it
-    compares with meanwhile, then calls `results()` (a group left unread past its
-    deadline is killed by that call)."""
     tmp.mkdir(parents=True, exist_ok=True)
     store = tmp / "store"
     store.unlink(missing_ok=True)
@@ -190,4 +141,32 @@ def start_ranks(world: int, target: str, tmp: Path, *, deadline: float = 120.0,
              for r in range(world)]
     for p in procs:
         p.start()
-    return RankGroup(procs, tmp, deadline, may_die)
+    start = datetime.datetime.now()
+    for p in procs:
+        left = deadline - (datetime.datetime.now() - start).total_seconds()
+        p.join(max(0.1, left))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if hung:
+        raise AssertionError(f"ranks {hung} still running after {deadline:g} s")
+    results = []
+    errors = []
+    for r in range(world):
+        path = tmp / f"rank{r}.pt"
+        if not path.exists():
+            if r in may_die:
+                results.append(None)
+            else:
+                errors.append(f"rank {r} wrote nothing (exit code {procs[r].exitcode})")
+            continue
+        got = torch.load(path, weights_only=False)
+        if got["ok"]:
+            results.append(got["result"])
+        else:
+            errors.append(got["error"])
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results

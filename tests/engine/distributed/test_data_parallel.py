@@ -21,7 +21,6 @@ from dp_harness import (
     rank_slice,
     reference_run,
     run_ranks,
-    start_ranks,
     whole_model_relative_difference,
 )
 
@@ -64,30 +63,19 @@ def _matches_args(world: int) -> dict:
 # One launch per world size: starting a rank costs seconds of imports on this machine.
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    group = start_ranks(2, "dp_scenarios.two_ranks", tmp_path_factory.mktemp("two"),
-                        matches_args=_matches_args(2),
-                        unused_args={"steps": len(GATES), "per_rank": PER_RANK,
-                                     "gates": GATES, "policies": ["cpu", "auto"]},
-                        interrupted_args={"steps": 3, "per_rank": PER_RANK},
-                        dropout_args={"steps": 3, "per_rank": PER_RANK}, deadline=180.0)
-    try:
-        _references(2)
-        _unused_reference()
-    finally:
-        results = group.results()
-    return results
+    return run_ranks(2, "dp_scenarios.two_ranks", tmp_path_factory.mktemp("two"),
+                     matches_args=_matches_args(2),
+                     unused_args={"steps": len(GATES), "per_rank": PER_RANK, "gates": GATES,
+                                  "policies": ["cpu", "auto"]},
+                     interrupted_args={"steps": 3, "per_rank": PER_RANK},
+                     dropout_args={"steps": 3, "per_rank": PER_RANK}, deadline=180.0)
 
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    group = start_ranks(3, "dp_scenarios.three_ranks", tmp_path_factory.mktemp("three"),
-                        matches_args=_matches_args(3), diverging_args={"per_rank": PER_RANK},
-                        deadline=180.0)
-    try:
-        _references(3)
-    finally:
-        results = group.results()
-    return results
+    return run_ranks(3, "dp_scenarios.three_ranks", tmp_path_factory.mktemp("three"),
+                     matches_args=_matches_args(3), diverging_args={"per_rank": PER_RANK},
+                     deadline=180.0)
 
 
 @pytest.fixture(params=[2, 3], ids=lambda n: f"{n}ranks")
@@ -108,27 +96,15 @@ def _reference(world: int, *, lora: bool = False, **kw):
     return reference_run(model, make_batches(STEPS, batch_size=PER_RANK * world), **kw)
 
 
-def _scenario_reference(world: int, scenario: dict):
-    """The one-process run a scenario's ranks compare with."""
-    return _reference(world, max_grad_norm=scenario.get("max_grad_norm"),
-                      lora=scenario.get("lora", False))
-
-
-def _references(world: int) -> None:
-    """Every scenario's reference on `world` ranks, computed (and cached) while the ranks
-    run: the test process would otherwise wait for them, then compute."""
-    for scenario in SCENARIOS:
-        if world in scenario.get("worlds", (world,)):
-            _scenario_reference(world, scenario)
-
-
 @pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
 def test_ranks_train_as_one_process_on_the_global_batch(ranks, name):
     world, results = ranks
     scenario = next(s for s in SCENARIOS if s["name"] == name)
     if world not in scenario.get("worlds", (world,)):
         pytest.skip(f"run on {scenario['worlds']} ranks only")
-    ref_losses, ref_weights = _scenario_reference(world, scenario)
+    clip = scenario.get("max_grad_norm")
+    ref_losses, ref_weights = _reference(world, max_grad_norm=clip,
+                                         lora=scenario.get("lora", False))
     for rank, result in enumerate(results):
         got = result[name]
         assert got["losses"] == pytest.approx(ref_losses, rel=TOL), f"rank {rank}"

@@ -26,7 +26,7 @@ from dp_harness import (
     build,
     make_batches,
     rank_slice,
-    start_ranks,
+    run_ranks,
     whole_model_relative_difference,
 )
 
@@ -206,23 +206,15 @@ def _scenarios(world: int) -> list[dict]:
 def launch(request, tmp_path_factory):
     world = request.param
     tmp = tmp_path_factory.mktemp(f"ranks{world}")
-    from test_data_parallel import _reference, _unused_reference
-
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rules, "DISK_PIECE", TINY_PIECE)
         scenarios = _scenarios(world)
-        group = start_ranks(world, "test_disk_ranks.ranks_main", tmp, deadline=280.0,
-                            scratch=str(tmp / "scratch"), precision=PRECISION[world],
-                            scenarios=scenarios)
-        try:  # while the ranks run: the forecasts, and the references (cached) of the tests
-            forecasts = [_plan(world, device_mem=sc["budget"], margin_ratio=sc["margin"],
-                               host_budget=sc["host_budget"], disk_dir=tmp / "scratch")
-                         for sc in scenarios]
-            _reference(world)
-            if world == 2:
-                _unused_reference()
-        finally:
-            results = group.results()
+        forecasts = [_plan(world, device_mem=sc["budget"], margin_ratio=sc["margin"],
+                           host_budget=sc["host_budget"], disk_dir=tmp / "scratch")
+                     for sc in scenarios]
+    results = run_ranks(world, "test_disk_ranks.ranks_main", tmp, deadline=280.0,
+                        scratch=str(tmp / "scratch"), precision=PRECISION[world],
+                        scenarios=scenarios)
     return world, tmp, scenarios, forecasts, results
 
 
