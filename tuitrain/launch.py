@@ -12,6 +12,7 @@ kills those still there once every rank has ended.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -27,6 +28,17 @@ from tuitrain.ranks import Ranks, failure_record
 MONITOR_SECONDS = 0.2  # how often the launcher looks at its ranks
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants become this process's children
 LEFTOVER_GRACE_SECONDS = 2.0
+# Set in the environment of the ranks this launcher starts: it has checked the run (the
+# model, the files and folders named) on this machine before starting them, so they do not
+# check it again. The check imports torch and transformers: seconds of CPU in every rank,
+# whose worker then imports them anyway.
+CHECKED_ENV = "TUITRAIN_CHECKED_BY_LAUNCHER"
+
+
+def checked_by_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a rank started by `tuitrain run --nproc`, whose launcher
+    checked the run on this machine already (a rank under torchrun checks it itself)."""
+    return (os.environ if env is None else env).get(CHECKED_ENV) == "1"
 
 
 def check_nproc(nproc: int) -> int:
@@ -89,6 +101,11 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
     level = agent.level
     agent.setLevel(logging.CRITICAL)
     before = _children() if _adopt_orphans() else None
+    # What this process imported (torch, and transformers for the checks) lives until it
+    # exits: the collector need not walk it again, nor at the exit once the ranks ended
+    # (seconds of a loaded machine's CPU between the last line and the exit status).
+    gc.freeze()
+    os.environ[CHECKED_ENV] = "1"  # the ranks inherit this process's environment
     try:
         elastic_launch(config, entry)(*prefix, "run", *argv)
     except ChildFailedError as error:
@@ -100,6 +117,7 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         err.write(f"tuitrain: {failure_line(rank, exitcode, nproc, len(codes) - 1)}\n")
         return exitcode if exitcode > 0 else EXIT_FAILED
     finally:
+        os.environ.pop(CHECKED_ENV, None)
         agent.setLevel(level)
         if before is not None:
             _end_leftovers(before)
@@ -126,10 +144,18 @@ def _end_leftovers(before: set[int]) -> None:
     """Reap the processes that became this process's children during the launch: the
     ranks' orphans, which every rank having ended leaves with nothing to do. Those that do
     not end by themselves within LEFTOVER_GRACE_SECONDS (a resource tracker finishing its
-    cleanup does) are killed: SIGKILL, since a stopped process ignores anything else."""
+    cleanup does) are killed: SIGKILL, since a stopped process ignores anything else. A
+    stopped one (a hung rank's worker, kill -STOP) is killed at once: it cannot end by
+    itself, so waiting for it would only hold the launcher."""
     import psutil
 
     left = [child for child in psutil.Process().children() if child.pid not in before]
+    for child in left:
+        try:
+            if child.status() == psutil.STATUS_STOPPED:
+                child.kill()
+        except psutil.NoSuchProcess:
+            pass
     _, left = psutil.wait_procs(left, timeout=LEFTOVER_GRACE_SECONDS)
     for child in left:
         try:

@@ -59,9 +59,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     app_ranks = 1 if args.headless else _app_ranks(args, settings)
     if not args.headless and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("the app needs a terminal (this is not one); add --headless")
+    from tuitrain.launch import checked_by_launcher
     from tuitrain.run_checks import check_runnable
 
-    check_runnable(settings)
+    if not checked_by_launcher():
+        check_runnable(settings)
     pace = None
     if ranks.leader:
         _warn_of_a_short_run(settings)

@@ -254,3 +254,68 @@ def test_the_launcher_refuses_what_cannot_run_before_starting_a_rank():
     assert check_nproc(3) == 3
     with pytest.raises(ValueError, match="batch_size 4 does not split evenly over 3 ranks"):
         launch(3, ["tiny", "--headless"], batch_size=4)
+
+
+def test_ranks_the_launcher_started_leave_the_checks_to_it(monkeypatch):
+    """The launcher checks the run (the model, the files named) on this machine before it
+    starts a rank; the ranks it starts do not check it again (which imports torch and
+    transformers, seconds of CPU in each), while a rank torchrun started does."""
+    import gc
+
+    import torch.distributed.launcher.api as launcher_api
+
+    from tuitrain import cli, headless, launch, run_checks
+
+    marked: list[bool] = []
+
+    def elastic_launch(config, entry):
+        return lambda *args: marked.append(launch.checked_by_launcher())
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", elastic_launch)
+    monkeypatch.setattr(gc, "freeze", lambda: None)  # this test process's collector stays
+    monkeypatch.delenv(launch.CHECKED_ENV, raising=False)
+    assert launch.launch(2, ["tiny", "--headless"], batch_size=4) == 0
+    assert marked == [True]  # in the ranks' environment, and not left in this one
+    assert not launch.checked_by_launcher()
+
+    checked: list[str] = []
+    monkeypatch.setattr(run_checks, "check_runnable", lambda s: checked.append(s.model))
+    monkeypatch.setattr(headless, "run_headless", lambda settings, **kw: 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    argv = ["run", "tiny", "--headless", "--batch-size", "4", "--steps", "1"]
+    assert cli.main(argv) == 0
+    assert checked == ["tiny"]  # under torchrun: checked by the rank itself
+    monkeypatch.setenv(launch.CHECKED_ENV, "1")
+    assert cli.main(argv) == 0
+    assert checked == ["tiny"]  # started by tuitrain's launcher: not again
+
+
+def test_the_launcher_kills_a_stopped_leftover_without_waiting_for_it(monkeypatch):
+    """A hung rank's worker (stopped) that outlives its rank cannot end by itself: the
+    launcher kills it before it waits for its leftovers, so it does not wait in vain."""
+    import psutil
+
+    from tuitrain import launch
+
+    before = launch._children()
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        firsts: list[dict[int, int]] = []
+        real = psutil.wait_procs
+
+        def wait_procs(procs, timeout=None):
+            gone, alive = real(procs, timeout=timeout)
+            firsts.append({p.pid: p.returncode for p in gone})
+            return gone, alive
+
+        monkeypatch.setattr(psutil, "wait_procs", wait_procs)
+        monkeypatch.setattr(launch, "LEFTOVER_GRACE_SECONDS", 1.0)
+        launch._end_leftovers(before)
+        # Killed before the first wait, so it ended within that wait.
+        assert firsts[0].get(child.pid) == -signal.SIGKILL, firsts
+    finally:
+        if psutil.pid_exists(child.pid) and child.poll() is None:
+            child.kill()
+            child.wait()
