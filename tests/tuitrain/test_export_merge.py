@@ -5,6 +5,7 @@ many times the host budget holds the budget, give or take a weight, never the mo
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -17,7 +18,6 @@ from engine.data.tokenizer import train_tokenizer
 from engine.models.lora import LoraWeights, apply_lora
 from engine.models.zoo import build_model, meta_build
 from tests.engine.references import make_batches
-from tests.forked import run_script
 from tuitrain.checkpoint import save_checkpoint
 from tuitrain.cli import main
 from tuitrain.settings import validate_settings
@@ -79,8 +79,7 @@ LARGEST = 4 * 2048 * 512  # bytes of the largest weight (the embedding, fc1 and 
 SLACK = 24 * 2**20  # allocator and page slack, Python objects of the meta model and peft
 
 # argv: the checkpoint folder, the output folder. Prints the growth of the peak resident
-# memory over the settled process while the merge runs: a growth past a reset of the
-# high-water mark, so a forked process (tests/forked.py) measures it as a fresh one does.
+# memory over the settled process while the merge runs.
 SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
@@ -133,7 +132,9 @@ def test_merging_holds_the_host_budget_and_a_weight_not_the_model(tmp_path):
     write_adapter(checkpoint / "adapter", adapted, pairs)
 
     out = tmp_path / "merged"
-    grown = int(run_script(SCRIPT, str(checkpoint), str(out), timeout=300).splitlines()[-1])
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(checkpoint), str(out)],
+                          capture_output=True, text=True, timeout=300, check=True)
+    grown = int(done.stdout.splitlines()[-1])
     assert grown <= BUDGET + 2 * LARGEST + SLACK, grown
     assert grown < weights / 2, grown
     files = list(out.glob("model-*.safetensors"))
