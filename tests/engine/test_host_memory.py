@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 
 import psutil
@@ -87,7 +86,8 @@ def test_with_the_heap_steady_resident_memory_at_step_50_is_within_5_percent(arc
 
 
 # After a 16 MiB tensor is freed, glibc left to itself serves an 8 MiB one from its heap and
-# keeps it there once freed; with the heap steady it is mapped and given back.
+# keeps it there once freed; with the heap steady it is mapped and given back. Forked
+# processes (tests/forked.py): each figure is a process's growth over itself.
 KEPT_AFTER_FREE = """
 import sys, psutil, torch
 from engine.devices.host_memory import steady_heap
@@ -105,9 +105,7 @@ print(psutil.Process().memory_info().rss - before)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_steady_heap_gives_back_a_large_tensor_the_moment_it_is_freed():
     def kept(mode: str) -> int:
-        done = subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE, mode],
-                              capture_output=True, text=True, timeout=120, check=True)
-        return int(done.stdout.split()[-1])
+        return int(run_script(KEPT_AFTER_FREE, mode, timeout=120).split()[-1])
 
     assert kept("dynamic") >= 7 * 2**20  # the heap kept the 8 MiB
     assert kept("steady") < 2**20
