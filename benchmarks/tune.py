@@ -24,7 +24,7 @@ import sys
 from tuitrain.presets import merge
 from tuitrain.settings import Settings, Size
 from tuitrain.tune import Candidate, search
-from tuitrain.tune_setup import run_budget, tune_forecaster, tune_space
+from tuitrain.tune_setup import run_budget, start_fitting, tune_forecaster, tune_space
 from tuitrain.tune_worker import WorkerTrainer, client_events, wait_for_start
 from tuitrain.worker import ProcessWorker
 
@@ -85,16 +85,17 @@ def main() -> int:
         space = [c for c in tune_space(base, device_budget=run_budget(base, True))
                  if forecast(c).fits]
         grid_steps = len(space) * (args.steps + 1)
+        # Where the run's own split does not fit, it starts as `tuitrain tune` starts it.
+        start, _ = start_fitting(base, space, forecast)
         # The run gets twice that: steps that run while a change is on its way are not counted.
+        run = merge(start, {"training.steps": 2 * grid_steps + 4})
         print(f"{budget}: {len(space)} settings fit; measuring the grid", flush=True)
-        measured = on_worker(run_settings(args, budget, 2 * grid_steps + 4),
-                             lambda t, s=space: grid(t, s, args.steps))
+        measured = on_worker(run, lambda t, s=space: grid(t, s, args.steps))
         best = min(measured, key=measured.get)
         picks = []
         for _ in range(2):
-            result = on_worker(run_settings(args, budget, 2 * grid_steps + 4),
-                               lambda t, s=space, f=forecast: search(
-                                   s, f, t, trial_steps=args.steps))
+            result = on_worker(run, lambda t, s=space, f=forecast: search(
+                s, f, t, trial_steps=args.steps))
             assert result.best is not None, result.log
             picks.append((result.best.candidate, result.best.measured, result.steps))
         share = measured[best] / measured[picks[0][0]]

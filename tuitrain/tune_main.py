@@ -112,8 +112,14 @@ def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
         raise UsageError(f"no setting of {settings.model} fits: {'; '.join(reasons)}")
     steps = len(fitting) * (trial_steps + SPARE_STEPS) + SPARE_STEPS
     from tuitrain.presets import merge
+    from tuitrain.tune_setup import start_fitting
 
-    run = merge(settings, {"training.steps": max(steps, settings.training.steps)})
+    start, moved = start_fitting(settings, fitting, forecast)
+    if moved is not None:
+        t = settings.training
+        print(f"{t.batch_size} x {t.grad_accum} does not fit; the run starts at "
+              f"{moved.describe()}, the fastest forecast that fits", file=err, flush=True)
+    run = merge(start, {"training.steps": max(steps, settings.training.steps)})
     return _tune(run, settings, space, forecast, budget=budget, trial_steps=trial_steps,
                  time_limit=time_limit, save_to=save_to, overwrite=overwrite,
                  cal=cal, out=out, err=err)

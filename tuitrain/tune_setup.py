@@ -41,6 +41,23 @@ def tune_space(settings: Settings, *, device_budget: int) -> list[Candidate]:
             == (t.batch_size, t.grad_accum, t.activation_checkpointing)]
 
 
+def start_fitting(settings: Settings, fitting: list[Candidate],
+                  forecast: Forecaster) -> tuple[Settings, Candidate | None]:
+    """The run a tune starts on: `settings` where some fitting candidate keeps its split of
+    the global batch and its checkpointing; else (a global batch too big for the device in
+    the user's split) the fitting candidate the forecast says is fastest, which the search
+    measures first anyway, with that candidate: the run starts instead of being refused,
+    at the same global batch."""
+    t = settings.training
+    shape = (t.batch_size, t.grad_accum, t.activation_checkpointing)
+    if any((c.batch_size, c.grad_accum, c.activation_checkpointing) == shape for c in fitting):
+        return settings, None
+    from tuitrain.presets import merge
+
+    best = min(fitting, key=lambda c: forecast(c).seconds)
+    return merge(settings, best.settings()), best
+
+
 def run_budget(settings: Settings, simulated: bool) -> int:
     """The run's device budget in bytes; the whole GPU's memory when it has none."""
     budget = settings.device_budget_for(simulated)

@@ -104,6 +104,25 @@ def test_a_tune_with_nothing_that_fits_says_why_before_it_starts(capsys):
     assert len(err) == 1 and err[0].startswith("tuitrain: error: no setting of tiny fits: ")
 
 
+def test_a_global_batch_too_big_for_the_device_in_one_micro_batch_is_tuned_not_refused(
+        tmp_path, capsys):
+    """At 12 MiB only tiny's 1 x 8 split of a batch of 8 fits: the run starts there (the
+    fastest forecast that fits), says so, and the search goes on from it."""
+    metrics = tmp_path / "m.jsonl"
+    status = main(["tune", "tiny", "--batch-size", "8", "--seq-len", "64", "--precision",
+                   "fp32", "--device-mem", "12MiB", "--trial-steps", "2", "--time-limit",
+                   "1s", "--metrics", str(metrics)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    (line,) = captured.err.splitlines()
+    assert line.startswith("8 x 1 does not fit; the run starts at auto margin ")
+    assert line.endswith(", 1 x 8, the fastest forecast that fits")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if "step" in r and "loss" in r]
+    assert steps and steps[0]["micro_batches"] == 8
+    assert any(r["trial"]["status"] == "measured" for r in records if "trial" in r)
+
+
 @pytest.mark.parametrize(("text", "seconds"),
                          [("90", 90), ("90s", 90), ("5m", 300), ("1m30s", 90), ("1h", 3600),
                           ("0.5s", 0.5)])
