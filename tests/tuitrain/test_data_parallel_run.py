@@ -302,6 +302,12 @@ def test_the_launcher_kills_a_stopped_leftover_without_waiting_for_it(monkeypatc
     child = subprocess.Popen(["sleep", "60"])
     try:
         os.kill(child.pid, signal.SIGSTOP)
+        # A signal is delivered a moment after kill returns: wait until the child is
+        # stopped, as a hung rank's worker is long before its rank ends.
+        stopped_by = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < stopped_by, "the child never stopped"
+            time.sleep(0.01)
         firsts: list[dict[int, int]] = []
         real = psutil.wait_procs
 
