@@ -472,11 +472,15 @@ def test_every_byte_the_disk_moves_is_reported_once_even_when_the_update_overlap
     assert sum(s.bytes_disk_read for s in steps) + later[0] == tier.bytes_read - start[0]
     assert sum(s.bytes_disk_written for s in steps) + later[1] == tier.bytes_written - start[1]
     # A steady step's update reads and writes the state of every chunk it keeps on disk.
+    # Which step reports an update's I/O depends on when it completes (a loaded machine
+    # moves part of one into the next step), so the settled updates count together: those
+    # of steps 3 on are reported by steps 3 on, or after the last.
     state = sum(rules.disk_cost(c.numel, c.itemsize, 4096).state_region
                 for c in eng.chunks if c.state_on_disk)
     assert state > 0
-    for stats in steps[2:]:
-        assert stats.bytes_disk_written >= state and stats.bytes_disk_read >= state
+    settled = len(steps[2:])
+    assert sum(s.bytes_disk_written for s in steps[2:]) + later[1] >= settled * state
+    assert sum(s.bytes_disk_read for s in steps[2:]) + later[0] >= settled * state
     eng.close()
 
 
