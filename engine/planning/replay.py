@@ -174,7 +174,6 @@ class StepReplay:
             held = self.sharding.held_bytes if self.sharding is not None else 0
             self.held = max(self.held, self.pinned + self.opening_bytes + held)
             self.part_peak = max(self.part_peak, self.nm)
-            self.recorded.points[-1].close([*self.parts, (self.held, self.part_peak)])
         self.peak = max(self.peak, self.device_bytes + self.nm)
         self.beside_pool = max(self.beside_pool, self.device_bytes - self.pool.in_use + self.nm)
         self._note_footprint()
@@ -276,7 +275,14 @@ class StepReplay:
 
     # Engine hooks
 
+    def _close_point(self) -> None:
+        """The interval that ends here, as its samples left it: closed once, not at every
+        sample (an interval of a long backward has hundreds of parts)."""
+        if self.recorded.points:
+            self.recorded.points[-1].close([*self.parts, (self.held, self.part_peak)])
+
     def point(self, module: str, phase: str) -> None:
+        self._close_point()
         self.pos += 1
         chunks = self.lay.module_chunks[module]
         self.recorded.points.append(TracePoint(chunks, phase))
@@ -493,5 +499,6 @@ class StepReplay:
             self._drop_ahead(chunk)
 
     def trace_of(self) -> Trace:
+        self._close_point()
         self.recorded.finish()
         return self.recorded
