@@ -11,10 +11,12 @@
 3. A trial whose settled steps are all clearly slower than the best so far stops early. A
    setting the engine refuses, or a step that fails, is recorded with its reason and the
    search goes on.
-4. Measured times correct the forecast (their ratio, the model's error on this run), and the
-   search stops when no untried candidate, so corrected and given the model's uncertainty,
-   can beat the best by more than `ENOUGH`, when `time_limit` is reached, or when `stop()`
-   says so (the user's key). The best is then applied, and kept.
+4. Measured times correct the forecast (their ratio, the model's error on this run; per
+   kind of setting, policy and checkpointing, where trials of that kind were measured), the
+   most promising untried candidate is tried next, and the search stops when no untried
+   candidate, so corrected and given the model's uncertainty (its accuracy target for a
+   kind not yet measured), can beat the best by more than `ENOUGH`, when `time_limit` is
+   reached, or when `stop()` says so (the user's key). The best is then applied, and kept.
 
 No UI here: the CLI and the app show the trials (`on_trial`) as they like.
 """
@@ -42,8 +44,8 @@ __all__ = [
 
 ENOUGH = 0.03  # an untried candidate must promise a gain above this to be tried
 # How far a forecast may be off, relative to the others, before a run has shown more: the
-# time model's accuracy target. Then the spread of measured / forecast over the trials,
-# never below MIN_UNCERTAINTY.
+# time model's accuracy target. Then, for a kind of setting measured, the spread of
+# measured / forecast over its trials, never below MIN_UNCERTAINTY.
 UNCERTAINTY = 0.15
 MIN_UNCERTAINTY = 0.05
 CLEARLY_SLOWER = 1.25  # a trial whose fastest settled step is this much slower stops early
@@ -197,16 +199,20 @@ def search(
             t.status, t.reason = DOES_NOT_FIT, t.forecast.reason
             on_trial(t)
     queue = sorted((t for t in trials if t.forecast.fits), key=lambda t: t.forecast.seconds)
+    pending = list(queue)
     best: Trial | None = None
     steps = 0
     stopped_by = "exhausted"
     applied: Candidate | None = None
-    for index, trial in enumerate(queue):
+    while pending:
+        trial = pending[0]
         if best is not None:
-            promise = _corrected(trial, trials) * (1 - _uncertainty(trials)) / best.measured
-            if promise > 1.0 - ENOUGH:
+            # The most promising next: measured trials may have shown the model to be off
+            # for one kind of setting and not another, which reorders the forecasts.
+            trial = min(pending, key=lambda t: _promise(t, trials))
+            if _promise(trial, trials) / best.measured > 1.0 - ENOUGH:
                 stopped_by = "converged"
-                for rest in queue[index:]:
+                for rest in pending:
                     slower = _corrected(rest, trials) / best.measured - 1.0
                     rest.status, rest.slower = SLOWER, slower
                     rest.reason = (f"forecast {slower:+.0%} against the best measured"
@@ -222,6 +228,7 @@ def search(
         if stop():
             stopped_by = "stopped"
             break
+        pending.remove(trial)
         ran, applied_now = _run_trial(trial, trainer, best, trial_steps, stop, on_trial, log)
         steps += ran
         applied = applied_now or applied
@@ -237,10 +244,19 @@ def search(
     return TuneResult(best, trials, steps, stopped_by, log)
 
 
-def _ratios(trials: list[Trial]) -> list[float]:
-    """measured / forecast of every measured trial: the model's error on this run."""
+def _ratios(trials: list[Trial], like: Candidate | None = None) -> list[float]:
+    """measured / forecast of every measured trial (of the same kind as `like`, if given):
+    the model's error on this run."""
     return [t.measured / t.forecast.seconds for t in trials
-            if t.status == MEASURED and t.forecast.seconds > 0]
+            if t.status == MEASURED and t.forecast.seconds > 0
+            and (like is None or _kind(t.candidate) == _kind(like))]
+
+
+def _kind(candidate: Candidate) -> tuple[str, bool]:
+    """What the time model forecasts with different terms: where the chunks live (the
+    copies) and whether activations are recomputed. Its error on one kind says little of
+    its error on another."""
+    return candidate.policy, candidate.activation_checkpointing
 
 
 def model_error(trials: list[Trial]) -> float | None:
@@ -250,17 +266,35 @@ def model_error(trials: list[Trial]) -> float | None:
 
 
 def _corrected(trial: Trial, trials: list[Trial]) -> float:
-    """The trial's forecast times the model's error so far (the median ratio)."""
-    return trial.forecast.seconds * (model_error(trials) or 1.0)
+    """The trial's forecast times the model's error so far: on trials of its kind where
+    there are some, else on all (the median ratio)."""
+    ratios = _ratios(trials, trial.candidate) or _ratios(trials)
+    return trial.forecast.seconds * (statistics.median(ratios) if ratios else 1.0)
 
 
-def _uncertainty(trials: list[Trial]) -> float:
-    """How much faster than its corrected forecast a candidate may still turn out."""
-    ratios = _ratios(trials)
-    if len(ratios) < 2:
-        return UNCERTAINTY
+def _uncertainty(trial: Trial, trials: list[Trial]) -> float:
+    """How much faster than its corrected forecast a candidate may still turn out: the
+    spread of the model's error over the measured trials of the candidate's kind, never
+    below MIN_UNCERTAINTY (the noise of a trial); until two trials, one of them of its
+    kind, have been measured, the model's own accuracy target (UNCERTAINTY) or the spread
+    over all trials, whichever is more."""
+    ratios, alike = _ratios(trials), _ratios(trials, trial.candidate)
+    if len(ratios) < 2 or not alike:
+        return max(UNCERTAINTY, _spread(ratios))
+    return max(MIN_UNCERTAINTY, _spread(alike))
+
+
+def _spread(ratios: list[float]) -> float:
+    """The farthest of `ratios` from their median, as a share of it."""
+    if not ratios:
+        return 0.0
     middle = statistics.median(ratios)
-    return max(MIN_UNCERTAINTY, max(abs(r / middle - 1) for r in ratios))
+    return max(abs(r / middle - 1) for r in ratios)
+
+
+def _promise(trial: Trial, trials: list[Trial]) -> float:
+    """The fastest a candidate may still turn out, in seconds per step."""
+    return _corrected(trial, trials) * (1 - _uncertainty(trial, trials))
 
 
 def _run_trial(trial: Trial, trainer: Trainer, best: Trial | None, trial_steps: int,

@@ -115,6 +115,34 @@ def test_it_drops_what_does_not_fit_measures_fastest_forecast_first_and_keeps_th
     assert result.steps == engine.steps == 8
 
 
+def test_a_kind_of_setting_not_yet_measured_keeps_the_models_whole_uncertainty():
+    """Two trials of one policy agreeing with the model say nothing of its error on another:
+    a cpu setting forecast 8% slower than the best auto ones is still tried, and wins."""
+    clock = FakeClock()
+    auto_a, auto_b = cand("auto"), cand("auto", 0.5)
+    engine = ScriptedEngine(clock, {auto_a: 1.0, auto_b: 1.01, D: 0.9})
+    result = search([auto_a, auto_b, D], forecaster({auto_a: 1.0, auto_b: 1.01, D: 1.08}),
+                    engine, clock=clock)
+    assert engine.applied[:3] == [auto_a, auto_b, D]
+    assert result.best.candidate == D and engine.current == D
+
+
+def test_the_next_trial_is_the_most_promising_once_the_models_error_is_known():
+    """The model is right about auto and 30% pessimistic about cpu: corrected kind by kind,
+    the second cpu setting, forecast last, is more promising than the second auto one, and
+    is tried (it wins); corrected as one, both looked no better than the best."""
+    clock = FakeClock()
+    auto_a, cpu_a, auto_b, cpu_b = cand("auto"), cand("cpu"), cand("auto", 0.5), cand("cpu", 0.5)
+    engine = ScriptedEngine(clock, {auto_a: 1.0, cpu_a: 0.707, auto_b: 1.02, cpu_b: 0.65})
+    result = search([auto_a, cpu_a, auto_b, cpu_b],
+                    forecaster({auto_a: 1.0, cpu_a: 1.01, auto_b: 1.015, cpu_b: 1.02}),
+                    engine, clock=clock)
+    assert engine.applied[:3] == [auto_a, cpu_a, cpu_b]
+    by = {t.candidate: t for t in result.trials}
+    assert result.best.candidate == cpu_b and engine.current == cpu_b
+    assert by[auto_b].status == "forecast slower"
+
+
 def test_a_retraced_step_is_not_measured():
     clock = FakeClock()
     engine = ScriptedEngine(clock, {B: 1.0}, retrace=True)
