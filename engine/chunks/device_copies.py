@@ -92,6 +92,10 @@ class DeviceCopies(ChunkTiers):
         trace = self.trace
         if trace is None or not self.strict or pos + 1 >= len(trace.points):
             return
+        # Every next chunk already there (all of them, when all are resident): nothing to
+        # choose, so no forecast to make.
+        if all(self.chunks[i].on_device for i in trace.points[pos + 1].chunks):
+            return
         opening = 0
         if phase == "backward":
             opening = sum(c.nbytes for i in trace.points[pos].chunks

@@ -263,7 +263,8 @@ class Engine:
         t0 = time.perf_counter()
         for i, part in enumerate(parts):
             shape = tuple(part["input_ids"].shape)
-            if self.runner.begin(shape, step=self.step_count + 1, accumulate=i > 0):
+            if self.runner.begin(shape, step=self.step_count + 1, accumulate=i > 0,
+                                 checkpointing=self.settings.activation_checkpointing):
                 if self.settings.margin_ratio > 0:
                     self._place(margin=False)  # a new shape may need that room
             part = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in part.items()}

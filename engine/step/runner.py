@@ -110,11 +110,18 @@ class StepRunner:
         return any(c.grad is not None and storage_key(c.grad) == key for c in self.chunks)
 
     def _adopt_kept_grads(self) -> None:
+        # Only a counting step's counter holds storages to disown (on CUDA it never counts),
+        # and only the gradients kept since the last adoption are new to it: a chunk's kept
+        # gradients only grow within a step, in insertion order.
+        if not (self.device.simulated and self.counts.counting):
+            return
         for chunk in self.chunks:
             kept = chunk.slot_grads
-            if kept and len(kept) != self._kept_grads.get(chunk.index):
+            adopted = self._kept_grads.get(chunk.index, 0)
+            if len(kept) > adopted:
                 self._kept_grads[chunk.index] = len(kept)
-                self.counter.disown({storage_key(g) for _, g in kept.values()})
+                fresh = list(kept.values())[adopted:]
+                self.counter.disown({storage_key(g) for _, g in fresh})
 
     def non_model_now(self) -> int:
         if self.device.simulated:
@@ -345,24 +352,28 @@ class StepRunner:
     def tracing(self) -> bool:
         return self._tracing is not None
 
-    def step_key(self, shape: tuple) -> tuple:
-        """What a trace depends on: the batch shape, activation checkpointing, and which
-        parameters need a gradient."""
-        checkpointing = is_checkpointing(self.model)
+    def step_key(self, shape: tuple, checkpointing: bool | None = None) -> tuple:
+        """What a trace depends on: the batch shape, activation checkpointing (read from
+        the model unless given: reading it walks every module), and which parameters need
+        a gradient."""
+        if checkpointing is None:
+            checkpointing = is_checkpointing(self.model)
         trainable = tuple(s.param.requires_grad for c in self.chunks for s in c.slots)
         return (shape, checkpointing, trainable)
 
-    def begin(self, shape: tuple, *, step: int, accumulate: bool = False) -> bool:
+    def begin(self, shape: tuple, *, step: int, accumulate: bool = False,
+              checkpointing: bool | None = None) -> bool:
         """Open a forward and backward for optimizer step `step` on a batch of `shape`;
         returns whether it will be traced (the step changed, see step_key). `accumulate`:
-        a later micro-batch of the same step, whose gradients add to those already in."""
+        a later micro-batch of the same step, whose gradients add to those already in;
+        `checkpointing`: whether the model recomputes activations, if the caller knows."""
         self.step_number = step
         for chunk in self.chunks:
             if chunk.frozen and any(s.param.requires_grad for s in chunk.slots):
                 self.manager.thaw(chunk)  # unfrozen since: it needs optimizer state now
         hook_gradients((s.param for c in self.chunks for s in c.slots), self.arrivals.on_grad,
                        self._grad_hooks)
-        key = self.step_key(shape)
+        key = self.step_key(shape, checkpointing)
         tracing = self.trace is None or self.trace.key != key
         self._tracing = Trace(shape, key=key) if tracing else None
         self.arrivals.reset()
