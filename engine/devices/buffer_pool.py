@@ -47,6 +47,7 @@ class HeldBytes:
         self.kept: dict[int, int] = {}  # size -> buffers of that size held for reuse
         self.kept_bytes = 0
         self.peak = 0
+        self.fresh = 0  # bytes of buffers taken that no kept one served: new memory
 
     @property
     def total(self) -> int:
@@ -59,6 +60,7 @@ class HeldBytes:
         if self.kept.get(nbytes):
             self._unkeep(nbytes)
             return True, []
+        self.fresh += nbytes
         dropped = []
         if self.total > self.limit:
             for size in sorted(self.kept, reverse=True):

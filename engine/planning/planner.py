@@ -242,6 +242,7 @@ class _Planner:
             host_model=self.host.host_model(outcome.resident),
             copied=outcome.step.copied,
             device_buffers=outcome.step.pool.peak if self.simulated else 0,
+            fresh=outcome.step.settled_fresh if self.simulated else 0,
             fits=not reason,
             reason=reason,
             io_buffers=where.buffer_bytes,
