@@ -102,14 +102,11 @@ class StepReplay:
         # The simulated device's kept buffers (engine.devices.buffer_pool): every chunk
         # copy and gradient buffer comes from them, a resident chunk's copy for good,
         # within the room the activations' peak leaves (ChunkManager.apply_residency).
-        self.pool = HeldBytes(capacity if trace is None
-                              else max(0, capacity - trace.non_model_peak))
+        self.pool = HeldBytes(max(0, capacity - (0 if trace is None else trace.non_model_peak)))
         for chunk in sorted(self.on_device):
             self.pool.take(self.nbytes[chunk])
         self.resident_buffers = self.pool.in_use
-        # Every buffer the step takes (+bytes) and gives back (-bytes), in order: what
-        # `settled_fresh` replays on the pool of a step like it.
-        self.buffer_moves: list[int] = []
+        self.buffer_moves: list[int] = []  # +bytes taken, -bytes given back, in order
         # Resident chunks' optimizer state: device bytes from outside the pool, for good.
         self.resident_state = self.device_bytes - self.pool.in_use
         self.beside_pool = self.resident_state  # the most device bytes beside the pool
@@ -216,32 +213,6 @@ class StepReplay:
         self.device_bytes -= self.nbytes[chunk]
         self.pool.give(self.nbytes[chunk])
         self.buffer_moves.append(-self.nbytes[chunk])
-
-    @property
-    def settled_fresh(self) -> int:
-        """Bytes of new memory the simulated device's buffers take in a step like this one
-        that follows another like it: what its pool could not serve from what the step
-        before gave back. Where the device holds more than the pool's limit (auto keeping
-        idle copies at a tight budget), a buffer given back is not kept, and the next one
-        is fresh pages, each a page fault and zeroed by the system."""
-        pool = HeldBytes(self.pool.limit)
-        pool.take(self.resident_buffers)
-        held: list[int] = []  # buffers in use by copies, by size
-        for _ in range(2):
-            # A step starts with the copies the last one left on the device given back:
-            # each is used again (or let go) before the next update.
-            for nbytes in held:
-                pool.give(nbytes)
-            held.clear()
-            pool.fresh = 0
-            for nbytes in self.buffer_moves:
-                if nbytes > 0:
-                    pool.take(nbytes)
-                    held.append(nbytes)
-                else:
-                    pool.give(-nbytes)
-                    held.remove(-nbytes)
-        return pool.fresh
 
     # ChunkManager
 
