@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BufferPool", "HeldBytes"]
+__all__ = ["BufferPool", "HeldBytes", "settled_fresh"]
 
 
 class HeldBytes:
@@ -47,6 +47,7 @@ class HeldBytes:
         self.kept: dict[int, int] = {}  # size -> buffers of that size held for reuse
         self.kept_bytes = 0
         self.peak = 0
+        self.fresh = 0  # bytes of buffers taken that no kept one served: new memory
 
     @property
     def total(self) -> int:
@@ -59,6 +60,7 @@ class HeldBytes:
         if self.kept.get(nbytes):
             self._unkeep(nbytes)
             return True, []
+        self.fresh += nbytes
         dropped = []
         if self.total > self.limit:
             for size in sorted(self.kept, reverse=True):
@@ -140,3 +142,27 @@ class BufferPool:
     def _drop(self, sizes: list[int]) -> None:
         for size in sizes:
             self._kept[size].pop()
+
+
+def settled_fresh(limit: float, resident: int, moves: list[int]) -> int:
+    """Bytes of new memory a pool of `limit` takes in a step that follows one like it: the
+    buffers the step takes (+bytes) and gives back (-bytes), `moves` in order, run twice
+    beside `resident` bytes of buffers held for good, counted the second time. Each step
+    starts with the buffers the last one left in use given back: a copy left on the device
+    is used again (or let go) before the next update."""
+    pool = HeldBytes(limit)
+    pool.take(resident)
+    held: list[int] = []  # buffers in use, by size
+    for _ in range(2):
+        for nbytes in held:
+            pool.give(nbytes)
+        held.clear()
+        pool.fresh = 0
+        for nbytes in moves:
+            if nbytes > 0:
+                pool.take(nbytes)
+                held.append(nbytes)
+            else:
+                pool.give(-nbytes)
+                held.remove(-nbytes)
+    return pool.fresh

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from engine.config import PRECISIONS, format_size, parse_size
+from engine.devices.buffer_pool import settled_fresh
 from engine.devices.disk import default_disk_dir
 from engine.models.lora import Lora, apply_lora
 from engine.models.zoo import meta_model, model_config
@@ -242,6 +243,8 @@ class _Planner:
             host_model=self.host.host_model(outcome.resident),
             copied=outcome.step.copied,
             device_buffers=outcome.step.pool.peak if self.simulated else 0,
+            fresh=(settled_fresh(step.pool.limit, step.resident_buffers, step.buffer_moves)
+                   if self.simulated else 0),
             fits=not reason,
             reason=reason,
             io_buffers=where.buffer_bytes,

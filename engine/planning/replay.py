@@ -102,10 +102,11 @@ class StepReplay:
         # The simulated device's kept buffers (engine.devices.buffer_pool): every chunk
         # copy and gradient buffer comes from them, a resident chunk's copy for good,
         # within the room the activations' peak leaves (ChunkManager.apply_residency).
-        self.pool = HeldBytes(capacity if trace is None
-                              else max(0, capacity - trace.non_model_peak))
+        self.pool = HeldBytes(max(0, capacity - (0 if trace is None else trace.non_model_peak)))
         for chunk in sorted(self.on_device):
             self.pool.take(self.nbytes[chunk])
+        self.resident_buffers = self.pool.in_use
+        self.buffer_moves: list[int] = []  # +bytes taken, -bytes given back, in order
         # Resident chunks' optimizer state: device bytes from outside the pool, for good.
         self.resident_state = self.device_bytes - self.pool.in_use
         self.beside_pool = self.resident_state  # the most device bytes beside the pool
@@ -204,11 +205,13 @@ class StepReplay:
         """A chunk's device copy or gradient buffer comes in (from the pool)."""
         self.device_bytes += self.nbytes[chunk]
         self.pool.take(self.nbytes[chunk])
+        self.buffer_moves.append(self.nbytes[chunk])
         self._note_footprint()
 
     def give_buffer(self, chunk: int) -> None:
         self.device_bytes -= self.nbytes[chunk]
         self.pool.give(self.nbytes[chunk])
+        self.buffer_moves.append(-self.nbytes[chunk])
 
     # ChunkManager
 

@@ -29,6 +29,9 @@ class PolicyPlan:
     # The simulated device's chunk buffers at a step's peak, in use and kept for reuse: host
     # memory for the whole run (engine.devices.buffer_pool); 0 on a real device.
     device_buffers: int = 0
+    # The simulated device's buffer bytes per micro-batch that its pool cannot serve in a
+    # settled step (StepReplay.settled_fresh): fresh pages, each faulted in and zeroed.
+    fresh: int = 0
     # The disk tier (a host budget): the I/O buffers the host budget holds beside host_model
     # (MemorySnapshot.host_io_buffers), the chunk bytes in the scratch folder
     # (MemorySnapshot.disk_model), and what a steady step reads and writes there.
@@ -115,6 +118,7 @@ class Plan:
                 "reason": p.reason,
                 "host_model": p.host_model,
                 "copied": p.copied,
+                "fresh": p.fresh,
                 "io_buffers": p.io_buffers,
                 "disk_bytes": p.disk_bytes,
                 "disk_read": p.disk_read,

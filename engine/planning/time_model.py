@@ -11,7 +11,8 @@ A step is `grad_accum` micro-batches of forward and backward, then one update:
   the rates),
   forward, backward and the forward recomputed under activation checkpointing;
 - copies each way: the plan's copied bytes (fetches to the device, gradients back for the
-  chunks updated on the host) at the calibrated bandwidths;
+  chunks updated on the host) at the calibrated bandwidths; on the simulated device, also
+  the fresh pages of the chunk buffers its pool cannot serve (FRESH_PAGE_COPIES);
 - the update: AdamW over the elements updated on the host and on the device;
 - the disk tier: what the plan reads and writes there per step;
 - collectives (data parallel): what a rank gathers and reduce-scatters.
@@ -40,6 +41,16 @@ from engine.planning.flops import StepWork, step_work
 __all__ = ["StepTime", "forecast", "step_times"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# A byte of a chunk buffer the simulated device's pool could not serve costs about this
+# many copies of a byte: the buffer is new memory, each page of it faulted in and zeroed by
+# the system when the copy first writes it, and unmapped when it goes. Measured on this
+# machine (9 MiB buffers, one thread): a copy into kept memory 0.10 ms/MiB, the same copy
+# into fresh memory 0.32 ms/MiB more. The replay counts such bytes (StepReplay
+# .settled_fresh): none under cpu, whose few buffers the pool keeps; under auto at a tight
+# budget, where idle copies fill the device beyond what the pool may keep, most of them
+# (opt-125m at 4 x 128 in 1 GiB: 660 MiB per micro-batch).
+FRESH_PAGE_COPIES = 3.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,7 @@ class Traffic:
     disk_read: int = 0
     disk_written: int = 0
     communicated: int = 0  # bytes gathered and reduce-scattered per micro-batch
+    fresh: int = 0  # bytes of new device buffers per micro-batch (simulated: PolicyPlan.fresh)
 
 
 def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: str,
@@ -112,7 +124,7 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     # Gradients come back to the host for the chunks updated there; the rest of the
     # copies are fetches.
     d2h_bytes = min(traffic.copied, traffic.updated_on_host * traffic.itemsize)
-    h2d = micro * (traffic.copied - d2h_bytes) / cal.h2d
+    h2d = micro * (traffic.copied - d2h_bytes + FRESH_PAGE_COPIES * traffic.fresh) / cal.h2d
     d2h = micro * d2h_bytes / cal.d2h
     opt_host = traffic.updated_on_host / cal.adamw_host
     opt_device = traffic.updated_on_device / cal.adamw_device
@@ -181,6 +193,7 @@ def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[s
             updated_on_device=int(parameters * on_device),
             disk_read=row.disk_read, disk_written=row.disk_written,
             communicated=row.gathered + row.reduce_scattered,
+            fresh=row.fresh,
         )
         out[name] = forecast(work, traffic, cal, precision=plan.precision,
                              simulated=plan.simulated, grad_accum=grad_accum)
