@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Protocol
 
 from engine.chunks.state import TensorState
 from engine.config import format_size
@@ -24,38 +23,17 @@ from engine.devices.buffer_pool import HeldBytes
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace, TracePoint
+from engine.planning.data_parallel import DataParallel
 from engine.planning.layout import ChunkBytes, DiskPayloads, Layout
 from engine.planning.recording import Event
 
-__all__ = ["DataParallel", "OutOfMemory", "StepReplay"]
+__all__ = ["OutOfMemory", "StepReplay"]
 
 S = TensorState
 
 
 class OutOfMemory(Exception):
     pass
-
-
-class DataParallel(Protocol):
-    """The data-parallel side of a sharded StepReplay (engine.planning.sharded), which
-    the replay asks at each module boundary and as gradients come in."""
-
-    held_bytes: int  # gradient buffers held for a reduction
-    gathered: int
-    reduce_scattered: int
-
-    def boundary(self, needed: tuple[int, ...], offer: list[int]) -> tuple[set[int], list[int]]:
-        ...
-
-    def reducing(self, chunk: int) -> bool: ...
-
-    def materialise(self, chunk: int, protect: tuple[int, ...], *, gather: bool) -> None: ...
-
-    def gather_ahead(self, chunk: int) -> None: ...
-
-    def ready(self, chunk: int) -> None: ...
-
-    def finish(self) -> None: ...
 
 
 class StepReplay:
@@ -279,8 +257,7 @@ class StepReplay:
     # Engine hooks
 
     def _close_point(self) -> None:
-        """The interval that ends here, as its samples left it: closed once, not at every
-        sample (an interval of a long backward has hundreds of parts)."""
+        """The interval that ends here, as its samples left it (closed once, not per sample)."""
         if self.recorded.points:
             self.recorded.points[-1].close([*self.parts, (self.held, self.part_peak)])
 

@@ -2,10 +2,10 @@
 
 The counterpart of engine.chunks.sharding.ShardedChunks for engine.planning.replay's
 StepReplay: a layer over it, which the replay is built with (StepReplay's `sharding`) and
-knows only as its DataParallel side. Every rank runs the same modules on a batch of the
-same shape, so every rank's step is this one: what a boundary agreement decides (gather
-what any rank lacks; reduce-scatter the chunks whose gradients are complete everywhere) is
-what this rank alone would decide.
+knows only as its DataParallel side (engine.planning.data_parallel). Every rank runs the
+same modules on a batch of the same shape, so every rank's step is this one: what a
+boundary agreement decides (gather what any rank lacks; reduce-scatter the chunks whose
+gradients are complete everywhere) is what this rank alone would decide.
 
 - A module's chunk is gathered whole whenever it is not on the device or its copy is stale
   (its gradients went home): this rank copies its own shard in (unless the shard is
