@@ -16,7 +16,11 @@
    most promising untried candidate is tried next, and the search stops when no untried
    candidate, so corrected and given the model's uncertainty (its accuracy target for a
    kind not yet measured), can beat the best by more than `ENOUGH`, when `time_limit` is
-   reached, or when `stop()` says so (the user's key). The best is then applied, and kept.
+   reached, or when `stop()` says so (the user's key).
+5. Trials whose medians lie within the noise of their own steps of the best's (at least
+   MIN_UNCERTAINTY) cannot be told apart by one trial each: the best and the closest
+   `RUN_OFF` of them are measured again, in turn, and the median of all their settled
+   steps decides. The best is then applied, and kept.
 
 No UI here: the CLI and the app show the trials (`on_trial`) as they like.
 """
@@ -48,6 +52,7 @@ ENOUGH = 0.03  # an untried candidate must promise a gain above this to be tried
 # measured / forecast over its trials, never below MIN_UNCERTAINTY.
 UNCERTAINTY = 0.15
 MIN_UNCERTAINTY = 0.05
+RUN_OFF = 2  # trials close to the best measured again beside it, at most
 CLEARLY_SLOWER = 1.25  # a trial whose fastest settled step is this much slower stops early
 MIN_TRIAL_STEPS = 3
 
@@ -234,6 +239,14 @@ def search(
         applied = applied_now or applied
         if trial.status == MEASURED and (best is None or trial.measured < best.measured):
             best = trial
+    if best is not None and stopped_by in ("converged", "exhausted"):
+        def over() -> bool:
+            return stop() or (time_limit is not None and clock() - start >= time_limit)
+
+        ran, applied_now, best = _run_off(best, trials, trainer, trial_steps, over,
+                                          on_trial, log, applied)
+        steps += ran
+        applied = applied_now or applied
     for rest in queue:
         if rest.status == PENDING:
             rest.status, rest.reason = NOT_REACHED, stopped_by
@@ -297,6 +310,87 @@ def _promise(trial: Trial, trials: list[Trial]) -> float:
     return _corrected(trial, trials) * (1 - _uncertainty(trial, trials))
 
 
+def _close_to(best: Trial, trials: list[Trial]) -> list[Trial]:
+    """The measured trials one trial each cannot tell from `best`, closest first: a median
+    within the steps' own spread of the best's (either trial's, at least MIN_UNCERTAINTY)."""
+    def noise(trial: Trial) -> float:
+        return _spread(trial.steps)
+
+    close = [t for t in trials if t.status == MEASURED and t is not best
+             and t.measured <= best.measured * (1 + max(MIN_UNCERTAINTY, noise(best),
+                                                        noise(t)))]
+    return sorted(close, key=lambda t: t.measured)[:RUN_OFF]
+
+
+def _run_off(best: Trial, trials: list[Trial], trainer: Trainer, trial_steps: int,
+             stop: Callable[[], bool], on_trial: Callable[[Trial], None], log: list[str],
+             applied: Candidate | None) -> tuple[int, Candidate | None, Trial]:
+    """Measure `best` and the trials close to it again, the one applied now first; returns
+    (steps of the run taken, the candidate applied last, the best on all their steps)."""
+    close = _close_to(best, trials)
+    if not close:
+        return 0, None, best
+    contest = sorted([best, *close], key=lambda t: t.candidate != applied)
+    log.append("too close to tell: " + ", ".join(t.candidate.describe() for t in contest)
+               + "; measured again")
+    ran, last = 0, None
+    for trial in contest:
+        if stop():
+            break
+        try:
+            trainer.apply(trial.candidate)
+        except Refused as error:  # taken a moment ago: the run changed under it
+            log.append(f"{trial.candidate.describe()}: refused: {error}")
+            continue
+        last = trial.candidate
+        trial.status = MEASURING
+        on_trial(trial)
+        before = _taken(trial)
+        try:
+            _settled_steps(trial, trainer, len(trial.steps) + trial_steps, stop, on_trial)
+        except Failed as error:
+            ran += 1
+            trial.status, trial.reason = FAILED, str(error)
+            log.append(f"{trial.candidate.describe()}: failed: {error}")
+            on_trial(trial)
+            continue
+        finally:
+            ran += _taken(trial) - before
+        trial.status = MEASURED
+        trial.measured = statistics.median(trial.steps)
+        log.append(f"{trial.candidate.describe()}: {trial.measured:.3f} s/step over "
+                   f"{len(trial.steps)} steps")
+        on_trial(trial)
+    measured = [t for t in contest if t.status == MEASURED]
+    return ran, last, min(measured, key=lambda t: t.measured) if measured else best
+
+
+def _taken(trial: Trial) -> int:
+    """Steps of the run a trial has taken so far, the failing one aside."""
+    return len(trial.steps) + trial.skipped
+
+
+def _settled_steps(trial: Trial, trainer: Trainer, until: int, stop: Callable[[], bool],
+                   on_trial: Callable[[Trial], None],
+                   slower: Callable[[Trial], bool] = lambda trial: False) -> None:
+    """Steps of the run under the setting just applied until `trial` holds `until` settled
+    steps, `stop()` says so, or `slower(trial)`; the step after the change and any step
+    that re-traced are skipped (Trial.skipped). Raises Failed."""
+    after_change = True
+    while len(trial.steps) < until:
+        if stop():
+            break
+        result = trainer.step()
+        if after_change or result.retraced:
+            after_change = False
+            trial.skipped += 1
+            continue
+        trial.steps.append(result.seconds)
+        on_trial(trial)
+        if slower(trial):
+            break
+
+
 def _run_trial(trial: Trial, trainer: Trainer, best: Trial | None, trial_steps: int,
                stop: Callable[[], bool], on_trial: Callable[[Trial], None],
                log: list[str]) -> tuple[int, Candidate | None]:
@@ -310,34 +404,27 @@ def _run_trial(trial: Trial, trainer: Trainer, best: Trial | None, trial_steps: 
         return 0, None
     trial.status = MEASURING
     on_trial(trial)
-    ran = 0
-    after_change = True
-    while len(trial.steps) < trial_steps:
-        if stop():
-            break
-        try:
-            result = trainer.step()
-        except Failed as error:
-            trial.status, trial.reason = FAILED, str(error)
-            log.append(f"{trial.candidate.describe()}: failed: {error}")
-            on_trial(trial)
-            return ran + 1, trial.candidate
-        ran += 1
-        if after_change or result.retraced:
-            after_change = False
-            trial.skipped += 1
-            continue
-        trial.steps.append(result.seconds)
+
+    def clearly_slower(trial: Trial) -> bool:
+        return best is not None and min(trial.steps) > CLEARLY_SLOWER * best.measured
+
+    try:
+        _settled_steps(trial, trainer, trial_steps, stop, on_trial, clearly_slower)
+    except Failed as error:
+        trial.status, trial.reason = FAILED, str(error)
+        log.append(f"{trial.candidate.describe()}: failed: {error}")
         on_trial(trial)
-        if best is not None and min(trial.steps) > CLEARLY_SLOWER * best.measured:
-            trial.status = STOPPED_EARLY
-            trial.measured = statistics.median(trial.steps)
-            trial.slower = min(trial.steps) / best.measured - 1
-            trial.reason = (f"{trial.slower:.0%} slower than the best "
-                            f"after {len(trial.steps)} steps")
-            log.append(f"{trial.candidate.describe()}: {trial.reason}")
-            on_trial(trial)
-            return ran, trial.candidate
+        return _taken(trial) + 1, trial.candidate
+    ran = _taken(trial)
+    if trial.steps and clearly_slower(trial):
+        trial.status = STOPPED_EARLY
+        trial.measured = statistics.median(trial.steps)
+        trial.slower = min(trial.steps) / best.measured - 1
+        trial.reason = (f"{trial.slower:.0%} slower than the best "
+                        f"after {len(trial.steps)} steps")
+        log.append(f"{trial.candidate.describe()}: {trial.reason}")
+        on_trial(trial)
+        return ran, trial.candidate
     if len(trial.steps) < trial_steps:  # stopped before its trial was over: no median
         trial.status = NOT_REACHED
         trial.reason = f"stopped after {len(trial.steps)} of {trial_steps} steps"
