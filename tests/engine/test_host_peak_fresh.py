@@ -27,7 +27,8 @@ SHAPE = {"batch_size": 2, "seq_len": 64}
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads /proc/self/status; glibc's allocator")
 
-# Four steps, then the process's peak resident memory, for the scripts below. The engine
+
+# The scripts below end with four steps, then the process's peak resident memory. The engine
 # resets the high-water mark as each step starts (engine.step.engine), so the figure is the
 # last step's peak. The first step is traced (every chunk at its first use) and peaks lower;
 # the second, the first settled one, still peaks some tens of MB below the later steps, which
@@ -36,16 +37,21 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 # 3010, 3010, 3034, 3059, 3059 against 3013; tiny 383, 394, 399, 403, 402, 403, 403 against
 # 399; with the heap steady, the tied Llama below 2964, 3003, 3027, 3029, 3048, 3052, 3046
 # (3048-3059 up to step 16) against 3150: at the second step it sat 4.6-5.1% below its
-# forecast, at the fourth 3.2-3.8%.
-STEPS_THEN_PEAK = """
+# forecast, at the fourth 3.2-3.8%. A difference between two processes (the host budget's
+# test) is read at the second step: what the later steps add, both add.
+def steps_then_peak(steps: int) -> str:
+    """A script's end: `steps` steps, then the process's peak resident memory."""
+    return f"""
 g = torch.Generator().manual_seed(0)
-for _ in range(4):
+for _ in range({steps}):
     ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=g)
-    engine.step({"input_ids": ids, "labels": ids})
+    engine.step({{"input_ids": ids, "labels": ids}})
 for line in open("/proc/self/status"):
     if line.startswith("VmHWM"):
-        print(json.dumps({"peak_rss": int(line.split()[1]) * 1024}))
+        print(json.dumps({{"peak_rss": int(line.split()[1]) * 1024}}))
 """
+
+
 # A zoo model (argv 1) under a policy (argv 2) in a precision (argv 3), built on the meta
 # device and filled a chunk at a time, as the worker runs it.
 PEAK_RSS_SCRIPT = """
@@ -57,7 +63,7 @@ model = built.model
 engine = Engine(model, EngineConfig(policy=sys.argv[2], device_budget="6GiB",
                                     precision=sys.argv[3], simulate=True),
                 weights=built.weights)
-""" + STEPS_THEN_PEAK
+""" + steps_then_peak(4)
 
 
 def peak_of(output: str) -> int:
@@ -128,7 +134,7 @@ with torch.device("meta"):
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
 engine = Engine(model, EngineConfig(policy="cpu", device_budget="6GiB", precision="fp32",
                                     simulate=True), weights=ModelInit(model))
-""" + STEPS_THEN_PEAK
+""" + steps_then_peak(4)
 
 
 @pytest.mark.slow
@@ -163,7 +169,7 @@ engine = Engine(model, EngineConfig(policy="cpu", device_budget="1GiB", precisio
                                     simulate=True, disk_dir=scratch,
                                     host_budget=None if budget == "none" else int(budget)),
                 weights=ModelInit(model))
-""" + STEPS_THEN_PEAK
+""" + steps_then_peak(2)
 
 
 def test_a_host_budget_lowers_the_peak_resident_memory_by_what_the_plan_says(tmp_path,
