@@ -337,17 +337,20 @@ def _run_off(best: Trial, trials: list[Trial], trainer: Trainer, trial_steps: in
     for trial in contest:
         if stop():
             break
+        changed = trial.candidate != applied  # the one the run has now needs no change
         try:
-            trainer.apply(trial.candidate)
+            if changed:
+                trainer.apply(trial.candidate)
         except Refused as error:  # taken a moment ago: the run changed under it
             log.append(f"{trial.candidate.describe()}: refused: {error}")
             continue
-        last = trial.candidate
+        last = applied = trial.candidate
         trial.status = MEASURING
         on_trial(trial)
         before = _taken(trial)
         try:
-            _settled_steps(trial, trainer, len(trial.steps) + trial_steps, stop, on_trial)
+            _settled_steps(trial, trainer, len(trial.steps) + trial_steps, stop, on_trial,
+                           after_change=changed)
         except Failed as error:
             ran += 1
             trial.status, trial.reason = FAILED, str(error)
@@ -372,11 +375,12 @@ def _taken(trial: Trial) -> int:
 
 def _settled_steps(trial: Trial, trainer: Trainer, until: int, stop: Callable[[], bool],
                    on_trial: Callable[[Trial], None],
-                   slower: Callable[[Trial], bool] = lambda trial: False) -> None:
-    """Steps of the run under the setting just applied until `trial` holds `until` settled
-    steps, `stop()` says so, or `slower(trial)`; the step after the change and any step
-    that re-traced are skipped (Trial.skipped). Raises Failed."""
-    after_change = True
+                   slower: Callable[[Trial], bool] = lambda trial: False, *,
+                   after_change: bool = True) -> None:
+    """Steps of the run under `trial`'s setting until it holds `until` settled steps,
+    `stop()` says so, or `slower(trial)`; the step after a change (`after_change`: the
+    setting was just applied) and any step that re-traced are skipped (Trial.skipped).
+    Raises Failed."""
     while len(trial.steps) < until:
         if stop():
             break

@@ -282,22 +282,25 @@ def test_trials_closer_than_their_own_noise_are_measured_again_and_all_their_ste
     engine = NoisyEngine(clock, {A: a_steps, B: [1.03] * 6, D: [2.0] * 6})
     result = search([A, B, D], forecaster({A: 1.0, B: 1.02, D: 1.9}), engine, clock=clock)
     by = {t.candidate: t for t in result.trials}
-    assert engine.applied == [A, B, B, A, B]  # B applied last before the run-off: first
+    # B, the setting the run has when the search ends, is measured again first, with no
+    # change and so no step skipped; then A, then B is applied again and kept.
+    assert engine.applied == [A, B, A, B]
     assert by[A].steps == a_steps and by[B].steps == [1.03] * 6
+    assert by[A].skipped == 2 and by[B].skipped == 1
     assert by[A].measured == pytest.approx(1.085) and by[B].measured == 1.03
     assert result.best.candidate == B and engine.current == B
     assert any("too close to tell" in line for line in result.log)
     assert by[D].status == "forecast slower"  # not part of it: far from the best
-    assert result.steps == engine.steps == 4 * 4
+    assert result.steps == engine.steps == 4 + 4 + 3 + 4
 
 
 def test_the_measuring_again_stops_at_the_time_limit_and_keeps_the_best_so_far():
     clock = FakeClock()
     engine = NoisyEngine(clock, {A: [1.00, 1.08, 0.92, 1.10, 1.12, 1.09], B: [1.03] * 6})
     # The two trials take 12.18 s of the clock (the step after each change counts thrice),
-    # B's second 6.18 s more: past the limit before A's second.
+    # B's second, with no change, 3.09 s more: past the limit before A's second.
     result = search([A, B], forecaster({A: 1.0, B: 1.02}), engine, clock=clock,
-                    time_limit=18.0)
+                    time_limit=15.0)
     by = {t.candidate: t for t in result.trials}
     assert len(by[B].steps) == 6 and len(by[A].steps) == 3  # A not measured again
     assert result.best.candidate == A  # on what was measured: 1.00 against 1.03
