@@ -21,6 +21,7 @@ from tuitrain.formatting import format_seconds
 from tuitrain.settings import Settings
 from tuitrain.tune import (
     DOES_NOT_FIT,
+    MEASURED,
     MEASURING,
     PENDING,
     Candidate,
@@ -143,14 +144,22 @@ def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
             print(f"{PROG}: {event.level}: {event.message}", file=err, flush=True)
 
     metrics = MetricsWriter(run.logging.metrics) if run.logging.metrics else None
-    reported: set[int] = set()
+    reported: dict[int, int] = {}  # each trial reported: its settled steps then
     tokens = run.training.batch_size * run.training.grad_accum * run.training.seq_len
     total = len(space)
 
     def on_trial(trial: Trial) -> None:
-        if trial.status in (PENDING, MEASURING) or id(trial) in reported:
+        if trial.status in (PENDING, MEASURING):
             return
-        reported.add(id(trial))
+        if id(trial) in reported:  # measured again beside the best (tuitrain.tune)
+            if trial.status == MEASURED and len(trial.steps) > reported[id(trial)]:
+                reported[id(trial)] = len(trial.steps)
+                print(f"measured again: {trial_line(trial)}, {len(trial.steps)} steps",
+                      file=out, flush=True)
+                if metrics is not None:
+                    metrics.write({"trial": {**trial_record(trial, tokens), "again": True}})
+            return
+        reported[id(trial)] = len(trial.steps)
         print(f"trial {len(reported)}/{total}: {trial_line(trial)}", file=out, flush=True)
         if metrics is not None:
             metrics.write({"trial": trial_record(trial, tokens)})
