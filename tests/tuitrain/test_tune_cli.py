@@ -67,7 +67,9 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
     latest = [again.get(json.dumps(t["settings"]), t) for t in measured]
     best = min(latest, key=lambda t: t["measured_seconds"])
     assert tuned["settings"] == best["settings"]
-    assert tuned["settled_steps"] == best["settled_steps"] >= 3
+    assert tuned["settled_steps"] == best["settled_steps"]
+    if not best.get("again"):
+        assert best["settled_steps"] == 3
     assert set(tuned["settings"]["engine"]) >= {"policy", "margin_ratio"}
     assert out.count("\ntrial ") + out.startswith("trial ") == 28
     assert out.count("\nmeasured again: ") == len(again)
