@@ -313,12 +313,9 @@ def _promise(trial: Trial, trials: list[Trial]) -> float:
 def _close_to(best: Trial, trials: list[Trial]) -> list[Trial]:
     """The measured trials one trial each cannot tell from `best`, closest first: a median
     within the steps' own spread of the best's (either trial's, at least MIN_UNCERTAINTY)."""
-    def noise(trial: Trial) -> float:
-        return _spread(trial.steps)
-
     close = [t for t in trials if t.status == MEASURED and t is not best
-             and t.measured <= best.measured * (1 + max(MIN_UNCERTAINTY, noise(best),
-                                                        noise(t)))]
+             and t.measured <= best.measured * (1 + max(MIN_UNCERTAINTY, _spread(best.steps),
+                                                        _spread(t.steps)))]
     return sorted(close, key=lambda t: t.measured)[:RUN_OFF]
 
 
@@ -353,9 +350,7 @@ def _run_off(best: Trial, trials: list[Trial], trainer: Trainer, trial_steps: in
                            after_change=changed)
         except Failed as error:
             ran += 1
-            trial.status, trial.reason = FAILED, str(error)
-            log.append(f"{trial.candidate.describe()}: failed: {error}")
-            on_trial(trial)
+            _fail(trial, error, log, on_trial)
             continue
         finally:
             ran += _taken(trial) - before
@@ -366,6 +361,14 @@ def _run_off(best: Trial, trials: list[Trial], trainer: Trainer, trial_steps: in
         on_trial(trial)
     measured = [t for t in contest if t.status == MEASURED]
     return ran, last, min(measured, key=lambda t: t.measured) if measured else best
+
+
+def _fail(trial: Trial, error: Failed, log: list[str],
+          on_trial: Callable[[Trial], None]) -> None:
+    """Record that a step under `trial`'s setting failed, and why."""
+    trial.status, trial.reason = FAILED, str(error)
+    log.append(f"{trial.candidate.describe()}: failed: {error}")
+    on_trial(trial)
 
 
 def _taken(trial: Trial) -> int:
@@ -415,9 +418,7 @@ def _run_trial(trial: Trial, trainer: Trainer, best: Trial | None, trial_steps: 
     try:
         _settled_steps(trial, trainer, trial_steps, stop, on_trial, clearly_slower)
     except Failed as error:
-        trial.status, trial.reason = FAILED, str(error)
-        log.append(f"{trial.candidate.describe()}: failed: {error}")
-        on_trial(trial)
+        _fail(trial, error, log, on_trial)
         return _taken(trial) + 1, trial.candidate
     ran = _taken(trial)
     if trial.steps and clearly_slower(trial):
