@@ -10,19 +10,29 @@ from tuitrain.settings import Settings
 
 
 def check_model(name: str, seq_len: int) -> None:
-    """The model exists (zoo name or model folder) and takes sequences of `seq_len` tokens."""
-    from engine.models.folder_weights import weight_files
-    from engine.models.zoo import KNOWN_MODELS, BadCheckpoint, UnknownModel, model_config
+    """The model exists (zoo name or model folder) and takes sequences of `seq_len` tokens.
 
-    try:
-        config = model_config(name)
-        if name not in KNOWN_MODELS:
+    A zoo name, or a name that is neither that nor a path, is checked from the zoo's
+    tables: no torch or transformers in this process just for that. A folder's config is
+    read by transformers, which checks it whole."""
+    from engine.models.names import KNOWN_MODELS, UnknownModel, positions
+
+    if name in KNOWN_MODELS:
+        longest = positions(name)
+    elif not Path(name).expanduser().exists():
+        raise UsageError(str(UnknownModel(name)))
+    else:
+        from engine.models.folder_weights import weight_files
+        from engine.models.zoo import BadCheckpoint, model_config
+
+        try:
+            config = model_config(name)
             weight_files(Path(name).expanduser())  # safetensors there, not only pickles
-    except (UnknownModel, BadCheckpoint) as error:
-        raise UsageError(str(error)) from None
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions and seq_len > positions:
-        raise UsageError(f"seq_len {seq_len} is longer than the {positions} positions of {name}")
+        except BadCheckpoint as error:
+            raise UsageError(str(error)) from None
+        longest = getattr(config, "max_position_embeddings", None)
+    if longest and seq_len > longest:
+        raise UsageError(f"seq_len {seq_len} is longer than the {longest} positions of {name}")
 
 
 def check_lora(settings: Settings) -> None:

@@ -24,6 +24,15 @@ from transformers import (
 
 from engine.models.folder_weights import BadCheckpoint, FolderWeights
 from engine.models.initial_weights import ModelInit
+from engine.models.names import (
+    KNOWN_MODELS,
+    LLAMA_POSITIONS,
+    LLAMA_SHAPES,
+    OPT_POSITIONS,
+    OPT_SHAPES,
+    TINY_POSITIONS,
+    UnknownModel,
+)
 from engine.models.training import prepare_for_training
 from engine.models.weight_source import WeightSource, materialise
 
@@ -42,44 +51,8 @@ __all__ = [
     "model_config",
 ]
 
-# Shape of each OPT size as published (hidden, layers, heads, ffn); every size shares the
-# 50272-token GPT-2 vocabulary (padded to a multiple of 8) and 2048 learned positions.
-_OPT_SHAPES: dict[str, tuple[int, int, int, int]] = {
-    "opt-125m": (768, 12, 12, 3072),
-    "opt-350m": (1024, 24, 16, 4096),
-    "opt-1.3b": (2048, 24, 32, 8192),
-    "opt-2.7b": (2560, 32, 32, 10240),
-    "opt-6.7b": (4096, 32, 32, 16384),
-    "opt-13b": (5120, 40, 40, 20480),
-    "opt-30b": (7168, 48, 56, 28672),
-}
-
-# Llama 3.x as published: (hidden, layers, heads, key/value heads, ffn, head dim, tied
-# embeddings, RoPE scaling factor). Grouped-query attention (8 key/value heads), the 128256-
-# token vocabulary, RoPE at theta 500000 stretched from 8192 to 131072 positions by the
-# "llama3" scaling: 3.2 1B and 3B tie their head to the embedding, 3.1 8B does not.
-_LLAMA_SHAPES: dict[str, tuple[int, int, int, int, int, int, bool, float]] = {
-    "llama-1b": (2048, 16, 32, 8, 8192, 64, True, 32.0),  # Llama 3.2 1B
-    "llama-3b": (3072, 28, 24, 8, 8192, 128, True, 32.0),  # Llama 3.2 3B
-    "llama-8b": (4096, 32, 32, 8, 14336, 128, False, 8.0),  # Llama 3.1 8B
-}
-
-KNOWN_MODELS: tuple[str, ...] = ("tiny", *_OPT_SHAPES, *_LLAMA_SHAPES)
-
 # Weight files a checkpoint folder may hold: safetensors, or pickles we refuse with a reason.
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-
-
-class UnknownModel(ValueError):
-    """A model name that is neither in the zoo nor a folder on disk."""
-
-    def __init__(self, name: str) -> None:
-        known = ", ".join(KNOWN_MODELS)
-        if any(mark in name for mark in ("/", os.sep, "~")) or name.startswith("."):
-            message = f"no model folder at {name!r}; zoo models: {known}"
-        else:
-            message = f"unknown model {name!r}; known: {known}, or a local model folder"
-        super().__init__(message)
 
 
 @dataclass
@@ -93,7 +66,7 @@ class ModelInfo:
 
 
 def _llama_config(name: str) -> LlamaConfig:
-    hidden, layers, heads, kv_heads, ffn, head_dim, tied, factor = _LLAMA_SHAPES[name]
+    hidden, layers, heads, kv_heads, ffn, head_dim, tied, factor = LLAMA_SHAPES[name]
     return LlamaConfig(
         vocab_size=128256,
         hidden_size=hidden,
@@ -103,7 +76,7 @@ def _llama_config(name: str) -> LlamaConfig:
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         hidden_act="silu",
-        max_position_embeddings=131072,
+        max_position_embeddings=LLAMA_POSITIONS,
         initializer_range=0.02,
         rms_norm_eps=1e-5,
         bos_token_id=128000,
@@ -122,7 +95,7 @@ def _llama_config(name: str) -> LlamaConfig:
 
 
 def _zoo_config(name: str) -> PretrainedConfig:
-    if name in _LLAMA_SHAPES:
+    if name in LLAMA_SHAPES:
         return _llama_config(name)
     if name == "tiny":
         # Milliseconds per step on a CPU. The vocabulary holds the 8000-token BPE trained on
@@ -134,13 +107,13 @@ def _zoo_config(name: str) -> PretrainedConfig:
             num_hidden_layers=2,
             num_attention_heads=4,
             ffn_dim=256,
-            max_position_embeddings=512,
+            max_position_embeddings=TINY_POSITIONS,
             word_embed_proj_dim=64,
             dropout=0.0,
             attention_dropout=0.0,
             architectures=["OPTForCausalLM"],
         )
-    hidden, layers, heads, ffn = _OPT_SHAPES[name]
+    hidden, layers, heads, ffn = OPT_SHAPES[name]
     # opt-350m alone embeds words in 512 dims (projected in and out of the 1024-wide
     # decoder) and normalises after each block instead of before.
     small_embed = name == "opt-350m"
@@ -150,7 +123,7 @@ def _zoo_config(name: str) -> PretrainedConfig:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         ffn_dim=ffn,
-        max_position_embeddings=2048,
+        max_position_embeddings=OPT_POSITIONS,
         word_embed_proj_dim=512 if small_embed else hidden,
         do_layer_norm_before=not small_embed,
         dropout=0.1,

@@ -208,6 +208,28 @@ def test_an_unknown_model_lists_the_known_ones(capsys):
     assert all(name in line for name in KNOWN_MODELS)
 
 
+CHECKS_WITHOUT_TORCH = """
+import sys
+from tuitrain.run_checks import check_model
+from tuitrain.cli import main
+check_model("opt-1.3b", 2048)
+check_model("llama-8b", 8192)
+assert main(["run", "opt-7b", "--headless"]) == 2
+heavy = sorted({"torch", "transformers"} & set(sys.modules))
+assert not heavy, heavy
+"""
+
+
+def test_a_zoo_name_or_a_mistyped_one_is_checked_without_importing_torch(tmp_path):
+    """The run's own process checks a zoo name from the zoo's tables, before the worker
+    starts: a mistake is answered at once, and the worker alone imports the training
+    stack (seconds of CPU)."""
+    done = subprocess.run([sys.executable, "-c", CHECKS_WITHOUT_TORCH], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "unknown model 'opt-7b'" in one_error_line(done.stderr)
+
+
 def test_a_folder_that_is_not_a_model(capsys, tmp_path):
     line = refused(capsys, ["run", str(tmp_path), "--headless"])
     assert str(tmp_path) in line
