@@ -25,6 +25,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # them, not sorted by how many tests each holds (its default, which sends the files of
     # one long test last, where nothing runs beside them).
     config.option.loadscopereorder = False
+    # Every process the tests start (a fresh interpreter, the fork server and what it forks)
+    # computes on one thread, as the tests' own processes do (tests/engine/conftest.py):
+    # under `-n 2` the two workers already hold both cores, and a second thread per
+    # process only spins waiting for its share. Read by torch as each process imports it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
