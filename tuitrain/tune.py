@@ -218,11 +218,8 @@ def search(
             if _promise(trial, trials) / best.measured > 1.0 - ENOUGH:
                 stopped_by = "converged"
                 for rest in pending:
-                    slower = _corrected(rest, trials) / best.measured - 1.0
-                    rest.status, rest.slower = SLOWER, slower
-                    rest.reason = (f"forecast {slower:+.0%} against the best measured"
-                                   if slower > -ENOUGH else "forecast within "
-                                   f"{ENOUGH:.0%} of the best measured")
+                    rest.status = SLOWER
+                    _against(rest, best, trials)
                     on_trial(rest)
                 log.append(f"no untried setting can beat {best.candidate.describe()} by more "
                            f"than {ENOUGH:.0%}: done")
@@ -247,6 +244,11 @@ def search(
                                           on_trial, log, applied)
         steps += ran
         applied = applied_now or applied
+        if ran:  # the best, or its median, may have changed: so do the others' shares
+            for rest in trials:
+                if rest.status in (SLOWER, STOPPED_EARLY):
+                    _against(rest, best, trials)
+                    on_trial(rest)
     for rest in queue:
         if rest.status == PENDING:
             rest.status, rest.reason = NOT_REACHED, stopped_by
@@ -363,6 +365,19 @@ def _run_off(best: Trial, trials: list[Trial], trainer: Trainer, trial_steps: in
     return ran, last, min(measured, key=lambda t: t.measured) if measured else best
 
 
+def _against(trial: Trial, best: Trial, trials: list[Trial]) -> None:
+    """`trial.slower` and its reason against `best`: measured for a trial stopped early (its
+    fastest settled step), its forecast corrected by `trials` for one not tried."""
+    if trial.status == STOPPED_EARLY:
+        trial.slower = min(trial.steps) / best.measured - 1
+        trial.reason = f"{trial.slower:.0%} slower than the best after {len(trial.steps)} steps"
+        return
+    trial.slower = _corrected(trial, trials) / best.measured - 1.0
+    trial.reason = (f"forecast {trial.slower:+.0%} against the best measured"
+                    if trial.slower > -ENOUGH
+                    else f"forecast within {ENOUGH:.0%} of the best measured")
+
+
 def _fail(trial: Trial, error: Failed, log: list[str],
           on_trial: Callable[[Trial], None]) -> None:
     """Record that a step under `trial`'s setting failed, and why."""
@@ -424,9 +439,7 @@ def _run_trial(trial: Trial, trainer: Trainer, best: Trial | None, trial_steps: 
     if trial.steps and clearly_slower(trial):
         trial.status = STOPPED_EARLY
         trial.measured = statistics.median(trial.steps)
-        trial.slower = min(trial.steps) / best.measured - 1
-        trial.reason = (f"{trial.slower:.0%} slower than the best "
-                        f"after {len(trial.steps)} steps")
+        _against(trial, best, [])
         log.append(f"{trial.candidate.describe()}: {trial.reason}")
         on_trial(trial)
         return ran, trial.candidate

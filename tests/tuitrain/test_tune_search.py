@@ -3,6 +3,8 @@ when it stops early or altogether, and what it keeps."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from tuitrain.tune import (
@@ -291,6 +293,13 @@ def test_trials_closer_than_their_own_noise_are_measured_again_and_all_their_ste
     assert result.best.candidate == B and engine.current == B
     assert any("too close to tell" in line for line in result.log)
     assert by[D].status == "forecast slower"  # not part of it: far from the best
+    # and said against the best kept, with the model's error on all the steps measured
+    # (cpu has no trial of its own kind: the median over the others), not against A's
+    # first three steps (+91%).
+    slower = 1.9 * statistics.median([1.085 / 1.0, 1.03 / 1.02]) / 1.03 - 1
+    assert by[D].slower == pytest.approx(slower)
+    assert by[D].reason == f"forecast {slower:+.0%} against the best measured" == (
+        "forecast +93% against the best measured")
     assert result.steps == engine.steps == 4 + 4 + 3 + 4
 
 
