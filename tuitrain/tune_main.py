@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -144,25 +145,8 @@ def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
             print(f"{PROG}: {event.level}: {event.message}", file=err, flush=True)
 
     metrics = MetricsWriter(run.logging.metrics) if run.logging.metrics else None
-    reported: dict[int, int] = {}  # each trial reported: its settled steps then
     tokens = run.training.batch_size * run.training.grad_accum * run.training.seq_len
-    total = len(space)
-
-    def on_trial(trial: Trial) -> None:
-        if trial.status in (PENDING, MEASURING):
-            return
-        if id(trial) in reported:  # measured again beside the best (tuitrain.tune)
-            if trial.status == MEASURED and len(trial.steps) > reported[id(trial)]:
-                reported[id(trial)] = len(trial.steps)
-                print(f"measured again: {trial_line(trial)}, {len(trial.steps)} steps",
-                      file=out, flush=True)
-                if metrics is not None:
-                    metrics.write({"trial": {**trial_record(trial, tokens), "again": True}})
-            return
-        reported[id(trial)] = len(trial.steps)
-        print(f"trial {len(reported)}/{total}: {trial_line(trial)}", file=out, flush=True)
-        if metrics is not None:
-            metrics.write({"trial": trial_record(trial, tokens)})
+    on_trial = TrialReports(len(space), tokens, out, metrics.write if metrics else None)
 
     worker.start()
     try:
@@ -212,6 +196,40 @@ def _search(worker, run: Settings, space: list[Candidate], forecast, *, budget: 
           file=out, flush=True)
     return search(space, forecast, trainer, trial_steps=trial_steps, time_limit=time_limit,
                   on_trial=on_trial)
+
+
+class TrialReports:
+    """What `tuitrain tune` says of each candidate: a progress line on `out` and a
+    `{"trial": ...}` record once it is decided; then, for one measured again beside the
+    best, a line and a record with `"again": true` (the median of all its steps), and for
+    one whose share against the best changed when the best or its median did (the search's
+    run-off), a record with `"revised": true`, so that every candidate's last record says
+    what the search's final table says."""
+
+    def __init__(self, total: int, tokens: int, out: TextIO,
+                 write: Callable[[dict], None] | None) -> None:
+        self.total, self.tokens, self.out, self.write = total, tokens, out, write
+        self.reported: dict[int, tuple[int, str | None]] = {}  # settled steps, reason
+
+    def __call__(self, trial: Trial) -> None:
+        if trial.status in (PENDING, MEASURING):
+            return
+        then = self.reported.get(id(trial))
+        self.reported[id(trial)] = (len(trial.steps), trial.reason)
+        if then is None:
+            print(f"trial {len(self.reported)}/{self.total}: {trial_line(trial)}",
+                  file=self.out, flush=True)
+            self._record(trial)
+        elif trial.status == MEASURED and len(trial.steps) > then[0]:
+            print(f"measured again: {trial_line(trial)}, {len(trial.steps)} steps",
+                  file=self.out, flush=True)
+            self._record(trial, again=True)
+        elif trial.reason != then[1]:
+            self._record(trial, revised=True)
+
+    def _record(self, trial: Trial, **flag: bool) -> None:
+        if self.write is not None:
+            self.write({"trial": {**trial_record(trial, self.tokens), **flag}})
 
 
 def trial_record(trial: Trial, tokens: int) -> dict:

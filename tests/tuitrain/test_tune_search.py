@@ -3,6 +3,8 @@ when it stops early or altogether, and what it keeps."""
 
 from __future__ import annotations
 
+import io
+import json
 import statistics
 
 import pytest
@@ -16,6 +18,7 @@ from tuitrain.tune import (
     candidates,
     search,
 )
+from tuitrain.tune_main import TrialReports
 
 GIB = 2**30
 
@@ -301,6 +304,39 @@ def test_trials_closer_than_their_own_noise_are_measured_again_and_all_their_ste
     assert by[D].reason == f"forecast {slower:+.0%} against the best measured" == (
         "forecast +93% against the best measured")
     assert result.steps == engine.steps == 4 + 4 + 3 + 4
+
+
+def test_the_records_of_a_tune_end_with_what_its_final_table_says():
+    """`tuitrain tune`'s progress lines and --metrics records over the search above: a line
+    and a record per candidate as it is decided, a line and an `again` record for each
+    measured again, and a `revised` record (no line) for D, whose share was first said
+    against A's three quick steps (+91%) and is +93% against the best kept."""
+    clock = FakeClock()
+    engine = NoisyEngine(clock, {A: [1.00, 1.08, 0.92, 1.10, 1.12, 1.09], B: [1.03] * 6,
+                                 D: [2.0] * 6})
+    out, records = io.StringIO(), []
+    result = search([A, B, D], forecaster({A: 1.0, B: 1.02, D: 1.9}), engine, clock=clock,
+                    on_trial=TrialReports(3, 512, out, records.append))
+    lines = out.getvalue().splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "trial 1/3", "trial 2/3", "trial 3/3", "measured again", "measured again"]
+    assert "+91% against the best measured" in lines[2]
+    trials = [r["trial"] for r in records]
+    assert [(t["settings"]["engine"]["policy"], t["status"], t.get("again"), t.get("revised"))
+            for t in trials] == [
+        ("cuda", "measured", None, None), ("auto", "measured", None, None),
+        ("cpu", "forecast slower", None, None),
+        ("auto", "measured", True, None), ("cuda", "measured", True, None),
+        ("cpu", "forecast slower", None, True)]
+    last = {json.dumps(t["settings"]): t for t in trials}  # each candidate's latest record
+    by = {t.candidate: t for t in result.trials}
+    for candidate, trial in by.items():
+        record = last[json.dumps(candidate.settings())]
+        assert (record["status"], record.get("reason", ""), record.get("measured_seconds")) == (
+            trial.status, trial.reason, trial.measured)
+    assert last[json.dumps(D.settings())]["reason"] == "forecast +93% against the best measured"
+    assert last[json.dumps(B.settings())]["settled_steps"] == 6
+    assert last[json.dumps(B.settings())]["tokens_per_second"] == pytest.approx(512 / 1.03)
 
 
 def test_the_measuring_again_stops_at_the_time_limit_and_keeps_the_best_so_far():
