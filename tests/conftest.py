@@ -157,6 +157,17 @@ def unlearned(tuitrain_cache: Path) -> Iterator[None]:
         path.unlink(missing_ok=True)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The runtime and configuration folders for the whole test run, so that what runs
+    before the per-test ones below are set (module-scoped fixtures that launch runs) never
+    lists runs among the user's, nor reads what the user saved."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV_FOLDER, str(tmp_path_factory.mktemp("run")))
+        patch.setenv(CONFIG_ENV, str(tmp_path_factory.mktemp("config")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def user_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test gets an empty configuration folder of its own (TUITRAIN_CONFIG), so what

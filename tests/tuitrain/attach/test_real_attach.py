@@ -21,9 +21,11 @@ from tuitrain.tui.app import TuitrainApp
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 START_SECONDS = 240.0  # a cold start imports torch and tokenises the corpus
-# The run's length: the viewer pauses it once it has seen a step, so it needs only enough
-# steps to still be running then (a few tenths of a second late), and ends soon after.
-STEPS = 40
+# The run's length: the viewer pauses it once it has seen a step, and detaches as soon as
+# it has seen the run resume, so the run must still be going at each of those moments.
+# Steps of `tiny` take about 10 ms here: the rest of the run outlasts the app's answer
+# (a poll every few hundredths of a second) many times over, and ends seconds later.
+STEPS = 300
 
 
 @pytest.fixture
@@ -75,9 +77,10 @@ async def test_a_real_run_is_steered_from_an_attached_app_and_finishes_after_q(
                 assert time.monotonic() < deadline, "the change was never applied"
                 await pilot.pause(0.05)
             await pilot.press("space")  # resumed
-            while app.run_state != "running":
+            while app.run_state == "paused":
                 assert time.monotonic() < deadline, "the run never resumed"
                 await pilot.pause(0.05)
+            assert app.run_state == "running", "the run ended before q: make it longer"
             await pilot.press("q")
         assert app.return_code == 0
         run.join(START_SECONDS)  # it trains on, undisturbed, to its last step
