@@ -54,7 +54,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 2  # bump when what is measured changes: older files are measured again
+FORMAT = 3  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -256,23 +256,26 @@ class _Clock:
         self.deadline = time.perf_counter() + limit
         self.timer = timer
 
-    def rate(self, work: float, run: Callable[[], None], sync: Callable[[], None]) -> float:
-        """`work` per second of `run`'s fastest run of as many as the share allows (one
-        warm-up excluded; three unless the whole limit is spent). The fastest: what the
-        machine does when nothing else takes its cores, which a busy moment during the
-        measurement must not change for every later forecast."""
+    def rate(self, work: float, run: Callable[[], None], sync: Callable[[], None], *,
+             typical: bool = False, runs: int = 3, shares: float = 1.0) -> float:
+        """`work` per second of `run`'s fastest run of as many as `shares` shares allow
+        (one warm-up excluded; `runs` unless the whole limit is spent). The fastest: what
+        the machine does when nothing else takes its cores, which a busy moment during the
+        measurement must not change for every later forecast. `typical`: the median run
+        instead, what a step of many such runs takes (the median of its steps is what a
+        run's step time is judged by)."""
         run()
         sync()
         times: list[float] = []
         start = time.perf_counter()
         while not times or (
-                (len(times) < 3 or time.perf_counter() - start < self.share)
+                (len(times) < runs or time.perf_counter() - start < self.share * shares)
                 and len(times) < 50 and time.perf_counter() < self.deadline):
             t0 = self.timer()
             run()
             sync()
             times.append(self.timer() - t0)
-        return work / max(min(times), 1e-9)
+        return work / max(statistics.median(times) if typical else min(times), 1e-9)
 
 
 def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
@@ -297,7 +300,9 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     precisions = list(DTYPES) if cuda else ["fp32", "bf16"]
     # The engine's steps (_op_overhead) take what is left of the limit: building `tiny`
     # and its first steps take a few seconds on a busy machine.
-    clock = _Clock(left * KERNELS_SHARE, len(widths) * len(precisions) + 10,
+    # A share for each matmul, the elementwise rate, each copy and each AdamW; the
+    # reference decoder REFERENCE_SHARES.
+    clock = _Clock(left * KERNELS_SHARE, len(widths) * len(precisions) + 5 + REFERENCE_SHARES,
                    time.perf_counter if cuda else time.thread_time)
     tokens = max(16, int(TOKENS * scale))
 
@@ -397,12 +402,18 @@ def _disk(scale: float) -> tuple[float, float]:
 # The decoder the compute factor is measured on: opt-125m's layers, two of them, at a
 # batch of 2 x 128 with a small vocabulary (so that its head does not dominate).
 REFERENCE = {"model": "opt-125m", "layers": 2, "vocab": 8192, "batch": 2, "seq_len": 128}
+# Its median run of at least REFERENCE_RUNS: one run moves by a quarter from one moment to
+# the next here, and the fastest of a few is the luckiest, not what a step takes.
+REFERENCE_RUNS = 5
+REFERENCE_SHARES = 4
 
 
 def _compute_factor(cal: Calibration, clock: _Clock, where: torch.device,
                     sync: Callable[[], None], scale: float) -> float:
-    """A real decoder's forward and backward (plain PyTorch, no engine) over the time the
-    calibration's rates forecast for its FLOPs and bytes (engine.planning.flops)."""
+    """A real decoder's forward and backward (plain PyTorch, no engine), its median run,
+    over the time the calibration's rates forecast for its FLOPs and bytes
+    (engine.planning.flops). The rates are each kernel's fastest and this is a median, so
+    the factor also carries how far a typical step of many kernels falls behind their best."""
     from transformers import AutoModelForCausalLM
 
     from engine.models.zoo import model_config
@@ -420,7 +431,8 @@ def _compute_factor(cal: Calibration, clock: _Clock, where: torch.device,
             model(input_ids=ids, labels=ids).loss.backward()
             model.zero_grad(set_to_none=True)
 
-        measured = 1.0 / clock.rate(1.0, run, sync)
+        measured = 1.0 / clock.rate(1.0, run, sync, typical=True, runs=REFERENCE_RUNS,
+                                    shares=REFERENCE_SHARES)
     work = step_work(config, torch.float32, batch_size=batch, seq_len=seq, checkpointing=False)
     forecast = ((work.forward_flops + work.backward_flops) / cal.matmul_rate("fp32", work.hidden)
                 + (work.forward_bytes + work.backward_bytes) / cal.elementwise)

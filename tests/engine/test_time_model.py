@@ -281,6 +281,22 @@ def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
 
 
+def test_a_kernel_is_timed_at_its_best_and_the_reference_decoder_at_its_median():
+    durations = iter([9.0, 1.0, 5.0, 2.0, 4.0, 3.0, 8.0])  # the first run warms up
+    now = [0.0]
+
+    def run():
+        now[0] += next(durations)
+
+    # A minute's limit shared so finely that each measurement's share is spent at once.
+    clock = calibration_module._Clock(60.0, 10**9, timer=lambda: now[0])
+    assert clock.rate(10.0, run, lambda: None) == pytest.approx(10.0 / 1.0)  # 1, 5, 2
+    clock = calibration_module._Clock(60.0, 10**9, timer=lambda: now[0])
+    durations = iter([9.0, 1.0, 5.0, 2.0, 4.0, 3.0, 8.0])
+    # At least five runs whatever the share: 1, 5, 2, 4, 3, whose median is 3.
+    assert clock.rate(6.0, run, lambda: None, typical=True, runs=5) == pytest.approx(2.0)
+
+
 def test_a_models_width_between_measured_ones_interpolates():
     cal = fixed_calibration()
     cal.matmul["fp32"] = {256: 1.0, 1024: 4.0}
