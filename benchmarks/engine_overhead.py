@@ -120,10 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     payload = sum(p.numel() * 4 for p in base.parameters())
 
     # The working set needs one traced step; a throwaway engine measures it.
-    probe = Engine(copy.deepcopy(base), EngineConfig(policy="cpu", device_budget="64GiB"))
-    probe.step(batches[0])
-    working_set = probe.trace.working_set
-    del probe
+    with Engine(copy.deepcopy(base), EngineConfig(policy="cpu", device_budget="64GiB")) as probe:
+        probe.step(batches[0])
+        working_set = probe.trace.working_set
 
     # On a GPU the baseline trains there too, the whole model resident.
     device = "cuda" if torch.cuda.is_available() else "cpu"
