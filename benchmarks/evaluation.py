@@ -20,6 +20,7 @@ import time
 import torch
 
 from engine import Engine, EngineConfig, format_size
+from engine.models.training import prepare_for_training
 from engine.models.zoo import build_model
 
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model, args.rounds, args.batches, seq_len = "tiny", 1, 2, 32
     torch.set_num_threads(args.threads)
     base = build_model(args.model, seed=0)
+    prepare_for_training(base)  # no generation cache in any system, as the engine runs it
     vocab = base.config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -45,10 +47,9 @@ def main(argv: list[str] | None = None) -> None:
 
     train, held_out = batch(), [batch() for _ in range(args.batches)]
     payload = sum(p.numel() * 4 for p in base.parameters())
-    probe = Engine(copy.deepcopy(base), EngineConfig(policy="cpu", device_budget="64GiB"))
-    probe.step(train)
-    working_set = probe.trace.working_set
-    probe.close()
+    with Engine(copy.deepcopy(base), EngineConfig(policy="cpu", device_budget="64GiB")) as probe:
+        probe.step(train)
+        working_set = probe.trace.working_set
     budgets = {"cuda": 64 * 2**30, "auto": 64 * 2**30, "cpu": 64 * 2**30,
                "auto-tight": working_set + payload // 4}
     engines = {}

@@ -10,7 +10,8 @@ that the machine's load hits every mode alike.
 
 Modes: `glibc` (glibc's own heap, no kept buffers: a run before the pool, where memory was
 not tight), `steady` (the heap steady, no kept buffers: a tight run then), `steady+pool`
-(every run now), `glibc+pool`. --model is a zoo name or a model folder (its config is built
+(every run now), `glibc+pool`, `kept+pool` (glibc maps nothing and keeps what is freed:
+engine.devices.host_memory.kept_heap). --model is a zoo name or a model folder (its config is built
 as a model of its own, so weights need not be there). Batch 2, fp32, simulated device, 1
 thread. Process CPU seconds (not wall time: a neighbour's load does not stretch them),
 medians of the steps after the first two; the plan's host peak above for comparison.
@@ -29,11 +30,13 @@ import json, resource, statistics, sys, time
 import torch
 torch.set_num_threads(1)
 from engine import Engine, EngineConfig
-from engine.devices.host_memory import steady_heap
+from engine.devices.host_memory import kept_heap, steady_heap
 from engine.models.zoo import KNOWN_MODELS, build_model
 name, mode, policy, budget, steps, seq = sys.argv[1:7]
 if mode.startswith("steady"):
     assert steady_heap()
+if mode.startswith("kept"):
+    assert kept_heap()
 if name in KNOWN_MODELS:
     model = build_model(name, seed=0)
 else:
@@ -68,7 +71,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["glibc", "steady", "steady+pool"],
-                    choices=["glibc", "steady", "steady+pool", "glibc+pool"])
+                    choices=["glibc", "steady", "steady+pool", "glibc+pool", "kept+pool"])
     args = ap.parse_args()
 
     from engine import format_size

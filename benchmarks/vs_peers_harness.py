@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from engine.models.training import prepare_for_training
 from engine.models.zoo import build_model
 
 # Same optimizer for every system: torch.optim.AdamW's defaults, a constant learning rate
@@ -87,8 +88,12 @@ def fused_adamw(params) -> torch.optim.AdamW:
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
-    """The benchmark model in fp32; each system casts or wraps it as it would in practice."""
-    return build_model(args.model, seed=args.seed)
+    """The benchmark model in fp32; each system casts or wraps it as it would in practice.
+    Without its generation cache, as the engine runs it (prepare_for_training): every
+    system then runs the same forward."""
+    model = build_model(args.model, seed=args.seed)
+    prepare_for_training(model)
+    return model
 
 
 def batches(args: argparse.Namespace, vocab_size: int) -> list[Batch]:

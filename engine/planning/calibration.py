@@ -12,9 +12,9 @@ scratch folder; and the engine's own cost per module interval (hooks, chunk stat
 few steps of the `tiny` model.
 
 The figures are cached under the user cache folder, one file per machine fingerprint: the
-CPU model and cores, the torch version and the GPU's name, driver and memory
-(engine.planning.machine). A different machine, or a new torch, measures again; so does a
-quiet machine whose figures were measured while its cores were busy.
+CPU model, vector instructions and cores, the torch version and the GPU's name, driver and
+memory (engine.planning.machine). A different machine, or a new torch, measures again; so
+does a quiet machine whose figures were measured while its cores were busy.
 
 Runs teach it: beside the figures, a correction (measured / forecast step time, learned from
 the steps a tune measured: `learn`) that every later forecast on this machine is multiplied
@@ -54,7 +54,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 3  # bump when what is measured changes: older files are measured again
+FORMAT = 4  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -65,7 +65,11 @@ WIDTHS = (256, 768, 2048)
 CUDA_WIDTHS = (768, 2048, 4096)
 TOKENS = 1024
 COPY_BYTES = 64 * 2**20
-ADAMW_ELEMENTS = 4 * 2**20
+# AdamW reads and writes four tensors of this many fp32 elements (256 MiB in all): a chunk's
+# update runs from memory, not from a CPU's last-level cache. At 4M elements (64 MiB) this
+# machine's probe gave 2.4-4.4 G elements/s where the engine's update of opt-125m's chunks
+# ran at 1.6 G/s.
+ADAMW_ELEMENTS = 16 * 2**20
 ELEMENTWISE_ELEMENTS = 4 * 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The correction is the median of the last runs' measured / uncorrected forecast, so that a
@@ -416,6 +420,7 @@ def _compute_factor(cal: Calibration, clock: _Clock, where: torch.device,
     the factor also carries how far a typical step of many kernels falls behind their best."""
     from transformers import AutoModelForCausalLM
 
+    from engine.models.training import prepare_for_training
     from engine.models.zoo import model_config
     from engine.planning.flops import step_work
 
@@ -425,6 +430,7 @@ def _compute_factor(cal: Calibration, clock: _Clock, where: torch.device,
     batch, seq = REFERENCE["batch"], max(8, int(REFERENCE["seq_len"] * scale))
     with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
         model = AutoModelForCausalLM.from_config(config).to(where).train()
+        prepare_for_training(model)  # the forward the engine runs: no generation cache
         ids = torch.zeros(batch, seq, dtype=torch.long, device=where)
 
         def run() -> None:

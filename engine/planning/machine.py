@@ -1,5 +1,11 @@
 """What a calibration depends on and what disturbs it: the machine's fingerprint (the CPU
-model and cores, the torch version, the GPU) and how busy its cores are.
+model, the vector instructions torch's kernels use on it, the cores, the torch version, the
+GPU) and how busy its cores are.
+
+The vector instructions are in it because a CPU's model name does not tell them: a cloud
+machine named "AMD EPYC" was measured here with AVX2 and no bf16 instructions one day
+(bf16 matmuls about 13x slower than fp32) and with AVX-512 and bf16 ones another (bf16
+twice as fast as fp32), under the same name and core count.
 
 A calibration times kernels on the CPU's cores; other processes taking those cores slow
 every figure down (one taken at a load of 11-22 on this project's 2-core machine forecast
@@ -49,9 +55,20 @@ def _gpu() -> str:
     return f"{props.name}, {driver}, {props.total_memory // 2**20} MiB"
 
 
+def _cpu_capability() -> str:
+    """The widest vector instructions torch's CPU kernels use here ("AVX2", "AVX512",
+    "DEFAULT", ...), or "" where this torch does not say."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return ""
+
+
 def fingerprint() -> tuple[str, str]:
     """(a short hash, the same in words) of what a calibration depends on."""
-    words = (f"{_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+    capability = _cpu_capability()
+    words = (f"{_cpu_model()}{f' ({capability})' if capability else ''}, "
+             f"{os.cpu_count()} cores; torch {torch.__version__}; "
              f"{_gpu() or 'no GPU (simulated device)'}")
     return hashlib.sha256(words.encode()).hexdigest()[:16], words
 

@@ -268,6 +268,15 @@ def test_the_fingerprint_names_the_cpu_torch_and_gpu():
     key, words = fingerprint()
     assert len(key) == 16 and f"{torch.__version__}" in words and "cores" in words
     assert "no GPU (simulated device)" in words  # tests run on the simulated device
+    # The CPU's vector instructions: one model name covers machines with and without bf16.
+    assert f"({torch.backends.cpu.get_cpu_capability()})" in words
+
+
+def test_a_cpu_with_other_vector_instructions_is_another_machine(monkeypatch):
+    key, _ = fingerprint()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "OTHER")
+    other, words = fingerprint()
+    assert other != key and "(OTHER)" in words
 
 
 def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
