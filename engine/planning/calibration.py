@@ -54,7 +54,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 4  # bump when what is measured changes: older files are measured again
+FORMAT = 5  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -262,12 +262,18 @@ class _Clock:
 
     def rate(self, work: float, run: Callable[[], None], sync: Callable[[], None], *,
              typical: bool = False, runs: int = 3, shares: float = 1.0) -> float:
-        """`work` per second of `run`'s fastest run of as many as `shares` shares allow
-        (one warm-up excluded; `runs` unless the whole limit is spent). The fastest: what
-        the machine does when nothing else takes its cores, which a busy moment during the
+        """`work` per second of `run`'s fastest run of `times`. The fastest: what the
+        machine does when nothing else takes its cores, which a busy moment during the
         measurement must not change for every later forecast. `typical`: the median run
         instead, what a step of many such runs takes (the median of its steps is what a
         run's step time is judged by)."""
+        times = self.times(run, sync, runs=runs, shares=shares)
+        return work / max(statistics.median(times) if typical else min(times), 1e-9)
+
+    def times(self, run: Callable[[], None], sync: Callable[[], None], *, runs: int = 3,
+              shares: float = 1.0) -> list[float]:
+        """The seconds of `run`'s runs, as many as `shares` shares allow (one warm-up
+        excluded; at least `runs` unless the whole limit is spent)."""
         run()
         sync()
         times: list[float] = []
@@ -279,7 +285,7 @@ class _Clock:
             run()
             sync()
             times.append(self.timer() - t0)
-        return work / max(statistics.median(times) if typical else min(times), 1e-9)
+        return times
 
 
 def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
@@ -309,6 +315,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     clock = _Clock(left * KERNELS_SHARE, len(widths) * len(precisions) + 5 + REFERENCE_SHARES,
                    time.perf_counter if cuda else time.thread_time)
     tokens = max(16, int(TOKENS * scale))
+    reference = _Reference(where, sync, scale)
+    reference.time(clock)  # its first window: before the kernels
 
     matmul: dict[str, dict[int, float]] = {}
     for name in precisions:
@@ -353,7 +361,9 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         adamw_host=adamw_host, adamw_device=adamw_device,
         disk_read=disk_read, disk_write=disk_write, op_overhead=0.0,
     )
-    cal.compute_factor = _compute_factor(cal, clock, where, sync, scale)
+    reference.time(clock)  # its second window, after the kernels, the copies and the disk
+    cal.compute_factor = reference.factor(cal)
+    del reference
     cal.op_overhead = _op_overhead(cal, model, simulate,
                                    started + limit - time.perf_counter())
     cal.seconds = time.perf_counter() - started
@@ -406,43 +416,59 @@ def _disk(scale: float) -> tuple[float, float]:
 # The decoder the compute factor is measured on: opt-125m's layers, two of them, at a
 # batch of 2 x 128 with a small vocabulary (so that its head does not dominate).
 REFERENCE = {"model": "opt-125m", "layers": 2, "vocab": 8192, "batch": 2, "seq_len": 128}
-# Its median run of at least REFERENCE_RUNS: one run moves by a quarter from one moment to
-# the next here, and the fastest of a few is the luckiest, not what a step takes.
-REFERENCE_RUNS = 5
+# Its median run, of at least REFERENCE_RUNS in each of two windows that take
+# REFERENCE_SHARES between them: one run moves by a quarter from one moment to the next
+# here, and the fastest of a few is the luckiest, not what a step takes.
+REFERENCE_RUNS = 3
 REFERENCE_SHARES = 4
 
 
-def _compute_factor(cal: Calibration, clock: _Clock, where: torch.device,
-                    sync: Callable[[], None], scale: float) -> float:
-    """A real decoder's forward and backward (plain PyTorch, no engine), its median run,
-    over the time the calibration's rates forecast for its FLOPs and bytes
-    (engine.planning.flops). The rates are each kernel's fastest and this is a median, so
-    the factor also carries how far a typical step of many kernels falls behind their best."""
-    from transformers import AutoModelForCausalLM
+class _Reference:
+    """A real decoder's forward and backward (REFERENCE; plain PyTorch, no engine, no
+    generation cache, as the engine runs a model), timed in two windows, one before the
+    kernels and one after them: on a shared machine a slow spell lasts seconds (the same
+    decoder ran 220 ms, then 370 ms, then 260 ms a run here, each for several seconds), so
+    that one spell is one window of two. `factor`: the median run of both over the time
+    the calibration's rates forecast for its FLOPs and bytes (engine.planning.flops). The
+    rates are each kernel's fastest and this is a median, so the factor also carries how
+    far a typical step of many kernels falls behind their best."""
 
-    from engine.models.training import prepare_for_training
-    from engine.models.zoo import model_config
-    from engine.planning.flops import step_work
+    def __init__(self, where: torch.device, sync: Callable[[], None], scale: float) -> None:
+        from transformers import AutoModelForCausalLM
 
-    config = model_config("tiny" if scale < 1.0 else REFERENCE["model"])
-    config.num_hidden_layers = REFERENCE["layers"]
-    config.vocab_size = min(config.vocab_size, REFERENCE["vocab"])
-    batch, seq = REFERENCE["batch"], max(8, int(REFERENCE["seq_len"] * scale))
-    with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
-        model = AutoModelForCausalLM.from_config(config).to(where).train()
-        prepare_for_training(model)  # the forward the engine runs: no generation cache
-        ids = torch.zeros(batch, seq, dtype=torch.long, device=where)
+        from engine.models.training import prepare_for_training
+        from engine.models.zoo import model_config
 
-        def run() -> None:
-            model(input_ids=ids, labels=ids).loss.backward()
-            model.zero_grad(set_to_none=True)
+        config = model_config("tiny" if scale < 1.0 else REFERENCE["model"])
+        config.num_hidden_layers = REFERENCE["layers"]
+        config.vocab_size = min(config.vocab_size, REFERENCE["vocab"])
+        self.config, self.sync = config, sync
+        self.batch, self.seq = REFERENCE["batch"], max(8, int(REFERENCE["seq_len"] * scale))
+        with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
+            self.model = AutoModelForCausalLM.from_config(config).to(where).train()
+        prepare_for_training(self.model)
+        self.ids = torch.zeros(self.batch, self.seq, dtype=torch.long, device=where)
+        self.runs: list[float] = []
 
-        measured = 1.0 / clock.rate(1.0, run, sync, typical=True, runs=REFERENCE_RUNS,
-                                    shares=REFERENCE_SHARES)
-    work = step_work(config, torch.float32, batch_size=batch, seq_len=seq, checkpointing=False)
-    forecast = ((work.forward_flops + work.backward_flops) / cal.matmul_rate("fp32", work.hidden)
-                + (work.forward_bytes + work.backward_bytes) / cal.elementwise)
-    return measured / forecast if forecast > 0 else 1.0
+    def _run(self) -> None:
+        self.model(input_ids=self.ids, labels=self.ids).loss.backward()
+        self.model.zero_grad(set_to_none=True)
+
+    def time(self, clock: _Clock) -> None:
+        """One window: half of REFERENCE_SHARES of `clock`'s time."""
+        with torch.random.fork_rng(devices=[]):  # its dropout draws none of the run's
+            self.runs += clock.times(self._run, self.sync, runs=REFERENCE_RUNS,
+                                     shares=REFERENCE_SHARES / 2)
+
+    def factor(self, cal: Calibration) -> float:
+        from engine.planning.flops import step_work
+
+        work = step_work(self.config, torch.float32, batch_size=self.batch, seq_len=self.seq,
+                         checkpointing=False)
+        forecast = ((work.forward_flops + work.backward_flops)
+                    / cal.matmul_rate("fp32", work.hidden)
+                    + (work.forward_bytes + work.backward_bytes) / cal.elementwise)
+        return statistics.median(self.runs) / forecast if forecast > 0 else 1.0
 
 
 def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None,

@@ -306,6 +306,24 @@ def test_a_kernel_is_timed_at_its_best_and_the_reference_decoder_at_its_median()
     assert clock.rate(6.0, run, lambda: None, typical=True, runs=5) == pytest.approx(2.0)
 
 
+def test_the_reference_decoder_is_timed_in_two_windows_and_judged_by_their_median(
+        monkeypatch):
+    """A slow spell that fills one window is one window of two: the factor is the median
+    run of both (each window's first run warms up)."""
+    durations = iter([9.0, 4.0, 4.0, 4.0, 9.0, 1.0, 1.0, 2.0])
+    now = [0.0]
+    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
+    monkeypatch.setattr(reference, "_run", lambda: now.__setitem__(0, now[0] + next(durations)))
+    clock = calibration_module._Clock(60.0, 10**9, timer=lambda: now[0])
+    reference.time(clock)  # a slow spell: 4, 4, 4
+    reference.time(clock)  # then 1, 1, 2
+    assert reference.runs == [4.0, 4.0, 4.0, 1.0, 1.0, 2.0]
+    cal = fixed_calibration()
+    factor = reference.factor(cal)
+    reference.runs = [1.0]  # one second's run: the factor is one over the forecast
+    assert factor == pytest.approx(3.0 * reference.factor(cal))  # median of the six: 3
+
+
 def test_a_models_width_between_measured_ones_interpolates():
     cal = fixed_calibration()
     cal.matmul["fp32"] = {256: 1.0, 1024: 4.0}
