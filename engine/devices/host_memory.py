@@ -71,7 +71,9 @@ def kept_heap() -> bool:
     fresh page. On a virtual machine whose freed pages go back to the host (a balloon's free
     page reporting), a fresh page can wait for the host: measured on this project's machine,
     800 MiB touched afresh took 0.35 s to 8 s from one minute to the next, and plain
-    PyTorch's opt-125m step 3.0 s with a kept heap against 5.7-7.7 s with glibc's own. A
+    PyTorch's opt-125m step, between engines' steps in one process
+    (benchmarks/engine_overhead.py), 3.0 s with a kept heap against 5.7-7.7 s with glibc's
+    own. A
     kept heap takes that wait out of every system compared alike. For the rest of the
     process; False where the C library has no mallopt."""
     libc = _libc()
