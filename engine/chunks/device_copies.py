@@ -98,7 +98,7 @@ class DeviceCopies(ChunkTiers):
             return
         opening = 0
         if phase == "backward":
-            opening = sum(c.nbytes for i in trace.points[pos].chunks
+            opening = sum(c.nbytes for i in trace.points[pos].grad_chunks
                           if (c := self.chunks[i]).grad is None and not c.resident
                           and c.grads_pending > 0)
         forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening)
@@ -201,7 +201,7 @@ class DeviceCopies(ChunkTiers):
             return []
         opening = 0
         if phase == "backward":
-            opening = sum(c.nbytes for i in trace.points[pos].chunks
+            opening = sum(c.nbytes for i in trace.points[pos].grad_chunks
                           if (c := self.chunks[i]).grad is None and c.grads_pending > 0)
         forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening)
         coming = sum(c.nbytes for c in needed if not c.on_device)

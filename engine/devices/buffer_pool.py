@@ -1,12 +1,13 @@
 """BufferPool: the simulated device's chunk buffers, kept for the next use of their size.
 
 A chunk's copy on the device, and its gradient buffer in backward, come and go at every use:
-under policy cpu every chunk comes in for forward and again for backward, and every
-gradient buffer opens and closes once a step. On a GPU the caching allocator keeps the
-freed blocks for the next tensor of their size. On the simulated device they are host
-memory, and with glibc's mmap threshold fixed (engine.devices.host_memory.steady_heap)
-each one is mapped and unmapped: a fresh page for every page of it, every time. Measured on
-opt-125m, that was most of the 8-13% of CPU time per step a steady heap cost.
+under policy cpu every chunk comes in for forward and again for a backward that reads its
+weights, and every gradient buffer opens and closes once a step. On a GPU the caching
+allocator keeps the freed blocks for the next tensor of their size. On the simulated
+device they are host memory, and with glibc's mmap threshold fixed
+(engine.devices.host_memory.steady_heap) each one is mapped and unmapped: a fresh page for
+every page of it, every time. Measured on opt-125m, that was most of the 8-13% of CPU time
+per step a steady heap cost.
 
 So the simulated device keeps what a released copy or gradient buffer held, by size (the
 chunks of a model have few distinct sizes), and hands it to the next one of that size

@@ -29,6 +29,14 @@ class TracePoint:
     non_model_peak: int = 0  # peak non-model bytes from this point to the next
     working_set: int = 0  # peak of pinned chunks + gradient buffers + non-model, same span
     rest: tuple[int, ...] = ()  # rest[k - 1]: the non-model peak from the k-th gradient on
+    # The chunks whose gradients may arrive in this interval, where they are not `chunks`:
+    # a backward that reads none of its module's parameters fetches nothing, yet its
+    # gradients open buffers (engine.step.backward_reads).
+    grads_to: tuple[int, ...] | None = None
+
+    @property
+    def grad_chunks(self) -> tuple[int, ...]:
+        return self.chunks if self.grads_to is None else self.grads_to
 
     def close(self, parts: list[tuple[int, int]]) -> None:
         """The interval's parts, split at each gradient arrival, as (most chunk bytes held,

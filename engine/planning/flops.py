@@ -142,8 +142,9 @@ def _count(config: PretrainedConfig, dtype: torch.dtype, batch_size: int, seq_le
     finally:
         for h in handles:
             h.remove()
-    # Every module fetched in forward is fetched again in backward; a recomputed one a
-    # third time (its pre-hook fires again in backward).
+    # Every module's backward is an interval of its own too (fetched again, or only
+    # receiving gradients: engine.step.backward_reads); a recomputed one's forward a third
+    # (its pre-hook fires again in backward).
     return counter.flops, counter.bytes, forward_points + fired[0], counter.ops, trainable
 
 

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from engine.models.lora import Lora, apply_lora
 from engine.models.training import prepare_for_training
 from engine.models.zoo import BadCheckpoint
+from engine.step.backward_reads import BackwardReads
 from engine.step.hooks import hook_gradients, install, wrap_outputs
 from engine.step.non_model import LiveBytes
 from engine.step.tied_uses import TiedUses
@@ -31,6 +32,9 @@ __all__ = ["Event", "record_step"]
 #
 # A recording is a flat list of events, in the order the engine would see them:
 #   ("point", module name, phase)  a module's chunks are fetched (engine._point)
+#   ("point", module name, "backward", fetch)  a module's backward begins; `fetch`: its
+#                                  chunks are fetched (False: it reads none of its
+#                                  parameters, engine.step.backward_reads)
 #   ("post", module name)          a module's forward is done (its parameters leave COMPUTE)
 #   ("done", module name)          a module with frozen parameters has computed its inputs'
 #                                  gradients (its frozen parameters leave COMPUTE)
@@ -138,14 +142,15 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
         events.append(("point", names[modules[key]], "forward"))
         if not in_backward:
             tied.enter(modules[key])
+            reads.enter(key)
 
     def post_forward(key: int, output: object) -> object:
         tied.leave(modules[key])
+        reads.leave(key, modules[key].parameters(recurse=False))
         events.append(("post", names[modules[key]]))
         if torch.is_grad_enabled():
-            return wrap_outputs(
-                output, lambda: events.append(("point", names[modules[key]], "backward"))
-            )
+            return wrap_outputs(output, lambda: events.append(
+                ("point", names[modules[key]], "backward", reads.reads(key))))
         return output
 
     def after_backward(key: int) -> None:
@@ -160,6 +165,7 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
         alias.grad = None
 
     tied = TiedUses(model, on_use_grad)
+    reads = BackwardReads()
     handles, _ = install(model, pre_forward=pre_forward, post_forward=post_forward,
                          after_backward=after_backward)
     grad_hooks: dict[int, object] = {}
@@ -168,7 +174,7 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
     try:
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
         with rec:
-            with _CpuAttention():
+            with _CpuAttention(), reads.watching():
                 loss = model(input_ids=ids, labels=ids).loss
             events.append(("backward",))
             in_backward = True

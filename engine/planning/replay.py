@@ -261,11 +261,12 @@ class StepReplay:
         if self.recorded.points:
             self.recorded.points[-1].close([*self.parts, (self.held, self.part_peak)])
 
-    def point(self, module: str, phase: str) -> None:
+    def point(self, module: str, phase: str, fetch: bool = True) -> None:
         self._close_point()
         self.pos += 1
-        chunks = self.lay.module_chunks[module]
-        self.recorded.points.append(TracePoint(chunks, phase))
+        chunks = self.lay.module_chunks[module] if fetch else ()
+        self.recorded.points.append(TracePoint(
+            chunks, phase, grads_to=None if fetch else self.lay.module_chunks[module]))
         self.pinned = sum(self.nbytes[c] for c in self.busy.union(chunks))
         self.held = self.part_peak = 0
         self.parts, self.arrived = [], 0
@@ -286,7 +287,7 @@ class StepReplay:
                 self._materialise(chunk, chunks)
             self._prefetch("backward" if self.in_backward else phase)
             self._read_ahead()
-        for param in self.lay.module_params[module]:
+        for param in self.lay.module_params[module] if fetch else ():
             if (phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD
                     or param in self.partial):
                 self._set(param, S.COMPUTE)
@@ -298,7 +299,7 @@ class StepReplay:
             return
         opening = 0
         if phase == "backward":
-            opening = sum(self.nbytes[c] for c in trace.points[pos].chunks
+            opening = sum(self.nbytes[c] for c in trace.points[pos].grad_chunks
                           if c not in self.grads and c not in self.resident and self.pending[c])
         forecast = rules.prefetch_forecast(trace, pos, self.nm, opening)
         chosen = rules.prefetches(
@@ -322,7 +323,7 @@ class StepReplay:
             return []
         opening = 0
         if phase == "backward":
-            opening = sum(self.nbytes[c] for c in trace.points[pos].chunks
+            opening = sum(self.nbytes[c] for c in trace.points[pos].grad_chunks
                           if c not in self.grads and self.pending[c])
         forecast = rules.prefetch_forecast(trace, pos, self.nm, opening)
         coming = sum(self.nbytes[c] for c in chunks if c not in self.on_device)
@@ -417,12 +418,17 @@ class StepReplay:
             self.open_grads(chunk, (chunk,))
         if not last:
             self.partial.add(param)
-            self._set(param, S.HOLD_AFTER_BWD)
+            self._taken(param)
             return
         self._complete(param, chunk)
 
+    def _taken(self, param: str) -> None:
+        """GradientArrivals: a parameter on the device whose gradient is taken."""
+        if self.state.get(param) in (S.COMPUTE, S.HOLD_AFTER_FWD):
+            self._set(param, S.HOLD_AFTER_BWD)
+
     def _complete(self, param: str, chunk: int) -> None:
-        self._set(param, S.HOLD_AFTER_BWD)
+        self._taken(param)
         self.pending[chunk] -= 1
         if self.pending[chunk] == 0:
             self._close(chunk)
@@ -458,7 +464,7 @@ class StepReplay:
         for event in events:
             kind = event[0]
             if kind == "point":
-                self.point(event[1], event[2])
+                self.point(*event[1:])
             elif kind == "post":
                 self.post(event[1])
             elif kind == "done":

@@ -87,7 +87,9 @@ class GradientArrivals:
             buf.copy_(grad) if first else buf.add_(grad)
         holder.grad = None
         slot.got_grad = True
-        if slot.state != S.HOLD_AFTER_BWD:
+        # Not a parameter off the device: a backward that reads none fetches none
+        # (engine.step.backward_reads).
+        if slot.state in (S.COMPUTE, S.HOLD_AFTER_FWD):
             chunk.set_state(slot, S.HOLD_AFTER_BWD)
         if not last and first:
             self._partial.add(id(param))  # the first of its uses' gradients this step

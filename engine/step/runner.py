@@ -23,7 +23,9 @@ from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
 from engine.placement.trace import Trace, TracePoint
 from engine.step.activation_checkpointing import is_checkpointing
+from engine.step.allocator_readings import AllocatorReadings
 from engine.step.arrivals import GradientArrivals
+from engine.step.backward_reads import BackwardReads
 from engine.step.borrowing import watch_borrowing
 from engine.step.counting import CountedSteps
 from engine.step.hooks import hook_gradients, install, wrap_outputs
@@ -59,8 +61,7 @@ class StepRunner:
         self._tracing: Trace | None = None  # the trace being recorded this step
         self._forecast: Trace | None = None  # the manager's trace before this one began
         self.pos = -1  # index of the latest trace point this step
-        # CUDA: the model bytes and the allocator's bytes at the latest sample.
-        self._model_read = self._allocated_read = 0
+        self.readings = AllocatorReadings(device)  # CUDA: its counts at each sample
         self.step_number = 0  # the optimizer step this forward and backward are for
         self.forward_seconds = 0.0  # wall time of the latest forward, transfers included
         self.peak = 0  # peak device bytes this step
@@ -90,6 +91,7 @@ class StepRunner:
         self.arrivals = GradientArrivals(model, self.slot_of, self.manager, lambda: self.pos,
                                          on_arrival=self._on_arrival)
         self.tied = self.arrivals.tied  # tied weights: a gradient per use
+        self.backward_reads = BackwardReads()  # modules fetched in forward only
         self._modules = list(model.modules())
         self.module_slots: dict[int, list[tuple[Chunk, Slot]]] = {
             k: [self.slot_of[id(p)] for p in ps] for k, ps in owned.items()}
@@ -175,7 +177,7 @@ class StepRunner:
         if self.device.simulated:
             non_model = self._counted_now()
         else:
-            model, non_model = self._read_allocator(model)
+            model, non_model = self.readings.read(model)
         self._interval_peak = max(self._interval_peak, non_model)
         # An interval's working set is what the placement rules keep room for: the most
         # chunk bytes it holds (in use, and gradient buffers opening) beside its whole
@@ -198,26 +200,6 @@ class StepRunner:
             self.counter.quiet_below = (-1 if room < non_model + forecast else
                                         min(self._interval_peak, self.peak - model, room))
 
-    def _read_allocator(self, model: int) -> tuple[int, int]:
-        """On CUDA the allocator counts, with no work per op: each sample (every trace point
-        and every change of model bytes) reads its peak since the last one and resets it.
-        Returns the model and non-model bytes at that peak, or now if nothing rose above
-        where the last sample left it (that moment was the last sample's).
-
-        Model bytes change right before a sample (an allocation) or right around it (a
-        freed tensor may outlive the count by a statement), so at a peak before now they
-        were the last sample's, and now the larger of the two counts."""
-        before, self._model_read = self._model_read, model
-        current, peak = self.device.allocator_reading()
-        self.device.reset_peak()
-        floor, self._allocated_read = self._allocated_read, current
-        at = max(before, model)
-        if peak > current and peak > floor:
-            at = before
-        elif peak <= floor:
-            peak = current
-        return at, max(0, peak - at)
-
     def _chunks_in_use(self) -> tuple[Chunk, ...]:
         return tuple(c for c in self.chunks if c.in_use() or c.grad is not None)
 
@@ -226,12 +208,13 @@ class StepRunner:
     def interrupt(self) -> None:
         self._interrupted = True
 
-    def _point(self, key: int, phase: str) -> None:
-        """A module is about to run: close the trace interval and open the next."""
+    def _point(self, key: int, phase: str, fetch: bool = True) -> None:
+        """A module is about to run, with its chunks if `fetch` (engine.step.backward_reads):
+        close the trace interval and open the next."""
         if self._interrupted:
             self._interrupted = False
             raise StepInterrupted(f"step {self.step_number} was interrupted in the {phase}")
-        chunks = self.module_chunks[key]
+        chunks = self.module_chunks[key] if fetch else ()
         if not self.device.simulated:
             self._sample()  # the allocator's peak since the last sample is the closing one's
         self._close_interval()
@@ -240,7 +223,9 @@ class StepRunner:
         if self.manager.trace is not None:
             self.manager.trace.arrived_at(self.pos, 0)
         if self._tracing is not None:
-            self._tracing.points.append(TracePoint(tuple(c.index for c in chunks), phase))
+            self._tracing.points.append(TracePoint(
+                tuple(c.index for c in chunks), phase,
+                grads_to=None if fetch else tuple(c.index for c in self.module_chunks[key])))
         m = self.manager
         self.timeline.append(TimelinePoint(phase, self.module_names[key], 0, 0, 0, 0))
         self._copied_at = (m.bytes_h2d, m.bytes_d2h)
@@ -294,6 +279,8 @@ class StepRunner:
             chunk.set_state(slot, S.COMPUTE)
         if not self._in_backward and self.tied.any:
             self.tied.enter(self._modules[key])
+        if self._tracing is not None and not self._in_backward:
+            self.backward_reads.enter(key)
 
     def _post_forward(self, key: int, output: object) -> object:
         if not self._in_step:
@@ -303,6 +290,7 @@ class StepRunner:
             return output
         if self.tied.any:
             self.tied.leave(self._modules[key])
+        self.backward_reads.leave(key, (s.param for _, s in self.module_slots[key]))
         for chunk, slot in self.module_slots[key]:
             # A borrowed parameter may have been released already by the module it was
             # borrowed from, if that one ran inside this one.
@@ -313,9 +301,10 @@ class StepRunner:
         return output
 
     def _pre_backward(self, key: int) -> None:
-        self._point(key, "backward")
-        self.manager.prepare(self.module_chunks[key], self.pos, "backward")
-        for chunk, slot in self.module_slots[key]:
+        fetch = self.backward_reads.reads(key)
+        self._point(key, "backward", fetch)
+        self.manager.prepare(self.module_chunks[key] if fetch else (), self.pos, "backward")
+        for chunk, slot in self.module_slots[key] if fetch else ():
             if slot.state != S.HOLD_AFTER_BWD or self.tied.pending(slot.param):
                 chunk.set_state(slot, S.COMPUTE)
 
@@ -387,7 +376,7 @@ class StepRunner:
         self.peak = self.manager.device_bytes
         self.non_model_peak = 0
         self.device.begin_step(self.manager.device_bytes)
-        self._model_read = self._allocated_read = self.manager.device_bytes
+        self.readings.reset(self.manager.device_bytes)
         self.counter.reset()
         self.counts.begin(tracing=tracing, accumulate=accumulate)
         self._kept_grads: dict[int, int] = {}  # chunk index -> kept gradients adopted
@@ -407,11 +396,12 @@ class StepRunner:
         self._in_step = True
         try:
             # Every op's allocations, counted on the simulated device; on CUDA the
-            # allocator counts them itself (_read_allocator), with no work per op.
+            # allocator counts them itself (AllocatorReadings), with no work per op.
             counting = (self.counter if self.device.simulated and self.counts.counting
                         else nullcontext())
             watch = watch_borrowing(self.model, self._borrow) if self.tracing else nullcontext()
-            with counting, watch:
+            saved = self.backward_reads.watching() if self.tracing else nullcontext()
+            with counting, watch, saved:
                 t0, x0 = time.perf_counter(), m.transfer_seconds
                 loss = self.model(**batch).loss
                 self.forward_seconds = time.perf_counter() - t0

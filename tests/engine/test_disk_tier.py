@@ -401,11 +401,11 @@ def test_an_interrupt_while_the_last_update_runs_changes_nothing(disk_dir, monke
     boundary = 2 if where == "forward" else points - 1
     point, seen = eng.runner._point, [0]
 
-    def counting(key, phase):
+    def counting(key, phase, *fetch):
         if seen[0] == boundary:
             eng.interrupt()
         seen[0] += 1
-        point(key, phase)
+        point(key, phase, *fetch)
 
     eng.runner._point = counting
     with pytest.raises(StepInterrupted):

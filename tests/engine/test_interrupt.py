@@ -22,12 +22,12 @@ def interrupt_at(eng: Engine, boundary: int) -> None:
     point = eng.runner._point
     seen = 0
 
-    def counting(key: int, phase: str) -> None:
+    def counting(key: int, phase: str, *fetch: bool) -> None:
         nonlocal seen
         if seen == boundary:
             eng.interrupt()
         seen += 1
-        point(key, phase)
+        point(key, phase, *fetch)
 
     eng.runner._point = counting
 

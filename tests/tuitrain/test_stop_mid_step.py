@@ -56,14 +56,14 @@ def test_stop_mid_step_keeps_nothing_of_it_and_resume_continues_exactly(
     point = StepRunner._point
     runs: list[TrainingRun] = []
 
-    def stop_mid_step(self, key, phase):
+    def stop_mid_step(self, key, phase, *fetch):
         # Deep in the forward of step STOP_DURING: what the worker's signal handler does
         # when the parent sends Stop (the command, then the signal).
         if self.step_number == STOP_DURING and self.pos == 5 and not runs[0].stopping:
             runs[0].commands_sent.send(Stop(id=1))
             runs[0].interrupt()
             torch.rand(100)
-        point(self, key, phase)
+        point(self, key, phase, *fetch)
 
     commands, sender = multiprocessing.Pipe(duplex=False)
     sink = Sink()
