@@ -362,8 +362,9 @@ def test_nproc_json_carries_each_ranks_bytes_communicated_and_the_machines_host_
     elements = one.model_bytes // 14
     sent = data["cpu"]["reduce_scattered"]
     assert 2 * elements * 2 // 3 <= sent <= 2 * (elements + 96 * one.chunks) * 2 // 3
-    # cpu gathers every chunk for the forward and again for the backward.
-    assert data["cpu"]["gathered"] >= 2 * sent
+    # cpu gathers every chunk for the forward and again for a backward that reads it: not
+    # the embeddings' (engine.step.backward_reads).
+    assert sent < data["cpu"]["gathered"] < 2 * sent
 
 
 def test_nproc_with_a_host_budget_sends_each_ranks_shards_to_disk_and_counts_all_ranks(
