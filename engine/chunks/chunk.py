@@ -168,7 +168,8 @@ class Chunk:
     device_payload: torch.Tensor | None = None  # storage resized to 0 when not on the device
     grad: torch.Tensor | None = None  # device gradient buffer while backward fills it
     host_grad: torch.Tensor | None = None  # fp32 only: where gradients land on the host
-    # Resident chunks: autograd's own gradient per parameter, keyed by the slot's offset.
+    # Autograd's own gradient per parameter, keyed by the slot's offset: a resident chunk's
+    # until the update, a chunk of one parameter's until it goes home (`keeps_grad`).
     slot_grads: dict[int, tuple[Slot, torch.Tensor]] = field(default_factory=dict)
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
@@ -209,6 +210,16 @@ class Chunk:
         """The device copy is the payload itself (a resident, unsharded chunk): it is never
         released while the chunk stays resident."""
         return self.resident and self.shard is None
+
+    @property
+    def keeps_grad(self) -> bool:
+        """A non-resident chunk of one parameter keeps autograd's gradient on the device
+        until it goes home, as a resident chunk keeps its own: the gradient is the whole
+        chunk's, so a buffer would only be a second copy of it beside the first (a tied
+        embedding's: at the head's backward, the start of backward's peak). Not sharded
+        (the ranks reduce whole buffers) nor on disk (gradients land in I/O buffers)."""
+        return (len(self.slots) == 1 and not self.resident and self.shard is None
+                and not self.payload_on_disk)
 
     @property
     def on_device(self) -> bool:

@@ -86,6 +86,9 @@ class Gradients(ChunkTiers):
         if self.sharding is not None:
             self.sharding.ready(chunk)
             return
+        if chunk.slot_grads and not chunk.copy_is_home:
+            self._send_kept_grad(chunk)
+            return
         if chunk.grad is None:
             return
         self.settle(chunk)  # the home may be the payload a prefetch reads
@@ -108,12 +111,26 @@ class Gradients(ChunkTiers):
         chunk.grad = None
         chunk.holds_grads = True
 
-    def keep_slot_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
-        """A resident chunk keeps autograd's gradient tensor `grad` (flattened) as is: no
-        buffer, no copy.
+    def _send_kept_grad(self, chunk: Chunk) -> None:
+        """A chunk that keeps its one parameter's gradient (Chunk.keeps_grad) sends it home,
+        the home's padding zeroed beside it (the global norm reads every element)."""
+        self.settle(chunk)  # the home may be the payload a prefetch reads
+        home = self.grad_home(chunk)
+        ((slot, grad),) = chunk.slot_grads.values()
+        self._copy(home[slot.offset:slot.offset + slot.numel], grad, "d2h", host_reads=False)
+        home[:slot.offset].zero_()
+        home[slot.offset + slot.numel:].zero_()
+        self.drop_slot_grads(chunk)
+        chunk.mark_stale()  # the device copy will be outdated by the update
+        chunk.holds_grads = True
 
-        Its room was planned with the residency, but the auto policy may have filled it
-        with idle chunks since: those go first. A second gradient for the slot adds up."""
+    def keep_slot_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
+        """A resident chunk, or one of one parameter (Chunk.keeps_grad), keeps autograd's
+        gradient tensor `grad` (flattened) as is: no buffer, no copy.
+
+        A resident chunk's room was planned with the residency, but the auto policy may
+        have filled it with idle chunks since: those go first. A second gradient for the
+        slot adds up."""
         kept = chunk.slot_grads.get(slot.offset)
         if kept is not None:
             kept[1].add_(grad)

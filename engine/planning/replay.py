@@ -91,6 +91,8 @@ class StepReplay:
         self.footprint = 0  # the most host bytes of the device at one moment (_note_footprint)
         self.grads: set[int] = set()
         self.grad_bytes = 0
+        # Chunks of one parameter keeping autograd's gradient until it goes home: bytes.
+        self.kept_grads: dict[int, int] = {}
         # Chunks whose gradients are coming in, resident or not, and their bytes: the
         # working set counts a gradient buffer for each (engine.placement.trace).
         self.opened: set[int] = set()
@@ -254,6 +256,21 @@ class StepReplay:
         self.give_buffer(chunk)
         self._sample()
 
+    def _keeps_grad(self, chunk: int) -> bool:
+        """Chunk.keeps_grad: one parameter, not resident, not sharded, payload not on disk."""
+        return (len(self.lay.params[chunk]) == 1 and chunk not in self.resident
+                and self.sharding is None and chunk not in self.disk.chunks)
+
+    def _send_kept_grad(self, chunk: int) -> None:
+        """ChunkManager._send_kept_grad: the one parameter's gradient goes home."""
+        nbytes = self.kept_grads.pop(chunk)
+        self.copied += nbytes
+        self.device_bytes -= nbytes
+        self.home.add(chunk)
+        if chunk in self.on_device:
+            self.stale.add(chunk)
+        self._sample()
+
     # Engine hooks
 
     def _close_point(self) -> None:
@@ -408,11 +425,14 @@ class StepReplay:
             # A whole gradient buffer, resident or not (ChunkManager.add_shard_grad).
             if chunk not in self.grads:
                 self.open_grads(chunk, (chunk,))
-        elif chunk in self.resident:
-            # Autograd's own gradient tensor is kept until the update (keep_slot_grad).
+        elif chunk in self.resident or self._keeps_grad(chunk):
+            # Autograd's own gradient tensor is kept (keep_slot_grad): until the update, or
+            # until it goes home (a chunk of one parameter, Chunk.keeps_grad).
             nbytes = self.lay.sizes[param] * self.itemsize
             self._make_room(nbytes, (chunk,))
             self.device_bytes += nbytes
+            if chunk not in self.resident:
+                self.kept_grads[chunk] = nbytes
             self._sample()
         elif chunk not in self.grads:
             self.open_grads(chunk, (chunk,))
@@ -457,6 +477,8 @@ class StepReplay:
         self.opening_bytes -= self.nbytes[chunk]
         if self.sharding is not None:
             self.sharding.ready(chunk)
+        elif chunk in self.kept_grads:
+            self._send_kept_grad(chunk)
         elif chunk in self.grads:
             self._finish_grads(chunk)
 

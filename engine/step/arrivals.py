@@ -82,6 +82,8 @@ class GradientArrivals:
             m.keep_slot_grad(chunk, slot, grad, pos)
         elif chunk.holds_grads:
             m.add_late_grad(chunk, slot, grad, pos)
+        elif chunk.keeps_grad:
+            m.keep_slot_grad(chunk, slot, grad, pos)
         else:
             buf = m.grad_buffer(chunk, pos)[slot.offset:slot.offset + slot.numel]
             buf.copy_(grad) if first else buf.add_(grad)

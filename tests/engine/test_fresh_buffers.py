@@ -16,9 +16,10 @@ from engine.planning.time_model import FRESH_PAGE_COPIES, Traffic, forecast, ste
 from tests.calibrations import fixed_calibration
 
 MiB = 2**20
-# tiny at 1 x 16 in 7 MiB: its pool's limit (the budget less the activations' peak) is below
+# tiny at 1 x 64 in 9 MiB: its pool's limit (the budget less the activations' peak) is below
 # what its copies and gradient buffers come to, so some buffers are fresh at every step.
-TIGHT = 7 * MiB
+TIGHT = 9 * MiB
+SEQ_LEN = 64
 
 
 def settled_fresh(policy: str) -> tuple[int, int]:
@@ -29,7 +30,7 @@ def settled_fresh(policy: str) -> tuple[int, int]:
     fresh = []
     try:
         for _ in range(4):
-            ids = torch.randint(0, 8192, (1, 16), generator=g)
+            ids = torch.randint(0, 8192, (1, SEQ_LEN), generator=g)
             before = engine.device.pool.bytes.fresh
             engine.step({"input_ids": ids, "labels": ids})
             fresh.append(engine.device.pool.bytes.fresh - before)
@@ -41,7 +42,7 @@ def settled_fresh(policy: str) -> tuple[int, int]:
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
 def test_the_plan_counts_the_fresh_buffers_of_a_settled_step(policy):
     row = plan("tiny", device_mem=TIGHT, host_mem="64GiB", precision="fp32", simulated=True,
-               batch_size=1, seq_len=16).policies[policy]
+               batch_size=1, seq_len=SEQ_LEN).policies[policy]
     assert row.fits, row.reason
     assert row.fresh > 0
     assert settled_fresh(policy) == (row.fresh, row.fresh)

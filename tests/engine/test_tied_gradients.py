@@ -93,3 +93,33 @@ def test_the_working_set_is_the_peak_the_step_reaches_and_a_budget_of_it_runs():
         assert losses == pytest.approx(ref_losses, rel=EXACT)
     finally:
         eng.close()
+
+
+def test_a_chunk_of_the_tied_weight_alone_keeps_autograds_gradient_and_the_plan_knows(
+        tmp_path):
+    """The tied weight fills a chunk by itself: its gradient is the chunk's whole, so the
+    chunk keeps autograd's tensor until it goes home instead of copying it into a buffer
+    of the same size (Chunk.keeps_grad), and the plan forecasts that peak to the byte."""
+    model = tied_model()
+    model.config.save_pretrained(tmp_path)
+    batches = make_batches(3, vocab=VOCAB, seq_len=16)
+    eng, losses = engine_run(model, batches[:2], policy="cpu", device_budget="64MiB")
+    try:
+        (head,) = [c for c in eng.chunks
+                   if any(s.name.endswith("embed_tokens.weight") for s in c.slots)]
+        assert len(head.slots) == 1 and head.keeps_grad
+        buffers, grad_buffer = [], eng.manager.grad_buffer
+        eng.manager.grad_buffer = lambda chunk, pos: (buffers.append(chunk.index),
+                                                      grad_buffer(chunk, pos))[1]
+        stats = eng.step(batches[2])
+        losses.append(stats.loss)
+        assert buffers and head.index not in buffers
+        assert not head.slot_grads  # gone home with the rest
+        forecast = plan(str(tmp_path), device_mem="64MiB", host_mem="64GiB", precision="fp32",
+                        batch_size=2, seq_len=16, simulated=True)
+        assert forecast.policies["cpu"].device_peak == stats.memory.device_peak
+        ref_losses, ref_weights = reference_run(model, batches)
+        assert losses == pytest.approx(ref_losses, rel=EXACT)
+        assert max_relative_difference(eng.model_state_dict(), ref_weights) < EXACT
+    finally:
+        eng.close()
