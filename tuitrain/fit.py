@@ -154,15 +154,22 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
         chosen["policy"] = rec.policy
         say(f"policy {rec.policy}: the plan's choice for this machine ({rec.why})")
     if not row.fits and simulated and e.device_budget is None and here(row) > room:
-        # Every rank's device shrinks alike: each gives up its share of the excess.
-        excess = -(-(here(row) - room) // local)
-        smaller = (min(device, row.device_peak) - excess) // MiB * MiB
-        if smaller >= result.working_set:
+        # Every rank's device shrinks alike: each gives up its share of the excess. The host
+        # peak falls by less than the device's (the pool's buffers and the peak's moment
+        # move with it), so it shrinks again by what is still over, a few times at most.
+        for _ in range(3):
+            excess = -(-(here(row) - room) // local)
+            smaller = (min(device, row.device_peak) - excess) // MiB * MiB
+            if smaller < result.working_set:
+                break
             result, row = forecast(smaller, host_budget)
             device = smaller
             chosen["device_budget"] = Size.of_bytes(smaller)
+            if row.fits or here(row) <= room:
+                break
+        if "device_budget" in chosen:
             whose = "the host's copies" if local == 1 else f"the host's copies of {local} ranks"
-            say(f"simulated device budget {format_size(smaller)}"
+            say(f"simulated device budget {format_size(device)}"
                 f"{' per rank' if nproc > 1 else ''}: its bytes live in host memory, and the "
                 f"default {format_size(SIMULATED_DEVICE_BUDGET)} does not fit beside {whose}")
     share = room // local  # each rank's part of this machine's room
