@@ -47,9 +47,9 @@ class BackwardReads:
     def __init__(self) -> None:
         self._none: set[int] = set()  # keys whose backward reads no parameter of theirs
         self._judged: set[int] = set()  # keys judged in this watch: a second use adds up
-        # The modules running, each with what was saved while it ran: (storage, first byte)
-        # of each tensor, None for one that could not be placed.
-        self._running: list[tuple[int, list[tuple[int, int] | None]]] = []
+        # The modules running, each with what was saved while it ran: `_span` of each
+        # tensor, None for one that could not be placed.
+        self._running: list[tuple[int, list[tuple[int, int, int] | None]]] = []
         self._watching = False
 
     def reads(self, key: int) -> bool:
@@ -77,7 +77,9 @@ class BackwardReads:
             return
         _, saved = self._running.pop()
         spans = [_span(p) for p in params]
-        own = any(s is None or any(s[0] == p and a <= s[1] < b for p, a, b in spans)
+        # Overlapping bytes of the same storage: a view of the parameter, whatever its shape.
+        own = any(s is None or any(s[0] == p and s[1] < b and a < max(s[2], s[1] + 1)
+                                   for p, a, b in spans)
                   for s in saved)
         if saved and not own and (key in self._none or key not in self._judged):
             self._none.add(key)
@@ -88,8 +90,7 @@ class BackwardReads:
     def _saved(self, t: torch.Tensor) -> torch.Tensor:
         if self._running:
             try:
-                storage, lo, _ = _span(t)
-                where: tuple[int, int] | None = (storage, lo)
+                where: tuple[int, int, int] | None = _span(t)
             except (RuntimeError, NotImplementedError):  # no storage to place it by
                 where = None
             for _, saved in self._running:

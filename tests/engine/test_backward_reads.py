@@ -74,6 +74,24 @@ def test_a_parameter_is_told_from_its_neighbours_in_the_same_storage():
                                                                   "second": False}
 
 
+class _Whole(torch.nn.Module):
+    """Owns the second half of a flat buffer and computes with all of it: what it saves
+    begins before its parameter and covers it."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(4))
+        self.weight.data = flat[4:]
+        self.flat = flat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.flat
+
+
+def test_a_saved_tensor_that_covers_a_parameter_from_before_it_is_read():
+    assert judged(_Whole(torch.randn(8)), torch.randn(8, requires_grad=True)) == {"": True}
+
+
 class _Transposed(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
