@@ -29,6 +29,7 @@ import torch
 
 from engine.chunks.state import ACTIVITY, IllegalTransition, TensorState, check_transition
 from engine.distributed.shards import Shard
+from engine.placement import rules
 
 
 class _Waits(Protocol):
@@ -213,13 +214,11 @@ class Chunk:
 
     @property
     def keeps_grad(self) -> bool:
-        """A non-resident chunk of one parameter keeps autograd's gradient on the device
-        until it goes home, as a resident chunk keeps its own: the gradient is the whole
-        chunk's, so a buffer would only be a second copy of it beside the first (a tied
-        embedding's: at the head's backward, the start of backward's peak). Not sharded
-        (the ranks reduce whole buffers) nor on disk (gradients land in I/O buffers)."""
-        return (len(self.slots) == 1 and not self.resident and self.shard is None
-                and not self.payload_on_disk)
+        """A non-resident chunk of one parameter keeps autograd's gradient until it goes
+        home, as a resident chunk keeps its own (engine.placement.rules.keeps_grad)."""
+        return rules.keeps_grad(len(self.slots), resident=self.resident,
+                                sharded=self.shard is not None,
+                                payload_on_disk=self.payload_on_disk)
 
     @property
     def on_device(self) -> bool:

@@ -172,6 +172,16 @@ def evictions(need: int, free: int, idle: Iterable[int], nbytes: Callable[[int],
     return victims, 0
 
 
+def keeps_grad(params: int, *, resident: bool, sharded: bool, payload_on_disk: bool) -> bool:
+    """Whether a chunk keeps autograd's gradient on the device until it goes home, rather
+    than a gradient buffer: a resident one always; another where it holds `params` == 1,
+    whose gradient is the chunk's whole, so a buffer would only be a second copy of it
+    beside the first (a tied embedding's: at the head's backward, the start of backward's
+    peak). Not sharded (the ranks reduce whole buffers) nor with its payload on disk
+    (gradients land in I/O buffers). This is the non-resident case."""
+    return params == 1 and not resident and not sharded and not payload_on_disk
+
+
 def prefetch_forecast(trace: Trace, pos: int, non_model_now: int, grads_to_open: int) -> int:
     """Room a prefetch leaves free until the next module: the trace's non-model growth and,
     in backward, the gradient buffers the running module may still open."""

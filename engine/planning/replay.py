@@ -257,9 +257,10 @@ class StepReplay:
         self._sample()
 
     def _keeps_grad(self, chunk: int) -> bool:
-        """Chunk.keeps_grad: one parameter, not resident, not sharded, payload not on disk."""
-        return (len(self.lay.params[chunk]) == 1 and chunk not in self.resident
-                and self.sharding is None and chunk not in self.disk.chunks)
+        """Chunk.keeps_grad."""
+        return rules.keeps_grad(len(self.lay.params[chunk]), resident=chunk in self.resident,
+                                sharded=self.sharding is not None,
+                                payload_on_disk=chunk in self.disk.chunks)
 
     def _send_kept_grad(self, chunk: int) -> None:
         """ChunkManager._send_kept_grad: the one parameter's gradient goes home."""

@@ -290,7 +290,8 @@ class StepRunner:
             return output
         if self.tied.any:
             self.tied.leave(self._modules[key])
-        self.backward_reads.leave(key, (s.param for _, s in self.module_slots[key]))
+        if self._tracing is not None:  # watched on traced steps only
+            self.backward_reads.leave(key, (s.param for _, s in self.module_slots[key]))
         for chunk, slot in self.module_slots[key]:
             # A borrowed parameter may have been released already by the module it was
             # borrowed from, if that one ran inside this one.
