@@ -19,11 +19,12 @@ step's forward and backward the device peak is
     + the running total's highest rise over its value at the window's start.
 
 Host memory is left out by construction, not by subtraction (and the device's kept chunk
-buffers, by keeping none in the measured step): the chunks' host buffers
-(payload, master, moments, landing gradients) and the copy staging buffers are allocated
-when the engine is built and never freed during a step, and forward and backward allocate
-nothing else on the host (the batch is already where the device is; gradients are copied
-into existing host buffers). Everything that does rise during the window is the device's:
+buffers, by keeping none in the measured step): the chunks' host buffers (payload, master,
+moments) and the copy staging buffers are allocated when the engine is built and never
+freed during a step, the buffers fp32 gradients land in on the host, which a step makes as
+they land, are made before the measured one (`measured_step`), and forward and backward
+allocate nothing else on the host (the batch is already where the device is; gradients
+are copied into existing host buffers). Everything that does rise during the window is the device's:
 the engine's own device copies of chunks and its gradient buffers, activations, autograd's
 gradients and backward temporaries, kernel workspaces. The optimizer runs after the window
 (on the host for these policies, margin 0), so its temporaries are not counted.
@@ -106,6 +107,12 @@ def measured_step(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[StepS
     pool = engine.device.pool
     pool.trim()
     pool.bytes.keeps = False
+    # The host buffers gradients land in are host memory, not the device's, though the
+    # profiler counts them with it: they are made before the step (the update frees them
+    # as usual), so that what the window allocates is the device's alone.
+    for chunk in engine.chunks:
+        if chunk.aliased and not chunk.frozen and not chunk.resident and not chunk.spill:
+            engine.manager.grad_home(chunk)
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             stats = engine.step(batch)

@@ -175,6 +175,9 @@ def settle(settings: Settings, say: Callable[[str], None], *, nproc: int = 1,
     share = room // local  # each rank's part of this machine's room
     if not row.fits and e.host_budget is None and row.host_peak > share:
         # Everything but the chunks stays; the chunks get what is left, the rest on disk.
+        # (Without a budget, gradients land in buffers the update frees, so the peak may
+        # hold some of them beside host_model: counted here as not the chunks', the guess
+        # errs low; under a budget the chunks' bytes include them.)
         budget = share - (row.host_peak - row.host_model - row.io_buffers)
         for _ in range(3):
             budget = budget // MiB * MiB

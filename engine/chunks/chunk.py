@@ -5,7 +5,9 @@ A chunk owns, for its parameters:
   the chunk is resident. In bf16/fp16, after backward the host payload is reused for the
   gradients (the optimizer regenerates the parameters from the fp32 master), which is how
   bf16 training fits in 14 bytes per parameter on the host. In fp32 the payload *is* the
-  master (one tensor, no copy after the update) and gradients land in `host_grad`.
+  master (one tensor, no copy after the update) and gradients land in `host_grad`, made as
+  the first of them lands and, without a disk tier or sharding, freed by their update
+  (engine.placement.rules.grads_land_per_step).
 - `device_payload`: the device copy; parameters are views into it for the whole run and hold
   empty storage whenever it is released.
 - `master`, `exp_avg`, `exp_avg_sq`: fp32 AdamW state, on the host or (resident) the device.
@@ -53,9 +55,11 @@ def _aligned(n: int) -> int:
 
 
 def host_bytes_per_parameter(precision: str, *, frozen: bool = False) -> int:
-    """Host bytes a non-resident chunk keeps per parameter: fp32 master and two moments, plus
-    the payload (fp32: the master itself) and a gradient landing place (bf16/fp16: the payload
-    itself, reused after backward). A frozen chunk: its payload alone."""
+    """Host bytes a non-resident chunk keeps per parameter at its most: fp32 master and two
+    moments, plus the payload (fp32: the master itself) and a gradient landing place (fp32:
+    from the gradients' landing to the update where engine.placement.rules.
+    grads_land_per_step says so; bf16/fp16: the payload itself, reused after backward). A
+    frozen chunk: its payload alone."""
     if frozen:
         return 4 if precision == "fp32" else 2
     return 16 if precision == "fp32" else 14

@@ -13,6 +13,7 @@ import torch
 
 from engine.chunks.chunk import Chunk, Slot
 from engine.chunks.tiers import ChunkTiers
+from engine.placement import rules
 
 
 class Gradients(ChunkTiers):
@@ -54,9 +55,22 @@ class Gradients(ChunkTiers):
 
     def grad_home(self, chunk: Chunk) -> torch.Tensor:
         """Where a non-resident chunk's gradients land on the host (not one whose payload
-        is on disk: its gradients land in I/O buffers, Spill.land_grads, add_grads)."""
+        is on disk: its gradients land in I/O buffers, Spill.land_grads, add_grads); in
+        fp32 made as the first of them lands, every element written before it is read."""
         self.flight.wait(chunk)
-        return chunk.host_grad if chunk.aliased else chunk.payload
+        if not chunk.aliased:
+            return chunk.payload
+        if chunk.host_grad is None:
+            chunk.host_grad = self._alloc("host", chunk.home_numel, torch.float32)
+        return chunk.host_grad
+
+    def free_grad_home(self, chunk: Chunk) -> None:
+        """The chunk's gradients are spent (updated, or dropped): their landing place goes
+        where it exists only for them (rules.grads_land_per_step)."""
+        if rules.grads_land_per_step(aliased=chunk.aliased, sharded=chunk.sharded,
+                                     disk_tier=self.spill is not None):
+            self._free("host", chunk.host_grad)
+            chunk.host_grad = None
 
     def add_late_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
         """A parameter's gradient after its chunk's went home (a later micro-batch, a module

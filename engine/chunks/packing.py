@@ -202,13 +202,14 @@ def fill(chunk: Chunk, dev: ComputeDevice, weights: WeightSource | None = None) 
 
 
 def _fill_state(chunk: Chunk, dev: ComputeDevice, master: torch.Tensor) -> None:
-    """A trainable chunk's home tensors around its fp32 `master`: payload, gradient landing
-    place, moments."""
+    """A trainable chunk's home tensors around its fp32 `master`: payload, moments and, for
+    a shard, its gradient landing place."""
     home = chunk.home_numel
     chunk.master = master
     if chunk.aliased:
         chunk.payload = chunk.master
-        chunk.host_grad = dev.host_empty(home, torch.float32)
+        if chunk.sharded:  # else made as the gradients land (Gradients.grad_home)
+            chunk.host_grad = dev.host_empty(home, torch.float32)
     else:
         chunk.payload = dev.host_empty(home, chunk.dtype)
         chunk.payload.copy_(chunk.master)

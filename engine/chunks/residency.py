@@ -60,7 +60,6 @@ class Residency(ChunkTiers):
             chunk.payload = host
             if chunk.aliased:
                 chunk.master = host
-                chunk.host_grad = self._alloc("host", chunk.numel, chunk.dtype)
             else:
                 chunk.master = self._move(chunk.master, "host")
             chunk.exp_avg = self._move(chunk.exp_avg, "host")
@@ -90,8 +89,9 @@ class Residency(ChunkTiers):
 
     def thaw(self, chunk: Chunk) -> None:
         """A frozen chunk one of whose parameters now needs a gradient (gradual unfreezing):
-        it gets the fp32 master, gradient landing place and moments of any chunk, on the
-        host, its payload brought there first (the next placement puts it where it goes)."""
+        it gets the fp32 master and moments of any chunk (sharded, the gradients' landing
+        place too), on the host, its payload brought there first (the next placement puts
+        it where it goes)."""
         self.flight.wait()
         if chunk.resident:
             self.set_resident(chunk, False)
@@ -101,7 +101,8 @@ class Residency(ChunkTiers):
         home = chunk.home_numel
         if chunk.aliased:
             chunk.master = chunk.payload
-            chunk.host_grad = self._alloc("host", home, torch.float32)
+            if chunk.sharded:  # else made as the gradients land (Gradients.grad_home)
+                chunk.host_grad = self._alloc("host", home, torch.float32)
         else:
             chunk.master = self._alloc("host", home, torch.float32)
             chunk.master.copy_(chunk.payload)

@@ -247,7 +247,7 @@ class Spill:
                 chunk.master = chunk.payload
                 if chunk.holds_grads:
                     self._bring(chunk, GRAD)
-                elif not chunk.frozen:
+                elif not chunk.frozen and chunk.sharded:  # else made as they land
                     chunk.host_grad = self.alloc(chunk.home_numel, torch.float32)
             chunk.payload_on_disk = False
             chunk.grad_sq = None

@@ -182,6 +182,17 @@ def keeps_grad(params: int, *, resident: bool, sharded: bool, payload_on_disk: b
     return params == 1 and not resident and not sharded and not payload_on_disk
 
 
+def grads_land_per_step(*, aliased: bool, sharded: bool, disk_tier: bool) -> bool:
+    """Whether a host chunk's fp32 gradient landing place (Chunk.host_grad) exists only from
+    its gradients' landing to their update, not across steps: at the start of backward,
+    the most activations and no gradient yet home, the host holds none of them (478 MiB on
+    opt-125m), which is how its peak stays near plain PyTorch's, which frees its gradients
+    at `zero_grad`. Not sharded (the reduction's landing place is the shard's home, placed
+    with it) nor with a disk tier (the host budget's placement moves each part as a whole,
+    this one included); in bf16/fp16 the gradients land in the payload, which stays."""
+    return aliased and not sharded and not disk_tier
+
+
 def prefetch_forecast(trace: Trace, pos: int, non_model_now: int, grads_to_open: int) -> int:
     """Room a prefetch leaves free until the next module: the trace's non-model growth and,
     in backward, the gradient buffers the running module may still open."""

@@ -62,6 +62,9 @@ class HostMemory:
         # (rules.HostBudgetTooSmall), and so is a scratch folder without room for it.
         worst = self.placement(set())
         self.disk_needed = worst.disk_bytes if worst.state else 0
+        # The engine opens a disk tier where that placement needs one (use_host_budget).
+        self.grads_per_step = rules.grads_land_per_step(
+            aliased=cost.aliased, sharded=cost.sharded, disk_tier=bool(worst.state))
         self.disk_free = (disk.free_space(disk_dir) if self.disk_needed and disk_dir is not None
                           else None)
         self.runtime = RUNTIME_BYTES + (0 if simulated else CUDA_CONTEXT + PINNED_STAGING)
@@ -82,7 +85,15 @@ class HostMemory:
 
     def host_model(self, resident: set[int]) -> int:
         """Chunk bytes on the host between steps (those on disk not counted)."""
-        return self.placement(resident).host_bytes
+        return self.placement(resident).host_bytes - self.landed(resident)
+
+    def landed(self, resident: set[int]) -> int:
+        """Host bytes of the non-resident chunks' gradient landing places where they exist
+        only from the gradients' landing to the update (`grads_per_step`), else 0."""
+        if not self.grads_per_step:
+            return 0
+        return sum(self.cost.landed(n, self.lay.is_frozen(c))
+                   for c, n in enumerate(self.lay.numel) if c not in resident)
 
     def built(self) -> int:
         """Host bytes while the engine builds, the runtime aside: every chunk's host state
@@ -118,8 +129,11 @@ class HostMemory:
         return max(peak, kept) + worst.buffer_bytes
 
     def _host(self, chunk: int) -> int:
-        """Host bytes of chunk `chunk` at home there (ChunkBytes.host)."""
-        return self.cost.host(self.lay.numel[chunk], self.lay.is_frozen(chunk))
+        """Host bytes of chunk `chunk` at home there as the engine builds it (ChunkBytes.host;
+        without its gradients' landing place where that is made as they land)."""
+        numel, frozen = self.lay.numel[chunk], self.lay.is_frozen(chunk)
+        landed = self.cost.landed(numel, frozen) if self.grads_per_step else 0
+        return self.cost.host(numel, frozen) - landed
 
     def _home_values(self, chunk: int) -> int:
         """Bytes of the tensor a chunk is filled into: its fp32 master, or a frozen chunk's
@@ -135,7 +149,9 @@ class HostMemory:
         allocator's slack too (`device`), of which its kept buffers (engine.devices.
         buffer_pool) and resident chunks' state (`between`) stay through the update. The
         update of a chunk in a 16-bit precision reads its gradients as fp32, one chunk at
-        a time.
+        a time. Where the gradients' host landing places are made as they land
+        (`grads_per_step`), `device` counts those made by its moment, and all of them are
+        there at the update.
         """
         chunks = self.placement(resident).host_total
         # Only chunks with gradients are updated: a frozen one never is.
@@ -144,7 +160,7 @@ class HostMemory:
         update = 0 if self.cost.aliased else 4 * largest
         during = chunks + update
         if self.simulated:
-            during = max(during + between, chunks + device)
+            during = max(during + between, chunks - self.landed(resident) + device)
         return during
 
     def peak(self, resident: set[int], device: int, between: int = 0) -> int:
@@ -193,11 +209,13 @@ class HostMemory:
             return (f"building the chunks holds {holds}, "
                     f"{format_size(self.built())} + runtime {format_size(self.runtime)}")
         where = self.placement(resident)
-        parts = [f"chunks {format_size(where.host_bytes)}"]
+        parts = [f"chunks {format_size(where.host_bytes - self.landed(resident))}"]
         if where.buffer_bytes:
             parts.append(f"disk I/O buffers {format_size(where.buffer_bytes)}")
         if self.simulated:
+            landed = (", with the gradients landed on the host by its peak"
+                      if self.grads_per_step else "")
             parts.append(f"simulated device {format_size(device)} (its buffers kept for "
-                         f"reuse and the allocator's slack included)")
+                         f"reuse and the allocator's slack included{landed})")
         parts.append(f"runtime {format_size(self.runtime)}")
         return " + ".join(parts)

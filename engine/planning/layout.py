@@ -126,8 +126,12 @@ class ChunkBytes:
         if frozen:
             return self.itemsize * self.home(numel)
         payload = 0 if self.aliased else self.itemsize
-        landed = 4 if self.aliased else 0
-        return (payload + 4 + landed + 8) * self.home(numel)
+        return (payload + 4 + 8) * self.home(numel) + self.landed(numel)
+
+    def landed(self, numel: int, frozen: bool = False) -> int:
+        """fp32: the host buffer a non-resident chunk's gradients land in (Chunk.host_grad;
+        bf16/fp16: they land in the payload)."""
+        return 0 if frozen or not self.aliased else 4 * self.home(numel)
 
     def resident(self, numel: int, frozen: bool = False) -> int:
         """A resident chunk's device bytes between steps: payload, master, two moments;

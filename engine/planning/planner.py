@@ -162,6 +162,7 @@ class _Planner:
             trace=trace,
             disk=self.host.disk_payloads(resident) if trace is not None else None,
             sharding=ShardedReplay if self.cost.sharded else None,
+            grads_per_step=self.host.grads_per_step,
         )
 
     def _allocator_slack(self) -> int:
@@ -197,12 +198,13 @@ class _Planner:
 
     def _device_in_host(self, step: StepReplay) -> tuple[int, int]:
         """The simulated device's host bytes at the step's peak (its pool of kept buffers
-        and the rest, with the allocator's slack), and those that stay through the update
-        (engine.devices.buffer_pool). On CUDA the device's bytes are not the host's: the
-        step's peak, which the host ignores."""
+        and the rest, with the allocator's slack, and the gradients landed on the host by
+        then where they land at every step: StepReplay.host_step_bytes), and those that
+        stay through the update (engine.devices.buffer_pool). On CUDA the device's bytes
+        are not the host's: the step's peak, which the host ignores."""
         if not self.simulated:
             return step.peak + self.slack, 0
-        return step.host_device_bytes + self.slack, step.host_device_between_steps
+        return step.host_step_bytes + self.slack, step.host_device_between_steps
 
     def policy_plan(self, policy: Policy, margin_ratio: float) -> tuple[PolicyPlan, _Outcome]:
         outcome = self.run(policy, self.capacity, margin_ratio)
@@ -241,6 +243,7 @@ class _Planner:
             device_peak=int(device_peak),
             host_peak=int(host_peak),
             host_model=self.host.host_model(outcome.resident),
+            landed_grads=self.host.landed(outcome.resident),
             copied=outcome.step.copied,
             device_buffers=outcome.step.pool.peak if self.simulated else 0,
             fresh=(settled_fresh(step.pool.limit, step.resident_buffers, step.buffer_moves)

@@ -59,6 +59,7 @@ class StepReplay:
         trace: Trace | None = None,
         disk: DiskPayloads | None = None,
         sharding: Callable[[StepReplay], DataParallel] | None = None,
+        grads_per_step: bool = False,
     ) -> None:
         if cost.sharded != (sharding is not None):
             raise ValueError("a sharded step, and only one, replays with its data-parallel side")
@@ -89,6 +90,11 @@ class StepReplay:
         self.resident_state = self.device_bytes - self.pool.in_use
         self.beside_pool = self.resident_state  # the most device bytes beside the pool
         self.footprint = 0  # the most host bytes of the device at one moment (_note_footprint)
+        # Host gradient landing places made as gradients land, freed by the update
+        # (rules.grads_land_per_step): bytes of those made so far this step, and the two
+        # figures above with them.
+        self.grads_per_step = grads_per_step
+        self.landed = self.beside_landed = self.footprint_landed = 0
         self.grads: set[int] = set()
         self.grad_bytes = 0
         # Chunks of one parameter keeping autograd's gradient until it goes home: bytes.
@@ -156,17 +162,21 @@ class StepReplay:
             self.held = max(self.held, self.pinned + self.opening_bytes + held)
             self.part_peak = max(self.part_peak, self.nm)
         self.peak = max(self.peak, self.device_bytes + self.nm)
-        self.beside_pool = max(self.beside_pool, self.device_bytes - self.pool.in_use + self.nm)
+        beside = self.device_bytes - self.pool.in_use + self.nm
+        self.beside_pool = max(self.beside_pool, beside)
+        self.beside_landed = max(self.beside_landed, beside + self.landed)
         self._note_footprint()
 
     def _note_footprint(self) -> None:
         """The pool keeps buffers only within its limit (HeldBytes: it holds at most the limit
         or what is in use, if more), so at any moment the device's host bytes are at most
         that beside the rest; the pool's peak and the most beside it come at other moments
-        (the pool's at a full forward, the activations' in backward) and do not add up."""
-        pool = max(self.pool.limit, self.pool.in_use)
-        self.footprint = max(self.footprint,
-                             pool + self.device_bytes - self.pool.in_use + self.nm)
+        (the pool's at a full forward, the activations' in backward) and do not add up.
+        `footprint_landed`: the same with the gradients landed on the host so far."""
+        footprint = (max(self.pool.limit, self.pool.in_use) + self.device_bytes
+                     - self.pool.in_use + self.nm)
+        self.footprint = max(self.footprint, footprint)
+        self.footprint_landed = max(self.footprint_landed, footprint + self.landed)
 
     @property
     def host_device_bytes(self) -> int:
@@ -174,6 +184,13 @@ class StepReplay:
         run before it: then the pool holds every buffer this step takes from the start, and
         the peak is the pool beside the most of everything else (on CUDA: no such bytes)."""
         return min(self.pool.peak + self.beside_pool, self.footprint)
+
+    @property
+    def host_step_bytes(self) -> int:
+        """`host_device_bytes` with the host gradient landing places made by its moment,
+        where they are made at every step (`grads_per_step`): what the step adds to the
+        chunks' host bytes between steps, at its peak."""
+        return min(self.pool.peak + self.beside_landed, self.footprint_landed)
 
     @property
     def host_device_between_steps(self) -> int:
@@ -245,10 +262,16 @@ class StepReplay:
             self.ahead.pop(chunk, None)  # Spill.fetch takes what was read ahead
         self._sample()
 
+    def _land(self, chunk: int) -> None:
+        """A non-resident chunk's gradients land on the host (Gradients.grad_home)."""
+        if self.grads_per_step and chunk not in self.home:
+            self.landed += self.cost.landed(self.lay.numel[chunk])
+        self.home.add(chunk)
+
     def _finish_grads(self, chunk: int) -> None:
         self._drop_ahead(chunk)  # Spill.land_grads: the payload's region gets gradients
         self.copied += self.nbytes[chunk]
-        self.home.add(chunk)
+        self._land(chunk)
         if chunk in self.on_device:
             self.stale.add(chunk)
         self.grads.discard(chunk)
@@ -267,7 +290,7 @@ class StepReplay:
         nbytes = self.kept_grads.pop(chunk)
         self.copied += nbytes
         self.device_bytes -= nbytes
-        self.home.add(chunk)
+        self._land(chunk)
         if chunk in self.on_device:
             self.stale.add(chunk)
         self._sample()

@@ -45,6 +45,9 @@ class PolicyPlan:
     gathered: int = 0
     reduce_scattered: int = 0
     ranks: int = 1
+    # fp32 gradients' host landing places where they exist from their landing to the update
+    # (engine.placement.rules.grads_land_per_step): in host_peak, not in host_model.
+    landed_grads: int = 0
 
     @property
     def machine_host_peak(self) -> int:
@@ -117,6 +120,7 @@ class Plan:
                 "fits": p.fits,
                 "reason": p.reason,
                 "host_model": p.host_model,
+                "landed_grads": p.landed_grads,
                 "copied": p.copied,
                 "fresh": p.fresh,
                 "io_buffers": p.io_buffers,

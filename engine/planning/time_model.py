@@ -185,7 +185,8 @@ def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[s
     parameters = (work.trainable if lora is not None else plan.parameters) / plan.nproc
     out = {}
     for name, row in plan.policies.items():
-        off_device = (row.host_model + row.disk_bytes) / state if state else 1.0
+        off_device = ((row.host_model + row.landed_grads + row.disk_bytes) / state
+                      if state else 1.0)
         on_device = 1.0 if name == "cuda" else min(1.0, max(0.0, 1.0 - off_device))
         traffic = Traffic(
             copied=row.copied, itemsize=itemsize,

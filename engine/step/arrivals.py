@@ -87,7 +87,7 @@ class GradientArrivals:
         else:
             buf = m.grad_buffer(chunk, pos)[slot.offset:slot.offset + slot.numel]
             buf.copy_(grad) if first else buf.add_(grad)
-        holder.grad = None
+        holder.grad = grad = None  # before the chunk may go home: no copy of it beside
         slot.got_grad = True
         # Not a parameter off the device: a backward that reads none fetches none
         # (engine.step.backward_reads).

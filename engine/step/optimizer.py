@@ -174,6 +174,7 @@ class ChunkAdamW:
         """Drop the chunk's gradients and put its parameters back."""
         if chunk.holds_grads:
             restore_params(chunk)
+        self.manager.free_grad_home(chunk)
         self.manager.drop_slot_grads(chunk)
 
     def _global_grad_norm(self, chunks: list[Chunk]) -> float:
@@ -227,6 +228,7 @@ class ChunkAdamW:
             try:
                 for chunk, updated in on_host:
                     adamw_update(chunk, **hyper, spans=pipeline.spans(chunk), updated=updated)
+                    self.manager.free_grad_home(chunk)
                     done(chunk)
             except BaseException:
                 pipeline.cancel()

@@ -105,11 +105,13 @@ class StepRunner:
 
     # Model data is the chunk manager's to count, and the non-model counter leaves it out:
     # chunk payloads exist before the step (no op allocates them), a gradient buffer is an
-    # uninitialised allocation the counter asks about (`_is_model_storage`), and a gradient
-    # a resident chunk keeps was autograd's until then (`_adopt_kept_grads`).
+    # uninitialised allocation the counter asks about (`_is_model_storage`), as is a host
+    # buffer gradients land in (made as they land, rules.grads_land_per_step), and a
+    # gradient a resident chunk keeps was autograd's until then (`_adopt_kept_grads`).
 
     def _is_model_storage(self, key: int) -> bool:
-        return any(c.grad is not None and storage_key(c.grad) == key for c in self.chunks)
+        return any(t is not None and storage_key(t) == key
+                   for c in self.chunks for t in (c.grad, c.host_grad))
 
     def _adopt_kept_grads(self) -> None:
         # Only a counting step's counter holds storages to disown (on CUDA it never counts),
@@ -459,6 +461,7 @@ class StepRunner:
                 restore_params(chunk)
                 if not chunk.resident:
                     chunk.mark_stale()
+            self.manager.free_grad_home(chunk)
             for slot in chunk.slots:
                 if slot.state not in (S.FREE, S.HOLD):
                     slot.state = S.HOLD  # reset after a failure; not a transition

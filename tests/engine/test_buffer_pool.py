@@ -166,12 +166,16 @@ print(json.dumps({"faulted": faulted, "model": sum(c.nbytes for c in engine.chun
 
 
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
-def test_with_the_heap_steady_a_steady_step_faults_in_less_than_twice_the_model(policy):
+def test_with_the_heap_steady_a_steady_step_faults_in_less_than_three_times_the_model(
+        policy):
     """What is left is autograd's own gradients (the model's bytes once, fresh memory in
-    plain PyTorch too) and activations. Before the pool every chunk copy and gradient
-    buffer was fresh memory at every use as well: four times the model's bytes a step."""
+    plain PyTorch too), the host buffers they land in (once more: they exist from their
+    landing to the update, rules.grads_land_per_step, so that the host does not hold them
+    beside the activations) and activations. Before the pool every chunk copy and gradient
+    buffer was fresh memory at every use as well: two to four times the model's bytes a
+    step more."""
     got = json.loads(run_script(STEADY_STEP_FAULTS, policy, timeout=300).splitlines()[-1])
-    assert got["faulted"] < 2 * got["model"], got
+    assert got["faulted"] < 3 * got["model"], got
 
 
 def test_the_plan_never_puts_more_of_the_device_in_host_memory_than_its_budget(monkeypatch):

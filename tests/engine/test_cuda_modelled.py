@@ -7,6 +7,7 @@ op. Its allocator sees every byte: the model data the engine allocates through `
 (storages resized in place included) and every op's outputs, counted with the same
 storage-lifetime rule as the engine's counter (engine.step.non_model), plus `spike(n)`: a
 kernel's workspace, allocated and freed inside one op, which no op-by-op count can see.
+Host tensors the engine makes (`host_empty`: gradients landing at home) are not its.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import build, make_batches
+from torch.utils.weak import WeakIdKeyDictionary
 
 from engine import Engine, EngineConfig
 from engine.devices.cuda import CudaDevice
@@ -41,9 +43,16 @@ class ModelledGpu(SimulatedDevice):
         self.queued_seconds = queued_seconds  # kernels still running when the host is done
         self.synchronized = 0
         self._live: LiveBytes | None = None
+        self._host_tensors = WeakIdKeyDictionary()
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = super().host_empty(numel, dtype)
+        self._host_tensors[t] = True
+        return t
 
     def allocator(self) -> LiveBytes:
-        self._live = LiveBytes(self._grew, is_model=lambda key: key in self._model_keys())
+        self._live = LiveBytes(self._grew, is_model=lambda key: key in self._model_keys()
+                               or key in {storage_key(t) for t in self._host_tensors.keys()})
         return self._live
 
     def _model_keys(self) -> set[int]:

@@ -48,10 +48,13 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @cache  # the same answer for every test that sizes a budget by it
 def host_state(precision: str = "fp32") -> int:
-    """Chunk bytes on the host with no budget and nothing resident (policy cpu)."""
+    """Chunk bytes on the host with no budget and nothing resident (policy cpu), with the
+    fp32 gradients' landing places, which are there from their landing to the update."""
     eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", device_budget=DEVICE,
                                                     precision=precision))
-    nbytes = eng.manager.host_bytes
+    assert all(c.host_grad is None for c in eng.chunks)  # made as gradients land
+    nbytes = eng.manager.host_bytes + sum(4 * c.home_numel for c in eng.chunks
+                                          if c.aliased and not c.frozen)
     eng.close()
     return nbytes
 

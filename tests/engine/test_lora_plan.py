@@ -57,9 +57,10 @@ def test_lora_needs_far_less_than_training_every_weight():
                 **SHAPE)
     lora = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="fp32", simulated=True,
                 lora=LORA, **SHAPE)
-    # Frozen weights: 4 of full training's 16 B/param on the host.
+    # Frozen weights: 4 of full training's 16 B/param on the host, 12 between steps (its
+    # gradients' landing place exists from their landing to the update).
     assert lora.model_bytes < 0.3 * full.model_bytes
-    assert lora.cpu.host_model < 0.3 * full.cpu.host_model
+    assert lora.cpu.host_model < 0.4 * full.cpu.host_model
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -154,7 +154,10 @@ def test_each_rank_holds_its_shard_of_the_chunk_state(ranks):
     world, results = ranks
     single = Engine(build(), EngineConfig(policy="cpu", device_budget="64MiB",
                                           data_parallel=False))
-    whole = single.snapshot().host_model  # fp32: 16 bytes per element on the host
+    # fp32: 16 bytes per element on the host, of which the gradients' landing place (4) is
+    # there from their landing to the update in one process (rules.grads_land_per_step);
+    # a shard keeps it.
+    whole = single.snapshot().host_model + 4 * sum(c.numel for c in single.chunks)
     unsharded_resident = sum(single.manager.resident_cost(c) for c in single.chunks)
     single.close()
     for rank, result in enumerate(results):
