@@ -65,6 +65,9 @@ class HostMemory:
         # The engine opens a disk tier where that placement needs one (use_host_budget).
         self.grads_per_step = rules.grads_land_per_step(
             aliased=cost.aliased, sharded=cost.sharded, disk_tier=bool(worst.state))
+        # Then a step's first micro-batch starts backward with none of them on the host;
+        # a later one starts with all that the first made (the update frees them).
+        self.grads_land_in_step = self.grads_per_step and grad_accum == 1
         self.disk_free = (disk.free_space(disk_dir) if self.disk_needed and disk_dir is not None
                           else None)
         self.runtime = RUNTIME_BYTES + (0 if simulated else CUDA_CONTEXT + PINNED_STAGING)
@@ -149,9 +152,10 @@ class HostMemory:
         allocator's slack too (`device`), of which its kept buffers (engine.devices.
         buffer_pool) and resident chunks' state (`between`) stay through the update. The
         update of a chunk in a 16-bit precision reads its gradients as fp32, one chunk at
-        a time. Where the gradients' host landing places are made as they land
-        (`grads_per_step`), `device` counts those made by its moment, and all of them are
-        there at the update.
+        a time. Where the gradients' host landing places are made as they land within the
+        step's one micro-batch (`grads_land_in_step`), `device` counts those made by its
+        moment, and all of them are there at the update; with several micro-batches, all of
+        them are there from the second one's start.
         """
         chunks = self.placement(resident).host_total
         # Only chunks with gradients are updated: a frozen one never is.
@@ -160,7 +164,8 @@ class HostMemory:
         update = 0 if self.cost.aliased else 4 * largest
         during = chunks + update
         if self.simulated:
-            during = max(during + between, chunks - self.landed(resident) + device)
+            landed = self.landed(resident) if self.grads_land_in_step else 0
+            during = max(during + between, chunks - landed + device)
         return during
 
     def peak(self, resident: set[int], device: int, between: int = 0) -> int:
@@ -209,12 +214,13 @@ class HostMemory:
             return (f"building the chunks holds {holds}, "
                     f"{format_size(self.built())} + runtime {format_size(self.runtime)}")
         where = self.placement(resident)
-        parts = [f"chunks {format_size(where.host_bytes - self.landed(resident))}"]
+        landed = self.landed(resident) if self.grads_land_in_step else 0
+        parts = [f"chunks {format_size(where.host_bytes - landed)}"]
         if where.buffer_bytes:
             parts.append(f"disk I/O buffers {format_size(where.buffer_bytes)}")
         if self.simulated:
             landed = (", with the gradients landed on the host by its peak"
-                      if self.grads_per_step else "")
+                      if self.grads_land_in_step else "")
             parts.append(f"simulated device {format_size(device)} (its buffers kept for "
                          f"reuse and the allocator's slack included{landed})")
         parts.append(f"runtime {format_size(self.runtime)}")

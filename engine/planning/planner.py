@@ -162,7 +162,7 @@ class _Planner:
             trace=trace,
             disk=self.host.disk_payloads(resident) if trace is not None else None,
             sharding=ShardedReplay if self.cost.sharded else None,
-            grads_per_step=self.host.grads_per_step,
+            grads_per_step=self.host.grads_land_in_step,
         )
 
     def _allocator_slack(self) -> int:
@@ -391,7 +391,9 @@ def plan(
             rank's, for its shards, and so are the disk figures.
         grad_accum: micro-batches of `batch_size` sequences per step (EngineConfig's):
             the memory is one micro-batch's whatever their number, the host budget
-            included; disk_read and disk_written are the whole step's.
+            included, but for the fp32 gradients' host buffers a later micro-batch starts
+            with (HostMemory.grads_land_in_step); disk_read and disk_written are the whole
+            step's.
         lora: LoRA adapters (engine.models.lora) as the run adds them: the base weights
             frozen, in payload-only chunks, and only the adapters with gradients and
             optimizer state. None: every parameter trains.

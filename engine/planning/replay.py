@@ -91,8 +91,8 @@ class StepReplay:
         self.beside_pool = self.resident_state  # the most device bytes beside the pool
         self.footprint = 0  # the most host bytes of the device at one moment (_note_footprint)
         # Host gradient landing places made as gradients land, freed by the update
-        # (rules.grads_land_per_step): bytes of those made so far this step, and the two
-        # figures above with them.
+        # (rules.grads_land_per_step), where the step is one micro-batch: bytes of those
+        # made so far this step, and the two figures above with them.
         self.grads_per_step = grads_per_step
         self.landed = self.beside_landed = self.footprint_landed = 0
         self.grads: set[int] = set()

@@ -11,6 +11,7 @@ import copy
 import pytest
 
 from engine import Engine, EngineConfig
+from engine.planning.planner import plan
 from tests.engine.conftest import (
     build,
     make_batches,
@@ -53,11 +54,15 @@ def test_gradients_land_in_buffers_that_last_from_their_landing_to_the_update(po
         losses.append(eng.step(batches[1]).loss)
         head.remove()
         first.remove()
-        (start, none_yet), (late, landed), *_ = seen
+        (start, none_yet), (late, landed), *later = seen
         assert start == between and not any(none_yet)
         assert late > between and any(landed)
         assert late - between == 4 * sum(c.numel for c, has in zip(eng.chunks, landed,
                                                                     strict=True) if has)
+        if grad_accum > 1:  # the second micro-batch starts backward with every one of them
+            (again, all_of_them), _ = later
+            assert all_of_them == [not c.resident for c in eng.chunks]
+            assert again - between == 4 * sum(c.numel for c in on_host)
         # Gone with the update: the host holds between steps what it held before.
         assert not any(landing_places(eng)) and eng.manager.host_bytes == between
         losses.append(eng.step(batches[2]).loss)
@@ -69,6 +74,19 @@ def test_gradients_land_in_buffers_that_last_from_their_landing_to_the_update(po
         assert differ(eng.model_state_dict(), ref_weights) < EXACT
     finally:
         eng.close()
+
+
+def test_with_accumulation_the_plan_holds_every_landing_place_beside_a_micro_batch():
+    """The engine frees them at the update, so a step's second micro-batch runs with all
+    that its first made: the plan's host peak counts them beside its activations."""
+    one, two = (plan("tiny", device_mem="64MiB", host_mem="64GiB", precision="fp32",
+                     batch_size=2, seq_len=16, simulated=True, grad_accum=n) for n in (1, 2))
+    for name in ("cpu", "auto"):
+        landed = one.policies[name].landed_grads
+        assert landed == two.policies[name].landed_grads > 0
+        # One micro-batch: only those landed by backward's peak; two: all of them.
+        grown = two.policies[name].host_peak - one.policies[name].host_peak
+        assert 0 < grown <= landed
 
 
 def test_with_a_disk_tier_the_landing_places_stay_with_the_chunks(tmp_path):
