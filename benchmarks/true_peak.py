@@ -46,6 +46,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from engine import Engine, EngineConfig, StepStats
+from engine.placement import rules
 from engine.planning.planner import plan
 
 MiB = 2**20
@@ -110,9 +111,11 @@ def measured_step(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[StepS
     # The host buffers gradients land in are host memory, not the device's, though the
     # profiler counts them with it: they are made before the step (the update frees them
     # as usual), so that what the window allocates is the device's alone.
+    m = engine.manager
     for chunk in engine.chunks:
-        if chunk.aliased and not chunk.frozen and not chunk.resident and not chunk.spill:
-            engine.manager.grad_home(chunk)
+        if not (chunk.frozen or chunk.resident) and rules.grads_land_per_step(
+                aliased=chunk.aliased, sharded=chunk.sharded, disk_tier=m.spill is not None):
+            m.grad_home(chunk)
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             stats = engine.step(batch)

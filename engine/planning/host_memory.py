@@ -93,10 +93,17 @@ class HostMemory:
     def landed(self, resident: set[int]) -> int:
         """Host bytes of the non-resident chunks' gradient landing places where they exist
         only from the gradients' landing to the update (`grads_per_step`), else 0."""
+        return sum(self._landed(c) for c in range(len(self.lay.numel)) if c not in resident)
+
+    def _landed(self, chunk: int) -> int:
+        """Chunk `chunk`'s share of `landed`."""
         if not self.grads_per_step:
             return 0
-        return sum(self.cost.landed(n, self.lay.is_frozen(c))
-                   for c, n in enumerate(self.lay.numel) if c not in resident)
+        return self.cost.landed(self.lay.numel[chunk], self.lay.is_frozen(chunk))
+
+    def _landed_in_step(self, resident: set[int]) -> int:
+        """`landed` where a step's backward starts without them (`grads_land_in_step`)."""
+        return self.landed(resident) if self.grads_land_in_step else 0
 
     def built(self) -> int:
         """Host bytes while the engine builds, the runtime aside: every chunk's host state
@@ -134,9 +141,8 @@ class HostMemory:
     def _host(self, chunk: int) -> int:
         """Host bytes of chunk `chunk` at home there as the engine builds it (ChunkBytes.host;
         without its gradients' landing place where that is made as they land)."""
-        numel, frozen = self.lay.numel[chunk], self.lay.is_frozen(chunk)
-        landed = self.cost.landed(numel, frozen) if self.grads_per_step else 0
-        return self.cost.host(numel, frozen) - landed
+        host = self.cost.host(self.lay.numel[chunk], self.lay.is_frozen(chunk))
+        return host - self._landed(chunk)
 
     def _home_values(self, chunk: int) -> int:
         """Bytes of the tensor a chunk is filled into: its fp32 master, or a frozen chunk's
@@ -164,8 +170,7 @@ class HostMemory:
         update = 0 if self.cost.aliased else 4 * largest
         during = chunks + update
         if self.simulated:
-            landed = self.landed(resident) if self.grads_land_in_step else 0
-            during = max(during + between, chunks - landed + device)
+            during = max(during + between, chunks - self._landed_in_step(resident) + device)
         return during
 
     def peak(self, resident: set[int], device: int, between: int = 0) -> int:
@@ -214,8 +219,7 @@ class HostMemory:
             return (f"building the chunks holds {holds}, "
                     f"{format_size(self.built())} + runtime {format_size(self.runtime)}")
         where = self.placement(resident)
-        landed = self.landed(resident) if self.grads_land_in_step else 0
-        parts = [f"chunks {format_size(where.host_bytes - landed)}"]
+        parts = [f"chunks {format_size(where.host_bytes - self._landed_in_step(resident))}"]
         if where.buffer_bytes:
             parts.append(f"disk I/O buffers {format_size(where.buffer_bytes)}")
         if self.simulated:

@@ -162,7 +162,7 @@ class _Planner:
             trace=trace,
             disk=self.host.disk_payloads(resident) if trace is not None else None,
             sharding=ShardedReplay if self.cost.sharded else None,
-            grads_per_step=self.host.grads_land_in_step,
+            grads_land_in_step=self.host.grads_land_in_step,
         )
 
     def _allocator_slack(self) -> int:

@@ -59,7 +59,7 @@ class StepReplay:
         trace: Trace | None = None,
         disk: DiskPayloads | None = None,
         sharding: Callable[[StepReplay], DataParallel] | None = None,
-        grads_per_step: bool = False,
+        grads_land_in_step: bool = False,
     ) -> None:
         if cost.sharded != (sharding is not None):
             raise ValueError("a sharded step, and only one, replays with its data-parallel side")
@@ -93,7 +93,7 @@ class StepReplay:
         # Host gradient landing places made as gradients land, freed by the update
         # (rules.grads_land_per_step), where the step is one micro-batch: bytes of those
         # made so far this step, and the two figures above with them.
-        self.grads_per_step = grads_per_step
+        self.grads_land_in_step = grads_land_in_step
         self.landed = self.beside_landed = self.footprint_landed = 0
         self.grads: set[int] = set()
         self.grad_bytes = 0
@@ -188,7 +188,7 @@ class StepReplay:
     @property
     def host_step_bytes(self) -> int:
         """`host_device_bytes` with the host gradient landing places made by its moment,
-        where they are made at every step (`grads_per_step`): what the step adds to the
+        where they are made within the step (`grads_land_in_step`): what it adds to the
         chunks' host bytes between steps, at its peak."""
         return min(self.pool.peak + self.beside_landed, self.footprint_landed)
 
@@ -264,7 +264,7 @@ class StepReplay:
 
     def _land(self, chunk: int) -> None:
         """A non-resident chunk's gradients land on the host (Gradients.grad_home)."""
-        if self.grads_per_step and chunk not in self.home:
+        if self.grads_land_in_step and chunk not in self.home:
             self.landed += self.cost.landed(self.lay.numel[chunk])
         self.home.add(chunk)
 
