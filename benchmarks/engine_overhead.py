@@ -1,7 +1,8 @@
 """Step-time overhead of the offload engine against plain PyTorch, in one process.
 
 opt-125m shape (built from its config, no download), batch 2 x 128, fp32. Each round runs
-one step of every system in turn, so machine noise hits them alike; medians after warm-up.
+one step of every system in turn (each round starting one system further on), so machine
+noise hits them alike; medians after warm-up.
 
     python benchmarks/engine_overhead.py [--rounds 6] [--model opt-125m | small-opt]
 
@@ -22,6 +23,14 @@ traced step: the same placement at the same budget, so the difference between th
 is what counting every live byte costs. Only a measurement: an uncounted engine reports no
 non-model bytes and makes room for none beyond its trace.
 
+Paired ratios: in each round every system steps right after the others, so a round's
+ratio to plain's step of the same round leaves out what the machine's speed does over
+minutes (here it moves by a fifth within a minute, quiet or not). Each row prints the
+median of its rounds' wall ratios and a 90% interval for that median (resampling the
+rounds; seeded, so a rerun of the same numbers gives the same interval): a target is met
+when the interval's top is under it, missed when its bottom is over it, and otherwise this
+run cannot tell.
+
 Fresh pages: every row shows the page faults of a step. Plain PyTorch takes its gradients
 and its large activations as fresh memory at every step (glibc maps each tensor over its
 mmap threshold and unmaps it when freed); the engine keeps its gradient buffers and chunk
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import random
 import resource
 import statistics
 import time
@@ -99,6 +109,18 @@ def uncounted_step(eng: Engine, batch) -> None:
     """One step of `eng`; after its first (traced) step its counter no longer counts."""
     eng.step(batch)
     eng.runner.counter.__class__ = _Uncounted
+
+
+def paired(values: list[float], base: list[float], *, resamples: int = 2000,
+           seed: int = 0) -> tuple[float, float, float]:
+    """The median of the rounds' ratios `values[i] / base[i]`, and a 90% interval for it
+    (percentiles of the medians of `resamples` rounds drawn with replacement)."""
+    ratios = [v / b for v, b in zip(values, base, strict=True)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(resamples))
+    return (statistics.median(ratios), medians[int(0.05 * resamples)],
+            medians[int(0.95 * resamples) - 1])
 
 
 def plain_step(model, opt, batch) -> None:
@@ -175,8 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     cpu: dict[str, list[float]] = {name: [] for name in systems}
     faults: dict[str, list[int]] = {name: [] for name in systems}
     moved: dict[str, int] = {}
+    order = list(systems.items())
     for i, batch in enumerate(batches):
-        for name, step in systems.items():
+        # Each round starts one system further on, so none always follows the same other.
+        for name, step in order[i % len(order):] + order[:i % len(order)]:
             seconds, cpu_seconds, step_faults = step(batch)
             if i >= args.warmup:
                 times[name].append(seconds)
@@ -193,20 +217,25 @@ def main(argv: list[str] | None = None) -> None:
           f"{', heap kept' if args.kept_heap else ''}; payload "
           f"{format_size(payload)}, working set {format_size(working_set)}")
     print(f"{'system':<8}{'budget':>12}{'median s':>10}{'ratio':>8}{'CPU s':>8}{'ratio':>8}"
-          f"{'moved/step':>13}{'faults/step':>13}")
+          f"{'paired':>8}{'90% interval':>14}{'moved/step':>13}{'faults/step':>13}")
     for name, values in times.items():
         median, cpu_median = statistics.median(values), statistics.median(cpu[name])
         budget = format_size(budgets[name]) if name in budgets else "-"
         bytes_moved = format_size(moved[name]) if name in moved else "-"
+        ratio, low, high = paired(values, times["plain"])
         print(f"{name:<8}{budget:>12}{median:>10.3f}{median / base_median:>8.2f}"
-              f"{cpu_median:>8.3f}{cpu_median / base_cpu:>8.2f}{bytes_moved:>13}"
+              f"{cpu_median:>8.3f}{cpu_median / base_cpu:>8.2f}{ratio:>8.3f}"
+              f"{f'{low:.3f}-{high:.3f}':>14}{bytes_moved:>13}"
               f"{statistics.median(faults[name]):>13,.0f}")
     print(f"{args.model} on {device}: plain {base_median:.3f} s/step; " + ", ".join(
         f"{name} {statistics.median(values) / base_median:.2f}x"
         for name, values in times.items() if name != "plain")
         + f"; CPU: plain {base_cpu:.3f} s/step; " + ", ".join(
         f"{name} {statistics.median(values) / base_cpu:.2f}x"
-        for name, values in cpu.items() if name != "plain"))
+        for name, values in cpu.items() if name != "plain")
+        + "; paired: " + ", ".join(
+        "{} {:.3f} ({:.3f}-{:.3f})".format(name, *paired(values, times["plain"]))
+        for name, values in times.items() if name != "plain"))
 
 
 if __name__ == "__main__":
