@@ -31,7 +31,6 @@ import torch
 
 from engine.chunks.state import ACTIVITY, IllegalTransition, TensorState, check_transition
 from engine.distributed.shards import Shard
-from engine.placement import rules
 
 
 class _Waits(Protocol):
@@ -174,7 +173,7 @@ class Chunk:
     grad: torch.Tensor | None = None  # device gradient buffer while backward fills it
     host_grad: torch.Tensor | None = None  # fp32 only: where gradients land on the host
     # Autograd's own gradient per parameter, keyed by the slot's offset: a resident chunk's
-    # until the update, a chunk of one parameter's until it goes home (`keeps_grad`).
+    # until the update, another's until they go home (rules.keeps_grad).
     slot_grads: dict[int, tuple[Slot, torch.Tensor]] = field(default_factory=dict)
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
@@ -217,12 +216,9 @@ class Chunk:
         return self.resident and self.shard is None
 
     @property
-    def keeps_grad(self) -> bool:
-        """A non-resident chunk of one parameter keeps autograd's gradient until it goes
-        home, as a resident chunk keeps its own (engine.placement.rules.keeps_grad)."""
-        return rules.keeps_grad(len(self.slots), resident=self.resident,
-                                sharded=self.shard is not None,
-                                payload_on_disk=self.payload_on_disk)
+    def kept_grad_bytes(self) -> int:
+        """Bytes of autograd's gradients the chunk keeps (`slot_grads`)."""
+        return sum(g.nbytes for _, g in self.slot_grads.values())
 
     @property
     def on_device(self) -> bool:

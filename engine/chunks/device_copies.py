@@ -98,7 +98,9 @@ class DeviceCopies(ChunkTiers):
             return
         opening = 0
         if phase == "backward":
-            opening = sum(c.nbytes for i in trace.points[pos].grad_chunks
+            # Gradients kept as they come (keeps_grad) are counted already as they arrive.
+            opening = sum(c.nbytes - c.kept_grad_bytes
+                          for i in trace.points[pos].grad_chunks
                           if (c := self.chunks[i]).grad is None and not c.resident
                           and c.grads_pending > 0)
         forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening)

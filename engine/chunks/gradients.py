@@ -1,7 +1,9 @@
 """Gradients: the device buffers they gather in, and where they go once complete.
 
 A non-resident chunk's gradients gather in a device buffer and go home (to the host, or to
-disk through I/O buffers) once every parameter's is in; a resident chunk keeps autograd's
+disk through I/O buffers) once every parameter's is in, or, where a buffer would only be a
+second copy (rules.keeps_grad: the simulated device, a chunk of one parameter), stay
+autograd's tensors until then and go home one by one; a resident chunk keeps autograd's
 tensors; a gradient after its chunk's went home (a later micro-batch, a module used twice)
 is added where they are. Sharded, complete buffers are handed to the reduction
 (engine.chunks.sharding).
@@ -19,6 +21,13 @@ from engine.placement import rules
 class Gradients(ChunkTiers):
     """The manager's gradient side (room is made, and prefetches settled, by DeviceCopies;
     parts on disk are the DiskSide's spill)."""
+
+    def keeps_grad(self, chunk: Chunk) -> bool:
+        """Whether non-resident `chunk` keeps autograd's gradients until they go home
+        (rules.keeps_grad) rather than a gradient buffer."""
+        return rules.keeps_grad(len(chunk.slots), resident=chunk.resident,
+                                sharded=chunk.sharded, payload_on_disk=chunk.payload_on_disk,
+                                simulated=self.device.simulated)
 
     def grad_buffer(self, chunk: Chunk, pos: int) -> torch.Tensor:
         self.flight.wait(chunk)
@@ -126,21 +135,31 @@ class Gradients(ChunkTiers):
         chunk.holds_grads = True
 
     def _send_kept_grad(self, chunk: Chunk) -> None:
-        """A chunk that keeps its one parameter's gradient (Chunk.keeps_grad) sends it home,
-        the home's padding zeroed beside it (the global norm reads every element)."""
+        """A chunk that keeps autograd's gradients (keeps_grad) sends them home one by one,
+        what none of them writes (padding, parameters that got none) zeroed beside them: the
+        global norm reads every element, and a parameter without a gradient is not moved."""
         self.settle(chunk)  # the home may be the payload a prefetch reads
         home = self.grad_home(chunk)
-        ((slot, grad),) = chunk.slot_grads.values()
-        self._copy(home[slot.offset:slot.offset + slot.numel], grad, "d2h", host_reads=False)
-        home[:slot.offset].zero_()
-        home[slot.offset + slot.numel:].zero_()
+        end = 0
+        for slot in sorted(chunk.slots, key=lambda s: s.offset):
+            if slot.offset > end:
+                home[end:slot.offset].zero_()
+            span = home[slot.offset:slot.offset + slot.numel]
+            kept = chunk.slot_grads.get(slot.offset)
+            if kept is None:
+                span.zero_()
+            else:
+                self._copy(span, kept[1], "d2h", host_reads=False)
+            end = max(end, slot.offset + slot.numel)
+        home[end:].zero_()
         self.drop_slot_grads(chunk)
         chunk.mark_stale()  # the device copy will be outdated by the update
         chunk.holds_grads = True
 
     def keep_slot_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, pos: int) -> None:
-        """A resident chunk, or one of one parameter (Chunk.keeps_grad), keeps autograd's
-        gradient tensor `grad` (flattened) as is: no buffer, no copy.
+        """A resident chunk, or one that keeps its gradients until they go home
+        (keeps_grad), keeps autograd's gradient tensor `grad` (flattened) as is: no buffer,
+        no copy.
 
         A resident chunk's room was planned with the residency, but the auto policy may
         have filled it with idle chunks since: those go first. A second gradient for the
@@ -155,7 +174,7 @@ class Gradients(ChunkTiers):
         self.on_change()
 
     def drop_slot_grads(self, chunk: Chunk) -> None:
-        self.device_bytes -= sum(g.nbytes for _, g in chunk.slot_grads.values())
+        self.device_bytes -= chunk.kept_grad_bytes
         chunk.slot_grads.clear()
         self.on_change()
 

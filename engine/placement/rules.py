@@ -172,14 +172,24 @@ def evictions(need: int, free: int, idle: Iterable[int], nbytes: Callable[[int],
     return victims, 0
 
 
-def keeps_grad(params: int, *, resident: bool, sharded: bool, payload_on_disk: bool) -> bool:
-    """Whether a chunk keeps autograd's gradient on the device until it goes home, rather
-    than a gradient buffer: a resident one always; another where it holds `params` == 1,
-    whose gradient is the chunk's whole, so a buffer would only be a second copy of it
-    beside the first (a tied embedding's: at the head's backward, the start of backward's
-    peak). Not sharded (the ranks reduce whole buffers) nor with its payload on disk
-    (gradients land in I/O buffers). This is the non-resident case."""
-    return params == 1 and not resident and not sharded and not payload_on_disk
+def keeps_grad(params: int, *, resident: bool, sharded: bool, payload_on_disk: bool,
+               simulated: bool) -> bool:
+    """Whether a non-resident chunk keeps autograd's gradients on the device until they go
+    home, each copied there as it is, rather than gathering them in a gradient buffer that
+    goes home in one copy (a resident chunk keeps its own until the update, always).
+
+    Where the chunk holds `params` == 1, its gradient is the chunk's whole, so a buffer
+    would only be a second copy of it beside the first (a tied embedding's: at the head's
+    backward, the start of backward's peak). On the `simulated` device, any chunk: a copy
+    there is a memcpy at the same speed whatever its size, so the buffer would be a second
+    copy of every gradient (a whole model's bytes a step) for nothing; on a GPU one copy of
+    the buffer is what its copy engine does best, where a chunk's dozen parameters would
+    be as many small copies. Kept gradients never take more device bytes than the buffer
+    would (they add up to the chunk's parameters, the buffer is the whole chunk).
+    Not sharded (the ranks reduce whole buffers) nor with its payload on disk (gradients
+    land in I/O buffers)."""
+    return ((params == 1 or simulated) and not resident and not sharded
+            and not payload_on_disk)
 
 
 def grads_land_per_step(*, aliased: bool, sharded: bool, disk_tier: bool) -> bool:

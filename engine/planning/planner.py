@@ -163,6 +163,7 @@ class _Planner:
             disk=self.host.disk_payloads(resident) if trace is not None else None,
             sharding=ShardedReplay if self.cost.sharded else None,
             grads_land_in_step=self.host.grads_land_in_step,
+            simulated=self.simulated,
         )
 
     def _allocator_slack(self) -> int:

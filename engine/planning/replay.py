@@ -60,6 +60,7 @@ class StepReplay:
         disk: DiskPayloads | None = None,
         sharding: Callable[[StepReplay], DataParallel] | None = None,
         grads_land_in_step: bool = False,
+        simulated: bool = True,
     ) -> None:
         if cost.sharded != (sharding is not None):
             raise ValueError("a sharded step, and only one, replays with its data-parallel side")
@@ -94,11 +95,14 @@ class StepReplay:
         # (rules.grads_land_per_step), where the step is one micro-batch: bytes of those
         # made so far this step, and the two figures above with them.
         self.grads_land_in_step = grads_land_in_step
+        self.simulated = simulated  # the device the step runs on (rules.keeps_grad)
         self.landed = self.beside_landed = self.footprint_landed = 0
         self.grads: set[int] = set()
         self.grad_bytes = 0
-        # Chunks of one parameter keeping autograd's gradient until it goes home: bytes.
+        # Chunks keeping autograd's gradients until they go home (rules.keeps_grad): bytes.
         self.kept_grads: dict[int, int] = {}
+        # Kept gradients whose free the recording has yet to report (`non_model`): bytes.
+        self.adopted = 0
         # Chunks whose gradients are coming in, resident or not, and their bytes: the
         # working set counts a gradient buffer for each (engine.placement.trace).
         self.opened: set[int] = set()
@@ -280,13 +284,14 @@ class StepReplay:
         self._sample()
 
     def _keeps_grad(self, chunk: int) -> bool:
-        """Chunk.keeps_grad."""
+        """Gradients.keeps_grad."""
         return rules.keeps_grad(len(self.lay.params[chunk]), resident=chunk in self.resident,
                                 sharded=self.sharding is not None,
-                                payload_on_disk=chunk in self.disk.chunks)
+                                payload_on_disk=chunk in self.disk.chunks,
+                                simulated=self.simulated)
 
     def _send_kept_grad(self, chunk: int) -> None:
-        """ChunkManager._send_kept_grad: the one parameter's gradient goes home."""
+        """ChunkManager._send_kept_grad: the kept gradients go home."""
         nbytes = self.kept_grads.pop(chunk)
         self.copied += nbytes
         self.device_bytes -= nbytes
@@ -340,7 +345,8 @@ class StepReplay:
             return
         opening = 0
         if phase == "backward":
-            opening = sum(self.nbytes[c] for c in trace.points[pos].grad_chunks
+            opening = sum(self.nbytes[c] - self.kept_grads.get(c, 0)
+                          for c in trace.points[pos].grad_chunks
                           if c not in self.grads and c not in self.resident and self.pending[c])
         forecast = rules.prefetch_forecast(trace, pos, self.nm, opening)
         chosen = rules.prefetches(
@@ -411,6 +417,12 @@ class StepReplay:
                 self._set(param, None)
 
     def non_model(self, delta: int) -> None:
+        if delta < 0 and self.adopted:
+            taken = min(self.adopted, -delta)
+            self.adopted -= taken
+            delta += taken
+            if not delta:
+                return
         self.nm += delta
         if delta > 0:
             self._keep_room(tuple(self.busy | self.grads))
@@ -451,12 +463,17 @@ class StepReplay:
                 self.open_grads(chunk, (chunk,))
         elif chunk in self.resident or self._keeps_grad(chunk):
             # Autograd's own gradient tensor is kept (keep_slot_grad): until the update, or
-            # until it goes home (a chunk of one parameter, Chunk.keeps_grad).
+            # until it goes home (rules.keeps_grad).
             nbytes = self.lay.sizes[param] * self.itemsize
             self._make_room(nbytes, (chunk,))
             self.device_bytes += nbytes
+            # It is model data from now on, not non-model (the engine's count disowns it,
+            # StepRunner._adopt_kept_grads); the recording frees it right after this event,
+            # a drop taken here already.
+            self.nm -= nbytes
+            self.adopted += nbytes
             if chunk not in self.resident:
-                self.kept_grads[chunk] = nbytes
+                self.kept_grads[chunk] = self.kept_grads.get(chunk, 0) + nbytes
             self._sample()
         elif chunk not in self.grads:
             self.open_grads(chunk, (chunk,))

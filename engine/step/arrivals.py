@@ -82,7 +82,7 @@ class GradientArrivals:
             m.keep_slot_grad(chunk, slot, grad, pos)
         elif chunk.holds_grads:
             m.add_late_grad(chunk, slot, grad, pos)
-        elif chunk.keeps_grad:
+        elif m.keeps_grad(chunk):
             m.keep_slot_grad(chunk, slot, grad, pos)
         else:
             buf = m.grad_buffer(chunk, pos)[slot.offset:slot.offset + slot.numel]

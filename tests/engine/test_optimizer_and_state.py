@@ -111,17 +111,23 @@ def test_gradient_buffers_hold_no_stale_bytes_where_no_gradient_was_written(poli
     ref_losses, ref_weights = reference_run(model, batches, max_grad_norm=0.5)
     eng = Engine(copy.deepcopy(model), EngineConfig(policy=policy, device_budget="64MiB",
                                                     max_grad_norm=0.5))
-    empty = eng.device.empty
+    empty, host_empty = eng.device.empty, eng.device.host_empty
 
-    def poisoned(numel, dtype):
-        return empty(numel, dtype).fill_(float("nan"))
+    def poisoned(allocate):
+        return lambda numel, dtype: allocate(numel, dtype).fill_(float("nan"))
 
-    eng.device.empty = poisoned  # what a reused allocation may hold
+    # What a reused allocation may hold: on the device, and on the host, where fp32
+    # gradients land in buffers made as they land (the simulated device keeps autograd's
+    # gradients and sends them home one by one, rules.keeps_grad).
+    eng.device.empty, eng.device.host_empty = poisoned(empty), poisoned(host_empty)
     losses = [eng.step(b).loss for b in batches]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     weights = eng.model_state_dict()
     assert whole_model_relative_difference(weights, ref_weights) < 1e-5
     assert torch.equal(weights["unused.weight"], ref_weights["unused.weight"])
+    (unused,) = [c for c in eng.chunks if any(s.name == "unused.weight" for s in c.slots)]
+    assert any(s.param.requires_grad and not s.name.startswith("unused.")
+               for s in unused.slots), "the unused layer shares its chunk with used ones"
 
 
 class SharedBlock(torch.nn.Module):

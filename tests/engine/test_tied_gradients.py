@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import OPTConfig, OPTForCausalLM
 
+from engine.placement import rules
 from engine.planning.planner import plan
 from tests.engine.references import (
     engine_run,
@@ -99,7 +100,9 @@ def test_a_chunk_of_the_tied_weight_alone_keeps_autograds_gradient_and_the_plan_
         tmp_path):
     """The tied weight fills a chunk by itself: its gradient is the chunk's whole, so the
     chunk keeps autograd's tensor until it goes home instead of copying it into a buffer
-    of the same size (Chunk.keeps_grad), and the plan forecasts that peak to the byte."""
+    of the same size (rules.keeps_grad), on any device; on the simulated device, where a
+    buffer is only a second copy, every chunk does so, none takes a gradient buffer, and
+    the plan forecasts that peak to the byte."""
     model = tied_model()
     model.config.save_pretrained(tmp_path)
     batches = make_batches(3, vocab=VOCAB, seq_len=16)
@@ -107,14 +110,21 @@ def test_a_chunk_of_the_tied_weight_alone_keeps_autograds_gradient_and_the_plan_
     try:
         (head,) = [c for c in eng.chunks
                    if any(s.name.endswith("embed_tokens.weight") for s in c.slots)]
-        assert len(head.slots) == 1 and head.keeps_grad
+        assert len(head.slots) == 1
+        on_a_gpu = dict(resident=False, sharded=False, payload_on_disk=False, simulated=False)
+        assert rules.keeps_grad(1, **on_a_gpu) and not rules.keeps_grad(2, **on_a_gpu)
+        assert all(eng.manager.keeps_grad(c) for c in eng.chunks)
         buffers, grad_buffer = [], eng.manager.grad_buffer
         eng.manager.grad_buffer = lambda chunk, pos: (buffers.append(chunk.index),
                                                       grad_buffer(chunk, pos))[1]
+        kept, keep = [], eng.manager.keep_slot_grad
+        eng.manager.keep_slot_grad = lambda chunk, *rest: (kept.append(chunk.index),
+                                                           keep(chunk, *rest))[1]
         stats = eng.step(batches[2])
         losses.append(stats.loss)
-        assert buffers and head.index not in buffers
-        assert not head.slot_grads  # gone home with the rest
+        assert not buffers
+        assert set(kept) == {c.index for c in eng.chunks} and len(kept) > len(eng.chunks)
+        assert not any(c.slot_grads for c in eng.chunks)  # gone home with the rest
         forecast = plan(str(tmp_path), device_mem="64MiB", host_mem="64GiB", precision="fp32",
                         batch_size=2, seq_len=16, simulated=True)
         assert forecast.policies["cpu"].device_peak == stats.memory.device_peak
