@@ -169,6 +169,8 @@ class Gradients(ChunkTiers):
             kept[1].add_(grad)
             return
         self.make_room(grad.nbytes, pos, (chunk,))
+        if not chunk.resident:
+            self.device.own(grad)  # its copy home is device -> host
         chunk.slot_grads[slot.offset] = (slot, grad)
         self.device_bytes += grad.nbytes
         self.on_change()

@@ -114,6 +114,9 @@ class CudaDevice:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)
 
+    def own(self, t: torch.Tensor) -> None:
+        pass  # a CUDA tensor says where it is
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         # Pageable: copies stream through the pinned staging ring instead.
         return torch.empty(numel, dtype=dtype)

@@ -74,6 +74,12 @@ class ComputeDevice(Protocol):
         """Memory kept for later buffers (on the simulated device, host memory)."""
         ...
 
+    def own(self, t: torch.Tensor) -> None:
+        """`t`, which the model's ops made (autograd's gradient a chunk keeps), is on the
+        device: a copy from it goes to the host (the simulated device tells a copy's
+        direction by the tensors it made; on CUDA the tensor says where it is)."""
+        ...
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, host_reads: bool = True) -> float:
         """Stream-ordered copy; device -> host without `host_reads` lands by `settle_host`."""
         ...

@@ -57,6 +57,9 @@ class SimulatedDevice:
         self._device_tensors[t] = True
         return t
 
+    def own(self, t: torch.Tensor) -> None:
+        self._device_tensors[t] = True
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 

@@ -17,9 +17,9 @@ through the engine's own hooks, which records what the engine would see:
 the modules in the order they run, every byte an op allocates and frees (counted the way the
 engine counts non-model bytes on the simulated device), and when each gradient arrives. That
 recording is then replayed against the engine's own chunk layout under each policy, with the
-manager's rules (fetch before use, evict the chunk used farthest ahead, gradient buffers until
-a chunk's last gradient is in, optimizer state resident for cuda and the margin, room kept
-for the traced non-model peak), in bytes only.
+manager's rules (fetch before use, evict the chunk used farthest ahead, gradient buffers, or
+autograd's gradients kept, until a chunk's last gradient is in, optimizer state resident for
+cuda and the margin, room kept for the traced non-model peak), in bytes only.
 
 Decoder stacks repeat one layer, so a large model is traced with TRACE_LAYERS layers and its
 inner layer is repeated in the recording: opt-30b plans in about as long as opt-125m.

@@ -53,7 +53,8 @@ class _Recorder(LiveBytes):
 
     Parameters exist before the step, so no op allocates them: model data is left out
     exactly as the engine leaves its chunk payloads out. Gradients are freed as soon as
-    they arrive (the engine copies them into chunks, which the replay counts).
+    they arrive (the engine copies them into chunks' buffers or keeps them as model data,
+    which the replay counts).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:

@@ -425,7 +425,7 @@ class StepReplay:
                 return
         self.nm += delta
         if delta > 0:
-            self._keep_room(tuple(self.busy | self.grads))
+            self._keep_room(tuple(self.busy | self.grads | self.kept_grads.keys()))
         else:
             self._sample()
 

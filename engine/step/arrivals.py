@@ -1,9 +1,11 @@
 """GradientArrivals: where each parameter's gradient goes as autograd makes it.
 
 Into the chunk's device gradient buffer (opened by the first to arrive), kept as it is by a
-resident chunk, added to what went home already, or, data parallel, into the buffer that is
-reduce-scattered once complete. A chunk whose gradients have started but not finished
-arriving holds its buffer: those are the `opening` chunks a trace's working set counts.
+resident chunk and, until they go home, by one whose buffer would only be a second copy
+(rules.keeps_grad: the simulated device, a chunk of one parameter), added to what went home
+already, or, data parallel, into the buffer that is reduce-scattered once complete. A chunk
+whose gradients have started but not finished arriving holds its buffer, or what it kept:
+those are the `opening` chunks a trace's working set counts (a whole buffer each).
 A tied weight's gradient arrives use by use (engine.step.tied_uses) and is complete with
 its last use's.
 """

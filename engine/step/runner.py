@@ -107,7 +107,8 @@ class StepRunner:
     # chunk payloads exist before the step (no op allocates them), a gradient buffer is an
     # uninitialised allocation the counter asks about (`_is_model_storage`), as is a host
     # buffer gradients land in (made as they land, rules.grads_land_per_step), and a
-    # gradient a resident chunk keeps was autograd's until then (`_adopt_kept_grads`).
+    # gradient a chunk keeps (rules.keeps_grad) was autograd's until then
+    # (`_adopt_kept_grads`).
 
     def _is_model_storage(self, key: int) -> bool:
         return any(t is not None and storage_key(t) == key
@@ -203,7 +204,9 @@ class StepRunner:
                                         min(self._interval_peak, self.peak - model, room))
 
     def _chunks_in_use(self) -> tuple[Chunk, ...]:
-        return tuple(c for c in self.chunks if c.in_use() or c.grad is not None)
+        # A chunk whose gradients are coming in, into a buffer or kept as they are.
+        return tuple(c for c in self.chunks
+                     if c.in_use() or c.grad is not None or c.slot_grads)
 
     # --- hook callbacks -----------------------------------------------------------------------
 

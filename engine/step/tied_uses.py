@@ -8,8 +8,9 @@ the chunk and its gradient buffer, at the step's peak.
 
 So each forward use of a parameter that more than one module holds runs on a leaf of its
 own that views the parameter's storage (an alias, swapped in for that module's forward
-only). Each alias's gradient goes to `on_grad` as soon as autograd has it, to be added into
-the chunk's gradient buffer, and the parameter's gradient is complete with its last use.
+only). Each alias's gradient goes to `on_grad` as soon as autograd has it, to be added where
+the chunk gathers its gradients (engine.step.arrivals), and the parameter's gradient is
+complete with its last use.
 A use in backward (activation checkpointing's recomputation) or without grad gets no alias:
 its gradient, if any, comes through the parameter's own hook, as every other one does.
 

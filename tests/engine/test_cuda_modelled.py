@@ -45,6 +45,9 @@ class ModelledGpu(SimulatedDevice):
         self._live: LiveBytes | None = None
         self._host_tensors = WeakIdKeyDictionary()
 
+    def own(self, t: torch.Tensor) -> None:
+        pass  # as CudaDevice: what the model's ops made stays the allocator's live bytes
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = super().host_empty(numel, dtype)
         self._host_tensors[t] = True

@@ -96,13 +96,19 @@ def test_the_working_set_is_the_peak_the_step_reaches_and_a_budget_of_it_runs():
         eng.close()
 
 
+@pytest.mark.parametrize("as_on_a_gpu", [False, True], ids=["simulated", "as-on-a-gpu"])
 def test_a_chunk_of_the_tied_weight_alone_keeps_autograds_gradient_and_the_plan_knows(
-        tmp_path):
+        tmp_path, monkeypatch, as_on_a_gpu):
     """The tied weight fills a chunk by itself: its gradient is the chunk's whole, so the
     chunk keeps autograd's tensor until it goes home instead of copying it into a buffer
-    of the same size (rules.keeps_grad), on any device; on the simulated device, where a
-    buffer is only a second copy, every chunk does so, none takes a gradient buffer, and
-    the plan forecasts that peak to the byte."""
+    of the same size (rules.keeps_grad), on any device. On the simulated device, where a
+    buffer is only a second copy, every chunk does so and none takes a gradient buffer;
+    on a GPU (the rule asked as a GPU's, by the engine and the plan alike) the others
+    gather theirs in a buffer. Either way the plan forecasts the peak to the byte."""
+    if as_on_a_gpu:
+        keeps = rules.keeps_grad
+        monkeypatch.setattr(rules, "keeps_grad",
+                            lambda params, **kw: keeps(params, **{**kw, "simulated": False}))
     model = tied_model()
     model.config.save_pretrained(tmp_path)
     batches = make_batches(3, vocab=VOCAB, seq_len=16)
@@ -110,10 +116,7 @@ def test_a_chunk_of_the_tied_weight_alone_keeps_autograds_gradient_and_the_plan_
     try:
         (head,) = [c for c in eng.chunks
                    if any(s.name.endswith("embed_tokens.weight") for s in c.slots)]
-        assert len(head.slots) == 1
-        on_a_gpu = dict(resident=False, sharded=False, payload_on_disk=False, simulated=False)
-        assert rules.keeps_grad(1, **on_a_gpu) and not rules.keeps_grad(2, **on_a_gpu)
-        assert all(eng.manager.keeps_grad(c) for c in eng.chunks)
+        assert len(head.slots) == 1 and eng.manager.keeps_grad(head)
         buffers, grad_buffer = [], eng.manager.grad_buffer
         eng.manager.grad_buffer = lambda chunk, pos: (buffers.append(chunk.index),
                                                       grad_buffer(chunk, pos))[1]
@@ -122,8 +125,11 @@ def test_a_chunk_of_the_tied_weight_alone_keeps_autograds_gradient_and_the_plan_
                                                            keep(chunk, *rest))[1]
         stats = eng.step(batches[2])
         losses.append(stats.loss)
-        assert not buffers
-        assert set(kept) == {c.index for c in eng.chunks} and len(kept) > len(eng.chunks)
+        if as_on_a_gpu:
+            assert buffers and head.index not in buffers and set(kept) == {head.index}
+        else:
+            assert not buffers
+            assert set(kept) == {c.index for c in eng.chunks} and len(kept) > len(eng.chunks)
         assert not any(c.slot_grads for c in eng.chunks)  # gone home with the rest
         forecast = plan(str(tmp_path), device_mem="64MiB", host_mem="64GiB", precision="fp32",
                         batch_size=2, seq_len=16, simulated=True)
