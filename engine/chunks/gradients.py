@@ -11,6 +11,8 @@ is added where they are. Sharded, complete buffers are handed to the reduction
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.chunks.chunk import Chunk, Slot
@@ -115,7 +117,7 @@ class Gradients(ChunkTiers):
         if chunk.grad is None:
             return
         self.settle(chunk)  # the home may be the payload a prefetch reads
-        _zero_unwritten(chunk)
+        _zero_unwritten(chunk.grad, chunk, lambda slot: slot.got_grad)
         if chunk.payload_on_disk and chunk.holds_grads:
             self._late.pop(chunk.index, None)
             self.spill.add_grads(chunk, chunk.grad,
@@ -140,18 +142,10 @@ class Gradients(ChunkTiers):
         global norm reads every element, and a parameter without a gradient is not moved."""
         self.settle(chunk)  # the home may be the payload a prefetch reads
         home = self.grad_home(chunk)
-        end = 0
-        for slot in sorted(chunk.slots, key=lambda s: s.offset):
-            if slot.offset > end:
-                home[end:slot.offset].zero_()
-            span = home[slot.offset:slot.offset + slot.numel]
-            kept = chunk.slot_grads.get(slot.offset)
-            if kept is None:
-                span.zero_()
-            else:
-                self._copy(span, kept[1], "d2h", host_reads=False)
-            end = max(end, slot.offset + slot.numel)
-        home[end:].zero_()
+        for slot, grad in chunk.slot_grads.values():
+            self._copy(home[slot.offset:slot.offset + slot.numel], grad, "d2h",
+                       host_reads=False)
+        _zero_unwritten(home, chunk, lambda slot: slot.offset in chunk.slot_grads)
         self.drop_slot_grads(chunk)
         chunk.mark_stale()  # the device copy will be outdated by the update
         chunk.holds_grads = True
@@ -192,14 +186,16 @@ class Gradients(ChunkTiers):
             chunk.grad = None
 
 
-def _zero_unwritten(chunk: Chunk) -> None:
-    """Zero the parts of the gradient buffer no gradient wrote: padding, and parameters that
-    got none this step (their update is undone, but the global norm reads every element)."""
+def _zero_unwritten(grads: torch.Tensor, chunk: Chunk, written: Callable[[Slot], bool]
+                    ) -> None:
+    """Zero the parts of `grads` (a gradient buffer, or the home they went to) laid out as
+    `chunk` that no gradient wrote: padding, and parameters not `written` this step (their
+    update is undone, but the global norm reads every element)."""
     end = 0
     for slot in sorted(chunk.slots, key=lambda s: s.offset):
         if slot.offset > end:
-            chunk.grad[end:slot.offset].zero_()
-        if not slot.got_grad:
-            chunk.grad[slot.offset:slot.offset + slot.numel].zero_()
+            grads[end:slot.offset].zero_()
+        if not written(slot):
+            grads[slot.offset:slot.offset + slot.numel].zero_()
         end = max(end, slot.offset + slot.numel)
-    chunk.grad[end:].zero_()
+    grads[end:].zero_()
