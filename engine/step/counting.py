@@ -18,11 +18,20 @@ experts, are not in the key). The rest run without the dispatch mode:
 - their peaks are the last counted step's when the fingerprint matches (the same ops and
   the same chunks at the same points reach the same bytes); otherwise each sample takes
   the interval's traced peak, an upper bound, and the next step counts again.
+
+A step that does not count and whose chunks are all resident (their device copies are
+their homes: nothing can move, so its fingerprint is the counted one's by construction) is
+*quiet*: it reports the last count's peaks and timeline (`repeat`), and the runner's hooks
+do nothing in it but watch for an interrupt (engine.step.runner). Measured on a 6-layer
+OPT under cuda: the hooks' work was 2% of a step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from engine.telemetry import TimelinePoint
 
 __all__ = ["CountedSteps", "RECOUNT_EVERY"]
 
@@ -39,6 +48,7 @@ class _Counted:
     peak: int
     non_model_peak: int
     tops: list[tuple[int, int]]  # per trace interval: (model, non-model) at its peak
+    timeline: list[TimelinePoint]  # the counted micro-batch's, which a quiet one repeats
     since: int = 0  # uncounted steps that reused these figures
     # Whether the count before this one had the same fingerprint: the placement has
     # settled (after a trace or a change, chunks may still be moving into their places).
@@ -86,17 +96,19 @@ class CountedSteps:
         """A failed micro-batch: count the next one."""
         self._last.pop(self._micro, None)
 
-    def finish(self, peak: int, non_model_peak: int, tops: list[tuple[int, int]]
+    def finish(self, peak: int, non_model_peak: int, timeline: list[TimelinePoint]
                ) -> tuple[int, int, list[tuple[int, int]]]:
         """The micro-batch is over: returns its (peak, non-model peak, interval tops), those
         it measured when counting, else the counted ones its fingerprint matches, else the
-        upper bounds it sampled."""
+        upper bounds it sampled (`timeline`'s)."""
         fingerprint = tuple(self._marks)
+        tops = [(p.model_bytes, p.non_model_bytes) for p in timeline]
         if self.counting:
             if not self._tracing:
                 before = self._last.get(self._micro)
                 self._last[self._micro] = _Counted(
                     fingerprint, peak, non_model_peak, tops,
+                    [dataclasses.replace(p) for p in timeline],
                     settled=before is not None and before.fingerprint == fingerprint)
             return peak, non_model_peak, tops
         last = self._last.get(self._micro)
@@ -105,3 +117,11 @@ class CountedSteps:
             return peak, non_model_peak, tops
         last.since += 1
         return last.peak, last.non_model_peak, list(last.tops)
+
+    def repeat(self) -> tuple[int, int, list[TimelinePoint]]:
+        """A quiet micro-batch is over (see the module doc; it does not count, so a settled
+        count of its micro-batch exists): that count's (peak, non-model peak, timeline)."""
+        last = self._last[self._micro]
+        last.since += 1
+        return (last.peak, last.non_model_peak,
+                [dataclasses.replace(p) for p in last.timeline])

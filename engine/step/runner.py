@@ -3,7 +3,9 @@
 Forward pre-hooks fetch a module's chunks, forward hooks wrap its outputs so that backward
 fetches them again, gradient hooks move each finished gradient into its chunk. Between two
 such module boundaries (a trace *point*) it samples the device's bytes: on the warm-up step
-that becomes the trace the placement rules forecast from.
+that becomes the trace the placement rules forecast from. In a quiet micro-batch (nothing
+counted, every chunk's device copy its home: engine.step.counting) the hooks only watch for
+an interrupt, and the micro-batch reports the last counted one's peaks and timeline.
 
 The public facade (engine.step.engine.Engine) owns the settings and the optimizer; this
 class owns only what happens between the first forward pre-hook and the end of backward.
@@ -83,6 +85,7 @@ class StepRunner:
         self._in_backward = False
         self._evicting = False
         self._interrupted = False
+        self._quiet = False  # this micro-batch is quiet (engine.step.counting): hooks idle
         self.slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
         self._handles, owned = install(model, pre_forward=self._pre_forward,
                                        post_forward=self._post_forward, borrowed=borrowed,
@@ -174,7 +177,7 @@ class StepRunner:
             self._sample()
 
     def _sample(self) -> None:
-        if self._evicting or not hasattr(self, "manager"):
+        if self._evicting or self._quiet or not hasattr(self, "manager"):
             return
         model = self.manager.device_bytes
         if self.device.simulated:
@@ -213,12 +216,15 @@ class StepRunner:
     def interrupt(self) -> None:
         self._interrupted = True
 
-    def _point(self, key: int, phase: str, fetch: bool = True) -> None:
-        """A module is about to run, with its chunks if `fetch` (engine.step.backward_reads):
-        close the trace interval and open the next."""
+    def _stop_if_interrupted(self, phase: str) -> None:
         if self._interrupted:
             self._interrupted = False
             raise StepInterrupted(f"step {self.step_number} was interrupted in the {phase}")
+
+    def _point(self, key: int, phase: str, fetch: bool = True) -> None:
+        """A module is about to run, with its chunks if `fetch` (engine.step.backward_reads):
+        close the trace interval and open the next."""
+        self._stop_if_interrupted(phase)
         chunks = self.module_chunks[key] if fetch else ()
         if not self.device.simulated:
             self._sample()  # the allocator's peak since the last sample is the closing one's
@@ -256,8 +262,12 @@ class StepRunner:
 
     def _on_arrival(self) -> None:
         """A gradient arrives: the interval's next part begins, and the forecast is of
-        the peak still to come in it (engine.placement.trace)."""
+        the peak still to come in it (engine.placement.trace). In a quiet micro-batch,
+        where no module boundary is seen in backward, an interrupt stops it here."""
         if not self._in_step:
+            return
+        if self._quiet:
+            self._stop_if_interrupted("backward")
             return
         self._sample()
         self._parts.append((self._interval_ws, self._interval_peak))
@@ -274,6 +284,11 @@ class StepRunner:
             self.manager.prepare_outside_step(self.module_chunks[key])
             for chunk, slot in self.module_slots[key]:
                 chunk.set_state(slot, S.COMPUTE)
+            return
+        if self._quiet:
+            # Every chunk's copy is its home and nothing is counted: nothing to fetch,
+            # make room for or record, so its parameters stay HOLD (engine.step.counting).
+            self._stop_if_interrupted("forward")
             return
         self._point(key, "forward")
         # A forward inside backward is activation checkpointing's recompute: gradients may
@@ -292,6 +307,10 @@ class StepRunner:
             for chunk, slot in self.module_slots[key]:
                 if slot.state == S.COMPUTE:
                     chunk.set_state(slot, S.HOLD)
+            return output
+        if self._quiet:
+            # Nor in backward: a tied weight's uses add up in its gradient where autograd
+            # sums them, as its gradient would have, and the gradient stays where it is.
             return output
         if self.tied.any:
             self.tied.leave(self._modules[key])
@@ -384,7 +403,9 @@ class StepRunner:
         self.device.begin_step(self.manager.device_bytes)
         self.readings.reset(self.manager.device_bytes)
         self.counter.reset()
-        self.counts.begin(tracing=tracing, accumulate=accumulate)
+        counting = self.counts.begin(tracing=tracing, accumulate=accumulate)
+        self._quiet = (self.device.simulated and not counting and self.manager.sharding is None
+                       and all(c.copy_is_home for c in self.chunks))
         self._kept_grads: dict[int, int] = {}  # chunk index -> kept gradients adopted
         for chunk in self.chunks:
             chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)
@@ -423,17 +444,19 @@ class StepRunner:
             self._abort()
             raise
         finally:
-            self._in_step = self._in_backward = False
+            self._in_step = self._in_backward = self._quiet = False
             m.end_step()
         return loss, x1 - x0, x2 - x1
 
     def _finish_count(self) -> None:
         """The step's peaks: measured, or those of the counted step it matches."""
+        if self._quiet:
+            self.peak, self.non_model_peak, self.timeline = self.counts.repeat()
+            return
         m = self.manager
         self.counts.mark(m.device_bytes, m.bytes_h2d, m.bytes_d2h)
-        tops = [(p.model_bytes, p.non_model_bytes) for p in self.timeline]
         self.peak, self.non_model_peak, tops = self.counts.finish(
-            self.peak, self.non_model_peak, tops)
+            self.peak, self.non_model_peak, self.timeline)
         for point, (model, non_model) in zip(self.timeline, tops, strict=True):
             point.model_bytes, point.non_model_bytes = model, non_model
 

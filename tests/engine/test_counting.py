@@ -6,10 +6,12 @@ step whose placement changed reports an upper bound, and the next ones count aga
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks.true_peak import measured_step
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, TensorState
 from engine.step import counting
+from engine.step.engine import StepInterrupted
 from engine.step.non_model import NonModelCounter
 from tests.engine.conftest import build, make_batches
 
@@ -105,3 +107,62 @@ def test_each_micro_batch_keeps_its_own_counted_figures():
     # and settles a step before the first one does.
     assert [n for n, _ in stats] == [2, 2, 1, 0]
     assert stats[3][1].memory.device_peak == stats[2][1].memory.device_peak
+
+
+def points_during(eng: Engine, step) -> int:
+    """How many module boundaries the runner recorded during `step()`."""
+    seen = []
+    point = eng.runner._point
+    eng.runner._point = lambda *args: (seen.append(args), point(*args))[1]
+    try:
+        step()
+    finally:
+        del eng.runner._point
+    return len(seen)
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])  # OPT ties its head to its embedding
+def test_a_quiet_step_trains_exactly_as_a_counted_one_with_its_hooks_idle(arch):
+    """All chunks resident and nothing counted: the hooks do nothing (no boundary is
+    recorded), and the losses and weights are those of an engine that counts every step."""
+    config = EngineConfig(policy="cuda", device_budget="64MiB", simulate=True)
+    eng, ref = Engine(build(arch, layers=3), config), Engine(build(arch, layers=3), config)
+    ref.runner.counts.every_step = True
+    points = [points_during(eng, lambda b=b: eng.step(b)) for b in BATCHES[:6]]
+    assert points[:3] == [points[0]] * 3 and points[0] > 0  # traced, counted, settled
+    assert points[3:] == [0, 0, 0]
+    ref_stats = [ref.step(b) for b in BATCHES[:6]]
+    losses = [eng.step(b).loss for b in BATCHES[6:]]
+    assert losses == [ref.step(b).loss for b in BATCHES[6:]]
+    weights, ref_weights = eng.model_state_dict(), ref.model_state_dict()
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    # It reports the counted step's timeline, module by module.
+    quiet = eng.step(BATCHES[0])
+    assert [(p.phase, p.module, p.model_bytes, p.non_model_bytes) for p in quiet.timeline] == [
+        (p.phase, p.module, p.model_bytes, p.non_model_bytes) for p in ref_stats[-1].timeline]
+    assert all(s.state == TensorState.HOLD for c in eng.chunks for s in c.slots)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_quiet_step_stops_at_an_interrupt_and_changes_nothing(where):
+    config = EngineConfig(policy="cuda", device_budget="64MiB", simulate=True)
+    eng, ref = Engine(build("opt", layers=3), config), Engine(build("opt", layers=3), config)
+    for b in BATCHES[:3]:
+        assert eng.step(b).loss == ref.step(b).loss
+    assert points_during(eng, lambda: eng.step(BATCHES[3])) == 0  # quiet, as the next is
+    ref.step(BATCHES[3])
+    # Asked for in the middle of the forward, or when the first gradient has arrived.
+    if where == "forward":
+        handle = eng.model.model.decoder.layers[1].register_forward_hook(
+            lambda *_: eng.interrupt())
+    else:
+        handle = eng.model.model.decoder.layers[-1].fc2.weight.register_post_accumulate_grad_hook(
+            lambda _: eng.interrupt())
+    before = eng.manager.device_bytes
+    with pytest.raises(StepInterrupted, match=f"interrupted in the {where}"):
+        eng.step(BATCHES[4])
+    handle.remove()
+    assert eng.step_count == 4 and eng.manager.device_bytes == before
+    assert not any(c.slot_grads or c.holds_grads for c in eng.chunks)
+    for b in BATCHES[4:]:
+        assert eng.step(b).loss == ref.step(b).loss
