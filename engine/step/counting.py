@@ -22,8 +22,10 @@ experts, are not in the key). The rest run without the dispatch mode:
 A step that does not count and whose chunks are all resident (their device copies are
 their homes: nothing can move, so its fingerprint is the counted one's by construction) is
 *quiet*: it reports the last count's peaks and timeline (`repeat`), and the runner's hooks
-do nothing in it but watch for an interrupt (engine.step.runner). Measured on a 6-layer
-OPT under cuda: the hooks' work was 2% of a step.
+do nothing in it but watch for an interrupt and give a tied weight's uses their aliases
+(engine.step.tied_uses: so the gradients add up in the counted order and no use's is kept
+longer than counted). Measured on a 6-layer OPT under cuda: the hooks' work was 2% of a
+step.
 """
 
 from __future__ import annotations

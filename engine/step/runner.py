@@ -288,7 +288,11 @@ class StepRunner:
         if self._quiet:
             # Every chunk's copy is its home and nothing is counted: nothing to fetch,
             # make room for or record, so its parameters stay HOLD (engine.step.counting).
+            # A tied weight's uses still run on aliases: autograd would keep one use's
+            # gradient until the last use's arrived, and sum them in another order.
             self._stop_if_interrupted("forward")
+            if not self._in_backward and self.tied.any:
+                self.tied.enter(self._modules[key])
             return
         self._point(key, "forward")
         # A forward inside backward is activation checkpointing's recompute: gradients may
@@ -308,12 +312,10 @@ class StepRunner:
                 if slot.state == S.COMPUTE:
                     chunk.set_state(slot, S.HOLD)
             return output
-        if self._quiet:
-            # Nor in backward: a tied weight's uses add up in its gradient where autograd
-            # sums them, as its gradient would have, and the gradient stays where it is.
-            return output
         if self.tied.any:
             self.tied.leave(self._modules[key])
+        if self._quiet:
+            return output  # nothing to fetch in backward either
         if self._tracing is not None:  # watched on traced steps only
             self.backward_reads.leave(key, (s.param for _, s in self.module_slots[key]))
         for chunk, slot in self.module_slots[key]:
