@@ -217,9 +217,10 @@ class Engine:
     # --- the step ---------------------------------------------------------------------------
 
     def interrupt(self) -> None:
-        """Cut the running step short at the next module boundary (StepInterrupted); with
-        no step running, the next step stops at its first module. Safe to call from a
-        signal handler or another thread: it only sets a flag.
+        """Cut the running step short at the next module boundary (StepInterrupted; in a
+        quiet micro-batch's backward, engine.step.counting, at the next gradient to
+        arrive); with no step running, the next step stops at its first module. Safe to
+        call from a signal handler or another thread: it only sets a flag.
 
         Data parallel: called on any rank, it stops the step on every rank, at the module
         boundary after the next one (the ranks agree on it at a boundary first)."""
