@@ -5,7 +5,8 @@ fetches them again, gradient hooks move each finished gradient into its chunk. B
 such module boundaries (a trace *point*) it samples the device's bytes: on the warm-up step
 that becomes the trace the placement rules forecast from. In a quiet micro-batch (nothing
 counted, every chunk's device copy its home: engine.step.counting) the hooks only watch for
-an interrupt, and the micro-batch reports the last counted one's peaks and timeline.
+an interrupt and give tied weights their aliases, and the micro-batch reports the last
+counted one's peaks and timeline.
 
 The public facade (engine.step.engine.Engine) owns the settings and the optimizer; this
 class owns only what happens between the first forward pre-hook and the end of backward.

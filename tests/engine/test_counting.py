@@ -133,7 +133,7 @@ def test_a_quiet_step_trains_exactly_as_a_counted_one_with_its_hooks_idle(arch, 
     ref.runner.counts.every_step = True
     points = [points_during(eng, lambda b=b: eng.step(b)) for b in BATCHES[:6]]
     # Traced, counted until settled (accumulated, the second micro-batch settles a step
-    # before the first: see the next test but one), then quiet.
+    # before the first: test_each_micro_batch_keeps_its_own_counted_figures), then quiet.
     settling = points[0] if grad_accum == 1 else points[0] // 2
     assert points[0] > 0 and points == [points[0], points[0], settling, 0, 0, 0]
     ref_stats = [ref.step(b) for b in BATCHES[:6]]
