@@ -49,8 +49,9 @@ class _Counted:
     fingerprint: tuple[tuple[int, int, int], ...]
     peak: int
     non_model_peak: int
-    tops: list[tuple[int, int]]  # per trace interval: (model, non-model) at its peak
-    timeline: list[TimelinePoint]  # the counted micro-batch's, which a quiet one repeats
+    # The counted micro-batch's, interval by interval: (model, non-model) bytes at each
+    # interval's peak, which a step like it reports, and a quiet one repeats whole.
+    timeline: list[TimelinePoint]
     since: int = 0  # uncounted steps that reused these figures
     # Whether the count before this one had the same fingerprint: the placement has
     # settled (after a trace or a change, chunks may still be moving into their places).
@@ -104,12 +105,12 @@ class CountedSteps:
         it measured when counting, else the counted ones its fingerprint matches, else the
         upper bounds it sampled (`timeline`'s)."""
         fingerprint = tuple(self._marks)
-        tops = [(p.model_bytes, p.non_model_bytes) for p in timeline]
+        tops = _tops(timeline)
         if self.counting:
             if not self._tracing:
                 before = self._last.get(self._micro)
                 self._last[self._micro] = _Counted(
-                    fingerprint, peak, non_model_peak, tops,
+                    fingerprint, peak, non_model_peak,
                     [dataclasses.replace(p) for p in timeline],
                     settled=before is not None and before.fingerprint == fingerprint)
             return peak, non_model_peak, tops
@@ -118,7 +119,7 @@ class CountedSteps:
             self._last.pop(self._micro, None)
             return peak, non_model_peak, tops
         last.since += 1
-        return last.peak, last.non_model_peak, list(last.tops)
+        return last.peak, last.non_model_peak, _tops(last.timeline)
 
     def repeat(self) -> tuple[int, int, list[TimelinePoint]]:
         """A quiet micro-batch is over (see the module doc; it does not count, so a settled
@@ -127,3 +128,7 @@ class CountedSteps:
         last.since += 1
         return (last.peak, last.non_model_peak,
                 [dataclasses.replace(p) for p in last.timeline])
+
+
+def _tops(timeline: list[TimelinePoint]) -> list[tuple[int, int]]:
+    return [(p.model_bytes, p.non_model_bytes) for p in timeline]

@@ -289,19 +289,17 @@ class StepRunner:
         if self._quiet:
             # Every chunk's copy is its home and nothing is counted: nothing to fetch,
             # make room for or record, so its parameters stay HOLD (engine.step.counting).
-            # A tied weight's uses still run on aliases: autograd would keep one use's
-            # gradient until the last use's arrived, and sum them in another order.
+            # A tied weight's uses still run on aliases (below): autograd would keep one
+            # use's gradient until the last use's arrived, and sum them in another order.
             self._stop_if_interrupted("forward")
-            if not self._in_backward and self.tied.any:
-                self.tied.enter(self._modules[key])
-            return
-        self._point(key, "forward")
-        # A forward inside backward is activation checkpointing's recompute: gradients may
-        # arrive before the next module, and prefetching must leave them room.
-        phase = "backward" if self._in_backward else "forward"
-        self.manager.prepare(self.module_chunks[key], self.pos, phase)
-        for chunk, slot in self.module_slots[key]:
-            chunk.set_state(slot, S.COMPUTE)
+        else:
+            self._point(key, "forward")
+            # A forward inside backward is activation checkpointing's recompute: gradients
+            # may arrive before the next module, and prefetching must leave them room.
+            phase = "backward" if self._in_backward else "forward"
+            self.manager.prepare(self.module_chunks[key], self.pos, phase)
+            for chunk, slot in self.module_slots[key]:
+                chunk.set_state(slot, S.COMPUTE)
         if not self._in_backward and self.tied.any:
             self.tied.enter(self._modules[key])
         if self._tracing is not None and not self._in_backward:
