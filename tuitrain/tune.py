@@ -20,7 +20,10 @@
 5. Trials whose medians lie within the noise of their own steps of the best's (at least
    MIN_UNCERTAINTY) cannot be told apart by one trial each: the best and the closest
    `RUN_OFF` of them are measured again, in turn, and the median of all their settled
-   steps decides. The best is then applied, and kept.
+   steps decides. Those still within `ENOUGH` of the fastest on all their steps are a
+   difference a shared machine does not resolve: of them the one the model forecasts
+   fastest is kept, so two searches of the same run keep the same setting. The best is
+   then applied, and kept.
 
 No UI here: the CLI and the app show the trials (`on_trial`) as they like.
 """
@@ -362,7 +365,16 @@ def _run_off(best: Trial, trials: list[Trial], trainer: Trainer, trial_steps: in
                    f"{len(trial.steps)} steps")
         on_trial(trial)
     measured = [t for t in contest if t.status == MEASURED]
-    return ran, last, min(measured, key=lambda t: t.measured) if measured else best
+    if not measured:
+        return ran, last, best
+    fastest = min(measured, key=lambda t: t.measured)
+    alike = [t for t in measured if t.measured <= fastest.measured * (1 + ENOUGH)]
+    kept = min(alike, key=lambda t: t.forecast.seconds)
+    if kept is not fastest:
+        log.append(f"{kept.candidate.describe()} within {ENOUGH:.0%} of "
+                   f"{fastest.candidate.describe()} on all their steps: kept the one the "
+                   f"model forecasts faster")
+    return ran, last, kept
 
 
 def _against(trial: Trial, best: Trial, trials: list[Trial]) -> None:

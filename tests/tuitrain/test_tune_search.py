@@ -306,6 +306,32 @@ def test_trials_closer_than_their_own_noise_are_measured_again_and_all_their_ste
     assert result.steps == engine.steps == 4 + 4 + 3 + 4
 
 
+def test_trials_within_enough_on_all_their_steps_keep_the_faster_forecast():
+    """Two searches of the same run, whose noise falls either way: after the run-off B is
+    1.5% faster than A on six steps each in the first and 1.5% slower in the second, less
+    than a shared machine resolves. The model, which forecasts A faster, chooses: both
+    keep A."""
+    a_steps = [1.0, 1.02, 0.99, 1.01, 1.0, 1.0]
+    kept, ratios, logs = [], [], []
+    for b_steps in ([0.98, 1.06, 0.92, 1.02, 0.99, 0.97], [1.01, 1.03, 0.99, 1.04, 1.02, 1.0]):
+        clock = FakeClock()
+        engine = NoisyEngine(clock, {A: a_steps, B: b_steps, D: [2.0] * 6})
+        result = search([A, B, D], forecaster({A: 1.0, B: 1.02, D: 1.9}), engine,
+                        clock=clock)
+        by = {t.candidate: t for t in result.trials}
+        assert len(by[A].steps) == len(by[B].steps) == 6
+        assert any("too close to tell" in line for line in result.log)
+        ratios.append(by[B].measured / by[A].measured)
+        kept.append(result.best.candidate)
+        logs.append(" ".join(result.log))
+        assert engine.current == A
+    assert ratios == pytest.approx([0.985, 1.015])
+    assert kept == [A, A]
+    # said where the medians alone would have kept the other
+    said = f"{A.describe()} within 3% of {B.describe()} on all their steps"
+    assert [said in log for log in logs] == [True, False]
+
+
 def test_the_records_of_a_tune_end_with_what_its_final_table_says():
     """`tuitrain tune`'s progress lines and --metrics records over the search above: a line
     and a record per candidate as it is decided, a line and an `again` record for each
