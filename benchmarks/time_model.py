@@ -16,6 +16,12 @@ written once to a temporary folder with random weights), policies cuda/auto/cpu,
 0 and 0.5, two device budgets, activation checkpointing off and on, accumulation 1 and 4,
 the disk tier off and on (a host budget that holds half the chunks). fp32, batch 2 x 128
 per micro-batch. The calibration is this machine's cached one (measured first if absent).
+
+Each row runs in a process of its own, as a user's run does. Run one after another in one
+process, rows with the same plan measured up to 38% apart (opt-125m, auto margin 0.5 at
+4 GiB, with and without an idle disk tier: 0.862 and 1.190 s, where each in a process of its
+own took 0.940 and 0.961 s), and the process's first row took 1.5 s where its own process
+gave 0.98 s.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,6 +51,9 @@ from engine.planning.time_model import step_times
 SEQ = 128
 BATCH = 2  # sequences per micro-batch (--batch)
 TOLERANCE = 0.15
+# Steps left out of the median: the traced one and the counted ones after it, until the
+# chunks settle (engine.step.counting: two counted steps with one fingerprint).
+WARM_UP = 3
 
 
 @dataclass
@@ -88,9 +100,20 @@ def llama_folder(root: Path) -> str:
     return str(folder)
 
 
+def measure_apart(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
+    """`measure` in a new process (this script's `--measure`)."""
+    fields = json.dumps(dataclasses.asdict(row))
+    done = subprocess.run([sys.executable, __file__, "--measure", fields, "--steps", str(steps),
+                           "--batch", str(BATCH), "--disk-dir", disk_dir],
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{row.label()}: {done.stderr.strip().splitlines()[-1:]}")
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
     """(wall, stepping thread's CPU, process CPU) seconds of a steady step: medians, the
-    traced step and the one after it excluded."""
+    first WARM_UP steps excluded."""
     model = build_model(row.model, seed=0)
     if row.checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -111,7 +134,7 @@ def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
             thread.append(time.thread_time() - t0)
             wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
-    return tuple(statistics.median(x[2:]) for x in (wall, thread, cpu))
+    return tuple(statistics.median(x[WARM_UP:]) for x in (wall, thread, cpu))
 
 
 def _half_the_chunks(row: Row) -> int:
@@ -150,15 +173,22 @@ def main() -> None:
     global BATCH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["opt-125m", "llama"])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=WARM_UP + 4)
     parser.add_argument("--quick", action="store_true", help="three rows of the first model")
     parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
                         help="the rows whose label contains every TEXT (e.g. cpu ckpt)")
     parser.add_argument("--rows", nargs="+", default=[], metavar="LABEL",
                         help="these rows alone, by their label as the table prints it")
     parser.add_argument("--batch", type=int, default=BATCH, help="sequences per micro-batch")
+    parser.add_argument("--measure", metavar="ROW", help=argparse.SUPPRESS)  # measure_apart's
+    parser.add_argument("--disk-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     BATCH = args.batch
+    if args.steps <= WARM_UP:
+        parser.error(f"--steps must be more than the {WARM_UP} warm-up steps")
+    if args.measure:
+        print(json.dumps(measure(Row(**json.loads(args.measure)), args.steps, args.disk_dir)))
+        return
     with tempfile.TemporaryDirectory() as root:
         models = [llama_folder(Path(root)) if m == "llama" else m for m in args.models]
         # The model alone: what tunes taught this machine (the learned correction) is left
@@ -176,7 +206,7 @@ def main() -> None:
             if row.note:
                 print(f"{row.label():<44} {row.predicted:9.3f} {'-':>9} {'-':>6}  {row.note}")
                 continue
-            row.measured, row.thread, row.cpu = measure(row, args.steps, root)
+            row.measured, row.thread, row.cpu = measure_apart(row, args.steps, root)
             print(f"{row.label():<44} {row.predicted:9.3f} {row.measured:9.3f} "
                   f"{row.ratio:6.2f} {row.thread:8.3f} {row.cpu:8.3f} "
                   f"{os.getloadavg()[0]:5.1f}", flush=True)
