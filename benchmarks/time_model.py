@@ -107,7 +107,8 @@ def measure_apart(row: Row, steps: int, disk_dir: str) -> tuple[float, float, fl
                            "--batch", str(BATCH), "--disk-dir", disk_dir],
                           capture_output=True, text=True, check=False)
     if done.returncode:
-        raise RuntimeError(f"{row.label()}: {done.stderr.strip().splitlines()[-1:]}")
+        last = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        raise RuntimeError(f"{row.label()}: {last[0]}")
     return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
