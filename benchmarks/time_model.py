@@ -17,11 +17,12 @@ written once to a temporary folder with random weights), policies cuda/auto/cpu,
 the disk tier off and on (a host budget that holds half the chunks). fp32, batch 2 x 128
 per micro-batch. The calibration is this machine's cached one (measured first if absent).
 
-Each row runs in a process of its own, as a user's run does. Run one after another in one
-process, rows with the same plan measured up to 38% apart (opt-125m, auto margin 0.5 at
-4 GiB, with and without an idle disk tier: 0.862 and 1.190 s, where each in a process of its
-own took 0.940 and 0.961 s), and the process's first row took 1.5 s where its own process
-gave 0.98 s.
+Each row runs in a process of its own, as a user's run does, with the heap a run keeps
+(every tensor of a MiB or more mapped afresh: engine.devices.host_memory). Run one after
+another in one process, rows with the same plan measured up to 38% apart (opt-125m, auto
+margin 0.5 at 4 GiB, with and without an idle disk tier: 0.862 and 1.190 s, where each in
+a process of its own took 0.940 and 0.961 s), and the process's first row took 1.5 s where
+its own process gave 0.98 s.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.config import format_size
+from engine.devices.host_memory import steady_heap
 from engine.models.zoo import build_model
 from engine.planning.calibration import calibration
 from engine.planning.planner import plan
@@ -114,7 +116,8 @@ def measure_apart(row: Row, steps: int, disk_dir: str) -> tuple[float, float, fl
 
 def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
     """(wall, stepping thread's CPU, process CPU) seconds of a steady step: medians, the
-    first WARM_UP steps excluded."""
+    first WARM_UP steps excluded. With the heap a run keeps (tuitrain.training_run)."""
+    steady_heap()
     model = build_model(row.model, seed=0)
     if row.checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)

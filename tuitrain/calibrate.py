@@ -41,6 +41,9 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
         print(f"matmul {precision}: {rates}")
     print(f"elementwise: {_bytes(cal.elementwise)} read and written")
     print(f"copies:      host to device {_bytes(cal.h2d)}, device to host {_bytes(cal.d2h)}")
+    if cal.fresh_pages:
+        print(f"new memory:  {_bytes(cal.fresh_pages)} beyond writing it (each page faulted in, "
+              f"zeroed, unmapped)")
     print(f"AdamW:       {cal.adamw_host / 1e6:,.0f} M parameters/s on the host, "
           f"{cal.adamw_device / 1e6:,.0f} M/s on the device")
     disk = (f"read {_bytes(cal.disk_read)}, write {_bytes(cal.disk_write)}" if cal.disk_read

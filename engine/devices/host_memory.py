@@ -55,6 +55,18 @@ M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 MMAP_THRESHOLD = 1 << 20
 KEPT_TOP = 2**31 - 1  # the most free memory a kept heap holds at its top (mallopt's int)
+# glibc's own line never rises above this (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit): a block
+# this large is mapped afresh at every allocation, whatever was freed before.
+GLIBC_MMAP_MAX = 32 << 20
+_mapped_from: list[int | None] = [GLIBC_MMAP_MAX]  # this process's line, as set here
+
+
+def mapped_from() -> int | None:
+    """The size from which this process's allocations are new memory every time (each page
+    faulted in and zeroed when first written, unmapped when freed): MMAP_THRESHOLD under
+    `steady_heap`, none under `kept_heap`, else glibc's own highest line (smaller blocks
+    may be mapped too, until its line has risen past them)."""
+    return _mapped_from[0]
 
 
 @functools.cache
@@ -65,7 +77,10 @@ def steady_heap() -> bool:
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    done = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    if done and _mapped_from[0] is not None:
+        _mapped_from[0] = MMAP_THRESHOLD
+    return done
 
 
 def kept_heap() -> bool:
@@ -82,7 +97,10 @@ def kept_heap() -> bool:
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, KEPT_TOP))
+    done = bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, KEPT_TOP))
+    if done:
+        _mapped_from[0] = None
+    return done
 
 
 def release_free_host_memory() -> bool:

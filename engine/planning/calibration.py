@@ -5,7 +5,8 @@ with (engine.planning.time_model).
     cal.matmul_rate("fp32", hidden=768), cal.h2d, cal.adamw_host, cal.disk_read
 
 What is measured, each on the engine's own path: matmuls per compute dtype at a few widths
-on the compute device; the bytes per second that ops other than matmuls write there; copies
+on the compute device; the bytes per second that ops other than matmuls write there; how
+fast the system hands out new host memory (a page faulted in, zeroed and unmapped); copies
 each way through the device's transfers (the staging ring on CUDA); PyTorch's fused AdamW,
 the engine's update, on the host and on the device; the disk tier's sequential probe in the
 scratch folder; and the engine's own cost per module interval (hooks, chunk states), from a
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import shutil
 import statistics
 import tempfile
@@ -36,11 +38,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.data.tokenizer import atomic_write, cache_dir
+from engine.devices.host_memory import mapped_from
 from engine.planning.machine import busy, fingerprint, load_average, quiet
+
+if TYPE_CHECKING:
+    from engine.planning.flops import StepWork
 
 __all__ = [
     "Calibration",
@@ -54,7 +61,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 5  # bump when what is measured changes: older files are measured again
+FORMAT = 6  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -71,6 +78,7 @@ COPY_BYTES = 64 * 2**20
 # ran at 1.6 G/s.
 ADAMW_ELEMENTS = 16 * 2**20
 ELEMENTWISE_ELEMENTS = 4 * 2**20
+FRESH_BYTES = 64 * 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The correction is the median of the last runs' measured / uncorrected forecast, so that a
 # run whose steps waited for cores (a shared machine) is one voice among several; and it
@@ -97,6 +105,9 @@ class Calibration:
     disk_read: float  # the scratch folder's sequential bandwidth (0: not measured)
     disk_write: float
     op_overhead: float  # the engine's seconds per op beyond the op itself (hooks, counting)
+    # Bytes per second of new host memory beyond writing it: mapped, each page faulted in
+    # and zeroed at its first write, unmapped when freed (0: not measured, costs nothing).
+    fresh_pages: float = 0.0
     # A real decoder's forward and backward measured over what the FLOPs and bytes above
     # forecast for it: the small matmuls, the barriers between a parallel kernel's threads,
     # and the dispatch of each op, which kernels measured alone at their best do not show.
@@ -128,6 +139,10 @@ class Calibration:
                 t = (math.log(hidden) - math.log(lo)) / (math.log(hi) - math.log(lo))
                 return table[lo] * (table[hi] / table[lo]) ** t
         return table[widths[-1]]
+
+    def fresh_seconds(self, nbytes: float) -> float:
+        """Seconds that `nbytes` of new host memory cost beyond the writes into it."""
+        return nbytes / self.fresh_pages if self.fresh_pages > 0 else 0.0
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -312,7 +327,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     # and its first steps take a few seconds on a busy machine.
     # A share for each matmul, the elementwise rate, each copy and each AdamW; the
     # reference decoder REFERENCE_SHARES.
-    clock = _Clock(left * KERNELS_SHARE, len(widths) * len(precisions) + 5 + REFERENCE_SHARES,
+    clock = _Clock(left * KERNELS_SHARE, len(widths) * len(precisions) + 6 + REFERENCE_SHARES,
                    time.perf_counter if cuda else time.thread_time)
     tokens = max(16, int(TOKENS * scale))
     reference = _Reference(where, sync, scale)
@@ -337,6 +352,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     out = torch.empty(n, device=where)
     # Two tensors read, one written.
     elementwise = clock.rate(3 * out.nbytes, lambda: torch.add(x, y, out=out), sync)
+    fresh_pages = _fresh_pages_rate(clock, max(2**16, int(FRESH_BYTES * scale)))
 
     numel = max(4096, int(COPY_BYTES * scale)) // 4
     host, dev = device.host_empty(numel, torch.float32), device.empty(numel, torch.float32)
@@ -360,7 +376,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         device=torch.cuda.get_device_name() if cuda else "simulated",
         matmul=matmul, elementwise=elementwise, h2d=h2d, d2h=d2h,
         adamw_host=adamw_host, adamw_device=adamw_device,
-        disk_read=disk_read, disk_write=disk_write, op_overhead=0.0,
+        disk_read=disk_read, disk_write=disk_write, op_overhead=0.0, fresh_pages=fresh_pages,
     )
     reference.time(clock)  # its second window, after the kernels, the copies and the disk
     cal.compute_factor = reference.factor(cal)
@@ -374,6 +390,27 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     cal.extra["load"] = load  # what else ran: busy cores slow every figure
     cal.measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return cal
+
+
+def _fresh_pages_rate(clock: _Clock, size: int) -> float:
+    """Bytes per second of new host memory beyond writing it: a mapping of `size` bytes
+    written once and unmapped, against the same write into memory already resident. A
+    mapping of its own, whatever line the process's allocator draws (engine.devices
+    .host_memory). The median run: on a virtual machine a fresh page may wait for the
+    host, and a step takes what its pages typically cost. 0 where it cannot be told."""
+    kept = torch.empty(size, dtype=torch.uint8)
+    kept.fill_(0)
+
+    def fresh() -> None:
+        with mmap.mmap(-1, size) as mapping:
+            written = torch.frombuffer(mapping, dtype=torch.uint8)
+            written.fill_(1)
+            del written  # the mapping closes once nothing holds it
+
+    new = size / clock.rate(size, fresh, lambda: None, typical=True, shares=0.5)
+    resident = size / clock.rate(size, lambda: kept.fill_(1), lambda: None, typical=True,
+                                 shares=0.5)
+    return size / (new - resident) if new > resident else 0.0
 
 
 def _adamw_rate(clock: _Clock, elements: int, where: torch.device,
@@ -466,11 +503,14 @@ class _Reference:
         from engine.planning.flops import step_work
 
         work = step_work(self.config, torch.float32, batch_size=self.batch, seq_len=self.seq,
-                         checkpointing=False)
-        forecast = ((work.forward_flops + work.backward_flops)
-                    / cal.matmul_rate("fp32", work.hidden)
-                    + (work.forward_bytes + work.backward_bytes) / cal.elementwise)
-        return statistics.median(self.runs) / forecast if forecast > 0 else 1.0
+                         checkpointing=False, mapped_from=mapped_from())
+        forecast = _kernels(cal, work)
+        # New memory is priced at its own measured rate, not scaled by the factor: the
+        # tensors new in this process's heap (engine.devices.host_memory). Measured here, the
+        # factor came to x1.24-1.25 under glibc's own heap and x1.12-1.13 under a run's
+        # steady one (0.113 and 0.159 s a run); the steady one's would be x1.7 without.
+        measured = statistics.median(self.runs) - _fresh(cal, work)
+        return max(measured, 0.0) / forecast if forecast > 0 else 1.0
 
 
 def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None,
@@ -493,7 +533,7 @@ def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None
     ids = torch.arange(batch * seq).remainder(model.config.vocab_size).view(batch, seq)
     times: list[float] = []
     work = step_work(model_config("tiny"), torch.float32, batch_size=batch, seq_len=seq,
-                     checkpointing=False)
+                     checkpointing=False, mapped_from=mapped_from())
     deadline = time.perf_counter() + limit
     wall = 0.0  # the last step's wall time: one more must end before the deadline
     with Engine(model, config) as eng:
@@ -505,9 +545,18 @@ def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None
             times.append(time.thread_time() - t0)
             wall = time.perf_counter() - w0
     steady = min(times[1:])  # the traced step left out; the fastest, as in _Clock.rate
-    flops = work.forward_flops + work.backward_flops
-    ops = (cal.compute_factor * (flops / cal.matmul_rate("fp32", work.hidden)
-                                 + (work.forward_bytes + work.backward_bytes) / cal.elementwise)
+    ops = (cal.compute_factor * _kernels(cal, work) + _fresh(cal, work)
            + stats.bytes_h2d / cal.h2d + stats.bytes_d2h / cal.d2h
            + sum(p.numel() for p in model.parameters()) / cal.adamw_host)
     return max(0.0, (steady - ops) / work.ops)
+
+
+def _kernels(cal: Calibration, work: StepWork) -> float:
+    """Seconds of a plain forward and backward at the rates alone (no factor, no new
+    memory)."""
+    return ((work.forward_flops + work.backward_flops) / cal.matmul_rate("fp32", work.hidden)
+            + (work.forward_bytes + work.backward_bytes) / cal.elementwise)
+
+
+def _fresh(cal: Calibration, work: StepWork) -> float:
+    return cal.fresh_seconds(work.forward_fresh + work.backward_fresh)

@@ -8,11 +8,13 @@ A step is `grad_accum` micro-batches of forward and backward, then one update:
 - compute: matmul FLOPs at the calibrated throughput of the precision and the model's width,
   the bytes other ops read and write at the device's elementwise bandwidth, and the engine's
   own cost per op (engine.planning.flops counts both; engine.planning.calibration measures
-  the rates),
-  forward, backward and the forward recomputed under activation checkpointing;
+  the rates), forward, backward and the forward recomputed under activation
+  checkpointing; on the simulated device also the new memory its large tensors take at
+  the calibrated rate of fresh pages (a run's steady heap maps every tensor of a MiB or
+  more afresh: engine.devices.host_memory);
 - copies each way: the plan's copied bytes (fetches to the device, gradients back for the
   chunks updated on the host) at the calibrated bandwidths; on the simulated device, also
-  the fresh pages of the chunk buffers its pool cannot serve (FRESH_PAGE_COPIES);
+  the fresh pages of the chunk buffers its pool cannot serve;
 - the update: AdamW over the elements updated on the host and on the device;
 - the disk tier: what the plan reads and writes there per step;
 - collectives (data parallel): what a rank gathers and reduce-scatters.
@@ -41,16 +43,6 @@ from engine.planning.flops import StepWork, step_work
 __all__ = ["StepTime", "forecast", "step_times"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# A byte of a chunk buffer the simulated device's pool could not serve costs about this
-# many copies of a byte: the buffer is new memory, each page of it faulted in and zeroed by
-# the system when the copy first writes it, and unmapped when it goes. Measured on this
-# machine (9 MiB buffers, one thread): a copy into kept memory 0.10 ms/MiB, the same copy
-# into fresh memory 0.32 ms/MiB more. The replay counts such bytes (StepReplay
-# .settled_fresh): none under cpu, whose few buffers the pool keeps; under auto at a tight
-# budget, where idle copies fill the device beyond what the pool may keep, most of them
-# (opt-125m at 4 x 128 in 1 GiB: 660 MiB per micro-batch).
-FRESH_PAGE_COPIES = 3.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +90,13 @@ class Traffic:
     disk_read: int = 0
     disk_written: int = 0
     communicated: int = 0  # bytes gathered and reduce-scattered per micro-batch
-    fresh: int = 0  # bytes of new device buffers per micro-batch (simulated: PolicyPlan.fresh)
+    # Bytes of new device buffers per micro-batch (simulated: PolicyPlan.fresh): chunk
+    # buffers the pool could not serve, each page faulted in and zeroed by the system when
+    # the copy first writes it. The replay counts such bytes (StepReplay.settled_fresh):
+    # none under cpu, whose few buffers the pool keeps; under auto at a tight budget, where
+    # idle copies fill the device beyond what the pool may keep, most of them (opt-125m at
+    # 4 x 128 in 1 GiB: 660 MiB per micro-batch).
+    fresh: int = 0
 
 
 def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: str,
@@ -107,24 +105,26 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     rate = cal.matmul_rate(precision, work.hidden)
     micro = max(1, grad_accum)
 
-    def seconds(flops: float, nbytes: float, ops: float) -> float:
+    def seconds(flops: float, nbytes: float, fresh: float, ops: float) -> float:
         kernels = cal.compute_factor * (flops / rate + nbytes / cal.elementwise)
         # The engine's own work per op runs on the host: in line with the ops on the
         # simulated device; on CUDA beside the kernels it queued, which run asynchronously.
         host = ops * cal.op_overhead
-        return micro * (kernels + host if simulated else max(kernels, host))
+        if not simulated:  # a GPU's caching allocator hands out memory it keeps
+            return micro * max(kernels, host)
+        return micro * (kernels + host + cal.fresh_seconds(fresh))
 
     share = (work.forward_flops + work.backward_flops + work.recompute_flops) or 1.0
-    forward = seconds(work.forward_flops, work.forward_bytes,
+    forward = seconds(work.forward_flops, work.forward_bytes, work.forward_fresh,
                       work.ops * work.forward_flops / share)
-    backward = seconds(work.backward_flops, work.backward_bytes,
+    backward = seconds(work.backward_flops, work.backward_bytes, work.backward_fresh,
                        work.ops * work.backward_flops / share)
-    recompute = seconds(work.recompute_flops, work.recompute_bytes,
+    recompute = seconds(work.recompute_flops, work.recompute_bytes, work.recompute_fresh,
                         work.ops * work.recompute_flops / share)
     # Gradients come back to the host for the chunks updated there; the rest of the
     # copies are fetches.
     d2h_bytes = min(traffic.copied, traffic.updated_on_host * traffic.itemsize)
-    h2d = micro * (traffic.copied - d2h_bytes + FRESH_PAGE_COPIES * traffic.fresh) / cal.h2d
+    h2d = micro * ((traffic.copied - d2h_bytes) / cal.h2d + cal.fresh_seconds(traffic.fresh))
     d2h = micro * d2h_bytes / cal.d2h
     opt_host = traffic.updated_on_host / cal.adamw_host
     opt_device = traffic.updated_on_device / cal.adamw_device

@@ -12,7 +12,7 @@ from engine import Engine, EngineConfig
 from engine.models.zoo import build_model, model_config
 from engine.planning.flops import step_work
 from engine.planning.planner import plan
-from engine.planning.time_model import FRESH_PAGE_COPIES, Traffic, forecast, step_times
+from engine.planning.time_model import Traffic, forecast, step_times
 from tests.calibrations import fixed_calibration
 
 MiB = 2**20
@@ -66,7 +66,7 @@ def test_fresh_buffers_cost_their_pages_beside_the_copies():
     fresh = forecast(work, Traffic(**moved, fresh=4 * MiB), cal, precision="fp32",
                      simulated=True, grad_accum=2)
     assert fresh.copy_h2d - plain.copy_h2d == pytest.approx(
-        2 * FRESH_PAGE_COPIES * 4 * MiB / cal.h2d)
+        2 * 4 * MiB / cal.fresh_pages)
     assert fresh.total > plain.total
 
 

@@ -66,6 +66,25 @@ def test_a_deep_stack_counts_as_its_layers_add_up():
                                                rel=0.05)
 
 
+def test_tensors_at_or_above_the_mapping_line_count_as_new_memory():
+    """A run's steady heap maps every tensor of a MiB or more afresh; glibc's own line
+    stops at 32 MiB; a kept heap maps nothing."""
+    config, shape = model_config("opt-125m"), dict(batch_size=2, seq_len=128,
+                                                   checkpointing=False)
+    steady = step_work(config, torch.float32, mapped_from=2**20, **shape)
+    glibc = step_work(config, torch.float32, mapped_from=32 * 2**20, **shape)
+    kept = step_work(config, torch.float32, mapped_from=None, **shape)
+    assert kept.forward_fresh == kept.backward_fresh == 0
+    logits, head_grad = 2 * 128 * 50272 * 4, 50272 * 768 * 4  # both above either line
+    assert logits <= glibc.forward_fresh < steady.forward_fresh
+    assert head_grad <= glibc.backward_fresh < steady.backward_fresh
+    assert steady.forward_flops == kept.forward_flops  # the rest of the work is the same
+    ckpt = step_work(config, torch.float32, mapped_from=2**20, batch_size=2, seq_len=128,
+                     checkpointing=True)
+    assert 0 < ckpt.recompute_fresh < steady.forward_fresh
+    assert ckpt.backward_fresh == pytest.approx(steady.backward_fresh)
+
+
 # --- the arithmetic ---------------------------------------------------------------------
 
 WORK = StepWork(forward_flops=10 * GFLOP, backward_flops=20 * GFLOP, recompute_flops=0.0,
@@ -108,6 +127,18 @@ def test_a_real_decoders_measured_cost_scales_the_compute_and_nothing_else():
     assert slow.forward == pytest.approx(3 * (1.0 + 1.0) + 1000 / 3 * 1e-5)
     assert (slow.copy_h2d, slow.copy_d2h, slow.optimizer_host) == (
         plain.copy_h2d, plain.copy_d2h, plain.optimizer_host)
+
+
+def test_new_memory_costs_its_pages_on_the_simulated_device_only():
+    """A GPU's caching allocator keeps what it hands out; the simulated device's tensors
+    are host memory, new at every allocation above the heap's line."""
+    fresh = dataclasses.replace(WORK, forward_fresh=5e8, recompute_fresh=2.5e8)
+    cal = fixed_calibration()  # new memory at 250 MB/s
+    for simulated, cost in ((True, 2.0), (False, 0.0)):
+        plain = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=simulated)
+        more = forecast(fresh, TRAFFIC, cal, precision="fp32", simulated=simulated)
+        assert more.forward - plain.forward == pytest.approx(cost)
+        assert more.recompute - plain.recompute == pytest.approx(cost / 2)
 
 
 def test_the_precision_picks_its_matmul_rate():
@@ -290,6 +321,11 @@ def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
 
 
+def test_new_memory_costs_more_than_writing_memory_already_resident():
+    rate = calibration_module._fresh_pages_rate(calibration_module._Clock(0.5, 1), 16 * 2**20)
+    assert 0 < rate < math.inf
+
+
 def test_a_kernel_is_timed_at_its_best_and_the_reference_decoder_at_its_median():
     durations = iter([9.0, 1.0, 5.0, 2.0, 4.0, 3.0, 8.0])  # the first run warms up
     now = [0.0]
@@ -318,10 +354,23 @@ def test_the_reference_decoder_is_timed_in_two_windows_and_judged_by_their_media
     reference.time(clock)  # a slow spell: 4, 4, 4
     reference.time(clock)  # then 1, 1, 2
     assert reference.runs == [4.0, 4.0, 4.0, 1.0, 1.0, 2.0]
-    cal = fixed_calibration()
+    cal = dataclasses.replace(fixed_calibration(), fresh_pages=0.0)  # new memory: no cost
     factor = reference.factor(cal)
     reference.runs = [1.0]  # one second's run: the factor is one over the forecast
     assert factor == pytest.approx(3.0 * reference.factor(cal))  # median of the six: 3
+
+
+def test_the_reference_decoders_new_memory_is_priced_apart_from_its_factor(monkeypatch):
+    """Its runs take new memory for the tensors above the process's heap line; that time
+    is the fresh pages' measured rate, not a kernel's slowness the factor would carry."""
+    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
+    reference.runs = [1.0]
+    cal = fixed_calibration()
+    monkeypatch.setattr(calibration_module, "mapped_from", lambda: None)  # a kept heap
+    kept = reference.factor(cal)
+    monkeypatch.setattr(calibration_module, "mapped_from", lambda: 1)  # every tensor new
+    assert reference.factor(cal) < kept
+    assert reference.factor(dataclasses.replace(cal, fresh_pages=0.0)) == kept
 
 
 def test_a_models_width_between_measured_ones_interpolates():

@@ -94,6 +94,7 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
     assert "calibrating this machine's speeds (at most 30 s" in first.err
     assert "matmul fp32: 10.0 GFLOPS at width 768" in first.out
     assert "AdamW:       100 M parameters/s on the host" in first.out
+    assert "new memory:  238.4 MiB/s beyond writing it" in first.out
     assert "decoder:     x1.00 the rates' forecast" in first.out
     assert "busy" not in first.out  # the fixed figures record no load
     assert "learned:     nothing yet" in first.out
