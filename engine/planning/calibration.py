@@ -61,7 +61,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 6  # bump when what is measured changes: older files are measured again
+FORMAT = 7  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -396,13 +396,17 @@ def _fresh_pages_rate(clock: _Clock, size: int) -> float:
     """Bytes per second of new host memory beyond writing it: a mapping of `size` bytes
     written once and unmapped, against the same write into memory already resident. A
     mapping of its own, whatever line the process's allocator draws (engine.devices
-    .host_memory). The median run: on a virtual machine a fresh page may wait for the
-    host, and a step takes what its pages typically cost. 0 where it cannot be told."""
+    .host_memory), and private, as the allocator's are: Python's default, a shared one, is
+    backed by the system's shared memory and cost half as much again per page here (3.4-3.6
+    against 5.0-5.5 GiB/s; a tensor that glibc maps, 5.0-6.2). The median run: on a virtual
+    machine a fresh page may wait for the host, and a step takes what its pages typically
+    cost. 0 where it cannot be told."""
     kept = torch.empty(size, dtype=torch.uint8)
     kept.fill_(0)
+    private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
 
     def fresh() -> None:
-        with mmap.mmap(-1, size) as mapping:
+        with mmap.mmap(-1, size, **private) as mapping:
             written = torch.frombuffer(mapping, dtype=torch.uint8)
             written.fill_(1)
             del written  # the mapping closes once nothing holds it
@@ -506,9 +510,10 @@ class _Reference:
                          checkpointing=False, mapped_from=mapped_from())
         forecast = _kernels(cal, work)
         # New memory is priced at its own measured rate, not scaled by the factor: the
-        # tensors new in this process's heap (engine.devices.host_memory). Measured here, the
-        # factor came to x1.24-1.25 under glibc's own heap and x1.12-1.13 under a run's
-        # steady one (0.113 and 0.159 s a run); the steady one's would be x1.7 without.
+        # tensors new in this process's heap (engine.devices.host_memory). Measured here
+        # within minutes, the factor came to x1.44-1.46 under glibc's own heap (no new
+        # memory at this size) and x1.42 under a run's steady one (196 MiB new a run, about
+        # a third of its kernels' time): the same factor, whichever heap calibrates.
         measured = statistics.median(self.runs) - _fresh(cal, work)
         return max(measured, 0.0) / forecast if forecast > 0 else 1.0
 
