@@ -24,13 +24,13 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
-from textual_plotext import PlotextPlot
 
 from engine.telemetry import StepStats
 from tuitrain.formatting import format_size
 from tuitrain.tui.axes import size_unit, step_ticks, value_ticks
 from tuitrain.tui.downsample import downsample
 from tuitrain.tui.fitting import KEEP, Item, fit_line
+from tuitrain.tui.sized_plot import SizedPlot
 
 HISTORY = 600  # steps kept for the charts; older samples scroll off
 
@@ -107,7 +107,7 @@ class MemoryChart(Vertical):
         text-wrap: nowrap;
         text-overflow: ellipsis;
     }
-    MemoryChart > PlotextPlot {
+    MemoryChart > SizedPlot {
         height: 1fr;
         min-height: 3;
     }
@@ -122,12 +122,12 @@ class MemoryChart(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static("device: waiting for the first step…", id="device-caption", classes="caption")
-        yield PlotextPlot(id="device-plot")
+        yield SizedPlot(self.redraw, id="device-plot")
         yield Static("host", id="host-caption", classes="caption")
-        yield PlotextPlot(id="host-plot")
+        yield SizedPlot(self.redraw, id="host-plot")
 
     def on_mount(self) -> None:
-        for plot in self.query(PlotextPlot):
+        for plot in self.query(SizedPlot):
             # No box around the plots: on a small screen its two rows are half the chart.
             plot.plt.frame(False)
 
@@ -157,7 +157,7 @@ class MemoryChart(Vertical):
         self.samples.clear()
         self.query_one("#device-caption", Static).update(self.device_caption())
         self.query_one("#host-caption", Static).update(self.host_caption())
-        for plot in self.query(PlotextPlot):
+        for plot in self.query(SizedPlot):
             plot.plt.clear_data()
             plot.refresh()
 
@@ -217,7 +217,7 @@ class MemoryChart(Vertical):
 
     @staticmethod
     def _series(
-        plot: PlotextPlot,
+        plot: SizedPlot,
         steps: list[int],
         values: list[float],
         colour: Colour,
@@ -229,7 +229,7 @@ class MemoryChart(Vertical):
         plot.plt.plot(xs, ys, color=colour, marker="braille", fillx=fill)
 
     @staticmethod
-    def _value_axis(plot: PlotextPlot, top: float) -> None:
+    def _value_axis(plot: SizedPlot, top: float) -> None:
         ticks = value_ticks(top, plot.size.height)
         plot.plt.yticks(ticks, [f"{t:g}" for t in ticks])
 
@@ -241,6 +241,8 @@ class MemoryChart(Vertical):
         self.border_title = "Memory · host RSS: each step's peak" if exact else "Memory"
         self.query_one("#device-caption", Static).update(self.device_caption())
         self.query_one("#host-caption", Static).update(self.host_caption())
+        if not all(plot.laid_out for plot in self.query(SizedPlot)):
+            return  # the charts are drawn when they have their size (SizedPlot)
         samples = list(self.samples)
         steps = [s.step for s in samples]
         ticks = step_ticks(steps)
@@ -249,7 +251,7 @@ class MemoryChart(Vertical):
         top = max(max(stacked), max(s.device_peak for s in samples))
         top = max(top, max(s.device_capacity for s in samples))
         _, scale = size_unit(top)
-        device = self.query_one("#device-plot", PlotextPlot)
+        device = self.query_one("#device-plot", SizedPlot)
         plt = device.plt
         plt.clear_data()
         self._series(device, steps, [v / scale for v in stacked], OTHER, fill=True)
@@ -269,7 +271,7 @@ class MemoryChart(Vertical):
         disk = [s.disk_model for s in samples] if self.uses_disk else []
         top = max(max(engine), max(s.process_rss for s in samples), max(disk, default=0), 1)
         _, scale = size_unit(top)
-        host = self.query_one("#host-plot", PlotextPlot)
+        host = self.query_one("#host-plot", SizedPlot)
         plt = host.plt
         plt.clear_data()
         self._series(host, steps, [v / scale for v in engine], ENGINE_HOST, fill=True)

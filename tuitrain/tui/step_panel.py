@@ -9,12 +9,12 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
-from textual_plotext import PlotextPlot
 
 from engine.telemetry import StepStats
 from tuitrain.formatting import format_seconds, format_size
 from tuitrain.tui.axes import step_ticks
 from tuitrain.tui.downsample import downsample, mean
+from tuitrain.tui.sized_plot import SizedPlot
 
 LOSS_HISTORY = 2000  # losses kept for the curve
 BAR_WIDTH = 12
@@ -151,10 +151,10 @@ class StepPanel(Horizontal):
 
     def compose(self) -> ComposeResult:
         yield Static(step_breakdown(None), id="step-times")
-        yield PlotextPlot(id="loss-plot")
+        yield SizedPlot(self.redraw_loss, id="loss-plot")
 
     def on_mount(self) -> None:
-        self.query_one(PlotextPlot).plt.title("loss")
+        self.query_one(SizedPlot).plt.title("loss")
 
     def record(self, stats: StepStats) -> None:
         """Keep one step's loss; cheap, so every step can be recorded."""
@@ -177,7 +177,7 @@ class StepPanel(Horizontal):
         self.evals.clear()
         self.latest = None
         self.redraw_breakdown()
-        plot = self.query_one(PlotextPlot)
+        plot = self.query_one(SizedPlot)
         plot.plt.clear_data()  # the curve of the run before is not this one's
         plot.plt.title("loss")
         plot.refresh()
@@ -200,9 +200,9 @@ class StepPanel(Horizontal):
 
     def redraw_loss(self) -> None:
         """Draw the loss curve; costs a plotext build, so the app calls it less often."""
-        if not self.losses:
-            return
-        plot = self.query_one(PlotextPlot)
+        plot = self.query_one(SizedPlot)
+        if not self.losses or not plot.laid_out:
+            return  # drawn when it has its size (SizedPlot)
         plt = plot.plt
         plt.clear_data()
         plt.title(f"loss {self.losses[-1][1]:.4f}")

@@ -9,6 +9,9 @@ import pytest
 
 from tests.tuitrain.fakeworker import fake_run
 from tuitrain.events import Eval
+from tuitrain.tui import step_panel
+from tuitrain.tui.downsample import downsample
+from tuitrain.tui.layout import views_for
 from tuitrain.tui.step_panel import StepPanel
 
 from .helpers import SIZE, make_app, settle
@@ -41,3 +44,29 @@ async def test_a_run_without_evaluations_draws_the_training_loss_alone():
         await settle(app, pilot)
         assert not app.query_one(StepPanel).evals
         assert "held-out" not in app.export_screenshot()
+
+
+async def test_a_curve_drawn_before_its_view_is_laid_out_is_drawn_again_at_its_size(
+    monkeypatch,
+):
+    """A view switch and a redraw that beat the layout drew the curve for the width the
+    chart had before (or none: a single point), and nothing drew it again."""
+    limits: list[int] = []
+
+    def spy(steps, values, limit, **kwargs):
+        limits.append(limit)
+        return downsample(steps, values, limit, **kwargs)
+
+    monkeypatch.setattr(step_panel, "downsample", spy)
+    app, _ = make_app(fake_run(300))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(app, pilot)
+        views = {view.name: view for view in views_for("compact")}
+        for name in ("trials", "step"):  # the step panel hidden, then shown at another size
+            app.panels.show_view(views[name])
+            app.redraw()  # at once, before the screen has laid the view out
+        await pilot.pause()
+        await pilot.pause()
+        plot = app.query_one("#loss-plot")
+        assert plot.size.width > 0
+        assert limits[-1] == 2 * plot.size.width
