@@ -105,8 +105,8 @@ class EngineSettings(_Strict):
     # unless the state would not fit this machine's memory (then the run says what it chose).
     host_budget: Size | None = None
     disk_dir: str | None = None  # None: a folder under the user cache folder
-    # None: bf16 on a GPU that has it, fp16 on older GPUs, fp32 on the simulated device
-    # (CPUs without bf16 units run bf16 matmuls several times slower than fp32).
+    # None: bf16 on a GPU that has it, fp16 on older GPUs; on the simulated device bf16 where
+    # the CPU has bf16 units, fp32 elsewhere (engine.devices.device.host_has_bf16).
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     chunk_size: int | None = Field(None, gt=0)  # elements; None = searched
     # Data parallel: seconds a rank waits for the others in any one collective (the
@@ -245,7 +245,9 @@ class Settings(_Strict):
         if self.engine.precision is not None:
             return self.engine.precision
         if simulated:
-            return "fp32"
+            from engine.devices.device import host_has_bf16
+
+            return "bf16" if host_has_bf16() else "fp32"
         import torch
 
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"

@@ -181,6 +181,29 @@ def test_bf16_tracks_fp32():
     assert b[-1] < 0.9 * b[0]
 
 
+def test_bf16_on_the_simulated_device_is_the_same_whatever_the_placement():
+    """bf16 is the simulated device's default on a CPU with bf16 units (tuitrain.settings):
+    there the host and the device run the same kernels, so every policy, budget and margin,
+    and a change mid-run, give the same losses and weights bit for bit, as in fp32."""
+
+    def run(policy, budget, margin, changes=()):
+        eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy=policy, device_budget=budget,
+                                                         margin_ratio=margin, precision="bf16"))
+        losses = []
+        for i, batch in enumerate(BATCHES):
+            for kind, value in changes[i] if i < len(changes) else ():
+                getattr(eng, f"set_{kind}")(value)
+            losses.append(eng.step(batch).loss)
+        return losses, eng.model_state_dict()
+
+    first, weights = run("cuda", AMPLE, 0.0)
+    for setting in (("cpu", AMPLE, 0.0), ("auto", tight(), 0.5),
+                    ("cpu", AMPLE, 0.0, ((), (("policy", "auto"),), (("margin", 1.0),)))):
+        losses, other = run(*setting)
+        assert losses == first, setting
+        assert all(torch.equal(other[name], weights[name]) for name in weights), setting
+
+
 # --- gradient accumulation ------------------------------------------------------------------
 # N micro-batches of b sequences give the weights of one batch of N x b. Not bit for bit:
 # summing per-micro-batch gradients rounds differently from one backward over the whole

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from engine.config import format_size
+from engine.devices import device
 from engine.placement import rules
 from engine.planning.planner import plan
 from tuitrain.cli import main
@@ -411,3 +412,13 @@ def test_a_bad_nproc_is_one_line_and_status_2(capsys, nproc, more, expected):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"tuitrain: error: {expected}\n"
+
+
+@pytest.mark.parametrize(("units", "expected"), [(True, "bf16"), (False, "fp32")])
+def test_the_simulated_device_computes_in_bf16_where_the_cpu_has_bf16_units(
+        monkeypatch, units, expected):
+    """A CPU without bf16 units emulates it, several times slower than fp32; one with them
+    (AVX512-BF16, AMX) runs it faster. A GPU's default does not depend on the CPU."""
+    monkeypatch.setattr(device, "host_has_bf16", lambda: units)
+    assert Settings().precision_for(simulated=True) == expected
+    assert Settings(engine={"precision": "fp32"}).precision_for(simulated=True) == "fp32"

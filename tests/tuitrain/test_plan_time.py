@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from engine.devices import device
 from engine.planning import calibration as calibration_module
 from engine.planning.calibration import fingerprint, learn, load_calibration
 from engine.planning.hardware import HARDWARE
@@ -52,7 +53,9 @@ def test_the_table_gives_each_row_its_time_per_step(capsys):
     assert lines[-1].startswith("recommended: ")
 
 
-def test_hardware_plans_the_profiles_gpu_and_labels_time_an_estimate_from_specs(capsys):
+def test_hardware_plans_the_profiles_gpu_and_labels_time_an_estimate_from_specs(
+        capsys, monkeypatch):
+    monkeypatch.setattr(device, "host_has_bf16", lambda: False)  # this CPU's default: fp32
     assert main(["plan", "opt-125m", "--hardware", "a100-80gb", "--host-mem", "64GiB"]) == 0
     out = capsys.readouterr().out
     assert "device 80.0 GiB" in out and "simulated" not in out.split("\n")[1]
