@@ -49,8 +49,9 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
     disk = (f"read {_bytes(cal.disk_read)}, write {_bytes(cal.disk_write)}" if cal.disk_read
             else "not measured (the scratch folder could not be written)")
     print(f"disk:        {disk}")
+    half = f", x{cal.half_factor:.2f} in bf16" if cal.half_factor else ""
     print(f"decoder:     x{cal.compute_factor:.2f} the rates' forecast for a real decoder's "
-          f"forward and backward")
+          f"forward and backward in fp32{half}")
     print(f"engine:      {format_seconds(cal.op_overhead)} per op (hooks and byte counting)")
     learned = (f"forecasts x{cal.correction:.2f}, from the steps of {cal.learned_from} "
                f"tune{'s' if cal.learned_from != 1 else ''} on this machine"

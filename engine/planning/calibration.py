@@ -61,7 +61,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 7  # bump when what is measured changes: older files are measured again
+FORMAT = 8  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -111,7 +111,11 @@ class Calibration:
     # A real decoder's forward and backward measured over what the FLOPs and bytes above
     # forecast for it: the small matmuls, the barriers between a parallel kernel's threads,
     # and the dispatch of each op, which kernels measured alone at their best do not show.
+    # In fp32; `half_factor` the same in bf16 (fp16 takes it too), where the matmuls'
+    # speed-up is not the ops' around them: on a CPU with AMX, bf16 matmuls ran 4-6x
+    # fp32's and opt-125m's step 1.5x (0: not measured, fp32's stands for it).
     compute_factor: float = 1.0
+    half_factor: float = 0.0
     measured_at: str = ""  # ISO time
     seconds: float = 0.0  # how long the measurement took
     # Where the device's figures come from: "this machine's calibration", or a hardware profile's
@@ -139,6 +143,12 @@ class Calibration:
                 t = (math.log(hidden) - math.log(lo)) / (math.log(hi) - math.log(lo))
                 return table[lo] * (table[hi] / table[lo]) ** t
         return table[widths[-1]]
+
+    def factor(self, precision: str) -> float:
+        """The compute factor of a step computed in `precision`."""
+        if precision != "fp32" and self.half_factor > 0:
+            return self.half_factor
+        return self.compute_factor
 
     def fresh_seconds(self, nbytes: float) -> float:
         """Seconds that `nbytes` of new host memory cost beyond the writes into it."""
@@ -327,11 +337,13 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     # and its first steps take a few seconds on a busy machine.
     # A share for each matmul, the elementwise rate, each copy and each AdamW; the
     # reference decoder REFERENCE_SHARES.
-    clock = _Clock(left * KERNELS_SHARE, len(widths) * len(precisions) + 6 + REFERENCE_SHARES,
+    clock = _Clock(left * KERNELS_SHARE,
+                   len(widths) * len(precisions) + 6 + 2 * REFERENCE_SHARES,
                    time.perf_counter if cuda else time.thread_time)
     tokens = max(16, int(TOKENS * scale))
-    reference = _Reference(where, sync, scale)
-    reference.time(clock)  # its first window: before the kernels
+    references = [_Reference(where, sync, scale, DTYPES[name]) for name in ("fp32", "bf16")]
+    for reference in references:
+        reference.time(clock)  # its first window: before the kernels
 
     matmul: dict[str, dict[int, float]] = {}
     for name in precisions:
@@ -378,9 +390,10 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         adamw_host=adamw_host, adamw_device=adamw_device,
         disk_read=disk_read, disk_write=disk_write, op_overhead=0.0, fresh_pages=fresh_pages,
     )
-    reference.time(clock)  # its second window, after the kernels, the copies and the disk
-    cal.compute_factor = reference.factor(cal)
-    del reference
+    for reference in references:
+        reference.time(clock)  # its second window, after the kernels, the copies and the disk
+    cal.compute_factor, cal.half_factor = (reference.factor(cal) for reference in references)
+    del references
     parts["decoder"] = time.perf_counter() - started - sum(parts.values())
     cal.op_overhead = _op_overhead(cal, model, simulate,
                                    started + limit - time.perf_counter())
@@ -476,7 +489,8 @@ class _Reference:
     rates are each kernel's fastest and this is a median, so the factor also carries how
     far a typical step of many kernels falls behind their best."""
 
-    def __init__(self, where: torch.device, sync: Callable[[], None], scale: float) -> None:
+    def __init__(self, where: torch.device, sync: Callable[[], None], scale: float,
+                 dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM
 
         from engine.models.training import prepare_for_training
@@ -488,9 +502,10 @@ class _Reference:
         self.config, self.sync = config, sync
         self.batch, self.seq = REFERENCE["batch"], max(8, int(REFERENCE["seq_len"] * scale))
         with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
-            self.model = AutoModelForCausalLM.from_config(config).to(where).train()
+            self.model = AutoModelForCausalLM.from_config(config).to(where, dtype).train()
         prepare_for_training(self.model)
         self.ids = torch.zeros(self.batch, self.seq, dtype=torch.long, device=where)
+        self.dtype = dtype
         self.runs: list[float] = []
 
     def _run(self) -> None:
@@ -506,9 +521,9 @@ class _Reference:
     def factor(self, cal: Calibration) -> float:
         from engine.planning.flops import step_work
 
-        work = step_work(self.config, torch.float32, batch_size=self.batch, seq_len=self.seq,
+        work = step_work(self.config, self.dtype, batch_size=self.batch, seq_len=self.seq,
                          checkpointing=False, mapped_from=mapped_from())
-        forecast = _kernels(cal, work)
+        forecast = _kernels(cal, work, "fp32" if self.dtype == torch.float32 else "bf16")
         # New memory is priced at its own measured rate, not scaled by the factor: the
         # tensors new in this process's heap (engine.devices.host_memory). Measured here
         # within minutes, the factor came to x1.44-1.46 under glibc's own heap (no new
@@ -556,10 +571,10 @@ def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None
     return max(0.0, (steady - ops) / work.ops)
 
 
-def _kernels(cal: Calibration, work: StepWork) -> float:
+def _kernels(cal: Calibration, work: StepWork, precision: str = "fp32") -> float:
     """Seconds of a plain forward and backward at the rates alone (no factor, no new
     memory)."""
-    return ((work.forward_flops + work.backward_flops) / cal.matmul_rate("fp32", work.hidden)
+    return ((work.forward_flops + work.backward_flops) / cal.matmul_rate(precision, work.hidden)
             + (work.forward_bytes + work.backward_bytes) / cal.elementwise)
 
 

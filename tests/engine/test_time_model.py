@@ -129,6 +129,29 @@ def test_a_real_decoders_measured_cost_scales_the_compute_and_nothing_else():
         plain.copy_h2d, plain.copy_d2h, plain.optimizer_host)
 
 
+def test_a_half_precision_step_takes_its_own_factor_and_its_updates_casts():
+    """bf16's decoder factor is its own (a CPU's bf16 matmuls gain more than the ops around
+    them); its update reads each gradient into fp32 and writes the weights back in bf16: 12
+    bytes an element beside AdamW's 28, and the fp32 copies are new memory on the
+    simulated device."""
+    cal = dataclasses.replace(fixed_calibration(), compute_factor=2.0, half_factor=3.0)
+    half = dataclasses.replace(TRAFFIC, itemsize=2)
+    fp32 = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=True)
+    bf16 = forecast(WORK, half, cal, precision="bf16", simulated=True)
+    # 10 + 20 GFLOP at 40 GFLOP/s and 3 GB at 1 GB/s, x3; fp32's at 10 GFLOP/s, x2.
+    assert bf16.forward + bf16.backward == pytest.approx(3 * (0.75 + 3.0) + 1000 * 1e-5)
+    assert fp32.forward + fp32.backward == pytest.approx(2 * (3.0 + 3.0) + 1000 * 1e-5)
+    adamw = 100_000_000 / 1e8
+    assert fp32.optimizer_host == pytest.approx(adamw)
+    new_memory = 4 * 100_000_000 / 2.5e8
+    assert bf16.optimizer_host == pytest.approx(adamw * (1 + 12 / 28) + new_memory)
+    on_gpu = forecast(WORK, half, cal, precision="bf16", simulated=False)
+    assert on_gpu.optimizer_host == pytest.approx(adamw * (1 + 12 / 28))
+    unmeasured = dataclasses.replace(cal, half_factor=0.0)  # fp32's stands for it
+    assert forecast(WORK, half, unmeasured, precision="bf16", simulated=True).forward == (
+        pytest.approx(2 * (0.25 + 1.0) + 1000 / 3 * 1e-5))
+
+
 def test_new_memory_costs_its_pages_on_the_simulated_device_only():
     """A GPU's caching allocator keeps what it hands out; the simulated device's tensors
     are host memory, new at every allocation above the heap's line."""
