@@ -14,7 +14,7 @@ the process's CPU seconds beside it.
 The grid: opt-125m and a Llama-shaped model of similar size (`--models`; the Llama one is
 written once to a temporary folder with random weights), policies cuda/auto/cpu, margins
 0 and 0.5, two device budgets, activation checkpointing off and on, accumulation 1 and 4,
-the disk tier off and on (a host budget that holds half the chunks). fp32, batch 2 x 128
+the disk tier off and on (a host budget that holds half the chunks). fp32 (`--precision bf16`: the same grid in bf16), batch 2 x 128
 per micro-batch. The calibration is this machine's cached one (measured first if absent).
 
 Each row runs in a process of its own, as a user's run does, with the heap a run keeps
@@ -52,6 +52,7 @@ from engine.planning.time_model import step_times
 
 SEQ = 128
 BATCH = 2  # sequences per micro-batch (--batch)
+PRECISION = "fp32"  # --precision
 TOLERANCE = 0.15
 # Steps left out of the median: the traced one and the counted ones after it, until the
 # chunks settle (engine.step.counting: two counted steps with one fingerprint).
@@ -106,7 +107,8 @@ def measure_apart(row: Row, steps: int, disk_dir: str) -> tuple[float, float, fl
     """`measure` in a new process (this script's `--measure`)."""
     fields = json.dumps(dataclasses.asdict(row))
     done = subprocess.run([sys.executable, __file__, "--measure", fields, "--steps", str(steps),
-                           "--batch", str(BATCH), "--disk-dir", disk_dir],
+                           "--batch", str(BATCH), "--precision", PRECISION,
+                           "--disk-dir", disk_dir],
                           capture_output=True, text=True, check=False)
     if done.returncode:
         last = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
@@ -128,7 +130,7 @@ def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
     if row.disk:
         host_budget = _half_the_chunks(row)
     config = EngineConfig(policy=row.policy, margin_ratio=row.margin, device_budget=row.budget,
-                          precision="fp32", grad_accum=row.accum, host_budget=host_budget,
+                          precision=PRECISION, grad_accum=row.accum, host_budget=host_budget,
                           disk_dir=disk_dir if row.disk else None, seed=0)
     thread, wall, cpu = [], [], []
     with Engine(model, config) as eng:
@@ -142,14 +144,14 @@ def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
 
 
 def _half_the_chunks(row: Row) -> int:
-    p = plan(row.model, device_mem=row.budget, host_mem="64GiB", precision="fp32",
+    p = plan(row.model, device_mem=row.budget, host_mem="64GiB", precision=PRECISION,
              batch_size=BATCH, seq_len=SEQ, checkpointing=row.checkpointing)
     return p.model_bytes // 2
 
 
 def predict(row: Row, cal, disk_dir: str) -> float:
     host_budget = _half_the_chunks(row) if row.disk else None
-    p = plan(row.model, device_mem=row.budget, host_mem="64GiB", precision="fp32",
+    p = plan(row.model, device_mem=row.budget, host_mem="64GiB", precision=PRECISION,
              batch_size=BATCH, seq_len=SEQ, checkpointing=row.checkpointing,
              margin_ratio=row.margin, host_budget=host_budget, disk_dir=disk_dir,
              simulated=not torch.cuda.is_available())
@@ -174,7 +176,7 @@ def grid(models: list[str], quick: bool) -> list[Row]:
 
 
 def main() -> None:
-    global BATCH
+    global BATCH, PRECISION
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["opt-125m", "llama"])
     parser.add_argument("--steps", type=int, default=WARM_UP + 4)
@@ -184,10 +186,12 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=[], metavar="LABEL",
                         help="these rows alone, by their label as the table prints it")
     parser.add_argument("--batch", type=int, default=BATCH, help="sequences per micro-batch")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default=PRECISION,
+                        help="the grid's compute precision (the acceptance grid is fp32)")
     parser.add_argument("--measure", metavar="ROW", help=argparse.SUPPRESS)  # measure_apart's
     parser.add_argument("--disk-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    BATCH = args.batch
+    BATCH, PRECISION = args.batch, args.precision
     if args.steps <= WARM_UP:
         parser.error(f"--steps must be more than the {WARM_UP} warm-up steps")
     if args.measure:
