@@ -14,8 +14,9 @@ the process's CPU seconds beside it.
 The grid: opt-125m and a Llama-shaped model of similar size (`--models`; the Llama one is
 written once to a temporary folder with random weights), policies cuda/auto/cpu, margins
 0 and 0.5, two device budgets, activation checkpointing off and on, accumulation 1 and 4,
-the disk tier off and on (a host budget that holds half the chunks). fp32 (`--precision bf16`: the same grid in bf16), batch 2 x 128
-per micro-batch. The calibration is this machine's cached one (measured first if absent).
+the disk tier off and on (a host budget that holds half the chunks). fp32 (`--precision
+bf16`: the same grid in bf16), batch 2 x 128 per micro-batch. The calibration is this
+machine's cached one (measured first if absent).
 
 Each row runs in a process of its own, as a user's run does, with the heap a run keeps
 (every tensor of a MiB or more mapped afresh: engine.devices.host_memory). Run one after

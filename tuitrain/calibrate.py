@@ -3,7 +3,7 @@
 Shows the cached calibration (engine.planning.calibration), measuring it first when this
 machine has none, or when it was measured while the cores were busy and they are quiet now;
 `--refresh` measures again (at most 30 s, said while it runs), and forgets what tunes taught
-it (the correction its forecasts are multiplied by).
+it (the correction its forecasts are multiplied by, one for each precision tunes ran in).
 """
 
 from __future__ import annotations
@@ -17,13 +17,22 @@ from tuitrain.formatting import format_seconds
 
 
 def calibrate_main(*, refresh: bool, as_json: bool) -> int:
-    from engine.planning.calibration import calibration, calibration_path
+    from engine.devices.device import uses_cuda
+    from engine.planning.calibration import DTYPES, calibration, calibration_path, load_calibration
     from engine.planning.machine import busy
+    from tuitrain.settings import Settings
 
-    cal = calibration(refresh=refresh,
+    # What a run here computes in unless told: its correction leads the JSON.
+    default = Settings().precision_for(simulated=not uses_cuda())
+    cal = calibration(refresh=refresh, precision=default,
                       say=lambda line: print(line, file=sys.stderr, flush=True))
+    taught = {p: t for p in DTYPES
+              if (t := load_calibration(cal.fingerprint, precision=p)) is not None
+              and t.measured_at == cal.measured_at and t.learned_from}
     if as_json:
-        learned = {"correction": cal.correction, "learned_from": cal.learned_from}
+        learned = {"correction": cal.correction, "learned_from": cal.learned_from,
+                   "learned": {p: {"correction": t.correction, "learned_from": t.learned_from}
+                               for p, t in taught.items()}}
         json.dump({**cal.to_dict(), **learned}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -53,10 +62,11 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
     print(f"decoder:     x{cal.compute_factor:.2f} the rates' forecast for a real decoder's "
           f"forward and backward in fp32{half}")
     print(f"engine:      {format_seconds(cal.op_overhead)} per op (hooks and byte counting)")
-    learned = (f"forecasts x{cal.correction:.2f}, from the steps of {cal.learned_from} "
-               f"tune{'s' if cal.learned_from != 1 else ''} on this machine"
-               if cal.learned_from else "nothing yet (each `tuitrain tune` teaches it)")
-    print(f"learned:     {learned}")
+    learned = "; ".join(
+        f"forecasts in {p} x{t.correction:.2f}, from the steps of {t.learned_from} "
+        f"tune{'s' if t.learned_from != 1 else ''}" for p, t in taught.items())
+    print(f"learned:     {learned + ' on this machine' if learned else 'nothing yet'} "
+          f"(each `tuitrain tune` teaches the forecasts of its precision)")
     print(f"cached in {calibration_path(cal.fingerprint)}; `tuitrain calibrate --refresh` "
           f"measures again")
     return 0

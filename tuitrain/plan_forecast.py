@@ -32,7 +32,8 @@ def forecast(result: Plan, hardware: HardwareProfile | None,
     from engine.planning.calibration import calibration
     from engine.planning.time_model import step_times
 
-    cal = calibration(say=lambda line: print(line, file=sys.stderr, flush=True))
+    cal = calibration(say=lambda line: print(line, file=sys.stderr, flush=True),
+                      precision=result.precision)
     if hardware is not None:
         cal = hardware.calibration(cal)
     return step_times(result, cal, grad_accum=grad_accum)

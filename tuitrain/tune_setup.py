@@ -76,9 +76,10 @@ def tune_forecaster(settings: Settings, *, simulated: bool,
     from tuitrain.fit import default_host_budget
     from tuitrain.tune_plan import plan_forecaster
 
-    cal = calibration(say=say)
+    precision = settings.precision_for(simulated)
+    cal = calibration(say=say, precision=precision)  # what tunes in it taught
     forecast = plan_forecaster(settings.model, host_mem=default_host_budget(),
-                               precision=settings.precision_for(simulated),
+                               precision=precision,
                                seq_len=settings.training.seq_len, simulated=simulated,
                                calibration=cal, disk_dir=settings.engine.disk_dir,
                                lora=settings.lora())

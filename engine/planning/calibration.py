@@ -18,10 +18,12 @@ memory (engine.planning.machine). A different machine, or a new torch, measures 
 does a quiet machine whose figures were measured while its cores were busy.
 
 Runs teach it: beside the figures, a correction (measured / forecast step time, learned from
-the steps a tune measured: `learn`) that every later forecast on this machine is multiplied
-by: the median of what the last LEARNED_RUNS runs measured, within CORRECTION_BOUNDS, so
-that one run on a loaded machine moves it little and no run moves it far. A new
-measurement starts it over.
+the steps a tune measured: `learn`) that every later forecast on this machine in the same
+precision is multiplied by: the median of what the last LEARNED_RUNS runs measured, within
+CORRECTION_BOUNDS, so that one run on a loaded machine moves it little and no run moves it
+far. Each precision learns apart: the model's error is not the same in each (on this
+project's machine, with bf16 units, bf16 steps took 1.37x their forecast where fp32's took
+about their forecast). A new measurement starts them over.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from engine.planning.flops import StepWork
 
 __all__ = [
+    "DTYPES",
     "Calibration",
     "calibration",
     "calibration_path",
@@ -122,12 +125,13 @@ class Calibration:
     # published specs (engine.planning.hardware) beside this host's measured figures.
     source: str = "this machine's calibration"
     extra: dict = field(default_factory=dict)
-    # What runs on this machine taught (`learn`), kept in a file of its own beside this one:
-    # the correction, how many runs taught it, and the uncorrected measured / forecast
-    # ratios of the last LEARNED_RUNS of them, oldest first.
+    # What runs in `taught_for` (a precision) on this machine taught (`learn`), kept in a
+    # file of its own beside this one: the correction, how many runs taught it, and the
+    # uncorrected measured / forecast ratios of the last LEARNED_RUNS of them, oldest first.
     correction: float = 1.0
     learned_from: int = 0
     learned: list[float] = field(default_factory=list)
+    taught_for: str = "fp32"
 
     def matmul_rate(self, precision: str, hidden: int) -> float:
         """FLOPs per second of this precision's matmuls at a model width of `hidden`,
@@ -158,7 +162,7 @@ class Calibration:
         out = dataclasses.asdict(self)
         out["matmul"] = {k: {str(w): r for w, r in v.items()} for k, v in self.matmul.items()}
         out["format"] = FORMAT
-        for learned in ("correction", "learned_from", "learned"):  # in the file beside
+        for learned in ("correction", "learned_from", "learned", "taught_for"):  # beside
             out.pop(learned)
         return out
 
@@ -184,9 +188,9 @@ def learned_path(key: str | None = None) -> Path:
     return calibration_path(key).with_suffix(".learned.json")
 
 
-def load_calibration(key: str | None = None) -> Calibration | None:
-    """The cached calibration of this machine, with what runs taught it, or None (none,
-    unreadable, or outdated)."""
+def load_calibration(key: str | None = None, precision: str = "fp32") -> Calibration | None:
+    """The cached calibration of this machine, with what runs in `precision` taught it, or
+    None (none, unreadable, or outdated)."""
     try:
         data = json.loads(calibration_path(key).read_text(encoding="utf-8"))
         if data.get("format") != FORMAT:
@@ -194,17 +198,30 @@ def load_calibration(key: str | None = None) -> Calibration | None:
         cal = Calibration.from_dict(data)
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    try:
-        learned = json.loads(learned_path(cal.fingerprint).read_text(encoding="utf-8"))
-        if learned.get("measured_at") == cal.measured_at:  # taught this measurement
-            # A file from before the history was kept holds its correction alone.
-            ratios = [float(r) for r in learned.get("ratios") or [learned["correction"]]]
+    cal.taught_for = precision
+    taught = _learned(cal).get(precision)
+    if taught is not None:
+        try:
+            ratios = [float(r) for r in taught["ratios"]]
             cal.learned = ratios[-LEARNED_RUNS:]
             cal.correction = _correction(cal.learned)
-            cal.learned_from = int(learned["runs"])
-    except (OSError, ValueError, TypeError, KeyError):
-        pass
+            cal.learned_from = int(taught["runs"])
+        except (ValueError, TypeError, KeyError):
+            pass
     return cal
+
+
+def _learned(cal: Calibration) -> dict[str, dict]:
+    """What runs taught `cal`'s measurement, by precision (empty: nothing, or what they
+    taught an older measurement)."""
+    try:
+        learned = json.loads(learned_path(cal.fingerprint).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(learned, dict) or learned.get("measured_at") != cal.measured_at:
+        return {}
+    taught = learned.get("precisions")
+    return taught if isinstance(taught, dict) else {}
 
 
 def _correction(ratios: list[float]) -> float:
@@ -214,10 +231,10 @@ def _correction(ratios: list[float]) -> float:
 
 def learn(cal: Calibration, ratio: float) -> Calibration:
     """What a run measured teaches the calibration: `ratio` is its step times over their
-    forecasts (made with `cal`, its correction included). The new correction is the median
-    of the last LEARNED_RUNS runs' ratios, within CORRECTION_BOUNDS; kept beside the
-    calibration for the next forecast, and returned. A ratio beyond CORRECTION_RANGE
-    teaches nothing.
+    forecasts (made with `cal`, its correction included, in `cal.taught_for`). The new
+    correction is the median of the last LEARNED_RUNS runs' ratios, within
+    CORRECTION_BOUNDS; kept beside the calibration for the next forecast in that precision,
+    and returned. A ratio beyond CORRECTION_RANGE teaches nothing.
 
     Raises OSError when the file cannot be written."""
     low, high = CORRECTION_RANGE
@@ -230,8 +247,9 @@ def learn(cal: Calibration, ratio: float) -> Calibration:
                                  learned_from=cal.learned_from + 1)
     path = learned_path(cal.fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"correction": taught.correction, "ratios": ratios,
-                       "runs": taught.learned_from, "measured_at": cal.measured_at},
+    precisions = {**_learned(cal), cal.taught_for: {
+        "correction": taught.correction, "ratios": ratios, "runs": taught.learned_from}}
+    text = json.dumps({"measured_at": cal.measured_at, "precisions": precisions},
                       indent=2) + "\n"
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return taught
@@ -246,10 +264,12 @@ def save_calibration(cal: Calibration) -> Path:
 
 
 def calibration(*, refresh: bool = False, say: Callable[[str], None] | None = None,
-                measure_fn: Callable[..., Calibration] | None = None) -> Calibration:
-    """This machine's calibration: the cached one, or measured now and cached (`refresh`:
-    measured now whatever the cache holds). `say` hears one line before a measurement."""
-    cached = None if refresh else load_calibration()
+                measure_fn: Callable[..., Calibration] | None = None,
+                precision: str = "fp32") -> Calibration:
+    """This machine's calibration, with what runs in `precision` taught it: the cached one,
+    or measured now and cached (`refresh`: measured now whatever the cache holds). `say`
+    hears one line before a measurement."""
+    cached = None if refresh else load_calibration(precision=precision)
     if cached is not None and not (busy(cached.extra.get("load")) and quiet(load_average())):
         return cached
     if say is not None:
@@ -258,6 +278,7 @@ def calibration(*, refresh: bool = False, say: Callable[[str], None] | None = No
         say(f"{why}calibrating this machine's speeds (at most {TIME_LIMIT:.0f} s, once per "
             f"machine; `tuitrain calibrate` shows them)...")
     cal = (measure_fn or measure)()
+    cal.taught_for = precision
     try:
         save_calibration(cal)
         learned_path(cal.fingerprint).unlink(missing_ok=True)  # taught the old figures

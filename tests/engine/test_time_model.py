@@ -462,6 +462,26 @@ def test_a_runs_measured_steps_correct_the_next_forecast_on_this_machine(empty_c
     assert "correction" not in json.loads(calibration_path().read_text())
 
 
+def test_each_precision_learns_its_own_correction(empty_cache):
+    """The model's error is not the same in each precision (on a CPU with bf16 units, bf16
+    steps took 1.37x their forecast where fp32's took about theirs): what bf16 tunes
+    measured corrects bf16's forecasts alone."""
+    key, words = fingerprint()
+    cal = calibration(measure_fn=lambda: fixed_calibration(key, words), precision="bf16")
+    assert cal.taught_for == "bf16"
+    learn(cal, 1.5)
+    learn(load_calibration(precision="fp32"), 0.9)
+    bf16, fp32 = (load_calibration(precision=p) for p in ("bf16", "fp32"))
+    assert (bf16.correction, bf16.learned_from) == (pytest.approx(1.5), 1)
+    assert (fp32.correction, fp32.learned_from) == (pytest.approx(0.9), 1)
+    assert load_calibration(precision="fp16").correction == 1.0
+    assert calibration(precision="bf16").correction == pytest.approx(1.5)  # the cached one
+    half = dataclasses.replace(TRAFFIC, itemsize=2)
+    plain = dataclasses.replace(bf16, correction=1.0)
+    assert forecast(WORK, half, bf16, precision="bf16", simulated=True).total == (
+        pytest.approx(1.5 * forecast(WORK, half, plain, precision="bf16", simulated=True).total))
+
+
 def test_a_run_on_a_loaded_machine_cannot_swing_the_correction(empty_cache):
     """Steps that waited for cores (x12 their forecast, seen at a load of 30 on 2 cores)
     are one voice among the last runs', and no correction goes beyond its bounds."""

@@ -105,7 +105,8 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
     assert main(["calibrate"]) == 0
     cached = capsys.readouterr()
     assert cached.err == ""  # cached: nothing measured
-    assert "learned:     forecasts x2.00, from the steps of 1 tune on this machine" in cached.out
+    assert "learned:     forecasts in fp32 x2.00, from the steps of 1 tune on this machine" in (
+        cached.out)
     assert main(["calibrate", "--refresh", "--json"]) == 0
     again = capsys.readouterr()
     assert "calibrating" in again.err and json.loads(again.out)["h2d"] == 1e9
