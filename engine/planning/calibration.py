@@ -114,9 +114,11 @@ class Calibration:
     # A real decoder's forward and backward measured over what the FLOPs and bytes above
     # forecast for it: the small matmuls, the barriers between a parallel kernel's threads,
     # and the dispatch of each op, which kernels measured alone at their best do not show.
-    # In fp32; `half_factor` the same in bf16 (fp16 takes it too), where the matmuls'
-    # speed-up is not the ops' around them: on a CPU with AMX, bf16 matmuls ran 4-6x
-    # fp32's and opt-125m's step 1.5x (0: not measured, fp32's stands for it).
+    # In fp32; `half_factor` the same in the half precision runs here default to (bf16, or
+    # fp16 on a GPU without bf16; the other half precision takes it too), where the
+    # matmuls' speed-up is not the ops' around them: on a CPU with AMX, bf16 matmuls ran
+    # 4-6x fp32's and opt-125m's step 1.5x. 0: not measured (a CPU without bf16 units,
+    # which runs in fp32 and would take seconds a run in bf16): fp32's stands for it.
     compute_factor: float = 1.0
     half_factor: float = 0.0
     measured_at: str = ""  # ISO time
@@ -358,11 +360,12 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     # and its first steps take a few seconds on a busy machine.
     # A share for each matmul, the elementwise rate, each copy and each AdamW; the
     # reference decoder REFERENCE_SHARES.
+    half = _half_precision(cuda)
+    references = [_Reference(where, sync, scale, name) for name in ("fp32", half) if name]
     clock = _Clock(left * KERNELS_SHARE,
-                   len(widths) * len(precisions) + 6 + 2 * REFERENCE_SHARES,
+                   len(widths) * len(precisions) + 6 + len(references) * REFERENCE_SHARES,
                    time.perf_counter if cuda else time.thread_time)
     tokens = max(16, int(TOKENS * scale))
-    references = [_Reference(where, sync, scale, DTYPES[name]) for name in ("fp32", "bf16")]
     for reference in references:
         reference.time(clock)  # its first window: before the kernels
 
@@ -413,7 +416,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     )
     for reference in references:
         reference.time(clock)  # its second window, after the kernels, the copies and the disk
-    cal.compute_factor, cal.half_factor = (reference.factor(cal) for reference in references)
+    cal.compute_factor, cal.half_factor = [r.factor(cal) for r in references] + [0.0] * (
+        2 - len(references))
     del references
     parts["decoder"] = time.perf_counter() - started - sum(parts.values())
     cal.op_overhead = _op_overhead(cal, model, simulate,
@@ -511,7 +515,7 @@ class _Reference:
     far a typical step of many kernels falls behind their best."""
 
     def __init__(self, where: torch.device, sync: Callable[[], None], scale: float,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 precision: str = "fp32") -> None:
         from transformers import AutoModelForCausalLM
 
         from engine.models.training import prepare_for_training
@@ -523,10 +527,11 @@ class _Reference:
         self.config, self.sync = config, sync
         self.batch, self.seq = REFERENCE["batch"], max(8, int(REFERENCE["seq_len"] * scale))
         with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
-            self.model = AutoModelForCausalLM.from_config(config).to(where, dtype).train()
+            self.model = AutoModelForCausalLM.from_config(config).to(
+                where, DTYPES[precision]).train()
         prepare_for_training(self.model)
         self.ids = torch.zeros(self.batch, self.seq, dtype=torch.long, device=where)
-        self.dtype = dtype
+        self.precision = precision
         self.runs: list[float] = []
 
     def _run(self) -> None:
@@ -542,9 +547,9 @@ class _Reference:
     def factor(self, cal: Calibration) -> float:
         from engine.planning.flops import step_work
 
-        work = step_work(self.config, self.dtype, batch_size=self.batch, seq_len=self.seq,
-                         checkpointing=False, mapped_from=mapped_from())
-        forecast = _kernels(cal, work, "fp32" if self.dtype == torch.float32 else "bf16")
+        work = step_work(self.config, DTYPES[self.precision], batch_size=self.batch,
+                         seq_len=self.seq, checkpointing=False, mapped_from=mapped_from())
+        forecast = _kernels(cal, work, self.precision)
         # New memory is priced at its own measured rate, not scaled by the factor: the
         # tensors new in this process's heap (engine.devices.host_memory). Measured here
         # within minutes, the factor came to x1.44-1.46 under glibc's own heap (no new
@@ -552,6 +557,16 @@ class _Reference:
         # a third of its kernels' time): the same factor, whichever heap calibrates.
         measured = statistics.median(self.runs) - _fresh(cal, work)
         return max(measured, 0.0) / forecast if forecast > 0 else 1.0
+
+
+def _half_precision(cuda: bool) -> str | None:
+    """The half precision runs on this device compute in by default (tuitrain.settings),
+    None where they compute in fp32."""
+    from engine.devices.device import host_has_bf16
+
+    if cuda:
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if host_has_bf16() else None
 
 
 def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None,

@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from engine.devices import device
+from engine.devices.device import host_has_bf16
 from engine.models.lora import Lora
 from engine.models.zoo import count_parameters, model_config
 from engine.planning import calibration as calibration_module
@@ -341,7 +343,17 @@ def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     assert set(cal.matmul) == {"fp32", "bf16", "fp16"}
     assert cal.op_overhead >= 0 and cal.source == "this machine's calibration"
     assert math.isfinite(cal.compute_factor) and cal.compute_factor > 0
+    # bf16's own factor where runs here compute in it; none where they run in fp32.
+    assert (cal.half_factor > 0) == host_has_bf16()
     assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
+
+
+def test_a_cpu_without_bf16_units_is_not_timed_in_bf16(empty_cache, monkeypatch):
+    """It would run bf16 several times slower than fp32 and spend the calibration's time
+    limit on a precision its runs do not use."""
+    monkeypatch.setattr(device, "host_has_bf16", lambda: False)
+    cal = measure(simulate=True, limit=0.5, scale=0.01)
+    assert cal.half_factor == 0.0 and cal.factor("bf16") == cal.compute_factor
 
 
 def test_new_memory_costs_more_than_writing_memory_already_resident():
