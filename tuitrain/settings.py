@@ -106,7 +106,7 @@ class EngineSettings(_Strict):
     host_budget: Size | None = None
     disk_dir: str | None = None  # None: a folder under the user cache folder
     # None: bf16 on a GPU that has it, fp16 on older GPUs; on the simulated device bf16 where
-    # the CPU has bf16 units, fp32 elsewhere (engine.devices.device.host_has_bf16).
+    # the CPU has bf16 units, fp32 elsewhere (engine.devices.device.default_precision).
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     chunk_size: int | None = Field(None, gt=0)  # elements; None = searched
     # Data parallel: seconds a rank waits for the others in any one collective (the
@@ -244,13 +244,9 @@ class Settings(_Strict):
         """The compute precision: the one asked for, else the best for this device."""
         if self.engine.precision is not None:
             return self.engine.precision
-        if simulated:
-            from engine.devices.device import host_has_bf16
+        from engine.devices.device import default_precision
 
-            return "bf16" if host_has_bf16() else "fp32"
-        import torch
-
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return default_precision(cuda=not simulated)
 
     def device_budget_for(self, simulated: bool) -> int | None:
         """The device budget in bytes: the one asked for, else SIMULATED_DEVICE_BUDGET on

@@ -22,7 +22,8 @@ from engine.devices.cuda import CudaDevice
 from engine.devices.simulated import SimulatedDevice
 
 __all__ = ["ComputeDevice", "CudaDevice", "DeviceOutOfMemory", "SIMULATE_ENV",
-           "SimulatedDevice", "host_has_bf16", "make_device", "uses_cuda"]
+           "SimulatedDevice", "default_precision", "host_has_bf16", "make_device",
+           "uses_cuda"]
 
 SIMULATE_ENV = "TUITRAIN_SIMULATE"
 
@@ -143,6 +144,14 @@ def host_has_bf16() -> bool:
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(callable(getattr(cpu, name, None)) and getattr(cpu, name)() for name in checks)
+
+
+def default_precision(cuda: bool) -> str:
+    """The precision a run computes in unless told: bf16 on a GPU that has it, fp16 on
+    older GPUs; on the simulated device bf16 where the CPU has bf16 units, else fp32."""
+    if cuda:
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if host_has_bf16() else "fp32"
 
 
 def make_device(budget: int | None, simulate: bool | None = None) -> ComputeDevice:

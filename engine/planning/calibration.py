@@ -340,7 +340,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
             scale: float = 1.0) -> Calibration:
     """Measure this machine now (about `limit` seconds). `scale` shrinks every size, for a
     quick, rougher measurement (tests)."""
-    from engine.devices.device import make_device, uses_cuda
+    from engine.devices.device import default_precision, make_device, uses_cuda
 
     started, load = time.perf_counter(), load_average()
     # The engine's steps come last, but their model is built first (its imports take
@@ -360,8 +360,10 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     # and its first steps take a few seconds on a busy machine.
     # A share for each matmul, the elementwise rate, each copy and each AdamW; the
     # reference decoder REFERENCE_SHARES.
-    half = _half_precision(cuda)
-    references = [_Reference(where, sync, scale, name) for name in ("fp32", half) if name]
+    # The decoder in fp32, and in the half precision runs here default to, if any.
+    half = default_precision(cuda)
+    names = ["fp32"] if half == "fp32" else ["fp32", half]
+    references = [_Reference(where, sync, scale, name) for name in names]
     clock = _Clock(left * KERNELS_SHARE,
                    len(widths) * len(precisions) + 6 + len(references) * REFERENCE_SHARES,
                    time.perf_counter if cuda else time.thread_time)
@@ -416,8 +418,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     )
     for reference in references:
         reference.time(clock)  # its second window, after the kernels, the copies and the disk
-    cal.compute_factor, cal.half_factor = [r.factor(cal) for r in references] + [0.0] * (
-        2 - len(references))
+    cal.compute_factor = references[0].factor(cal)
+    cal.half_factor = references[1].factor(cal) if len(references) > 1 else 0.0
     del references
     parts["decoder"] = time.perf_counter() - started - sum(parts.values())
     cal.op_overhead = _op_overhead(cal, model, simulate,
@@ -557,16 +559,6 @@ class _Reference:
         # a third of its kernels' time): the same factor, whichever heap calibrates.
         measured = statistics.median(self.runs) - _fresh(cal, work)
         return max(measured, 0.0) / forecast if forecast > 0 else 1.0
-
-
-def _half_precision(cuda: bool) -> str | None:
-    """The half precision runs on this device compute in by default (tuitrain.settings),
-    None where they compute in fp32."""
-    from engine.devices.device import host_has_bf16
-
-    if cuda:
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if host_has_bf16() else None
 
 
 def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None,
