@@ -20,6 +20,11 @@ class AllocatorReadings:
         self.device = device
         self._model = self._allocated = 0
 
+    @property
+    def allocated(self) -> int:
+        """The allocator's bytes at the latest reading (less what is not the engine's)."""
+        return self._allocated
+
     def reset(self, device_bytes: int) -> None:
         """A step begins with `device_bytes` of model data on the device and nothing else."""
         self._model = self._allocated = device_bytes

@@ -25,6 +25,9 @@ def evaluate_loss(model: torch.nn.Module, manager: ChunkManager, device: Compute
     step then uses or drops them as its policy says). With no trace to forecast the
     activations from, every copy is dropped after use, as under cpu."""
     manager.flight.wait()
+    # Measured from its own start, as a step is: on a GPU, what other engines of this
+    # process allocated since this one's last step is theirs, not this forward's.
+    device.begin_step(manager.device_bytes)
     dev = device.torch_device
     batch = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     room = room_for_activations(manager.trace, tuple(batch["input_ids"].shape))

@@ -133,19 +133,26 @@ class StepRunner:
                 self.counter.disown({storage_key(g) for _, g in fresh})
 
     def non_model_now(self) -> int:
-        if self.device.simulated:
+        if self.device.simulated or self._traced_stands_in():
             return self._counted_now()
         # The chunk manager asks before it allocates: the allocator's peak so far is read
         # now, before a chunk's bytes could hide a non-model peak under a higher total.
-        self._sample()
-        return max(0, self.device.allocator_bytes() - self.manager.device_bytes)
+        allocated = (self.readings.allocated if self._sample()
+                     else self.device.allocator_bytes())
+        return max(0, allocated - self.manager.device_bytes)
+
+    def _traced_stands_in(self) -> bool:
+        """In a step that does not count, the interval's traced peak stands in for the
+        count (simulated device) or the allocator's reading (CUDA): it leaves the rules the
+        same room (engine.step.counting), at no cost per op or per decision."""
+        return not self.counts.counting and self._in_step and self.manager.trace is not None
 
     def _counted_now(self) -> int:
-        """Simulated device: the count, or in a step that does not count the interval's
-        traced peak, which leaves the rules the same room (engine.step.counting)."""
-        if self.counts.counting or not self._in_step or self.manager.trace is None:
-            return self.counter.current
-        return self.manager.trace.non_model_ahead(self.pos)
+        """The count (simulated device), or the interval's traced peak where that stands
+        in (`_traced_stands_in`)."""
+        if self._traced_stands_in():
+            return self.manager.trace.non_model_ahead(self.pos)
+        return self.counter.current
 
     def _on_model_change(self) -> None:
         if self._in_step:
@@ -168,7 +175,7 @@ class StepRunner:
         if not self._in_step:
             return
         m = self.manager
-        non_model = self._counted_now() if self.device.simulated else self.non_model_now()
+        non_model = self.non_model_now()
         if m.free_bytes(m.rules.forecast(m.trace, self.pos, non_model)) < 0:
             self._evicting = True
             try:
@@ -177,14 +184,19 @@ class StepRunner:
                 self._evicting = False
             self._sample()
 
-    def _sample(self) -> None:
+    def _sample(self) -> bool:
+        """Take a sample of the device's bytes; returns whether it read the allocator."""
         if self._evicting or self._quiet or not hasattr(self, "manager"):
-            return
+            return False
         model = self.manager.device_bytes
-        if self.device.simulated:
+        read = False
+        if self.device.simulated or self._traced_stands_in():
             non_model = self._counted_now()
-        else:
+        elif self.counts.counting:
             model, non_model = self.readings.read(model)
+            read = True
+        else:
+            return False  # after a step that did not count: its end reads the allocator
         self._interval_peak = max(self._interval_peak, non_model)
         # An interval's working set is what the placement rules keep room for: the most
         # chunk bytes it holds (in use, and gradient buffers opening) beside its whole
@@ -206,6 +218,7 @@ class StepRunner:
             room = self.device.capacity() - model
             self.counter.quiet_below = (-1 if room < non_model + forecast else
                                         min(self._interval_peak, self.peak - model, room))
+        return read
 
     def _chunks_in_use(self) -> tuple[Chunk, ...]:
         # A chunk whose gradients are coming in, into a buffer or kept as they are.
@@ -405,7 +418,7 @@ class StepRunner:
         self.readings.reset(self.manager.device_bytes)
         self.counter.reset()
         counting = self.counts.begin(tracing=tracing, accumulate=accumulate)
-        self._quiet = (self.device.simulated and not counting and self.manager.sharding is None
+        self._quiet = (not counting and self.manager.sharding is None
                        and all(c.copy_is_home for c in self.chunks))
         self._kept_grads: dict[int, int] = {}  # chunk index -> kept gradients adopted
         for chunk in self.chunks:
@@ -438,8 +451,7 @@ class StepRunner:
                 (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             self._finish_backward()
             self._close_interval()
-            if self.device.simulated:
-                self._finish_count()
+            self._finish_count()
             x2 = m.transfer_seconds
         except BaseException:
             self._abort()
