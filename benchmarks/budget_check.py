@@ -11,11 +11,16 @@ user gave, and nothing ran out of memory.
 
 Cases: opt-350m bf16 under policies cuda (8 GiB: all resident), auto (6 GiB, margin 0.9
 from step 2: the engine fills the budget with chunks and optimizer state) and cpu (2 GiB);
-and auto-below: opt-1.3b bf16 under 2 GiB, less than its 2.6 GB payload, so that auto
-fills the device. One JSON line per case (max reserved and allocated, num_alloc_retries,
-num_ooms, the context, this process's GPU memory from NVML or else cudaMemGetInfo), then
-one line for all; exits 1 when a case does not hold. Needs CUDA; `--dry-run` runs every case
-on the tiny model on the simulated device (no allocator figures), to check that it starts.
+and auto-below: opt-1.3b bf16 with activation checkpointing under 2 GiB, less than its
+2.6 GB payload, so that auto fills the device (without checkpointing its minimum working
+set is 3.0 GiB: the plan refuses it, and on an H200 its first step ran out of memory).
+Each case runs in a process of its own: the allocator's figures and NVML's are per process,
+and on an H200 a case run after another in one process started with up to 3.7 GB of the
+earlier one's still allocated. One JSON line per case (max reserved and allocated,
+num_alloc_retries, num_ooms, the context, the process's GPU memory from NVML or else
+cudaMemGetInfo), then one line for all; exits 1 when a case does not hold. Needs CUDA;
+`--dry-run` runs every case on the tiny model on the simulated device (no allocator
+figures), to check that it starts.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -40,13 +46,14 @@ class Case:
     policy: str
     budget: str
     margin: float = 0.0
+    checkpointing: bool = False
 
 
 CASES = {
     "cuda": Case("cuda", "opt-350m", "cuda", "8GiB"),
     "auto": Case("auto", "opt-350m", "auto", "6GiB", margin=0.9),
     "cpu": Case("cpu", "opt-350m", "cpu", "2GiB"),
-    "auto-below": Case("auto-below", "opt-1.3b", "auto", "2GiB"),
+    "auto-below": Case("auto-below", "opt-1.3b", "auto", "2GiB", checkpointing=True),
 }
 
 
@@ -93,6 +100,8 @@ def run_case(case: Case, steps: int, batch_size: int, seq_len: int, context: int
     vocab = model.config.vocab_size
     eng = Engine(model, EngineConfig(policy=case.policy, device_budget=budget,
                                      precision="bf16", simulate=not cuda))
+    if case.checkpointing:
+        eng.set_checkpointing(True)  # from the first step
     g = torch.Generator().manual_seed(0)
     if cuda:
         torch.cuda.synchronize()
@@ -148,6 +157,20 @@ def line(row: dict) -> str:
             f"ooms {row['num_ooms']})")
 
 
+def in_own_process(case: Case, args: argparse.Namespace) -> dict:
+    """`case`'s row, from this script run with `--here` on it alone in a new process."""
+    command = [sys.executable, os.path.abspath(__file__), "--here", "--cases", case.name,
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--seq-len", str(args.seq_len)] + (["--dry-run"] if args.dry_run else [])
+    done = subprocess.run(command, capture_output=True, text=True)
+    rows = [json.loads(text) for text in done.stdout.splitlines()
+            if text.startswith("{") and '"case"' in text]
+    if not rows:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"case": case.name, "error": f"exit {done.returncode}: {tail}", "held": False}
+    return rows[-1]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES),
@@ -157,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--dry-run", action="store_true",
                     help="every case on the tiny model, simulated: checks that it starts")
+    ap.add_argument("--here", action="store_true",
+                    help="run the cases in this process (each is in its own otherwise)")
     args = ap.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
@@ -166,22 +191,30 @@ def main(argv: list[str] | None = None) -> int:
     cases = [CASES[c] for c in args.cases.split(",")]
     cuda = torch.cuda.is_available() and not args.dry_run
     if args.dry_run:
-        cases = [Case(c.name, "tiny", c.policy, "64MiB", c.margin) for c in cases]
+        cases = [Case(c.name, "tiny", c.policy, "64MiB", c.margin, c.checkpointing)
+                 for c in cases]
         args.seq_len, args.steps = 32, 2
     elif not cuda:
         print("budget check: no CUDA device", file=sys.stderr)
         return 1
-    context, source = cuda_context() if cuda else (0, "none (simulated)")
-    print(json.dumps({"context": context, "context_source": source}))
-    rows = []
-    for case in cases:
-        try:
-            row = run_case(case, args.steps, args.batch_size, args.seq_len, context, cuda)
-        except Exception as error:  # one case failing must not hide the others
-            row = {"case": case.name, "error": f"{type(error).__name__}: {error}",
-                   "held": False}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+    if not args.here:
+        rows = [in_own_process(case, args) for case in cases]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        context, source = max((r.get("context", 0), r.get("context_source", "")) for r in rows)
+    else:
+        context, source = cuda_context() if cuda else (0, "none (simulated)")
+        print(json.dumps({"context": context, "context_source": source}))
+        rows = []
+        for case in cases:
+            try:
+                row = run_case(case, args.steps, args.batch_size, args.seq_len, context, cuda)
+            except Exception as error:  # one case failing must not hide the others
+                row = {"case": case.name, "error": f"{type(error).__name__}: {error}",
+                       "held": False}
+            row["context_source"] = source
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     verdict = "held" if all(r["held"] for r in rows) else "NOT HELD"
     print(f"{verdict}, context {format_size(context)} ({source}): "
           + "; ".join(line(r) for r in rows))

@@ -183,7 +183,7 @@ check bandwidth 40 bandwidth.log "$py" benchmarks/bandwidth.py --gib 1
 check "CUDA tests" 150 cuda-tests.log "$py" -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py
 check budget 100 budget.log "$py" benchmarks/budget_check.py
 check overhead 60 overhead.log "$py" benchmarks/engine_overhead.py --rounds 6 --uncounted
-if run "opt-1.3b run" 110 step.log "$py" -m tuitrain run opt-1.3b --headless --steps 4 \
+if run "opt-1.3b run" 110 step.log "$py" -m tuitrain run opt-1.3b --headless --steps 8 \
         --batch-size 8 --seq-len 1024 --precision bf16 --checkpointing \
         --metrics "$out/step.jsonl"; then
     check "opt-1.3b bf16 8x1024" 30 step.log "$py" benchmarks/run_summary.py "$out/step.jsonl"
