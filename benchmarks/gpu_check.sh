@@ -21,13 +21,18 @@
 #   budget     the budget held by the allocator's count plus the CUDA context, for policies
 #              cuda, auto and cpu, and opt-1.3b bf16 under 2 GiB (benchmarks/budget_check.py)
 #   overhead   against plain PyTorch, a synchronize around every system's step, with and
-#              without the live-byte counter (benchmarks/engine_overhead.py --uncounted)
+#              without the live-byte counter (benchmarks/engine_overhead.py --uncounted), on
+#              opt-125m and on the small OPT
+#   evaluation Engine.evaluate against a plain no-grad forward, and the bytes it copies
+#              (benchmarks/evaluation.py)
 #   opt-1.3b   bf16, 8 x 1024, checkpointing: step time and its split, tokens/s, MFU against
-#              the measured bf16 matmul peak (tuitrain run, then benchmarks/run_summary.py)
+#              the measured bf16 matmul peak, and the time model's forecast for it with this
+#              machine's calibration (tuitrain run, then benchmarks/run_summary.py --forecast)
 # Every check runs even when an earlier one failed; a failure prints its log's tail; the
 # exit status is the number of failed checks (0: all passed). Results go to $OUT (default
 # /tmp/gpu-check; GPU_CHECK_OUT also names it), in 8 files: summary.txt (the lines printed)
-# and one log per check with its raw figures (step.jsonl: the run's metrics).
+# and the logs with the raw figures (setup.log holds the bandwidth's too; step.jsonl: the
+# run's metrics).
 #
 # For the script's own tests: GPU_CHECK_NVIDIA_SMI replaces nvidia-smi, GPU_CHECK_WHEELS
 # the wheel folder, GPU_CHECK_DRY_RUN=1 is --dry-run.
@@ -101,7 +106,7 @@ else
     fi
     mkdir -p "$out" "$scratch"
     : >"$out/summary.txt"
-    for log in setup.log bandwidth.log cuda-tests.log budget.log overhead.log step.log; do
+    for log in setup.log cuda-tests.log budget.log overhead.log evaluation.log step.log; do
         : >"$out/$log"
     done
     rm -f "$out/step.jsonl"
@@ -179,14 +184,18 @@ if ((${#wheels[@]})) || [ "$dry" = 1 ]; then
     "${setup[@]}" || failed=$((failed + 1))
 fi
 check setup 60 setup.log "$py" benchmarks/gpu_env.py
-check bandwidth 40 bandwidth.log "$py" benchmarks/bandwidth.py --gib 1
+check bandwidth 40 setup.log "$py" benchmarks/bandwidth.py --gib 1
 check "CUDA tests" 150 cuda-tests.log "$py" -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py
-check budget 100 budget.log "$py" benchmarks/budget_check.py
+check budget 120 budget.log "$py" benchmarks/budget_check.py
 check overhead 60 overhead.log "$py" benchmarks/engine_overhead.py --rounds 6 --uncounted
+check "overhead, small OPT" 45 overhead.log "$py" benchmarks/engine_overhead.py --model small-opt \
+    --rounds 6 --uncounted
+check evaluation 45 evaluation.log "$py" benchmarks/evaluation.py --rounds 3 --batches 3 --threads 4
 if run "opt-1.3b run" 110 step.log "$py" -m tuitrain run opt-1.3b --headless --steps 8 \
         --batch-size 8 --seq-len 1024 --precision bf16 --checkpointing \
         --metrics "$out/step.jsonl"; then
-    check "opt-1.3b bf16 8x1024" 30 step.log "$py" benchmarks/run_summary.py "$out/step.jsonl"
+    check "opt-1.3b bf16 8x1024" 90 step.log "$py" benchmarks/run_summary.py "$out/step.jsonl" \
+        --forecast
 else
     failed=$((failed + 1))
 fi

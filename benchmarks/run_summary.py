@@ -1,7 +1,9 @@
 """One line about a headless run, from its `--metrics` JSONL: step time and its split,
-tokens/s, MFU, bytes moved.
+tokens/s, MFU, bytes moved; with `--forecast`, the time model's forecast for the run's
+settings and policy (this machine's calibration, measured first if it never was) against
+the measured median.
 
-    python benchmarks/run_summary.py runs/opt-1.3b.jsonl [--peak-tflops 989]
+    python benchmarks/run_summary.py runs/opt-1.3b.jsonl [--peak-tflops 989] [--forecast]
 
 MFU (model FLOPs utilisation) = 6 x parameters x tokens per step / step seconds / peak,
 the usual dense-transformer estimate (attention's own FLOPs left out). The peak is
@@ -83,11 +85,36 @@ def summary(header: dict, steps: list[dict], peak_flops: float | None, peak_note
             f"device peak {format_size(device_peak)}, loss {steps[-1]['loss']:.3f}")
 
 
+def forecast(header: dict, steps: list[dict]) -> str:
+    """The time model's seconds per step for the run's settings under the policy it ran,
+    against the measured median of the steps after the first."""
+    from engine.planning.planner import plan
+    from tuitrain.fit import default_host_budget
+    from tuitrain.plan_forecast import forecast as step_times
+
+    settings = header.get("settings", {})
+    engine, training = settings.get("engine", {}), settings.get("training", {})
+    policy = steps[-1]["policy"]
+    grad_accum = training.get("grad_accum", 1)
+    result = plan(settings["model"], device_mem=steps[-1]["device_budget"],
+                  host_mem=default_host_budget(), precision=engine.get("precision", "bf16"),
+                  batch_size=training.get("batch_size", 2),
+                  seq_len=training.get("seq_len", 128),
+                  checkpointing=bool(training.get("activation_checkpointing")),
+                  grad_accum=grad_accum)
+    predicted = step_times(result, None, grad_accum)[policy].total
+    measured = statistics.median(s["seconds"] for s in steps[1:] or steps)
+    return (f"forecast {predicted:.3f} s/step under {policy}, measured {measured:.3f} "
+            f"({measured / predicted:.2f}x the forecast)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("metrics")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the GPU's bf16 peak in TFLOP/s (default: measured here)")
+    ap.add_argument("--forecast", action="store_true",
+                    help="also the time model's forecast for the run's settings")
     ap.add_argument("--dry-run", action="store_true", help="check that it starts, and stop")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -106,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         peak = measured_peak_flops()
         note = f"{peak / 1e12:.0f} TFLOP/s (measured bf16 matmul)"
-    print(summary(header, steps, peak, note))
+    line = summary(header, steps, peak, note)
+    print(f"{line}; {forecast(header, steps)}" if args.forecast else line)
     return 0
 
 

@@ -63,7 +63,8 @@ RUN: tuple[Flag, ...] = (
          "folder for training state that does not fit the host budget (default: under the "
          "user cache folder)"),
     Flag("--precision", "engine.precision", "P",
-         "fp32, bf16 or fp16 (default: bf16 on GPU, fp32 simulated)"),
+         "fp32, bf16 or fp16 (default: bf16 on a GPU, fp16 on one without bf16; simulated, "
+         "bf16 where the CPU has bf16 units, else fp32)"),
     Flag("--collective-timeout", "engine.collective_timeout", "SECONDS",
          "with --nproc or torchrun: how long a rank waits for the others in one collective "
          "before the run fails, naming the rank (default 600)", number=True),

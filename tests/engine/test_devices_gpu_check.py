@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 WHEEL_LIST = ROOT / "benchmarks" / "gpu_wheels.txt"
 CHECKS = ["ok setup", "ok bandwidth", "ok CUDA tests", "ok budget", "ok overhead",
-          "ok opt-1.3b bf16 8x1024"]
+          "ok overhead, small OPT", "ok evaluation", "ok opt-1.3b bf16 8x1024"]
 
 
 def executable(path: Path, body: str) -> Path:
@@ -115,8 +115,8 @@ def test_the_dry_run_names_each_wheel_its_size_and_every_command(tmp_path):
     would = [line for line in done.stdout.splitlines() if line.startswith("would run")]
     assert [line.split(" (")[0] for line in would] == [
         "would run wheels", "would run setup", "would run bandwidth", "would run CUDA tests",
-        "would run budget", "would run overhead", "would run opt-1.3b run",
-        "would run opt-1.3b bf16 8x1024"]
+        "would run budget", "would run overhead", "would run overhead, small OPT",
+        "would run evaluation", "would run opt-1.3b run", "would run opt-1.3b bf16 8x1024"]
     assert not (tmp_path / "out").exists()  # nothing was run
 
 
