@@ -57,7 +57,7 @@ class StepRunner:
         self.chunks = chunks
         self.device = device
         self.counter = NonModelCounter(self._is_model_storage, self._on_non_model_change)
-        self.counts = CountedSteps()  # which steps count (simulated device; counting.py)
+        self.counts = CountedSteps(recount=device.simulated)  # which steps count
         self.manager = ChunkManager(chunks, device, non_model_now=self.non_model_now,
                                     on_change=self._on_model_change)
         self.trace: Trace | None = None  # the latest finished warm-up trace
