@@ -64,7 +64,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 8  # bump when what is measured changes: older files are measured again
+FORMAT = 9  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -74,6 +74,12 @@ KERNELS_SHARE = 0.35
 WIDTHS = (256, 768, 2048)
 CUDA_WIDTHS = (768, 2048, 4096)
 TOKENS = 1024
+# A GPU's matmuls are measured at as many rows as a 1.3B model's step holds (8 x 1024
+# tokens): at 1024 an H200 ran them launch-bound (bf16 258 TFLOP/s at width 2048, where
+# opt-1.3b's step reached 425), and the forecast of that step came out 14x the measured one
+# with the reference decoder's factor (REFERENCE). A small model's launch-bound step is the
+# op overhead's (engine.planning.time_model: the kernels or the host, whichever is longer).
+CUDA_TOKENS = 8192
 COPY_BYTES = 64 * 2**20
 # AdamW reads and writes four tensors of this many fp32 elements (256 MiB in all): a chunk's
 # update runs from memory, not from a CPU's last-level cache. At 4M elements (64 MiB) this
@@ -363,11 +369,12 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     # The decoder in fp32, and in the half precision runs here default to, if any.
     half = default_precision(cuda)
     names = ["fp32"] if half == "fp32" else ["fp32", half]
-    references = [_Reference(where, sync, scale, name) for name in names]
+    shape = CUDA_REFERENCE if cuda else REFERENCE
+    references = [_Reference(where, sync, scale, name, shape) for name in names]
     clock = _Clock(left * KERNELS_SHARE,
                    len(widths) * len(precisions) + 6 + len(references) * REFERENCE_SHARES,
                    time.perf_counter if cuda else time.thread_time)
-    tokens = max(16, int(TOKENS * scale))
+    tokens = max(16, int((CUDA_TOKENS if cuda else TOKENS) * scale))
     for reference in references:
         reference.time(clock)  # its first window: before the kernels
 
@@ -499,6 +506,10 @@ def _disk(scale: float) -> tuple[float, float]:
 # The decoder the compute factor is measured on: opt-125m's layers, two of them, at a
 # batch of 2 x 128 with a small vocabulary (so that its head does not dominate).
 REFERENCE = {"model": "opt-125m", "layers": 2, "vocab": 8192, "batch": 2, "seq_len": 128}
+# On a GPU, opt-1.3b's layers at 4 x 1024: opt-125m's at 2 x 128 are launch-bound there and
+# measured a factor of 3.6 (fp32) and 7.1 (bf16) on an H200, which multiplied every
+# model's arithmetic, opt-1.3b's too (2.91 s forecast, 0.20 s measured).
+CUDA_REFERENCE = {"model": "opt-1.3b", "layers": 2, "vocab": 8192, "batch": 4, "seq_len": 1024}
 # Its median run, of at least REFERENCE_RUNS in each of two windows that take
 # REFERENCE_SHARES between them: one run moves by a quarter from one moment to the next
 # here, and the fastest of a few is the luckiest, not what a step takes.
@@ -507,8 +518,9 @@ REFERENCE_SHARES = 4
 
 
 class _Reference:
-    """A real decoder's forward and backward (REFERENCE; plain PyTorch, no engine, no
-    generation cache, as the engine runs a model), timed in two windows, one before the
+    """A real decoder's forward and backward (REFERENCE, or CUDA_REFERENCE on a GPU; plain
+    PyTorch, no engine, no generation cache, as the engine runs a model), timed in two
+    windows, one before the
     kernels and one after them: on a shared machine a slow spell lasts seconds (the same
     decoder ran 220 ms, then 370 ms, then 260 ms a run here, each for several seconds), so
     that one spell is one window of two. `factor`: the median run of both over the time
@@ -517,17 +529,18 @@ class _Reference:
     far a typical step of many kernels falls behind their best."""
 
     def __init__(self, where: torch.device, sync: Callable[[], None], scale: float,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", shape: dict | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         from engine.models.training import prepare_for_training
         from engine.models.zoo import model_config
 
-        config = model_config("tiny" if scale < 1.0 else REFERENCE["model"])
-        config.num_hidden_layers = REFERENCE["layers"]
-        config.vocab_size = min(config.vocab_size, REFERENCE["vocab"])
+        shape = shape or REFERENCE
+        config = model_config("tiny" if scale < 1.0 else shape["model"])
+        config.num_hidden_layers = shape["layers"]
+        config.vocab_size = min(config.vocab_size, shape["vocab"])
         self.config, self.sync = config, sync
-        self.batch, self.seq = REFERENCE["batch"], max(8, int(REFERENCE["seq_len"] * scale))
+        self.batch, self.seq = shape["batch"], max(8, int(shape["seq_len"] * scale))
         with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
             self.model = AutoModelForCausalLM.from_config(config).to(
                 where, DTYPES[precision]).train()
