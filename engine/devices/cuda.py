@@ -57,6 +57,14 @@ def _allocator_stats(index: int) -> dict:
     return torch.cuda.memory_stats_as_nested_dict(index)
 
 
+def allocator_slack(room: int, budget: int) -> int:
+    """Bytes of `room` (what a `budget` leaves the engine) the allocator needs beyond the
+    engine's count (`ALLOCATOR_SLACK`), less what the cap already gives beyond the budget:
+    a budget under MIN_HARD_CAP is capped at MIN_HARD_CAP."""
+    cap = max(budget, MIN_HARD_CAP)
+    return max(0, int(ALLOCATOR_SLACK * room) - (cap - budget))
+
+
 def _expandable_segments() -> None:
     """Map the allocator's memory as expandable segments, unless the user chose."""
     chosen = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get(
@@ -136,8 +144,9 @@ class CudaDevice:
             # Blocks cached above the new cap would still be reused: hand them back.
             torch.cuda.empty_cache()
 
-    def capacity(self) -> int:
-        """What this engine can hold now: free memory plus what its allocator reserved
+    def capacity(self, budget: int | None = None) -> int:
+        """What this engine can hold now under `budget` (default: this device's, a budget
+        about to be set otherwise): free memory plus what its allocator reserved
         (its cache included, which it reuses), never more than the budget, less what the
         allocator holds for the engine's steps that is not the engine's (`unowned`): that
         sits inside the hard cap too, and an engine that filled the whole budget would
@@ -153,15 +162,9 @@ class CudaDevice:
             room = free + _allocator_stats(self.index)["reserved_bytes"]["all"]["current"]
         else:
             room = self._room
-        room = min(self.budget, room)
-        return int(max(0, room - self.slack(room) - self.unowned))
-
-    def slack(self, room: int) -> int:
-        """Bytes of `room` the allocator needs beyond the engine's count
-        (`ALLOCATOR_SLACK`), less what the cap already gives beyond the budget: a budget
-        under MIN_HARD_CAP is capped at MIN_HARD_CAP."""
-        cap = max(self.budget, MIN_HARD_CAP)
-        return max(0, int(ALLOCATOR_SLACK * room) - (cap - self.budget))
+        budget = self.budget if budget is None else int(min(budget, self.total))
+        room = min(budget, room)
+        return int(max(0, room - allocator_slack(room, budget) - self.unowned))
 
     def other_processes_bytes(self) -> int | None:
         """Bytes other processes hold on this GPU (NVML), or None where NVML cannot tell."""
@@ -254,8 +257,9 @@ class CudaDevice:
         engine's `model_bytes` (another model, a plain-PyTorch baseline) is someone else's,
         so `allocator_bytes` and `allocator_peak` leave it out."""
         self.transfers.settle_host()
-        torch.cuda.reset_peak_memory_stats(self.index)
         stats = _allocator_stats(self.index)
+        self._keep_peaks(stats)  # since the last reset, which no reading may have seen
+        torch.cuda.reset_peak_memory_stats(self.index)
         free, _ = torch.cuda.mem_get_info(self.index)
         self._room = free + int(stats["reserved_bytes"]["all"]["current"])
         allocated = int(stats["allocated_bytes"]["all"]["current"])
@@ -278,10 +282,7 @@ class CudaDevice:
         someone else's at `begin_step`, from one read of the allocator's statistics."""
         stats = _allocator_stats(self.index)
         allocated = stats["allocated_bytes"]["all"]
-        # The caller resets the peaks (all of them) after each reading: the run's highest
-        # reserved bytes are kept here (with max_memory_reserved since the last reset).
-        self.reserved_peak = max(self.reserved_peak, int(stats["reserved_bytes"]["all"]["peak"]))
-        self.allocated_peak = max(self.allocated_peak, int(allocated["peak"]))
+        self._keep_peaks(stats)
         return (max(0, int(allocated["current"]) - self._foreign),
                 max(0, int(allocated["peak"]) - self._foreign))
 
@@ -290,8 +291,17 @@ class CudaDevice:
 
     def allocator_peak(self) -> int | None:
         """Peak bytes allocated since `begin_step` (or `reset_peak`), less the same."""
-        peak = _allocator_stats(self.index)["allocated_bytes"]["all"]["peak"]
-        return max(0, int(peak) - self._foreign)
+        stats = _allocator_stats(self.index)
+        self._keep_peaks(stats)
+        return max(0, int(stats["allocated_bytes"]["all"]["peak"]) - self._foreign)
+
+    def _keep_peaks(self, stats: dict) -> None:
+        """The run's highest reserved and allocated bytes (`reserved_peak`,
+        `allocated_peak`): the peaks are reset at every reading and step, so each reading
+        and each step's start keeps the highest so far here."""
+        self.reserved_peak = max(self.reserved_peak, int(stats["reserved_bytes"]["all"]["peak"]))
+        self.allocated_peak = max(self.allocated_peak,
+                                  int(stats["allocated_bytes"]["all"]["peak"]))
 
     def close(self) -> None:
         """Land pending copies, give the staging ring back and drop this budget from the

@@ -41,7 +41,10 @@ class ComputeDevice(Protocol):
 
     def set_budget(self, budget: int) -> None: ...
 
-    def capacity(self) -> int: ...
+    def capacity(self, budget: int | None = None) -> int:
+        """Bytes the engine can hold on the device now, under `budget` (default: the
+        device's own)."""
+        ...
 
     def other_processes_bytes(self) -> int | None:
         """Bytes other processes hold on the same GPU; None where unknown ("N/A")."""

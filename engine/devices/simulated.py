@@ -49,8 +49,8 @@ class SimulatedDevice:
         self.budget = int(budget)
         self.pool.trim(self.budget)
 
-    def capacity(self) -> int:
-        return self.budget
+    def capacity(self, budget: int | None = None) -> int:
+        return self.budget if budget is None else budget
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)

@@ -47,6 +47,7 @@ import torch
 
 from engine.config import PRECISIONS, format_size, parse_size
 from engine.devices.buffer_pool import settled_fresh
+from engine.devices.cuda import allocator_slack
 from engine.devices.disk import default_disk_dir
 from engine.models.lora import Lora, apply_lora
 from engine.models.zoo import meta_model, model_config
@@ -76,8 +77,8 @@ TRACE_LAYERS = 3
 # step's non-model peak (every live byte but model data: activations, gradients in flight,
 # backward temporaries). On the simulated device the host's malloc keeps them: calibrated on
 # the peak RSS of simulated runs of opt-125m, batch 2 x 128: 0.40 (auto, fp32), 0.45 (cpu,
-# fp32), 0.63 (cpu, bf16). A GPU's caching allocator rounds and caches blocks too; assumed
-# alike (not measured on a GPU).
+# fp32), 0.63 (cpu, bf16). A GPU's is the engine's own rule (engine.devices.cuda
+# .allocator_slack: a share of the budget, measured there), so that plan and engine agree.
 ALLOCATOR_SLACK = 0.5
 
 # Share of the spare device memory a recommended margin leaves to the allocator on a real
@@ -167,11 +168,14 @@ class _Planner:
         )
 
     def _allocator_slack(self) -> int:
-        """Bytes the allocator holds beyond the live bytes of a step (ALLOCATOR_SLACK).
+        """Bytes the allocator holds beyond the live bytes of a step.
 
         The recording counts every live byte (engine.step.non_model), so what is left is
-        the allocator's: on the simulated device host memory, on a GPU device memory.
+        the allocator's: on the simulated device host memory (ALLOCATOR_SLACK of the
+        non-model peak), on a GPU device memory (what CudaDevice leaves it of the budget).
         """
+        if not self.simulated:
+            return allocator_slack(self.device_mem, self.device_mem)
         non_model = self.run(Policy.CPU, float("inf")).trace.non_model_peak
         return int(ALLOCATOR_SLACK * non_model)
 

@@ -92,6 +92,7 @@ class Engine:
         self._pending: LiveSettings | None = None  # replaces settings at the next step
         self._last_non_model_peak = 0
         self._last_peak = 0
+        self._counted_allocator_peak = 0  # CUDA: the last counted step's (_check_settled_peak)
         self._resident = PeakResident()  # reset as each step starts, read as it ends
         self._last_rss_peak: int | None = None
         self.closed = False
@@ -177,9 +178,17 @@ class Engine:
         self._pending = wanted
         return describe_setting(field, getattr(wanted, field))
 
+    def _check_settled_peak(self, allocator_peak: int, counted: bool) -> None:
+        """CUDA: a step that did not count reported its counted twin's figures and placed
+        its chunks on the trace's forecast; if the allocator saw more than that twin did
+        (data-dependent work, say), the next step counts again (engine.step.counting)."""
+        if counted:
+            self._counted_allocator_peak = allocator_peak
+        elif allocator_peak > self._counted_allocator_peak:
+            self.runner.counts.forget()
+
     def _check_budget(self, budget: int, policy: Policy) -> None:
-        if not self.device.simulated:
-            budget = min(budget, self.device.capacity())
+        budget = self.device.capacity(budget)  # on a GPU, what it leaves the engine
         costs = [self.manager.resident_cost(c) for c in self.chunks]
         rules.check_budget(budget, policy, trace=self.runner.trace,
                            module_bytes=self._module_bytes(), resident_costs=costs,
@@ -261,13 +270,18 @@ class Engine:
         traced = False
         forward = fwd_transfer = bwd_transfer = 0.0
         peak = non_model_peak = 0
+        allocator_peaks: list[int | None] = []  # CUDA: each earlier micro-batch's
+        counted = False
         t0 = time.perf_counter()
         for i, part in enumerate(parts):
             shape = tuple(part["input_ids"].shape)
+            if i > 0:  # its start resets the allocator's peak: read the one before's first
+                allocator_peaks.append(self.device.allocator_peak())
             if self.runner.begin(shape, step=self.step_count + 1, accumulate=i > 0,
                                  checkpointing=self.settings.activation_checkpointing):
                 if self.settings.margin_ratio > 0:
                     self._place(margin=False)  # a new shape may need that room
+            counted = counted or self.runner.counts.counting
             part = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in part.items()}
             with self._dropout:
                 loss, fx, bx = self.runner.forward_backward(
@@ -301,7 +315,15 @@ class Engine:
         self.device.synchronize()  # work still queued on a GPU is this step's time
         t3 = time.perf_counter()
         disk_read, disk_written, disk_wait = m.disk_counters()
-        allocator_peak = self.device.allocator_peak()  # CUDA: since the runner's last reading
+        # CUDA: since the runner's last reading, and the earlier micro-batches' (None
+        # on the simulated device, which counts instead).
+        allocator_peak = self.device.allocator_peak()
+        if allocator_peak is not None:
+            allocator_peak = max([allocator_peak, *(p for p in allocator_peaks if p is not None)])
+            # A counted step's readings reset the allocator's peak: its own is the highest
+            # of what they read (peak) and the rest of the step.
+            self._check_settled_peak(max(peak, allocator_peak) if counted else allocator_peak,
+                                     counted)
         self._last_peak = (peak if allocator_peak is None
                            else max(peak, self.runner.peak, allocator_peak))
         self._last_non_model_peak = non_model_peak

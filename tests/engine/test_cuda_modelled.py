@@ -215,6 +215,44 @@ def test_on_a_gpu_a_settled_run_never_counts_again(monkeypatch):
     assert counted == [True, True, True] + [False] * 6  # traced, counted until settled
 
 
+def test_on_a_gpu_a_settled_step_keeps_every_micro_batchs_peak_and_counts_again_past_it():
+    """Each micro-batch's start resets the allocator's peak: with no reading between its
+    trace points, a settled step reads it before the next one starts. A peak above the
+    counted step's (data-dependent work the trace never saw) makes the next step count."""
+    gpu = ModelledGpu(2**30)
+    eng = Engine(copy.deepcopy(MODEL), EngineConfig(policy="cpu", precision="fp32",
+                                                    grad_accum=2), device=gpu)
+    batch = make_batches(1, batch_size=4)[0]
+    with eng:
+        for _ in range(3):  # the trace, then until settled
+            gpu_step(eng, batch)
+        calls = {"n": 0}
+
+        def first_micro_batch_only(*_):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                gpu.spike(64 * MiB)
+
+        eng.model.model.decoder.layers[1].fc1.register_forward_hook(first_micro_batch_only)
+        stats = gpu_step(eng, batch)
+        assert not eng.runner.counts.counting  # settled: no reading between points
+        assert stats.memory.device_peak >= 64 * MiB  # micro-batch 0's, not 1's
+        gpu_step(eng, batch)
+        assert eng.runner.counts.counting  # counted again, after the peak it did not expect
+
+
+def test_on_a_gpu_a_larger_budget_admits_what_the_old_one_could_not():
+    """A change is checked against the capacity the new budget gives, not the old one's."""
+    need = simulated_trace().working_set
+    with engine(ModelledGpu(2 * need), "auto") as eng:
+        gpu_step(eng)
+        costs = sum(eng.manager.resident_cost(c) for c in eng.chunks)
+        eng.set_budget(4 * (costs + need))
+        eng.set_policy("cuda")  # refused before: checked against the old 2 x need
+        stats = gpu_step(eng)
+        assert stats.policy == "cuda"
+
+
 def _working_set(batch) -> int:
     with engine(SimulatedDevice(2**30)) as eng:
         eng.step(batch)
@@ -248,6 +286,7 @@ def test_what_the_first_step_left_on_the_gpu_that_is_not_the_engines_is_not_room
     device = CudaDevice.__new__(CudaDevice)
     device.index, device.budget, device._foreign = 0, 512 * MiB, 0
     device._before_steps, device.unowned, device._room = None, 0, None
+    device.reserved_peak = device.allocated_peak = 0
     device.transfers = SimulatedDevice(1).transfers
     other = CudaDevice.__new__(CudaDevice)
     other.index = 0
@@ -297,11 +336,9 @@ def test_a_wait_on_nccl_never_blocks_the_host_and_on_gloo_carries_the_timeout(
 
 
 def test_the_allocator_keeps_a_share_of_the_cap_that_a_small_budgets_cap_already_gives():
-    device = CudaDevice.__new__(CudaDevice)
-    device.budget = 6 * 2**30
-    assert device.slack(device.budget) == int(cuda.ALLOCATOR_SLACK * 6 * 2**30)
-    device.budget = 64 * MiB  # capped at MIN_HARD_CAP: 192 MiB beyond the budget already
-    assert device.slack(device.budget) == 0
+    assert cuda.allocator_slack(6 * 2**30, 6 * 2**30) == int(cuda.ALLOCATOR_SLACK * 6 * 2**30)
+    # capped at MIN_HARD_CAP: 192 MiB beyond the budget already
+    assert cuda.allocator_slack(64 * MiB, 64 * MiB) == 0
 
 
 @pytest.mark.parametrize("variable", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
