@@ -157,12 +157,18 @@ def line(row: dict) -> str:
             f"ooms {row['num_ooms']})")
 
 
+CASE_SECONDS = 300  # a case that hangs fails alone, and the others still run
+
+
 def in_own_process(case: Case, args: argparse.Namespace) -> dict:
     """`case`'s row, from this script run with `--here` on it alone in a new process."""
     command = [sys.executable, os.path.abspath(__file__), "--here", "--cases", case.name,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--seq-len", str(args.seq_len)] + (["--dry-run"] if args.dry_run else [])
-    done = subprocess.run(command, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CASE_SECONDS)
+    except subprocess.TimeoutExpired:
+        return {"case": case.name, "error": f"no result within {CASE_SECONDS} s", "held": False}
     rows = [json.loads(text) for text in done.stdout.splitlines()
             if text.startswith("{") and '"case"' in text]
     if not rows:
