@@ -57,12 +57,14 @@ def _allocator_stats(index: int) -> dict:
     return torch.cuda.memory_stats_as_nested_dict(index)
 
 
-def allocator_slack(room: int, budget: int) -> int:
-    """Bytes of `room` (what a `budget` leaves the engine) the allocator needs beyond the
-    engine's count (`ALLOCATOR_SLACK`), less what the cap already gives beyond the budget:
-    a budget under MIN_HARD_CAP is capped at MIN_HARD_CAP."""
+def allocator_slack(room: int, budget: int, unowned: int = 0) -> int:
+    """Bytes of `room` (what a `budget` leaves the engine) its count must leave free inside
+    the cap: the allocator's own (`ALLOCATOR_SLACK`) and `unowned` bytes (not the engine's,
+    under the same cap), less what the cap gives beyond the budget (a budget under
+    MIN_HARD_CAP is capped at MIN_HARD_CAP: a test's budget of a few MiB beside a 32 MiB
+    cuBLAS workspace left by the reference it is compared with)."""
     cap = max(budget, MIN_HARD_CAP)
-    return max(0, int(ALLOCATOR_SLACK * room) - (cap - budget))
+    return max(0, int(ALLOCATOR_SLACK * room) + unowned - (cap - budget))
 
 
 def _expandable_segments() -> None:
@@ -164,7 +166,7 @@ class CudaDevice:
             room = self._room
         budget = self.budget if budget is None else int(min(budget, self.total))
         room = min(budget, room)
-        return int(max(0, room - allocator_slack(room, budget) - self.unowned))
+        return int(max(0, room - allocator_slack(room, budget, self.unowned)))
 
     def other_processes_bytes(self) -> int | None:
         """Bytes other processes hold on this GPU (NVML), or None where NVML cannot tell."""

@@ -303,6 +303,26 @@ def test_what_the_first_step_left_on_the_gpu_that_is_not_the_engines_is_not_room
     assert device.capacity() == 512 * MiB - slack - before - 32 * MiB
 
 
+def test_a_small_budgets_cap_holds_what_was_there_before_beside_it(monkeypatch):
+    """The GPU tests compare with a plain run that leaves cuBLAS's workspace (32 MiB on
+    Hopper) allocated; a budget of a few MiB is capped at MIN_HARD_CAP, which holds it."""
+    allocated = {"bytes": 32 * MiB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (8 * 2**30, 8 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda index=None: {
+        "allocated_bytes": {"all": {"current": allocated["bytes"], "peak": allocated["bytes"]}},
+        "reserved_bytes": {"all": {"current": 0, "peak": 0}}})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index=None: None)
+    device = CudaDevice.__new__(CudaDevice)
+    device.index, device.budget, device._foreign = 0, 10 * MiB, 0
+    device._before_steps, device.unowned, device._room = None, 0, None
+    device.reserved_peak = device.allocated_peak = 0
+    device.transfers = SimulatedDevice(1).transfers
+    monkeypatch.setattr(cuda, "_LIVE", weakref.WeakSet([device]))
+    device.begin_step(model_bytes=0)
+    assert device.unowned == 32 * MiB
+    assert device.capacity() == 10 * MiB
+
+
 # --- collectives on NCCL --------------------------------------------------------------------
 
 
@@ -337,8 +357,13 @@ def test_a_wait_on_nccl_never_blocks_the_host_and_on_gloo_carries_the_timeout(
 
 def test_the_allocator_keeps_a_share_of_the_cap_that_a_small_budgets_cap_already_gives():
     assert cuda.allocator_slack(6 * 2**30, 6 * 2**30) == int(cuda.ALLOCATOR_SLACK * 6 * 2**30)
-    # capped at MIN_HARD_CAP: 192 MiB beyond the budget already
-    assert cuda.allocator_slack(64 * MiB, 64 * MiB) == 0
+    assert cuda.allocator_slack(6 * 2**30, 6 * 2**30, unowned=32 * MiB) == int(
+        cuda.ALLOCATOR_SLACK * 6 * 2**30) + 32 * MiB
+    # capped at MIN_HARD_CAP: 192 MiB beyond the budget already, for the allocator's share
+    # and a workspace that is not the engine's
+    assert cuda.allocator_slack(64 * MiB, 64 * MiB, unowned=32 * MiB) == 0
+    assert cuda.allocator_slack(200 * MiB, 200 * MiB, unowned=64 * MiB) == (
+        int(cuda.ALLOCATOR_SLACK * 200 * MiB) + 64 * MiB - 56 * MiB)
 
 
 @pytest.mark.parametrize("variable", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
