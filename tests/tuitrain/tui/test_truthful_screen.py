@@ -4,6 +4,8 @@ change's answer is listed once, in the value the user can see."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from textual.widgets._footer import FooterKey
 
@@ -36,6 +38,17 @@ def footer_keys(app) -> list[str]:
     return [key.description for key in app.query(FooterKey)]
 
 
+async def footer_showing(app, pilot, key: str, timeout: float = 10.0) -> list[str]:
+    """The footer's keys once `key` is among them, or as they are after `timeout`: the
+    footer recomposes in a later message cycle, which a busy machine delays."""
+    deadline = time.monotonic() + timeout
+    keys = footer_keys(app)
+    while key not in keys and time.monotonic() < deadline:
+        await pilot.pause(0.05)
+        keys = footer_keys(app)
+    return keys
+
+
 async def test_ctrl_c_stops_the_worker_and_quits():
     app, fake = make_app(fake_run(3))
     async with app.run_test(size=SIZE) as pilot:
@@ -65,16 +78,16 @@ async def test_the_footer_offers_pause_or_resume_as_the_state_has_it_and_restart
         assert "Pause" in keys and "Resume" not in keys and "Restart" not in keys
         await pilot.press("space")
         await settle(app, pilot)
-        keys = footer_keys(app)
+        keys = await footer_showing(app, pilot, "Resume")
         assert "Resume" in keys and "Pause" not in keys
         titles = {c.title for c in app.get_system_commands(app.screen)}
         assert "Resume" in titles and "Pause" not in titles
         await pilot.press("space")
         await settle(app, pilot)
-        assert "Pause" in footer_keys(app)
+        assert "Pause" in await footer_showing(app, pilot, "Pause")
         fake.emit(Finished(SUMMARY))
         await settle(app, pilot)
-        keys = footer_keys(app)
+        keys = await footer_showing(app, pilot, "Restart")
         assert "Restart" in keys and not {"Pause", "Resume"} & set(keys)
 
 
