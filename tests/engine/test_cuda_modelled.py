@@ -270,6 +270,24 @@ def test_a_steps_time_includes_the_work_still_queued_on_the_gpu():
 # --- what the engine can hold on a real GPU -------------------------------------------------
 
 
+def bare_cuda_device(monkeypatch, budget: int, allocated: dict[str, int],
+                     others: list[CudaDevice]) -> CudaDevice:
+    """A CudaDevice of `budget` on an 8 GiB GPU whose allocator holds `allocated["bytes"]`
+    (changed by the test as it goes), live beside `others` and no one else."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (8 * 2**30, 8 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda index=None: {
+        "allocated_bytes": {"all": {"current": allocated["bytes"], "peak": allocated["bytes"]}},
+        "reserved_bytes": {"all": {"current": 0, "peak": 0}}})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index=None: None)
+    device = CudaDevice.__new__(CudaDevice)
+    device.index, device.budget, device._foreign = 0, budget, 0
+    device._before_steps, device.unowned, device._room = None, 0, None
+    device.reserved_peak = device.allocated_peak = 0
+    device.transfers = SimulatedDevice(1).transfers
+    monkeypatch.setattr(cuda, "_LIVE", weakref.WeakSet([device, *others]))
+    return device
+
+
 @pytest.mark.parametrize("another_engine", [True, False])
 def test_what_the_first_step_left_on_the_gpu_that_is_not_the_engines_is_not_room(
         another_engine, monkeypatch):
@@ -278,22 +296,10 @@ def test_what_the_first_step_left_on_the_gpu_that_is_not_the_engines_is_not_room
     What was there before is another live engine's, under its own share of the cap, or
     with none alive a closed one's workspaces, under this one's."""
     allocated = {"bytes": 10 * MiB}  # before this one's steps
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (8 * 2**30, 8 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda index=None: {
-        "allocated_bytes": {"all": {"current": allocated["bytes"], "peak": allocated["bytes"]}},
-        "reserved_bytes": {"all": {"current": 0, "peak": 0}}})
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index=None: None)
-    device = CudaDevice.__new__(CudaDevice)
-    device.index, device.budget, device._foreign = 0, 512 * MiB, 0
-    device._before_steps, device.unowned, device._room = None, 0, None
-    device.reserved_peak = device.allocated_peak = 0
-    device.transfers = SimulatedDevice(1).transfers
     other = CudaDevice.__new__(CudaDevice)
     other.index = 0
-    if another_engine:
-        monkeypatch.setattr(cuda, "_LIVE", weakref.WeakSet([device, other]))
-    else:
-        monkeypatch.setattr(cuda, "_LIVE", weakref.WeakSet([device]))
+    device = bare_cuda_device(monkeypatch, 512 * MiB, allocated,
+                              others=[other] if another_engine else [])
     before = 0 if another_engine else 10 * MiB
     slack = int(cuda.ALLOCATOR_SLACK * 512 * MiB)
     device.begin_step(model_bytes=0)
@@ -306,18 +312,7 @@ def test_what_the_first_step_left_on_the_gpu_that_is_not_the_engines_is_not_room
 def test_a_small_budgets_cap_holds_what_was_there_before_beside_it(monkeypatch):
     """The GPU tests compare with a plain run that leaves cuBLAS's workspace (32 MiB on
     Hopper) allocated; a budget of a few MiB is capped at MIN_HARD_CAP, which holds it."""
-    allocated = {"bytes": 32 * MiB}
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (8 * 2**30, 8 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda index=None: {
-        "allocated_bytes": {"all": {"current": allocated["bytes"], "peak": allocated["bytes"]}},
-        "reserved_bytes": {"all": {"current": 0, "peak": 0}}})
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index=None: None)
-    device = CudaDevice.__new__(CudaDevice)
-    device.index, device.budget, device._foreign = 0, 10 * MiB, 0
-    device._before_steps, device.unowned, device._room = None, 0, None
-    device.reserved_peak = device.allocated_peak = 0
-    device.transfers = SimulatedDevice(1).transfers
-    monkeypatch.setattr(cuda, "_LIVE", weakref.WeakSet([device]))
+    device = bare_cuda_device(monkeypatch, 10 * MiB, {"bytes": 32 * MiB}, others=[])
     device.begin_step(model_bytes=0)
     assert device.unowned == 32 * MiB
     assert device.capacity() == 10 * MiB
