@@ -74,7 +74,7 @@ async def test_the_footer_offers_pause_or_resume_as_the_state_has_it_and_restart
     app, fake = make_app([*fake_run(3), None])
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
-        keys = footer_keys(app)
+        keys = await footer_showing(app, pilot, "Pause")
         assert "Pause" in keys and "Resume" not in keys and "Restart" not in keys
         await pilot.press("space")
         await settle(app, pilot)
