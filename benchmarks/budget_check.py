@@ -109,6 +109,7 @@ def run_case(case: Case, steps: int, batch_size: int, seq_len: int, context: int
         torch.cuda.reset_accumulated_memory_stats()
     row: dict = {"case": case.name, "model": case.model, "policy": case.policy,
                  "budget": budget, "margin": case.margin, "context": context}
+    stats = None
     try:
         for i in range(steps):
             if i == 1 and case.margin:
@@ -137,10 +138,14 @@ def run_case(case: Case, steps: int, batch_size: int, seq_len: int, context: int
     row["pinned"] = eng.device.pinned_bytes()
     row["held"] = "oom" not in row and held(row["max_reserved"], context, budget)
     eng.close()
-    del eng, model
+    del eng, model, stats
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+        # What the closed engine left allocated: cuBLAS's workspaces (32 MiB a stream on
+        # Hopper) and nothing else. On an H200, a case run after another in one process
+        # started with gigabytes of the earlier one's still allocated.
+        row["left_allocated"] = torch.cuda.memory_allocated()
     return row
 
 
