@@ -16,7 +16,7 @@
   blocks of many sizes, and with fixed segments the reserved bytes ran 20% above the
   allocated ones on an H200 (opt-350m under auto), over a 6 GiB budget the count kept.
   What is left between reserved and allocated even so (2-3% measured) is kept free
-  inside the cap: `ALLOCATOR_SLACK`.
+  inside the cap: `ALLOCATOR_SHARE`.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ DEFAULT_STAGING = Staging()
 # cap as small as the budget fails allocations the engine's byte count admits (the test
 # suite's budgets of a few MiB). Larger budgets are capped exactly.
 MIN_HARD_CAP = 256 * 2**20
-# Share of the cap the engine's count leaves to the allocator: its reserved bytes exceed
+# Share of the cap the engine's count leaves to the allocator (the planner's ALLOCATOR_SLACK
+# is another figure, of the simulated device's host heap): its reserved bytes exceed
 # its allocated ones by what rounding and split blocks waste. Measured on an H200 with
 # expandable segments: 2.3% (opt-350m, 6 GiB, auto at margin 0.9) and 2.8% (opt-1.3b, 2 GiB,
 # where 1.77 GiB allocated and 51 MiB more reserved left no room for the 198 MiB logits).
-ALLOCATOR_SLACK = 0.05
+ALLOCATOR_SHARE = 0.05
 
 # Every live CudaDevice, so that the process-wide cap can be the sum of their budgets.
 _LIVE: weakref.WeakSet[CudaDevice] = weakref.WeakSet()
@@ -59,12 +60,12 @@ def _allocator_stats(index: int) -> dict:
 
 def allocator_slack(room: int, budget: int, unowned: int = 0) -> int:
     """Bytes of `room` (what a `budget` leaves the engine) its count must leave free inside
-    the cap: the allocator's own (`ALLOCATOR_SLACK`) and `unowned` bytes (not the engine's,
+    the cap: the allocator's own (`ALLOCATOR_SHARE`) and `unowned` bytes (not the engine's,
     under the same cap), less what the cap gives beyond the budget (a budget under
     MIN_HARD_CAP is capped at MIN_HARD_CAP: a test's budget of a few MiB beside a 32 MiB
     cuBLAS workspace left by the reference it is compared with)."""
     cap = max(budget, MIN_HARD_CAP)
-    return max(0, int(ALLOCATOR_SLACK * room) + unowned - (cap - budget))
+    return max(0, int(ALLOCATOR_SHARE * room) + unowned - (cap - budget))
 
 
 def _expandable_segments() -> None:

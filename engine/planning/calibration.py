@@ -520,13 +520,13 @@ REFERENCE_SHARES = 4
 class _Reference:
     """A real decoder's forward and backward (REFERENCE, or CUDA_REFERENCE on a GPU; plain
     PyTorch, no engine, no generation cache, as the engine runs a model), timed in two
-    windows, one before the
-    kernels and one after them: on a shared machine a slow spell lasts seconds (the same
-    decoder ran 220 ms, then 370 ms, then 260 ms a run here, each for several seconds), so
-    that one spell is one window of two. `factor`: the median run of both over the time
-    the calibration's rates forecast for its FLOPs and bytes (engine.planning.flops). The
-    rates are each kernel's fastest and this is a median, so the factor also carries how
-    far a typical step of many kernels falls behind their best."""
+    windows, one before the kernels and one after them: on a shared machine a slow spell
+    lasts seconds (the same decoder ran 220 ms, then 370 ms, then 260 ms a run here, each
+    for several seconds), so that one spell is one window of two. `factor`: the median run
+    of both over the time the calibration's rates forecast for its FLOPs and bytes
+    (engine.planning.flops). The rates are each kernel's fastest and this is a median, so
+    the factor also carries how far a typical step of many kernels falls behind their
+    best."""
 
     def __init__(self, where: torch.device, sync: Callable[[], None], scale: float,
                  precision: str = "fp32", shape: dict | None = None) -> None:

@@ -270,13 +270,13 @@ class Engine:
         traced = False
         forward = fwd_transfer = bwd_transfer = 0.0
         peak = non_model_peak = 0
-        allocator_peaks: list[int | None] = []  # CUDA: each earlier micro-batch's
+        earlier_peak = 0  # CUDA: the allocator's peak over the earlier micro-batches
         counted = False
         t0 = time.perf_counter()
         for i, part in enumerate(parts):
             shape = tuple(part["input_ids"].shape)
             if i > 0:  # its start resets the allocator's peak: read the one before's first
-                allocator_peaks.append(self.device.allocator_peak())
+                earlier_peak = max(earlier_peak, self.device.allocator_peak() or 0)
             if self.runner.begin(shape, step=self.step_count + 1, accumulate=i > 0,
                                  checkpointing=self.settings.activation_checkpointing):
                 if self.settings.margin_ratio > 0:
@@ -319,7 +319,7 @@ class Engine:
         # on the simulated device, which counts instead).
         allocator_peak = self.device.allocator_peak()
         if allocator_peak is not None:
-            allocator_peak = max([allocator_peak, *(p for p in allocator_peaks if p is not None)])
+            allocator_peak = max(allocator_peak, earlier_peak)
             # A counted step's readings reset the allocator's peak: its own is the highest
             # of what they read (peak) and the rest of the step.
             self._check_settled_peak(max(peak, allocator_peak) if counted else allocator_peak,

@@ -301,7 +301,7 @@ def test_what_the_first_step_left_on_the_gpu_that_is_not_the_engines_is_not_room
     device = bare_cuda_device(monkeypatch, 512 * MiB, allocated,
                               others=[other] if another_engine else [])
     before = 0 if another_engine else 10 * MiB
-    slack = int(cuda.ALLOCATOR_SLACK * 512 * MiB)
+    slack = int(cuda.ALLOCATOR_SHARE * 512 * MiB)
     device.begin_step(model_bytes=0)
     assert device.capacity() == 512 * MiB - slack - before
     allocated["bytes"] += 100 * MiB + 32 * MiB  # the engine's 100 MiB, a workspace of 32
@@ -351,14 +351,14 @@ def test_a_wait_on_nccl_never_blocks_the_host_and_on_gloo_carries_the_timeout(
 
 
 def test_the_allocator_keeps_a_share_of_the_cap_that_a_small_budgets_cap_already_gives():
-    assert cuda.allocator_slack(6 * 2**30, 6 * 2**30) == int(cuda.ALLOCATOR_SLACK * 6 * 2**30)
+    assert cuda.allocator_slack(6 * 2**30, 6 * 2**30) == int(cuda.ALLOCATOR_SHARE * 6 * 2**30)
     assert cuda.allocator_slack(6 * 2**30, 6 * 2**30, unowned=32 * MiB) == int(
-        cuda.ALLOCATOR_SLACK * 6 * 2**30) + 32 * MiB
+        cuda.ALLOCATOR_SHARE * 6 * 2**30) + 32 * MiB
     # capped at MIN_HARD_CAP: 192 MiB beyond the budget already, for the allocator's share
     # and a workspace that is not the engine's
     assert cuda.allocator_slack(64 * MiB, 64 * MiB, unowned=32 * MiB) == 0
     assert cuda.allocator_slack(200 * MiB, 200 * MiB, unowned=64 * MiB) == (
-        int(cuda.ALLOCATOR_SLACK * 200 * MiB) + 64 * MiB - 56 * MiB)
+        int(cuda.ALLOCATOR_SHARE * 200 * MiB) + 64 * MiB - 56 * MiB)
 
 
 @pytest.mark.parametrize("variable", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
