@@ -122,8 +122,10 @@ class DeviceCopies(ChunkTiers):
                         chunk.device_payload[lo:hi], source)
                     self.transfer_seconds += seconds
             else:
-                chunk.pending, seconds = self.device.copy_ahead(chunk.device_payload,
-                                                                chunk.payload)
+                # The payload is written no sooner than the chunk settles: gradients
+                # come home after `settle`, the update after `release_all`.
+                chunk.pending, seconds = self.device.copy_ahead(
+                    chunk.device_payload, chunk.payload, src_kept=True)
                 self.transfer_seconds += seconds
             self.bytes_h2d += chunk.nbytes
             self._fetched(chunk)

@@ -221,7 +221,8 @@ class CudaDevice:
             dst.copy_(src)  # same side: an ordinary kernel or memcpy
         return time.perf_counter() - t0
 
-    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[object, float]:
+    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor, *,
+                   src_kept: bool = False) -> tuple[object, float]:
         """Start a host-to-device copy on the side stream; returns (pending, seconds).
 
         Safe because: the side stream first waits for everything queued on the compute

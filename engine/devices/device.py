@@ -88,7 +88,13 @@ class ComputeDevice(Protocol):
         """Stream-ordered copy; device -> host without `host_reads` lands by `settle_host`."""
         ...
 
-    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[object, float]: ...
+    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor, *,
+                   src_kept: bool = False) -> tuple[object, float]:
+        """A host-to-device copy that may run while the host goes on; returns (pending,
+        seconds). `wait(pending)` before `dst` is read or given back. With `src_kept` the
+        host writes `src` no sooner than that wait (else at once): the simulated device's
+        copy thread may read it late; CUDA has staged it by the time this returns."""
+        ...
 
     def wait(self, pending: object) -> None: ...
 

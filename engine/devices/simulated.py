@@ -2,10 +2,13 @@
 
 Stands in for a GPU on machines without one: tensors "on the device" are separate CPU
 tensors, a move is a real copy, and the budget is enforced by the engine's accounting.
-Copies run the same code as on CUDA (engine.devices.transfers) with events that are
-no-ops; given `staging`, they also go through staging buffers (plain memory here), so
-that path is tested without a GPU. Chunk buffers given back are kept for the next of their
-size, as a GPU's caching allocator keeps them (engine.devices.buffer_pool).
+Copies run the same code as on CUDA (engine.devices.transfers). A fetch ahead of use whose
+source stays put until it is waited for runs on a copy thread beside the step, as a GPU's
+copy engine does (engine.devices.streams.CopyingHostStreams); every other copy is done by
+the time it returns. Given `staging`, copies also go through staging buffers (plain
+memory here), so that path is tested without a GPU, its side stream on the thread too.
+Chunk buffers given back are kept for the next of their size, as a GPU's caching allocator
+keeps them (engine.devices.buffer_pool).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from engine.config import format_size
 from engine.devices.buffer_pool import BufferPool
-from engine.devices.streams import HostStreams
+from engine.devices.streams import CopyingHostStreams
 from engine.devices.transfers import Staging, Transfers
 
 
@@ -37,7 +40,8 @@ class SimulatedDevice:
             raise ValueError(f"the simulated device needs a positive budget, not {budget}")
         self.budget = int(budget)
         self.torch_device = torch.device("cpu")
-        self.transfers = Transfers(HostStreams(), staging)
+        self.streams = CopyingHostStreams()
+        self.transfers = Transfers(self.streams, staging)
         # Device and host tensors are both CPU tensors; this tells a copy's direction.
         self._device_tensors = WeakIdKeyDictionary()
         self.pool = BufferPool(self.budget)
@@ -73,6 +77,7 @@ class SimulatedDevice:
         self.pool.fill(storage, nbytes)
 
     def drain(self, storage: torch.UntypedStorage) -> None:
+        self.streams.wait_for(storage)  # no copy still uses what is given back
         self.pool.drain(storage)
 
     def trim(self, keep_at_most: int | None = None) -> None:
@@ -91,10 +96,16 @@ class SimulatedDevice:
             self.transfers.to_device(dst, src)
         return time.perf_counter() - t0
 
-    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[object, float]:
-        """A prefetch: the same code as on CUDA, done by the time it returns."""
+    def copy_ahead(self, dst: torch.Tensor, src: torch.Tensor, *,
+                   src_kept: bool = False) -> tuple[object, float]:
+        """A prefetch: the same code as on CUDA. On the copy thread where `src` is kept (or
+        staged), else done by the time it returns."""
         t0 = time.perf_counter()
-        pending = self.transfers.to_device_ahead(dst, src)
+        if src_kept or self.transfers.staging is not None:
+            pending = self.transfers.to_device_ahead(dst, src)
+        else:
+            self.transfers.to_device(dst, src)
+            pending = None
         return pending, time.perf_counter() - t0
 
     def wait(self, pending: object) -> None:
@@ -102,6 +113,7 @@ class SimulatedDevice:
 
     def settle_host(self) -> float:
         t0 = time.perf_counter()
+        self.streams.synchronize()
         self.transfers.settle_host()
         return time.perf_counter() - t0
 
@@ -109,10 +121,10 @@ class SimulatedDevice:
         return self.transfers.pinned_bytes()
 
     def synchronize(self) -> None:
-        pass  # nothing is queued: every op has run by the time it returns
+        self.streams.synchronize()
 
     def begin_step(self, model_bytes: int = 0) -> None:
-        self.transfers.settle_host()
+        self.settle_host()
 
     def allocator_bytes(self) -> int | None:
         return None  # non-model bytes are counted by the tracer instead
@@ -129,3 +141,4 @@ class SimulatedDevice:
     def close(self) -> None:
         self.pool.trim()
         self.transfers.close()
+        self.streams.close()

@@ -4,13 +4,21 @@ A copy is *queued* on a stream and runs after everything queued there before it.
 marks a point in a stream; the host can wait for it (only that point, not the whole
 device), and another stream can be told to wait for it without the host waiting at all.
 
-`CudaStreams` maps these onto CUDA streams and events. `HostStreams` is the simulated
-device's: there is one timeline, a copy runs at once, and events are no-ops, so the same
-copy code runs on both devices. Events are opaque handles: callers only pass them back.
+`CudaStreams` maps these onto CUDA streams and events. `HostStreams` is one timeline: a
+copy runs at once, and events are no-ops, so the same copy code runs everywhere.
+`CopyingHostStreams`, the simulated device's, runs the side stream's copies on a thread of
+their own, as a GPU's copy engine runs beside its kernels: the host is the compute stream,
+and meets a side copy only where it waits for it (its event), as on CUDA. Events are
+opaque handles: callers only pass them back.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -77,6 +85,115 @@ class HostStreams:
 
     def keep_alive(self, tensor: torch.Tensor, stream: object) -> None:
         pass
+
+
+class _Side:
+    """The simulated device's copy engine: one thread that runs copies queued on it, in
+    order, while the host computes (as a GPU's copy engine runs beside its kernels). The
+    thread starts with the first copy, in the process that queues it (a forked child gets
+    a thread of its own)."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = 0
+        self.last: Future | None = None
+        self._failed: BaseException | None = None  # the first failure nobody was told of
+        # What may still run, oldest first: (its future, the storages it uses).
+        self._queued: deque[tuple[Future, tuple[int, ...]]] = deque()
+
+    def submit(self, fn: Callable[..., object], *args: object,
+               uses: tuple[int, ...] = ()) -> None:
+        """Run `fn(*args)` after everything queued before it; `uses`: the data pointers of
+        the storages it reads or writes (`wait_for`)."""
+        if self._executor is None or self._pid != os.getpid():
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="tuitrain-copies")
+            self._pid, self.last = os.getpid(), None
+            self._queued.clear()
+        while self._queued and self._queued[0][0].done():
+            self._queued.popleft()
+        self.last = self._executor.submit(self._run, fn, args)
+        if uses:
+            self._queued.append((self.last, uses))
+
+    def _run(self, fn: Callable[..., object], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException as error:
+            if self._failed is None:
+                self._failed = error
+            raise
+
+    def wait(self, event: Future) -> None:
+        """Until the work `event` ends is done; raises the first failure since the last
+        wait, whichever copy it was."""
+        try:
+            event.result()
+        finally:
+            failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+
+    def wait_for(self, data_ptr: int) -> None:
+        """Until nothing queued uses the storage at `data_ptr` (see `wait`)."""
+        last = next((future for future, uses in reversed(self._queued) if data_ptr in uses),
+                    None)
+        if last is not None and self._pid == os.getpid():
+            self.wait(last)
+
+    def drain(self) -> None:
+        """Wait for everything queued (see `wait`)."""
+        last, self.last = self.last, None
+        self._queued.clear()
+        if last is not None and self._pid == os.getpid():  # a parent's copies are not ours
+            self.wait(last)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # a failure nobody waited for: closing anyway
+            self.drain()
+        if self._executor is not None and self._pid == os.getpid():
+            self._executor.shutdown(wait=True)
+        self._executor = None
+
+
+class CopyingHostStreams(HostStreams):
+    """HostStreams whose side stream is a thread: a copy queued there (a prefetch) runs
+    beside the host's compute, and the host waits for it only where it waits on CUDA."""
+
+    def __init__(self) -> None:
+        self._side = _Side()
+
+    def side(self) -> object:
+        return self._side
+
+    def dma(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> None:
+        if stream is self._side:
+            self._side.submit(dst.copy_, src, uses=(dst.untyped_storage().data_ptr(),
+                                                    src.untyped_storage().data_ptr()))
+        else:
+            dst.copy_(src)
+
+    def record(self, stream: object) -> object:
+        return self._side.last if stream is self._side else None
+
+    def host_wait(self, event: object) -> None:
+        if event is not None:
+            self._side.wait(event)
+
+    def stream_wait(self, stream: object, event: object) -> None:
+        if stream is not self._side:
+            self.host_wait(event)  # the host is the compute stream
+
+    def synchronize(self) -> None:
+        """Until every side copy is done."""
+        self._side.drain()
+
+    def wait_for(self, storage: torch.UntypedStorage) -> None:
+        """Until no side copy reads or writes `storage`."""
+        if storage.data_ptr():
+            self._side.wait_for(storage.data_ptr())
+
+    def close(self) -> None:
+        self._side.close()
 
 
 def _power_of_two_ceil(n: int) -> int:

@@ -250,6 +250,7 @@ class _Planner:
             host_model=self.host.host_model(outcome.resident),
             landed_grads=self.host.landed(outcome.resident),
             copied=outcome.step.copied,
+            prefetched=outcome.step.prefetched,
             device_buffers=outcome.step.pool.peak if self.simulated else 0,
             fresh=(settled_fresh(step.pool.limit, step.resident_buffers, step.buffer_moves)
                    if self.simulated else 0),

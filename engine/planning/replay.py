@@ -124,6 +124,9 @@ class StepReplay:
         self.evicting = False
         self.overrun = 0
         self.copied = 0  # payload bytes copied between host and device (fetches, gradients)
+        # Of those, fetches ahead of use from host memory: on the simulated device its copy
+        # thread runs them beside the step (engine.devices.streams.CopyingHostStreams).
+        self.prefetched = 0
         # Every payload copied to the device, as (chunk, from the master: its gradients are
         # home, so the weights are in the fp32 master): what the disk tier reads for them.
         self.fetches: list[tuple[int, bool]] = []
@@ -358,6 +361,8 @@ class StepReplay:
             self.on_device.add(chunk)
             self.take_buffer(chunk)
             self.copied += self.nbytes[chunk]
+            if chunk not in self.disk.chunks:
+                self.prefetched += self.nbytes[chunk]
             self.fetches.append((chunk, False))
             self.ahead.pop(chunk, None)
             self._sample()

@@ -26,6 +26,8 @@ class PolicyPlan:
     copied: int  # bytes copied between host and device per step (bytes_h2d + bytes_d2h)
     fits: bool
     reason: str = ""  # why it does not fit, with the numbers; empty when it fits
+    # Of `copied`, the fetches ahead of use from host memory (StepReplay.prefetched).
+    prefetched: int = 0
     # The simulated device's chunk buffers at a step's peak, in use and kept for reuse: host
     # memory for the whole run (engine.devices.buffer_pool); 0 on a real device.
     device_buffers: int = 0
@@ -123,6 +125,7 @@ class Plan:
                 "host_model": p.host_model,
                 "landed_grads": p.landed_grads,
                 "copied": p.copied,
+                "prefetched": p.prefetched,
                 "fresh": p.fresh,
                 "io_buffers": p.io_buffers,
                 "disk_bytes": p.disk_bytes,

@@ -19,9 +19,10 @@ A step is `grad_accum` micro-batches of forward and backward, then one update:
 - the disk tier: what the plan reads and writes there per step;
 - collectives (data parallel): what a rank gathers and reduce-scatters.
 
-Overlap is the device's: the simulated device copies in line with compute (a copy is a
-memcpy on the same cores), so copies add up; on CUDA the copies stream on their own engine
-while kernels run, so only what exceeds the compute is exposed. The disk tier's reads and
+Overlap is the device's: on CUDA the copies stream on their own engine while kernels run,
+so only what exceeds the compute is exposed; the simulated device runs its fetches ahead of
+use on a copy thread beside the step, and every other copy in line (a memcpy on the
+stepping thread). The disk tier's reads and
 writes run on threads beside the step: on CUDA beside the kernels; on the simulated device,
 whose kernels take the same cores, beside one forward only (the update that overlaps the
 next step's). A CUDA rank's collectives run beside the kernels too.
@@ -98,6 +99,8 @@ class Traffic:
     # idle copies fill the device beyond what the pool may keep, most of them (opt-125m at
     # 4 x 128 in 1 GiB: 660 MiB per micro-batch).
     fresh: int = 0
+    # Of `copied`, the fetches ahead of use from host memory (PolicyPlan.prefetched).
+    prefetched: int = 0
 
 
 def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: str,
@@ -152,6 +155,9 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
         overlap += min(h2d + d2h, compute)  # copies stream beside the kernels
         overlap += min(collectives, compute)
     if simulated:
+        # Fetches ahead of use run on the simulated device's copy thread, beside the
+        # module that computes meanwhile (engine.devices.streams.CopyingHostStreams).
+        overlap += min(micro * traffic.prefetched / cal.h2d, compute)
         # The disk tier's threads share the cores and the memory bus with the kernels here,
         # so its reads and writes hide behind no compute but one: the update of the chunks
         # whose state is on disk flies beside the next step's first forward
@@ -205,6 +211,7 @@ def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[s
             disk_read=row.disk_read, disk_written=row.disk_written,
             communicated=row.gathered + row.reduce_scattered,
             fresh=row.fresh,
+            prefetched=row.prefetched,
         )
         out[name] = forecast(work, traffic, cal, precision=plan.precision,
                              simulated=plan.simulated, grad_accum=grad_accum)

@@ -113,6 +113,30 @@ def test_a_tight_budget_and_a_margin_are_forecast_like_the_engine_places_them(po
     assert row.copied == stats.bytes_h2d + stats.bytes_d2h
 
 
+@pytest.mark.parametrize(("policy", "budget"), [("cpu", 6 * 1024 * MiB), ("auto", 20 * MiB)])
+def test_the_fetches_ahead_of_use_are_the_replays_byte_for_byte(policy, budget):
+    """What the simulated device's copy thread fetches beside the step, which the time
+    model overlaps with compute, is what the plan's replay says."""
+    forecast = plan("tiny", device_mem=budget, host_mem="64GiB", precision="bf16",
+                    simulated=True, **SHAPE)
+    _, engine = tiny_steps(policy=policy, precision="bf16", budget=budget)
+    ahead = []
+    copy_ahead = engine.device.copy_ahead
+
+    def spy(dst, src, *, src_kept=False):
+        if src_kept:
+            ahead.append(src.nbytes)
+        return copy_ahead(dst, src, src_kept=src_kept)
+
+    engine.device.copy_ahead = spy
+    ids = torch.randint(0, engine.model.config.vocab_size,
+                        (SHAPE["batch_size"], SHAPE["seq_len"]), generator=torch.Generator())
+    engine.step({"input_ids": ids, "labels": ids})
+    engine.close()
+    assert sum(ahead) == forecast.policies[policy].prefetched
+    assert forecast.policies[policy].prefetched > 0
+
+
 def test_activation_checkpointing_is_forecast_with_its_recomputation():
     forecast = plan(
         "tiny",

@@ -109,6 +109,20 @@ def test_on_the_simulated_device_every_part_adds_up():
     assert t.parts()["total"] == t.total
 
 
+def test_on_the_simulated_device_fetches_ahead_of_use_hide_behind_compute():
+    # Of TRAFFIC's 2.6 s of fetches, 2 GB (2 s at 1 GB/s) come ahead of use, on the copy
+    # thread; the rest and the gradients' way home stay in line.
+    ahead = dataclasses.replace(TRAFFIC, prefetched=2_000_000_000)
+    t = forecast(WORK, ahead, fixed_calibration(), precision="fp32", simulated=True)
+    assert t.copy_h2d == pytest.approx(2.6)
+    assert t.overlap == pytest.approx(2.0)
+    assert t.total == pytest.approx(t.compute + 0.6 + 0.4 + 1.0)
+    # Never more than the step computes meanwhile.
+    much = dataclasses.replace(TRAFFIC, copied=40_400_000_000, prefetched=40_000_000_000)
+    t = forecast(WORK, much, fixed_calibration(), precision="fp32", simulated=True)
+    assert t.overlap == pytest.approx(t.compute)
+
+
 def test_on_cuda_copies_hide_behind_compute_up_to_its_length():
     cal = fixed_calibration()
     t = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=False)
