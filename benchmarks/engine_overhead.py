@@ -42,12 +42,15 @@ what is freed (engine.devices.host_memory.kept_heap, set before anything is buil
 the warm-up no system touches a fresh page and the ratios are the compute and the engine's
 own work.
 
-Copies: on the simulated device a copy between host and device is a memcpy on the cores
-that compute, where a GPU's copy engine runs it beside the kernels. The last column
-estimates what the engine's own work costs without them: the paired ratio of each round's
-step less its bytes moved at this process's copy bandwidth (`copy_bandwidth`, a probe of
-the same chunk-sized copies after the rounds), over plain's step. An estimate: a copy in a
-step may find the caches otherwise than the probe does.
+Copies: on the simulated device a copy between host and device is a memcpy. A fetch ahead
+of use runs on the device's copy thread beside the step, as a GPU's copy engine runs it
+beside the kernels; every other copy (a fetch the step waits for, a gradient's way home)
+runs on the stepping thread. The last column estimates what the engine's own work costs
+without any of them: the paired ratio of each round's step less all its bytes moved at
+this process's copy bandwidth (`copy_bandwidth`, a probe of the same chunk-sized copies
+after the rounds), over plain's step. An estimate, and a low one where fetches ran ahead:
+their time was not the step's to take off; and a copy in a step may find the caches
+otherwise than the probe does.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ class DeviceCopies(ChunkTiers):
         gathered again then, its bytes unchanged."""
         self.flight.wait(chunk)  # its update from the last step, if that is still running
         self._last_use[chunk.index] = pos
+        self.fetched_ahead.discard(chunk.index)
         self.settle(chunk)
         if chunk.on_device and not chunk.stale and not gather:
             return
@@ -80,34 +81,35 @@ class DeviceCopies(ChunkTiers):
         if self.sharding is not None:
             self.sharding.settle(chunk)
 
-    def prefetch(self, pos: int, phase: str) -> None:
-        """Start copying the next module's chunks while this one computes (on CUDA the copy
-        runs on a side stream).
+    def prefetch(self, pos: int) -> None:
+        """Start copying the chunks of the next module that needs one brought in
+        (rules.prefetch_target) while this one and those before it compute (on CUDA and
+        the simulated device the copy runs beside them: engine.devices).
 
-        Only into room that is free now and stays free until the next module by the trace's
-        forecast (its non-model peak, and in backward the gradient buffers this module may
-        open): a prefetch never evicts, so it moves no byte the step would not move anyway.
-        Not while tracing, when there is no forecast to trust.
+        Only into room that is free now and stays free until that module by the trace's
+        forecast (its non-model peak, and in backward the gradient buffers that may open
+        meanwhile): a prefetch never evicts, so it moves no byte the step would not move
+        anyway. Not while tracing, when there is no forecast to trust.
         """
         trace = self.trace
-        if trace is None or not self.strict or pos + 1 >= len(trace.points):
+        # One module's chunks ahead at a time: those fetched ahead are used first.
+        if trace is None or not self.strict or self.fetched_ahead:
             return
-        # Every next chunk already there (all of them, when all are resident): nothing to
-        # choose, so no forecast to make.
-        if all(self.chunks[i].on_device for i in trace.points[pos + 1].chunks):
+        # Every chunk of the modules ahead already there (all of them, when all are
+        # resident): nothing to choose, so no forecast to make.
+        target = rules.prefetch_target(trace, pos, lambda i: self.chunks[i].on_device)
+        if target is None:
             return
-        opening = 0
-        if phase == "backward":
-            # Gradients kept as they come (keeps_grad) are counted already as they arrive.
-            opening = sum(c.nbytes - c.kept_grad_bytes
-                          for i in trace.points[pos].grad_chunks
-                          if (c := self.chunks[i]).grad is None and not c.resident
-                          and c.grads_pending > 0)
-        forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening)
+        # Gradients kept as they come (keeps_grad) are counted already as they arrive.
+        opening = sum(c.nbytes - c.kept_grad_bytes
+                      for i in rules.opening_between(trace, pos, target)
+                      if (c := self.chunks[i]).grad is None and not c.resident
+                      and c.grads_pending > 0)
+        forecast = rules.prefetch_forecast(trace, pos, self.non_model_now(), opening, target)
         # A stale device copy is one whose gradients went home: not used again this step.
         # A payload on disk only once its read ahead is done: a prefetch never waits.
         chosen = rules.prefetches(
-            trace.points[pos + 1].chunks, free=self.free_bytes(forecast),
+            trace.points[target].chunks, free=self.free_bytes(forecast),
             skip=lambda i: (self.chunks[i].on_device or self.chunks[i].holds_grads
                             or self.flight.pending(i)
                             or (self.chunks[i].payload_on_disk and not self.spill.ready(i))),
@@ -128,12 +130,14 @@ class DeviceCopies(ChunkTiers):
                     chunk.device_payload, chunk.payload, src_kept=True)
                 self.transfer_seconds += seconds
             self.bytes_h2d += chunk.nbytes
+            self.fetched_ahead.add(index)
             self._fetched(chunk)
 
     def release(self, chunk: Chunk) -> bool:
         """Drop the device copy of an idle, non-resident chunk. Returns whether it did."""
         if chunk.copy_is_home or not chunk.on_device or chunk.in_use():
             return False
+        self.fetched_ahead.discard(chunk.index)
         self.settle(chunk)
         self._storage_resize(chunk, False)
         for slot in chunk.slots:
@@ -176,7 +180,8 @@ class DeviceCopies(ChunkTiers):
         if phase == "backward":
             self.flight.wait()  # gradients come home to chunks the last update is done with
         on_device = [c.index for c in self.chunks if c.on_device]
-        for index in self.rules.release_before_use(on_device, [c.index for c in needed]):
+        for index in self.rules.release_before_use(on_device, [c.index for c in needed],
+                                                   self.fetched_ahead):
             self.release(self.chunks[index])
         if self.sharding is not None:
             # Gathers at agreed points only: the boundary's agreement decides those for
@@ -191,7 +196,7 @@ class DeviceCopies(ChunkTiers):
         for chunk in needed:
             self.materialise(chunk, pos, needed)
         if phase:
-            self.prefetch(pos, phase)
+            self.prefetch(pos)
             self.read_ahead(pos)
 
     def _gather_offer(self, needed: tuple[Chunk, ...], pos: int, phase: str) -> list[int]:

@@ -46,6 +46,7 @@ class ChunkTiers:
         self.strict = True  # raise when room cannot be made; off while tracing
         self.overrun = 0  # most bytes over capacity seen while not strict
         self._last_use: dict[int, int] = {}  # chunk -> position of its latest use (LRU)
+        self.fetched_ahead: set[int] = set()  # copies prefetched, not used yet
         self.host_budget: int | None = None  # chunk bytes + I/O buffers on the host
         self.disk_piece = rules.DISK_PIECE  # elements per piece of disk I/O
         self.spill: disk.Spill | None = None  # the disk tier, when the host budget needs it

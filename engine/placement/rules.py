@@ -48,7 +48,8 @@ class CudaRules:
         return AutoRules.forecast(trace, pos, non_model_now)
 
     @staticmethod
-    def release_before_use(on_device: Iterable[int], needed: Iterable[int]) -> list[int]:
+    def release_before_use(on_device: Iterable[int], needed: Iterable[int],
+                           ahead: Iterable[int] = ()) -> list[int]:
         return []
 
 
@@ -75,7 +76,8 @@ class AutoRules:
         return max(0, trace.non_model_ahead(pos) - non_model_now)
 
     @staticmethod
-    def release_before_use(on_device: Iterable[int], needed: Iterable[int]) -> list[int]:
+    def release_before_use(on_device: Iterable[int], needed: Iterable[int],
+                           ahead: Iterable[int] = ()) -> list[int]:
         return []
 
 
@@ -85,9 +87,11 @@ class CpuRules(AutoRules):
     policy = Policy.CPU
 
     @staticmethod
-    def release_before_use(on_device: Iterable[int], needed: Iterable[int]) -> list[int]:
-        """Anything the module about to run does not need goes now."""
-        keep = set(needed)
+    def release_before_use(on_device: Iterable[int], needed: Iterable[int],
+                           ahead: Iterable[int] = ()) -> list[int]:
+        """Anything the module about to run does not need goes now, but a copy fetched
+        ahead for a module still to come (`ahead`)."""
+        keep = {*needed, *ahead}
         return [c for c in on_device if c not in keep]
 
 
@@ -203,15 +207,42 @@ def grads_land_per_step(*, aliased: bool, sharded: bool, disk_tier: bool) -> boo
     return aliased and not sharded and not disk_tier
 
 
-def prefetch_forecast(trace: Trace, pos: int, non_model_now: int, grads_to_open: int) -> int:
-    """Room a prefetch leaves free until the next module: the trace's non-model growth and,
-    in backward, the gradient buffers the running module may still open."""
-    return max(0, trace.non_model_ahead(pos) - non_model_now) + grads_to_open
+# How many modules ahead a prefetch looks for a chunk to bring in.
+PREFETCH_HORIZON = 24
+
+
+def prefetch_target(trace: Trace, pos: int, present: Callable[[int], bool]) -> int | None:
+    """The point a prefetch at point `pos` serves: the first after it, within
+    PREFETCH_HORIZON, with a chunk that is not `present` on the device. The modules in
+    between bring nothing in, so its copy runs beside all of them: the next module alone
+    is too short a cover (a layer's last, small module, where the next layer's chunk is
+    needed at its first). None when there is no such point."""
+    for target in range(pos + 1, min(len(trace.points), pos + 1 + PREFETCH_HORIZON)):
+        if not all(present(c) for c in trace.points[target].chunks):
+            return target
+    return None
+
+
+def opening_between(trace: Trace, pos: int, target: int) -> list[int]:
+    """Chunks whose gradients may arrive from point `pos` until point `target` (in the
+    backward's points): gradient buffers that may open meanwhile."""
+    return list(dict.fromkeys(c for i in range(pos, target) for c in trace.points[i].grad_chunks))
+
+
+def prefetch_forecast(trace: Trace, pos: int, non_model_now: int, grads_to_open: int,
+                      target: int | None = None) -> int:
+    """Room a prefetch leaves free until point `target` (the next module's: pos + 1): the
+    trace's non-model growth until then and, in backward, the gradient buffers that may
+    open meanwhile."""
+    peak = max([trace.non_model_ahead(pos)]
+               + [trace.points[i].non_model_peak for i in range(pos + 1, target or pos + 1)])
+    return max(0, peak - non_model_now) + grads_to_open
 
 
 def prefetches(upcoming: Iterable[int], *, skip: Callable[[int], bool], free: int,
                nbytes: Callable[[int], int]) -> list[int]:
-    """The next module's chunks to copy in ahead of use, in order, while each fits in `free`.
+    """The target module's chunks (`prefetch_target`) to copy in ahead of use, in order,
+    while each fits in `free`.
 
     A prefetch never evicts: it moves no byte the step would not move anyway. It stops at
     the first chunk that does not fit, so the order of copies is the order of use.

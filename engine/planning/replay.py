@@ -127,6 +127,7 @@ class StepReplay:
         # Of those, fetches ahead of use from host memory: on the simulated device its copy
         # thread runs them beside the step (engine.devices.streams.CopyingHostStreams).
         self.prefetched = 0
+        self.fetched_ahead: set[int] = set()  # ChunkManager.fetched_ahead
         # Every payload copied to the device, as (chunk, from the master: its gradients are
         # home, so the weights are in the fp32 master): what the disk tier reads for them.
         self.fetches: list[tuple[int, bool]] = []
@@ -226,6 +227,7 @@ class StepReplay:
     def _release(self, chunk: int) -> None:
         if self._copy_is_home(chunk) or chunk not in self.on_device or self._in_use(chunk):
             return
+        self.fetched_ahead.discard(chunk)
         self.on_device.discard(chunk)
         self.stale.discard(chunk)
         self.give_buffer(chunk)
@@ -254,6 +256,7 @@ class StepReplay:
 
     def _materialise(self, chunk: int, protect: tuple[int, ...]) -> None:
         self.last_use[chunk] = self.pos
+        self.fetched_ahead.discard(chunk)
         if chunk in self.on_device:
             if chunk in self.stale:
                 self.stale.discard(chunk)
@@ -322,7 +325,8 @@ class StepReplay:
         if self.trace is not None:
             self.trace.arrived_at(self.pos, 0)
         self._keep_room(tuple(self.busy.union(chunks)))
-        for chunk in self.rules.release_before_use(sorted(self.on_device), chunks):
+        for chunk in self.rules.release_before_use(sorted(self.on_device), chunks,
+                                                   self.fetched_ahead):
             self._release(chunk)
         if self.sharding is not None:
             offer = self._gather_offer(chunks, "backward" if self.in_backward else phase)
@@ -334,26 +338,28 @@ class StepReplay:
         else:
             for chunk in chunks:
                 self._materialise(chunk, chunks)
-            self._prefetch("backward" if self.in_backward else phase)
+            self._prefetch()
             self._read_ahead()
         for param in self.lay.module_params[module] if fetch else ():
             if (phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD
                     or param in self.partial):
                 self._set(param, S.COMPUTE)
 
-    def _prefetch(self, phase: str) -> None:
-        """ChunkManager.prefetch: the next point's chunks, into room that stays free."""
+    def _prefetch(self) -> None:
+        """ChunkManager.prefetch: the chunks of the next point that needs one brought in,
+        into room that stays free until then."""
         trace, pos = self.trace, self.pos
-        if trace is None or pos + 1 >= len(trace.points):
+        if trace is None or self.fetched_ahead:
             return
-        opening = 0
-        if phase == "backward":
-            opening = sum(self.nbytes[c] - self.kept_grads.get(c, 0)
-                          for c in trace.points[pos].grad_chunks
-                          if c not in self.grads and c not in self.resident and self.pending[c])
-        forecast = rules.prefetch_forecast(trace, pos, self.nm, opening)
+        target = rules.prefetch_target(trace, pos, self.on_device.__contains__)
+        if target is None:
+            return
+        opening = sum(self.nbytes[c] - self.kept_grads.get(c, 0)
+                      for c in rules.opening_between(trace, pos, target)
+                      if c not in self.grads and c not in self.resident and self.pending[c])
+        forecast = rules.prefetch_forecast(trace, pos, self.nm, opening, target)
         chosen = rules.prefetches(
-            trace.points[pos + 1].chunks, nbytes=self.nbytes.__getitem__,
+            trace.points[target].chunks, nbytes=self.nbytes.__getitem__,
             free=self.capacity - self.device_bytes - self.nm - forecast,
             skip=lambda c: c in self.on_device or c in self.home or (
                 c in self.disk.chunks and self.ahead.get(c, 0) < self.disk.pieces[c]))
@@ -364,6 +370,7 @@ class StepReplay:
             if chunk not in self.disk.chunks:
                 self.prefetched += self.nbytes[chunk]
             self.fetches.append((chunk, False))
+            self.fetched_ahead.add(chunk)
             self.ahead.pop(chunk, None)
             self._sample()
 

@@ -90,7 +90,7 @@ def test_prefetching_on_the_side_stream_moves_no_byte_more(policy, monkeypatch):
         for prefetch in (True, False):
             eng = engine(MODEL, policy, budget, precision=precision)
             if not prefetch:
-                monkeypatch.setattr(eng.manager, "prefetch", lambda pos, phase: None)
+                monkeypatch.setattr(eng.manager, "prefetch", lambda pos: None)
             stats = [eng.step(b) for b in batches]
             assert all(c.pending is None for c in eng.chunks)  # every prefetch was waited for
             runs[precision, prefetch] = ([s.loss for s in stats], [s.bytes_h2d for s in stats],

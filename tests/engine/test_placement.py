@@ -254,7 +254,7 @@ def test_prefetching_moves_no_byte_more_and_keeps_the_tight_budget(policy, monke
     for prefetch in (True, False):
         eng = engine(policy, budget)
         if not prefetch:
-            monkeypatch.setattr(eng.manager, "prefetch", lambda pos, phase: None)
+            monkeypatch.setattr(eng.manager, "prefetch", lambda pos: None)
         eng.step(batches[0])
         moved[prefetch] = [fetches_on_demand(eng, batch) for batch in batches[1:]]
     ahead = sum(len(eng.trace.points[0].chunks) for _ in batches[1:])
