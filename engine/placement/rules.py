@@ -224,9 +224,10 @@ def prefetch_target(trace: Trace, pos: int, present: Callable[[int], bool]) -> i
 
 
 def opening_between(trace: Trace, pos: int, target: int) -> list[int]:
-    """Chunks whose gradients may arrive from point `pos` until point `target` (in the
-    backward's points): gradient buffers that may open meanwhile."""
-    return list(dict.fromkeys(c for i in range(pos, target) for c in trace.points[i].grad_chunks))
+    """Chunks whose gradients may arrive from point `pos` until point `target` (from the
+    backward's first point on): gradient buffers that may open meanwhile."""
+    return list(dict.fromkeys(c for i in range(max(pos, trace.backward_from), target)
+                              for c in trace.points[i].grad_chunks))
 
 
 def prefetch_forecast(trace: Trace, pos: int, non_model_now: int, grads_to_open: int,

@@ -61,8 +61,12 @@ class Trace:
     _uses: dict[int, list[int]] = field(default_factory=dict)
     # Where the step that forecasts from this trace is: (position, gradients arrived there).
     _cursor: tuple[int, int] = (-1, 0)
+    # The first backward point: gradients arrive from there on (recomputed forwards too).
+    backward_from: int = 0
 
     def finish(self) -> None:
+        self.backward_from = next(
+            (i for i, p in enumerate(self.points) if p.phase == "backward"), len(self.points))
         self._uses = {}
         for pos, point in enumerate(self.points):
             for c in point.chunks:

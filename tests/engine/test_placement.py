@@ -11,6 +11,8 @@ from conftest import build, make_batches
 
 from engine import Engine, EngineConfig, TensorState
 from engine.chunks.state import IllegalTransition, check_transition
+from engine.placement import rules
+from engine.placement.trace import Trace, TracePoint
 from engine.step.engine import BudgetTooSmall
 
 MODEL = build("opt", layers=8, hidden=128)
@@ -232,6 +234,41 @@ def fetches_on_demand(eng: Engine, batch) -> tuple[list[int], int]:
         manager._copy = copy_now
     assert stats.memory.device_peak <= eng.config.device_budget
     return on_demand, stats.bytes_h2d
+
+
+def test_a_prefetch_serves_the_next_module_that_needs_a_chunk_brought_in():
+    """The modules before it need nothing brought in, so the copy runs beside all of them,
+    in room that stays free across them all."""
+    trace = Trace(points=[
+        TracePoint((0,), "forward", non_model_peak=10),
+        TracePoint((0,), "forward", non_model_peak=30),
+        TracePoint((0,), "forward", non_model_peak=20),
+        TracePoint((1,), "forward", non_model_peak=5),
+        TracePoint((1,), "backward", non_model_peak=40),
+        TracePoint((0,), "backward"),
+    ])
+    trace.finish()
+    assert rules.prefetch_target(trace, 0, {0}.__contains__) == 3
+    assert rules.prefetch_target(trace, 3, {1}.__contains__) == 5
+    assert rules.prefetch_target(trace, 0, {0, 1}.__contains__) is None
+    # Room until then: the highest non-model peak of the modules in between, over today's.
+    assert rules.prefetch_forecast(trace, 0, 10, 0, target=3) == 20
+    assert rules.prefetch_forecast(trace, 0, 10, 0) == 0  # the next module's alone
+    # Gradient buffers open from the backward's first point on.
+    assert rules.opening_between(trace, 0, 3) == []
+    assert rules.opening_between(trace, 2, 6) == [1, 0]
+    # Not beyond the horizon.
+    far = Trace(points=[TracePoint((0,), "forward")] * (rules.PREFETCH_HORIZON + 1)
+                + [TracePoint((1,), "forward")])
+    far.finish()
+    assert rules.prefetch_target(far, 0, {0}.__contains__) is None
+    assert rules.prefetch_target(far, 1, {0}.__contains__) == rules.PREFETCH_HORIZON + 1
+
+
+def test_cpu_keeps_a_copy_fetched_ahead_until_its_module_runs():
+    cpu = rules.rules_for("cpu")
+    assert cpu.release_before_use([0, 1, 2], [1], ahead=[2]) == [0]
+    assert cpu.release_before_use([0, 1, 2], [1]) == [0, 2]
 
 
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
