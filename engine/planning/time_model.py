@@ -21,8 +21,8 @@ A step is `grad_accum` micro-batches of forward and backward, then one update:
 
 Overlap is the device's: on CUDA the copies stream on their own engine while kernels run,
 so only what exceeds the compute is exposed; the simulated device runs its fetches ahead of
-use on a copy thread beside the step, and every other copy in line (a memcpy on the
-stepping thread). The disk tier's reads and
+use on a copy thread beside the step where a core is left beside torch's threads, and
+every other copy in line (a memcpy on the stepping thread). The disk tier's reads and
 writes run on threads beside the step: on CUDA beside the kernels; on the simulated device,
 whose kernels take the same cores, beside one forward only (the update that overlaps the
 next step's). A CUDA rank's collectives run beside the kernels too.
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.devices.streams import spare_core
 from engine.planning.calibration import Calibration
 from engine.planning.flops import StepWork, step_work
 from engine.planning.hardware import ADAMW_BYTES
@@ -104,8 +105,10 @@ class Traffic:
 
 
 def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: str,
-             simulated: bool, grad_accum: int = 1) -> StepTime:
-    """Seconds of one step of `grad_accum` micro-batches, each of `work`."""
+             simulated: bool, grad_accum: int = 1, copies_beside: bool = True) -> StepTime:
+    """Seconds of one step of `grad_accum` micro-batches, each of `work`. `copies_beside`:
+    the simulated device has a core for its copy thread (engine.devices.streams
+    .spare_core); without one, its fetches ahead of use run in line too."""
     rate = cal.matmul_rate(precision, work.hidden)
     micro = max(1, grad_accum)
 
@@ -156,8 +159,9 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
         overlap += min(collectives, compute)
     if simulated:
         # Fetches ahead of use run on the simulated device's copy thread, beside the
-        # module that computes meanwhile (engine.devices.streams.CopyingHostStreams).
-        overlap += min(micro * traffic.prefetched / cal.h2d, compute)
+        # modules that compute meanwhile (engine.devices.streams.CopyingHostStreams).
+        if copies_beside:
+            overlap += min(micro * traffic.prefetched / cal.h2d, compute)
         # The disk tier's threads share the cores and the memory bus with the kernels here,
         # so its reads and writes hide behind no compute but one: the update of the chunks
         # whose state is on disk flies beside the next step's first forward
@@ -214,5 +218,6 @@ def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[s
             prefetched=row.prefetched,
         )
         out[name] = forecast(work, traffic, cal, precision=plan.precision,
-                             simulated=plan.simulated, grad_accum=grad_accum)
+                             simulated=plan.simulated, grad_accum=grad_accum,
+                             copies_beside=spare_core())
     return out

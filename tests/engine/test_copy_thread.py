@@ -9,11 +9,13 @@ import threading
 import pytest
 import torch
 
+from engine.devices import streams
 from engine.devices.simulated import SimulatedDevice
 
 
 @pytest.fixture
-def device():
+def device(monkeypatch):
+    monkeypatch.setattr(streams, "spare_core", lambda: True)  # whatever this machine has
     device = SimulatedDevice(2**30)
     yield device
     device.close()
@@ -102,3 +104,23 @@ def test_giving_a_buffer_back_waits_for_no_copy_that_does_not_use_it(device):
     gate.set()
     device.wait(pending)
     assert torch.equal(other, src)
+
+
+def test_without_a_core_to_spare_a_fetch_ahead_is_done_when_it_returns(device, monkeypatch):
+    """Where torch's threads take every core, a copy thread would take one from them."""
+    monkeypatch.setattr(streams, "spare_core", lambda: False)
+    src = torch.arange(1000, dtype=torch.float32)
+    dst = device.empty(1000, torch.float32).zero_()
+    gate = hold_the_copy_thread(device)
+    pending, _ = device.copy_ahead(dst, src, src_kept=True)
+    assert torch.equal(dst, src)
+    gate.set()
+    device.wait(pending)
+
+
+def test_a_core_is_spare_only_beside_fewer_threads_than_cores(monkeypatch):
+    monkeypatch.setattr(streams, "_cores", lambda: 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert not streams.spare_core()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert streams.spare_core()
