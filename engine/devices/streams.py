@@ -201,12 +201,14 @@ class CopyingHostStreams(HostStreams):
         return self._side
 
     def dma(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> None:
-        if stream is self._side and spare_core():
-            copy = _memmove if _plain_bytes(dst, src) else _copy
-            self._side.submit(copy, dst, src, uses=(dst.untyped_storage().data_ptr(),
-                                                    src.untyped_storage().data_ptr()))
-        else:
-            dst.copy_(src)
+        if stream is self._side:
+            if spare_core():
+                copy = _memmove if _plain_bytes(dst, src) else _copy
+                self._side.submit(copy, dst, src, uses=(dst.untyped_storage().data_ptr(),
+                                                        src.untyped_storage().data_ptr()))
+                return
+            self._side.drain()  # in order behind what the thread may still have
+        dst.copy_(src)
 
     def record(self, stream: object) -> object:
         return self._side.last if stream is self._side else None
