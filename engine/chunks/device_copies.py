@@ -1,8 +1,9 @@
 """DeviceCopies: the chunks' copies on the device, brought in for use and let go.
 
-Materialising a module's chunks, prefetching the next module's into room that stays free,
-evicting idle copies to make room, and, sharded, gathering at the points the ranks agree on
-(engine.chunks.sharding) and ahead of use. The decisions are engine.placement.rules'.
+Materialising a module's chunks, prefetching those of the next module that needs one
+brought in (rules.prefetch_target) into room that stays free, evicting idle copies to make
+room, and, sharded, gathering at the points the ranks agree on (engine.chunks.sharding) and
+ahead of use. The decisions are engine.placement.rules'.
 """
 
 from __future__ import annotations
