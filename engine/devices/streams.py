@@ -185,10 +185,6 @@ def _memmove(dst: torch.Tensor, src: torch.Tensor) -> None:
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
-
-
 class CopyingHostStreams(HostStreams):
     """HostStreams whose side stream is a thread: a copy queued there (a prefetch) runs
     beside the host's compute, and the host waits for it only where it waits on CUDA.
@@ -203,7 +199,7 @@ class CopyingHostStreams(HostStreams):
     def dma(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> None:
         if stream is self._side:
             if spare_core():
-                copy = _memmove if _plain_bytes(dst, src) else _copy
+                copy = _memmove if _plain_bytes(dst, src) else torch.Tensor.copy_
                 self._side.submit(copy, dst, src, uses=(dst.untyped_storage().data_ptr(),
                                                         src.untyped_storage().data_ptr()))
                 return
