@@ -46,11 +46,13 @@ Copies: on the simulated device a copy between host and device is a memcpy. A fe
 of use runs on the device's copy thread beside the step, as a GPU's copy engine runs it
 beside the kernels; every other copy (a fetch the step waits for, a gradient's way home)
 runs on the stepping thread. The last column estimates what the engine's own work costs
-without any of them: the paired ratio of each round's step less all its bytes moved at
-this process's copy bandwidth (`copy_bandwidth`, a probe of the same chunk-sized copies
-after the rounds), over plain's step. An estimate, and a low one where fetches ran ahead:
-their time was not the step's to take off; and a copy in a step may find the caches
-otherwise than the probe does.
+without those: the paired ratio of each round's step less the bytes it copied on the
+stepping thread (all it moved, less what the copy thread fetched ahead: `fetches_ahead`,
+counted over one more step after the rounds) at this process's copy bandwidth
+(`copy_bandwidth`, a probe of the same chunk-sized copies after the rounds), over plain's
+step. An estimate: a copy in a step may find the caches otherwise than the probe does,
+and what the copy thread's memcpy takes from the step's compute (the memory bus, the
+shared cache) stays in it.
 """
 
 from __future__ import annotations
@@ -62,10 +64,14 @@ import resource
 import statistics
 import time
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from engine import Engine, EngineConfig, format_size
 from engine.devices.host_memory import kept_heap
+from engine.devices.streams import spare_core
 from engine.models.training import prepare_for_training
 from engine.models.zoo import build_model
 from engine.step.non_model import NonModelCounter
@@ -144,6 +150,30 @@ def copy_bandwidth(nbytes: int = 32 * 2**20, runs: int = 10) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times)
+
+
+@contextmanager
+def fetches_ahead(eng: Engine) -> Iterator[list[int]]:
+    """The bytes `eng`'s simulated device copies on its copy thread meanwhile (a fetch ahead
+    of use whose source stays put, where a core is spare: engine.devices.streams), one
+    entry a copy; none on CUDA, whose copies all stream beside the kernels."""
+    fetched: list[int] = []
+    device = eng.device
+    if not device.simulated:
+        yield fetched
+        return
+    copy_ahead = device.copy_ahead
+
+    def counting(dst, src, *, src_kept=False):
+        if src_kept and spare_core():
+            fetched.append(src.nbytes)
+        return copy_ahead(dst, src, src_kept=src_kept)
+
+    device.copy_ahead = counting
+    try:
+        yield fetched
+    finally:
+        del device.copy_ahead  # the class's method again
 
 
 def plain_step(model, opt, batch) -> None:
@@ -229,9 +259,12 @@ def main(argv: list[str] | None = None) -> None:
                 times[name].append(seconds)
                 cpu[name].append(cpu_seconds)
                 faults[name].append(step_faults)
+    ahead: dict[str, int] = {}
     for policy, eng in engines.items():
-        stats = eng.step(batches[-1])
+        with fetches_ahead(eng) as fetched:
+            stats = eng.step(batches[-1])
         moved[policy] = stats.bytes_h2d + stats.bytes_d2h
+        ahead[policy] = sum(fetched)
 
     bandwidth = 0.0 if torch.cuda.is_available() else copy_bandwidth()
     base_median = statistics.median(times["plain"])
@@ -250,14 +283,16 @@ def main(argv: list[str] | None = None) -> None:
         ratio, low, high = paired(values, times["plain"])
         less = "-"
         if bandwidth and name in moved:
-            copies = moved[name] / bandwidth
+            copies = (moved[name] - ahead[name]) / bandwidth
             less = f"{paired([v - copies for v in values], times['plain'])[0]:.3f}"
         print(f"{name:<8}{budget:>12}{median:>10.3f}{median / base_median:>8.2f}"
               f"{cpu_median:>8.3f}{cpu_median / base_cpu:>8.2f}{ratio:>8.3f}"
               f"{f'{low:.3f}-{high:.3f}':>14}{bytes_moved:>13}"
               f"{statistics.median(faults[name]):>13,.0f}{less:>13}")
     if bandwidth:
-        print(f"copies at {bandwidth / 1e9:.1f} GB/s (Tensor.copy_ of 32 MiB, this process)")
+        print(f"copies at {bandwidth / 1e9:.1f} GB/s (Tensor.copy_ of 32 MiB, this process); "
+              "of the bytes moved, on the copy thread: "
+              + ", ".join(f"{name} {format_size(n)}" for name, n in ahead.items()))
     print(f"{args.model} on {device}: plain {base_median:.3f} s/step; " + ", ".join(
         f"{name} {statistics.median(values) / base_median:.2f}x"
         for name, values in times.items() if name != "plain")
