@@ -46,6 +46,10 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
               "once the machine is quiet)")
     print(f"device:      {cal.device}")
     for precision, table in cal.matmul.items():
+        if precision == "fp16" and cal.device == "simulated":
+            # The calibration gives fp16 bf16's figures on a CPU (not measured apart).
+            print("matmul fp16: as bf16 (not measured apart on a CPU)")
+            continue
         rates = ", ".join(f"{_flops(r)} at width {w}" for w, r in sorted(table.items()))
         print(f"matmul {precision}: {rates}")
     print(f"elementwise: {_bytes(cal.elementwise)} read and written")
@@ -61,7 +65,11 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
     half = f", x{cal.half_factor:.2f} in bf16" if cal.half_factor else ""
     print(f"decoder:     x{cal.compute_factor:.2f} the rates' forecast for a real decoder's "
           f"forward and backward in fp32{half}")
-    print(f"engine:      {format_seconds(cal.op_overhead)} per op (hooks and byte counting)")
+    if cal.op_overhead > 0:
+        print(f"engine:      {format_seconds(cal.op_overhead)} per op (hooks and byte counting)")
+    else:
+        print("engine:      nothing per op beyond the decoder's factor (tiny's steps under the "
+              "engine took no longer than that forecast)")
     learned = "; ".join(
         f"forecasts in {p} x{t.correction:.2f}, from the steps of {t.learned_from} "
         f"tune{'s' if t.learned_from != 1 else ''}" for p, t in taught.items())

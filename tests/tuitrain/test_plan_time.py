@@ -99,6 +99,9 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
     assert "AdamW:       100 M parameters/s on the host" in first.out
     assert "new memory:  238.4 MiB/s beyond writing it" in first.out
     assert "decoder:     x1.00 the rates' forecast" in first.out
+    # fp16's figures on a CPU are bf16's, not a measurement of their own: said so.
+    assert "matmul fp16: as bf16 (not measured apart on a CPU)" in first.out
+    assert "engine:      10 µs per op (hooks and byte counting)" in first.out
     assert "busy" not in first.out  # the fixed figures record no load
     assert "learned:     nothing yet" in first.out
     learn(load_calibration(), 2.0)  # a tune's steps took twice their forecast
@@ -112,6 +115,16 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
     assert "calibrating" in again.err and json.loads(again.out)["h2d"] == 1e9
     assert json.loads(again.out)["correction"] == 1.0  # measured again: taught again
     assert empty_cache == [1, 1]
+
+
+def test_calibrate_says_what_an_engine_cost_of_nothing_per_op_means(empty_cache, capsys):
+    cal = fixed_calibration(*fingerprint())
+    cal.op_overhead = 0.0  # tiny's steps took no longer than the decoder's factor forecast
+    calibration_module.save_calibration(cal)
+    assert main(["calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert "engine:      nothing per op beyond the decoder's factor" in out
+    assert "0 s per op" not in out
 
 
 def test_calibrate_says_when_the_figures_were_measured_on_busy_cores(empty_cache, capsys,
