@@ -63,7 +63,6 @@ import random
 import resource
 import statistics
 import time
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 

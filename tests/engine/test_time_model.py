@@ -317,6 +317,9 @@ def test_figures_measured_on_busy_cores_are_measured_again_once_they_are_quiet(
     calibration(say=said.append, measure_fn=fake_measure)
     assert measured == [1, 1]  # measured when quiet: kept from then on
     assert busy(2.0 * cores) and not busy(None) and quiet(0.0) and not quiet(None)
+    # Most of the cores taken is busy too: one core of two left to a measurement's two
+    # threads slows its kernels by more than half.
+    assert busy(0.9 * cores) and not busy(0.5 * cores) and quiet(0.5 * cores)
 
 
 def test_a_real_measurement_records_the_load_it_was_taken_under(empty_cache, monkeypatch):
