@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -58,6 +58,7 @@ def run_headless(
     err: TextIO = sys.stderr,
     log_path: str | None = None,
     pace: PresetPace | None = None,
+    on_started: Callable[[Started], None] | None = None,
 ) -> int:
     """Train `settings` without a UI; returns the process exit status.
 
@@ -67,6 +68,8 @@ def run_headless(
         err: failures and warnings.
         log_path: the worker's log file; default a new file under the temporary folder.
         pace: a tuned preset's step time, to say once if the run's is far from it.
+        on_started: told the worker's Started event, whose settings are those the run
+            uses (the policy the plan chose, the precision and budget resolved).
 
     Returns 0 when training finished, 1 when it failed (the reason and the log are named on
     `err`), 2 for bad input found by the worker (one line), 130 after Ctrl-C (the worker is
@@ -96,6 +99,7 @@ def run_headless(
     worker = served or worker
     report = _Report(settings=settings, out=out, err=err, log_path=str(worker.log_path))
     report.pace = pace
+    report.on_started = on_started
     interrupts = _Interrupts()
     code: int | None = None
     with interrupts.catching():
@@ -178,6 +182,7 @@ class _Report:
         self.said_starting = False
         self.drawn = ""  # the progress line drawn in place, while line_open
         self.pace: PresetPace | None = None
+        self.on_started: Callable[[Started], None] | None = None
 
     def starting(self, *, tentative: bool = False) -> None:
         """Say, once, that the run is starting and where its worker logs.
@@ -214,6 +219,8 @@ class _Report:
                 self.say_err(f"warning: {line}")
         elif isinstance(event, Started):
             self.started(event)
+            if self.on_started is not None:
+                self.on_started(event)
         elif isinstance(event, Eval):
             self.say(
                 f"eval after step {event.step}: loss {event.loss:.4f}, perplexity "

@@ -33,6 +33,10 @@ LEFTOVER_GRACE_SECONDS = 2.0
 # check it again. The check imports torch and transformers: seconds of CPU in every rank,
 # whose worker then imports them anyway.
 CHECKED_ENV = "TUITRAIN_CHECKED_BY_LAUNCHER"
+# Set in the environment of the ranks when the launching process saves a preset: the file
+# rank 0 writes the settings its run started with to (a Started event's, as JSON), so that
+# the preset holds what the run used (the policy the plan chose, the budget resolved).
+USED_SETTINGS_ENV = "TUITRAIN_USED_SETTINGS"
 
 
 def checked_by_launcher(env: Mapping[str, str] | None = None) -> bool:

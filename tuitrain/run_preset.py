@@ -38,11 +38,13 @@ def save_target(args: argparse.Namespace) -> Path | None:
 
 
 def save_after_run(
-    settings: Settings, path: Path, *, status: int, overwrite: bool, nproc: int
+    settings: Settings | None, path: Path, *, status: int, overwrite: bool, nproc: int
 ) -> None:
     """Save the preset of a finished (or interrupted) run of `nproc` ranks; a failed run
     saves nothing.
 
+    `settings` are those the run used (the worker's Started settings: a policy left unset is
+    the one the plan chose), None when it stopped before it started: nothing to save.
     Bad input found by the worker (status 2) was already said in one line, and a run that
     never started has nothing to save, so that case adds no second line.
     """
@@ -53,6 +55,10 @@ def save_after_run(
         return
     if status not in (EXIT_OK, EXIT_INTERRUPTED):
         print(f"{PROG}: the run failed; preset not saved to {path}", file=sys.stderr)
+        return
+    if settings is None:
+        print(f"{PROG}: the run stopped before it started; preset not saved to {path}",
+              file=sys.stderr)
         return
     measured = None
     if settings.logging.metrics is not None:

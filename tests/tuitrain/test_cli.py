@@ -24,7 +24,7 @@ from tests.tuitrain.test_presets import SHIPPED as SHIPPED_STORIES
 from tuitrain import __version__
 from tuitrain.cli import RUN_FLAGS, build_parser, main, resolve_settings
 from tuitrain.measured import measure_metrics
-from tuitrain.presets import SHIPPED_DIR, load_preset
+from tuitrain.presets import SHIPPED_DIR, load_preset, merge
 from tuitrain.settings import LoraSettings, Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -548,23 +548,59 @@ def test_a_preset_saved_from_a_data_parallel_run_reproduces_it_on_as_many_ranks(
     capsys, tmp_path, monkeypatch
 ):
     from tuitrain import headless, launch
+    from tuitrain.events import Started
+
+    def chosen_by_the_plan(settings: Settings) -> dict:  # what a worker starts with
+        return merge(settings, {"engine.policy": "cpu"}).model_dump(mode="json")
 
     started = []
-    monkeypatch.setattr(launch, "launch", lambda nproc, argv, **kw: started.append(nproc) or 0)
+
+    def ranks_started(nproc, argv, **kw):  # rank 0 tells the launcher what it used
+        started.append(nproc)
+        used = chosen_by_the_plan(parsed(["run", *argv]))
+        Path(os.environ[launch.USED_SETTINGS_ENV]).write_text(json.dumps(used))
+        return 0
+
+    monkeypatch.setattr(launch, "launch", ranks_started)
     saved = tmp_path / "dp.yaml"
     run = ["run", "tiny", "--headless", "--steps", "1", "--batch-size", "4"]
     assert main([*run, "--nproc", "2", "--save-preset", str(saved)]) == 0, capsys.readouterr()
     assert started == [2]
     header = [line for line in saved.read_text().splitlines() if line.startswith("#")]
     assert f"# reproduce: tuitrain run --preset {saved} --headless --nproc 2" in header
+    assert load_preset(saved).engine.policy == "cpu"  # the policy the ranks trained under
+    assert launch.USED_SETTINGS_ENV not in os.environ
+
+    def rank_0(settings, *, on_started, **kw):
+        on_started(Started(model="tiny", parameters=1, device="simulated", chunks=[],
+                           settings=chosen_by_the_plan(settings)))
+        return 0
+
     # Under torchrun rank 0 saves it, with as many ranks as torchrun started.
-    monkeypatch.setattr(headless, "run_headless", lambda settings, **kw: 0)
+    monkeypatch.setattr(headless, "run_headless", rank_0)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     under_torchrun = tmp_path / "torchrun.yaml"
     assert main([*run, "--save-preset", str(under_torchrun)]) == 0, capsys.readouterr()
     header = [line for line in under_torchrun.read_text().splitlines() if line.startswith("#")]
     assert f"# reproduce: tuitrain run --preset {under_torchrun} --headless --nproc 4" in header
+    assert load_preset(under_torchrun).engine.policy == "cpu"
+
+
+@pytest.mark.slow
+def test_a_saved_preset_holds_the_policy_the_plan_chose_for_the_run(capsys, tmp_path):
+    """A run given no --policy trains under the plan's choice (cuda, for tiny): the preset
+    saved from it says that policy, as the metrics' settings do, not the `auto` it asked
+    with, and the precision and device budget the run resolved."""
+    saved, metrics = tmp_path / "found.yaml", tmp_path / "m.jsonl"
+    argv = ["run", "tiny", "--headless", "--steps", "1", "--seq-len", "16", "--metrics",
+            str(metrics), "--save-preset", str(saved)]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    used = json.loads(metrics.read_text().splitlines()[0])["settings"]
+    assert used["engine"]["policy"] == "cuda"
+    preset = load_preset(saved)
+    assert preset.engine.policy == "cuda"
+    assert preset.model_dump(mode="json") == used
 
 
 def test_a_warm_up_longer_than_the_run_says_so_in_one_line(capsys, monkeypatch, tmp_path):
