@@ -15,6 +15,7 @@ from typing import TextIO
 from engine.telemetry import StepStats
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from tuitrain.formatting import format_seconds
+from tuitrain.run_checks import check_writable
 from tuitrain.settings import Settings
 from tuitrain.trials import BEST_MIN_SETTLED, Setting, TrialBook
 
@@ -34,6 +35,7 @@ def save_target(args: argparse.Namespace) -> Path | None:
         raise UsageError(f"--save-preset: {path} exists; add --force to replace it")
     if not path.parent.is_dir():
         raise UsageError(f"--save-preset: folder not found: {path.parent}")
+    check_writable("--save-preset", path.parent, folder=True)  # written beside, then renamed
     return path
 
 

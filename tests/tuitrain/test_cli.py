@@ -157,6 +157,14 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, argv):
             ["--device-mem", "6 gigs"],
             "tuitrain: error: --device-mem: not a size: '6 gigs' (use bytes or e.g. 6GiB, 512MiB)",
         ),
+        (
+            ["--device-mem", "0"],
+            "tuitrain: error: --device-mem: a budget must be more than 0 bytes (got '0')",
+        ),
+        (
+            ["--host-mem", "0GiB"],
+            "tuitrain: error: --host-mem: a budget must be more than 0 bytes (got '0GiB')",
+        ),
         (["--margin", "-0.1"], "tuitrain: error: --margin: must be within 0..1 (got -0.1)"),
         (
             ["--policy", "gpu"],
@@ -520,6 +528,45 @@ def test_nproc_mistakes_are_one_line_before_any_rank_starts(capsys, monkeypatch)
     monkeypatch.setenv("RANK", "0")
     assert refused(capsys, [*run, "--nproc", "2"]) == (
         "tuitrain: error: --nproc starts the ranks itself; under torchrun leave it out")
+
+
+@pytest.fixture
+def unwritable(tmp_path, monkeypatch) -> Path:
+    """A folder nobody may write in (mode 0o500). Root is not held back by modes, so for
+    root the folder is also reported as not writable, as it would be to anyone else."""
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o500)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
+            False if Path(path) == folder and mode & os.W_OK else real(path, mode, **kw)))
+    yield folder
+    folder.chmod(0o700)
+
+
+@pytest.mark.parametrize("flag", ["--save-preset", "--metrics", "--checkpoint-dir"])
+def test_a_place_the_run_cannot_write_is_one_line_before_anything_starts(
+    capsys, monkeypatch, unwritable, flag
+):
+    from tuitrain import headless
+
+    started = []
+    monkeypatch.setattr(headless, "run_headless", lambda *a, **kw: started.append(a) or 0)
+    target = unwritable / ("ck" if flag == "--checkpoint-dir" else "out")
+    line = refused(capsys, ["run", "tiny", "--headless", "--steps", "1", flag, str(target)])
+    assert line == f"tuitrain: error: {flag}: cannot write in {unwritable} (permission denied)"
+    assert started == []
+    assert os.listdir(unwritable) == []
+    # A folder under a file cannot be made either.
+    a_file = write(unwritable.parent, "not a folder", "f.txt")
+    line = refused(capsys, ["run", "tiny", "--headless", "--checkpoint-dir", str(a_file / "ck")])
+    assert line == f"tuitrain: error: --checkpoint-dir: {a_file} is a file, not a folder"
+
+
+def test_a_tune_that_cannot_save_its_preset_is_one_line_before_it_starts(capsys, unwritable):
+    line = refused(capsys, ["tune", "tiny", "--save-preset", str(unwritable / "t.yaml")])
+    assert line == (
+        f"tuitrain: error: --save-preset: cannot write in {unwritable} (permission denied)")
 
 
 def test_a_disk_folder_that_cannot_be_made_is_one_line_before_anything_runs(capsys, tmp_path):
