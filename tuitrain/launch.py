@@ -54,18 +54,22 @@ def check_nproc(nproc: int) -> int:
 
 
 # Options of `tuitrain run` that are the launcher's, not the ranks': --nproc itself, and
-# --save-preset, which the launching process saves once every rank has ended.
+# --save-preset (with --force, which only it reads), which the launching process saves once
+# every rank has ended.
 _LAUNCHER_OPTIONS = ("--nproc", "--save-preset")
+_LAUNCHER_SWITCHES = ("--force",)
 
 
 def rank_arguments(argv: Sequence[str]) -> list[str]:
     """`tuitrain run`'s arguments as each rank gets them: less --nproc and --save-preset
-    (with their values, given as `--opt V` or `--opt=V`)."""
+    (with their values, given as `--opt V` or `--opt=V`) and --force."""
     out: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
+        elif arg in _LAUNCHER_SWITCHES:
+            continue
         elif arg in _LAUNCHER_OPTIONS:
             skip = True
         elif not arg.startswith(tuple(f"{o}=" for o in _LAUNCHER_OPTIONS)):

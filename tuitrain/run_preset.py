@@ -25,6 +25,9 @@ PROG = "tuitrain"
 def save_target(args: argparse.Namespace) -> Path | None:
     """Where --save-preset will write, checked now so a long run is not wasted on it."""
     if args.save_preset is None:
+        if args.force:
+            raise UsageError("--force lets --save-preset replace a file; without --save-preset "
+                             "it has nothing to do")
         return None
     if not args.headless:
         raise UsageError("--save-preset needs --headless; in the app, press s to save a preset")

@@ -383,6 +383,28 @@ def test_every_flag_reaches_its_setting(tmp_path):
     assert settings.checkpoint.model_dump() == {"dir": "ck", "every": 4, "resume": "old"}
 
 
+def test_checkpointing_and_no_checkpointing_together_are_refused(capsys):
+    for command in ("run", "plan", "tune"):
+        assert argparse_refusal(capsys, [command, "tiny", "--checkpointing",
+                                         "--no-checkpointing"]) == [
+            f"tuitrain {command}: error: argument --no-checkpointing: not allowed with "
+            "argument --checkpointing"]
+    assert argparse_refusal(capsys, ["run", "tiny", "--no-checkpointing", "--checkpointing"]) == [
+        "tuitrain run: error: argument --checkpointing: not allowed with argument "
+        "--no-checkpointing"]
+    # Said twice, it is said once.
+    assert parsed(["run", "tiny", "--checkpointing", "--checkpointing"]
+                  ).training.activation_checkpointing is True
+
+
+@pytest.mark.parametrize("command", ["run", "tune"])
+def test_force_without_save_preset_is_refused(capsys, command):
+    assert refused(capsys, [command, "tiny", "--headless" if command == "run" else "--steps=9",
+                            "--force"]) == (
+        "tuitrain: error: --force lets --save-preset replace a file; without --save-preset it "
+        "has nothing to do")
+
+
 def test_no_checkpointing_turns_off_what_a_preset_turned_on():
     assert parsed(["run", "--preset", "laptop-6gb"]).training.activation_checkpointing
     off = parsed(["run", "--preset", "laptop-6gb", "--no-checkpointing"])
