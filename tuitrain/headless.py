@@ -26,6 +26,7 @@ from tuitrain.formatting import (
     format_seconds,
     format_size,
     format_trained,
+    plural,
 )
 from tuitrain.run_preset import PresetPace
 from tuitrain.run_summary import held_out, peaks_line
@@ -252,21 +253,23 @@ class _Report:
         )
         schedule = t.get("lr_schedule", "constant")
         if t.get("warmup_steps"):
-            schedule += f" after {t['warmup_steps']} warm-up steps"
+            schedule += f" after {plural(t['warmup_steps'], 'warm-up step')}"
+        sequences = t["batch_size"] * t.get("grad_accum", 1)
+        # The labels make a column as wide as the longest, "training", and one space.
         lines = [
             f"{event.model}: {format_count(event.parameters)} parameters"
             f"{format_trained(event.parameters, event.trainable)} in {len(event.chunks)} "
             f"chunks on {event.device}",
-            f"  engine    policy {e['policy']}, margin {e['margin_ratio']:.2f}, "
+            f"  engine   policy {e['policy']}, margin {e['margin_ratio']:.2f}, "
             f"budget {device_budget}, precision {e['precision']}"
             + (f", host budget {e['host_budget']} (the rest on disk under "
                f"{e.get('disk_dir') or 'the user cache folder'})" if e.get("host_budget") else ""),
-            f"  training  {t['steps']} steps of {t['batch_size'] * t.get('grad_accum', 1)} x "
+            f"  training {plural(t['steps'], 'step')} of {sequences} x "
             f"{t['seq_len']} tokens{accumulated}, lr {t['lr']:g} {schedule}, seed {t['seed']}",
-            f"  data      {d['path'] or 'built-in corpus'}",
+            f"  data     {d['path'] or 'built-in corpus'}",
             *self._evaluation(t, d),
-            f"  metrics   {g['metrics'] or 'not written (--metrics FILE.jsonl)'}",
-            f"  worker    pid {event.pid}, log {event.log_path}",
+            f"  metrics  {g['metrics'] or 'not written (--metrics FILE.jsonl)'}",
+            f"  worker   pid {event.pid}, log {event.log_path}",
         ]
         self.say("\n".join(lines))
 
@@ -280,10 +283,11 @@ class _Report:
         else:
             return []
         every = training.get("eval_every")
-        when = f"every {every} steps and after the last" if every else "after the last step"
+        when = (f"every {plural(every, 'step')} and after the last" if every
+                else "after the last step")
         sequences = training["eval_batches"] * training["batch_size"]
         sequences *= training.get("grad_accum", 1)
-        return [f"  eval      {held_out}; up to {sequences} sequences, {when}"]
+        return [f"  eval     {held_out}; up to {sequences} sequences, {when}"]
 
     def step(self, stats: StepStats) -> None:
         self.latest = stats
@@ -311,7 +315,7 @@ class _Report:
     def finished(self, summary: dict) -> None:
         stopped = " (stopped early)" if summary.get("stopped") else ""
         lines = [
-            f"done{stopped}: {summary['steps']} steps, {summary['tokens']:,} tokens "
+            f"done{stopped}: {plural(summary['steps'], 'step')}, {summary['tokens']:,} tokens "
             f"in {format_seconds(summary['seconds'])}",
         ]
         # The pace is the trials' (medians of settled steps), printed below: one definition,
@@ -327,7 +331,7 @@ class _Report:
             lines.append(f"  {peaks}")
         lines += summary_lines(self.trials.rows())
         if summary.get("metrics"):
-            lines.append(f"  metrics   {summary['metrics']}")
+            lines.append(f"  metrics  {summary['metrics']}")
             try:
                 append_summary(summary["metrics"], summary, self.trials.rows())
             except ValueError as error:

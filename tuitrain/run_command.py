@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tuitrain.errors import UsageError
 from tuitrain.flags import PROG, RUN, as_number, merge_flags
+from tuitrain.formatting import plural
 
 if TYPE_CHECKING:
     from tuitrain.events import Started
@@ -110,9 +111,9 @@ def _warn_of_a_short_run(settings: Settings) -> None:
     the rate then never reaches --lr: say so, once, before the run starts."""
     t = settings.training
     if t.warmup_steps > t.steps:
-        print(f"{PROG}: warning: the warm-up ({t.warmup_steps} steps) is longer than the run "
-              f"({t.steps} steps): the learning rate never reaches --lr {t.lr:g}",
-              file=sys.stderr)
+        print(f"{PROG}: warning: the warm-up ({plural(t.warmup_steps, 'step')}) is longer "
+              f"than the run ({plural(t.steps, 'step')}): the learning rate never reaches "
+              f"--lr {t.lr:g}", file=sys.stderr)
 
 
 def _launch_ranks(
