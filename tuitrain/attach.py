@@ -102,6 +102,9 @@ def open_run(name: str | None, *, read_only: bool
     if not record.metrics:
         raise UsageError(f"run {record.id} has {_ended(record)} and wrote no metrics file "
                          "(--metrics FILE.jsonl): there is nothing to show")
+    if not record.metrics_written:
+        raise UsageError(f"run {record.id} has {_ended(record)} and its metrics file "
+                         f"{record.metrics} is not there: there is nothing to show")
     return _replay(record.metrics)
 
 
@@ -159,13 +162,20 @@ def runs_listing() -> list[str]:
             f"{r.step}/{r.steps}",
             r.state,
             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.started)),
-            r.socket if r.live else (r.metrics or "(no metrics file)"),
+            r.socket if r.live else _ended_source(r),
         )
         for r in records
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     return ["  ".join([*(c.ljust(w) for c, w in zip(row, widths, strict=False)), row[-1]])
             for row in [header, *rows]]
+
+
+def _ended_source(record: RunRecord) -> str:
+    """What an ended run can be shown from: its metrics file, if it is there."""
+    if record.metrics_written:
+        return record.metrics
+    return "(metrics file not written)" if record.metrics else "(no metrics file)"
 
 
 def _folder() -> Path:

@@ -32,9 +32,7 @@ class Flag:
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         if self.metavar is None:
-            parser.add_argument(
-                self.name, action=argparse.BooleanOptionalAction, default=None, help=self.help
-            )
+            parser.add_argument(self.name, action=_Switch, default=None, help=self.help)
         else:
             parser.add_argument(self.name, metavar=self.metavar, help=self.help)
 
@@ -42,6 +40,21 @@ class Flag:
         """What the user gave, or None."""
         text = getattr(args, self.name.lstrip("-").replace("-", "_"))
         return as_number(text) if self.number and text is not None else text
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """--name / --no-name, one help entry, and the two refused together as a mutually
+    exclusive pair is (argparse's usage line and message, exit status 2): the last one
+    typed does not silently win."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        on = not (option_string or "").startswith("--no-")
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != on:
+            given = self.option_strings[0 if before else 1]
+            parser.error(f"argument {option_string}: not allowed with argument {given}")
+        setattr(namespace, self.dest, on)
 
 
 # The flags of `tuitrain run` that set settings. A table: one flag per row reads better than

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.config import format_size
 
-__all__ = ["format_count", "format_rate", "format_seconds", "format_size"]
+__all__ = ["format_count", "format_rate", "format_seconds", "format_size", "plural"]
 
 
 def format_count(n: float, *, nominal: bool = False) -> str:
@@ -48,3 +48,8 @@ def format_trained(parameters: int, trainable: int | None) -> str:
     if trainable is None or trainable >= parameters:
         return ""
     return f" ({format_count(trainable)} trainable, {format_count(parameters - trainable)} frozen)"
+
+
+def plural(n: int, word: str) -> str:
+    """`n` and `word`, in the plural unless n is 1: "1 step", "3 steps"."""
+    return f"{n} {word}{'' if n == 1 else 's'}"

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -26,6 +26,7 @@ from tuitrain.formatting import (
     format_seconds,
     format_size,
     format_trained,
+    plural,
 )
 from tuitrain.run_preset import PresetPace
 from tuitrain.run_summary import held_out, peaks_line
@@ -58,6 +59,7 @@ def run_headless(
     err: TextIO = sys.stderr,
     log_path: str | None = None,
     pace: PresetPace | None = None,
+    on_started: Callable[[Started], None] | None = None,
 ) -> int:
     """Train `settings` without a UI; returns the process exit status.
 
@@ -67,6 +69,8 @@ def run_headless(
         err: failures and warnings.
         log_path: the worker's log file; default a new file under the temporary folder.
         pace: a tuned preset's step time, to say once if the run's is far from it.
+        on_started: told the worker's Started event, whose settings are those the run
+            uses (the policy the plan chose, the precision and budget resolved).
 
     Returns 0 when training finished, 1 when it failed (the reason and the log are named on
     `err`), 2 for bad input found by the worker (one line), 130 after Ctrl-C (the worker is
@@ -96,6 +100,7 @@ def run_headless(
     worker = served or worker
     report = _Report(settings=settings, out=out, err=err, log_path=str(worker.log_path))
     report.pace = pace
+    report.on_started = on_started
     interrupts = _Interrupts()
     code: int | None = None
     with interrupts.catching():
@@ -178,6 +183,7 @@ class _Report:
         self.said_starting = False
         self.drawn = ""  # the progress line drawn in place, while line_open
         self.pace: PresetPace | None = None
+        self.on_started: Callable[[Started], None] | None = None
 
     def starting(self, *, tentative: bool = False) -> None:
         """Say, once, that the run is starting and where its worker logs.
@@ -214,6 +220,8 @@ class _Report:
                 self.say_err(f"warning: {line}")
         elif isinstance(event, Started):
             self.started(event)
+            if self.on_started is not None:
+                self.on_started(event)
         elif isinstance(event, Eval):
             self.say(
                 f"eval after step {event.step}: loss {event.loss:.4f}, perplexity "
@@ -245,21 +253,23 @@ class _Report:
         )
         schedule = t.get("lr_schedule", "constant")
         if t.get("warmup_steps"):
-            schedule += f" after {t['warmup_steps']} warm-up steps"
+            schedule += f" after {plural(t['warmup_steps'], 'warm-up step')}"
+        sequences = t["batch_size"] * t.get("grad_accum", 1)
+        # The labels make a column as wide as the longest, "training", and one space.
         lines = [
             f"{event.model}: {format_count(event.parameters)} parameters"
             f"{format_trained(event.parameters, event.trainable)} in {len(event.chunks)} "
             f"chunks on {event.device}",
-            f"  engine    policy {e['policy']}, margin {e['margin_ratio']:.2f}, "
+            f"  engine   policy {e['policy']}, margin {e['margin_ratio']:.2f}, "
             f"budget {device_budget}, precision {e['precision']}"
             + (f", host budget {e['host_budget']} (the rest on disk under "
                f"{e.get('disk_dir') or 'the user cache folder'})" if e.get("host_budget") else ""),
-            f"  training  {t['steps']} steps of {t['batch_size'] * t.get('grad_accum', 1)} x "
+            f"  training {plural(t['steps'], 'step')} of {sequences} x "
             f"{t['seq_len']} tokens{accumulated}, lr {t['lr']:g} {schedule}, seed {t['seed']}",
-            f"  data      {d['path'] or 'built-in corpus'}",
+            f"  data     {d['path'] or 'built-in corpus'}",
             *self._evaluation(t, d),
-            f"  metrics   {g['metrics'] or 'not written (--metrics FILE.jsonl)'}",
-            f"  worker    pid {event.pid}, log {event.log_path}",
+            f"  metrics  {g['metrics'] or 'not written (--metrics FILE.jsonl)'}",
+            f"  worker   pid {event.pid}, log {event.log_path}",
         ]
         self.say("\n".join(lines))
 
@@ -273,10 +283,11 @@ class _Report:
         else:
             return []
         every = training.get("eval_every")
-        when = f"every {every} steps and after the last" if every else "after the last step"
+        when = (f"every {plural(every, 'step')} and after the last" if every
+                else "after the last step")
         sequences = training["eval_batches"] * training["batch_size"]
         sequences *= training.get("grad_accum", 1)
-        return [f"  eval      {held_out}; up to {sequences} sequences, {when}"]
+        return [f"  eval     {held_out}; up to {sequences} sequences, {when}"]
 
     def step(self, stats: StepStats) -> None:
         self.latest = stats
@@ -304,7 +315,7 @@ class _Report:
     def finished(self, summary: dict) -> None:
         stopped = " (stopped early)" if summary.get("stopped") else ""
         lines = [
-            f"done{stopped}: {summary['steps']} steps, {summary['tokens']:,} tokens "
+            f"done{stopped}: {plural(summary['steps'], 'step')}, {summary['tokens']:,} tokens "
             f"in {format_seconds(summary['seconds'])}",
         ]
         # The pace is the trials' (medians of settled steps), printed below: one definition,
@@ -320,7 +331,7 @@ class _Report:
             lines.append(f"  {peaks}")
         lines += summary_lines(self.trials.rows())
         if summary.get("metrics"):
-            lines.append(f"  metrics   {summary['metrics']}")
+            lines.append(f"  metrics  {summary['metrics']}")
             try:
                 append_summary(summary["metrics"], summary, self.trials.rows())
             except ValueError as error:

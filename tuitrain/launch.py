@@ -33,6 +33,10 @@ LEFTOVER_GRACE_SECONDS = 2.0
 # check it again. The check imports torch and transformers: seconds of CPU in every rank,
 # whose worker then imports them anyway.
 CHECKED_ENV = "TUITRAIN_CHECKED_BY_LAUNCHER"
+# Set in the environment of the ranks when the launching process saves a preset: the file
+# rank 0 writes the settings its run started with to (a Started event's, as JSON), so that
+# the preset holds what the run used (the policy the plan chose, the budget resolved).
+USED_SETTINGS_ENV = "TUITRAIN_USED_SETTINGS"
 
 
 def checked_by_launcher(env: Mapping[str, str] | None = None) -> bool:
@@ -50,18 +54,22 @@ def check_nproc(nproc: int) -> int:
 
 
 # Options of `tuitrain run` that are the launcher's, not the ranks': --nproc itself, and
-# --save-preset, which the launching process saves once every rank has ended.
+# --save-preset (with --force, which only it reads), which the launching process saves once
+# every rank has ended.
 _LAUNCHER_OPTIONS = ("--nproc", "--save-preset")
+_LAUNCHER_SWITCHES = ("--force",)
 
 
 def rank_arguments(argv: Sequence[str]) -> list[str]:
     """`tuitrain run`'s arguments as each rank gets them: less --nproc and --save-preset
-    (with their values, given as `--opt V` or `--opt=V`)."""
+    (with their values, given as `--opt V` or `--opt=V`) and --force."""
     out: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
+        elif arg in _LAUNCHER_SWITCHES:
+            continue
         elif arg in _LAUNCHER_OPTIONS:
             skip = True
         elif not arg.startswith(tuple(f"{o}=" for o in _LAUNCHER_OPTIONS)):

@@ -3,6 +3,7 @@ and the files and folders a run names. Each mistake is a UsageError, one line.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tuitrain.errors import UsageError
@@ -50,6 +51,25 @@ def check_lora(settings: Settings) -> None:
         raise UsageError(f"--lora-targets: {error}") from None
 
 
+def check_writable(flag: str, path: str | os.PathLike, *, folder: bool = False) -> None:
+    """A UsageError naming `flag` unless the run can write `path`: a file, written anew in
+    its folder or appended to, or with `folder` a folder, made with its parents if missing.
+
+    Checked before the run starts, so that a long run is not wasted on a file it cannot
+    write at its end (a preset) or along the way (metrics, checkpoints)."""
+    path = Path(path).expanduser()
+    here = path if folder or path.exists() else path.parent
+    while not here.exists() and here != here.parent:  # made with its parents: where it starts
+        here = here.parent
+    if folder and not here.is_dir():
+        raise UsageError(f"{flag}: {here} is a file, not a folder")
+    wanted = os.W_OK | os.X_OK if here.is_dir() else os.W_OK
+    if not os.access(here, wanted):
+        read_only = os.statvfs(here).f_flag & os.ST_RDONLY
+        why = "read-only file system" if read_only else "permission denied"
+        raise UsageError(f"{flag}: cannot write in {here} ({why})")
+
+
 def check_runnable(settings: Settings) -> None:
     """Every check that needs no training: the model, the files and folders named."""
     check_model(settings.model, settings.training.seq_len)
@@ -67,6 +87,7 @@ def check_runnable(settings: Settings) -> None:
             raise UsageError(f"metrics file is a folder: {metrics}")
         if not metrics_path.parent.is_dir():
             raise UsageError(f"folder for the metrics file not found: {metrics_path.parent}")
+        check_writable("--metrics", metrics_path)
     if settings.engine.disk_dir is not None:
         from engine.devices.disk.scratch import ScratchFolder
 
@@ -79,5 +100,7 @@ def check_runnable(settings: Settings) -> None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if checkpoint.dir is not None and Path(checkpoint.dir).expanduser().is_file():
         raise UsageError(f"checkpoint folder is a file: {checkpoint.dir}")
+    if checkpoint.dir is not None:
+        check_writable("--checkpoint-dir", checkpoint.dir, folder=True)
     if checkpoint.resume is not None and not Path(checkpoint.resume).expanduser().is_dir():
         raise UsageError(f"checkpoint to resume from not found: {checkpoint.resume}")

@@ -4,13 +4,19 @@ heavy starts, then the app, the headless runner or the ranks that train them."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tuitrain.errors import UsageError
 from tuitrain.flags import PROG, RUN, as_number, merge_flags
+from tuitrain.formatting import plural
 
 if TYPE_CHECKING:
+    from tuitrain.events import Started
     from tuitrain.settings import Settings
 
 
@@ -75,14 +81,28 @@ def cmd_run(args: argparse.Namespace) -> int:
             update={"training": settings.training.model_copy(update={"nproc": app_ranks})})
         return run_app(settings, nproc=app_ranks, pace=pace)
     if args.nproc is not None:
-        status = _launch_ranks(args, settings)
+        status, used = _launch_ranks(args, settings, saving=save_to is not None)
     else:
         from tuitrain.headless import run_headless
+        from tuitrain.launch import USED_SETTINGS_ENV
+        from tuitrain.settings import validate_settings
 
-        status = run_headless(settings, out=sys.stdout, err=sys.stderr, pace=pace)
+        # What the worker started with: the policy the plan chose where none was given,
+        # the precision and the device budget resolved. None until it has started.
+        used = None
+        used_file = os.environ.get(USED_SETTINGS_ENV) if ranks.leader else None
+
+        def started(event: Started) -> None:
+            nonlocal used
+            used = validate_settings(event.settings)
+            if used_file:  # rank 0 of `--nproc`: the launching process saves the preset
+                Path(used_file).write_text(json.dumps(event.settings), encoding="utf-8")
+
+        status = run_headless(settings, out=sys.stdout, err=sys.stderr, pace=pace,
+                              on_started=started)
     if save_to is not None and ranks.leader:  # under torchrun, rank 0 saves it once
         nproc = ranks.world if ranks.parallel else as_number(args.nproc or "1")
-        save_after_run(settings, save_to, status=status, overwrite=args.force, nproc=nproc)
+        save_after_run(used, save_to, status=status, overwrite=args.force, nproc=nproc)
     return status
 
 
@@ -91,22 +111,37 @@ def _warn_of_a_short_run(settings: Settings) -> None:
     the rate then never reaches --lr: say so, once, before the run starts."""
     t = settings.training
     if t.warmup_steps > t.steps:
-        print(f"{PROG}: warning: the warm-up ({t.warmup_steps} steps) is longer than the run "
-              f"({t.steps} steps): the learning rate never reaches --lr {t.lr:g}",
-              file=sys.stderr)
+        print(f"{PROG}: warning: the warm-up ({plural(t.warmup_steps, 'step')}) is longer "
+              f"than the run ({plural(t.steps, 'step')}): the learning rate never reaches "
+              f"--lr {t.lr:g}", file=sys.stderr)
 
 
-def _launch_ranks(args: argparse.Namespace, settings: Settings) -> int:
-    """`tuitrain run` on --nproc ranks of this machine (tuitrain.launch); their status."""
+def _launch_ranks(
+    args: argparse.Namespace, settings: Settings, *, saving: bool
+) -> tuple[int, Settings | None]:
+    """`tuitrain run` on --nproc ranks of this machine (tuitrain.launch): their status,
+    and, when `saving` a preset, the settings rank 0 started with (None if it did not)."""
     from tuitrain import launch
+    from tuitrain.settings import validate_settings
 
     after_run = args.argv[args.argv.index("run") + 1:]
-    try:
-        nproc = launch.check_nproc(as_number(args.nproc))
-        return launch.launch(nproc, launch.rank_arguments(after_run),
-                             batch_size=settings.training.batch_size)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    with tempfile.TemporaryDirectory(prefix="tuitrain-") as folder:
+        used_file = Path(folder) / "used.json"
+        if saving:
+            os.environ[launch.USED_SETTINGS_ENV] = str(used_file)
+        try:
+            nproc = launch.check_nproc(as_number(args.nproc))
+            status = launch.launch(nproc, launch.rank_arguments(after_run),
+                                   batch_size=settings.training.batch_size)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        finally:
+            os.environ.pop(launch.USED_SETTINGS_ENV, None)
+        try:
+            used = validate_settings(json.loads(used_file.read_text(encoding="utf-8")))
+        except (OSError, ValueError):  # a bad file is an InvalidSettings, a ValueError
+            used = None
+    return status, used
 
 
 def _app_ranks(args: argparse.Namespace, settings: Settings) -> int:

@@ -15,6 +15,7 @@ from typing import TextIO
 from engine.telemetry import StepStats
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from tuitrain.formatting import format_seconds
+from tuitrain.run_checks import check_writable
 from tuitrain.settings import Settings
 from tuitrain.trials import BEST_MIN_SETTLED, Setting, TrialBook
 
@@ -24,6 +25,9 @@ PROG = "tuitrain"
 def save_target(args: argparse.Namespace) -> Path | None:
     """Where --save-preset will write, checked now so a long run is not wasted on it."""
     if args.save_preset is None:
+        if args.force:
+            raise UsageError("--force lets --save-preset replace a file; without --save-preset "
+                             "it has nothing to do")
         return None
     if not args.headless:
         raise UsageError("--save-preset needs --headless; in the app, press s to save a preset")
@@ -34,15 +38,18 @@ def save_target(args: argparse.Namespace) -> Path | None:
         raise UsageError(f"--save-preset: {path} exists; add --force to replace it")
     if not path.parent.is_dir():
         raise UsageError(f"--save-preset: folder not found: {path.parent}")
+    check_writable("--save-preset", path.parent, folder=True)  # written beside, then renamed
     return path
 
 
 def save_after_run(
-    settings: Settings, path: Path, *, status: int, overwrite: bool, nproc: int
+    settings: Settings | None, path: Path, *, status: int, overwrite: bool, nproc: int
 ) -> None:
     """Save the preset of a finished (or interrupted) run of `nproc` ranks; a failed run
     saves nothing.
 
+    `settings` are those the run used (the worker's Started settings: a policy left unset is
+    the one the plan chose), None when it stopped before it started: nothing to save.
     Bad input found by the worker (status 2) was already said in one line, and a run that
     never started has nothing to save, so that case adds no second line.
     """
@@ -53,6 +60,10 @@ def save_after_run(
         return
     if status not in (EXIT_OK, EXIT_INTERRUPTED):
         print(f"{PROG}: the run failed; preset not saved to {path}", file=sys.stderr)
+        return
+    if settings is None:
+        print(f"{PROG}: the run stopped before it started; preset not saved to {path}",
+              file=sys.stderr)
         return
     measured = None
     if settings.logging.metrics is not None:

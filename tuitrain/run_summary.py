@@ -41,7 +41,7 @@ def run_summary_lines(summary: dict, rows: list[Trial]) -> list[str]:
         lines.append("  " + peaks)
     lines += summary_lines(rows)
     if summary.get("metrics"):
-        lines.append(f"  metrics   {summary['metrics']}")
+        lines.append(f"  metrics  {summary['metrics']}")
     return lines
 
 

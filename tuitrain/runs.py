@@ -35,7 +35,8 @@ class RunRecord:
     model: str
     started: float  # time.time()
     socket: str  # the run's Unix socket while it lives; "" once it ended
-    metrics: str  # the run's metrics file; "" when none was asked for
+    # The run's metrics file, absolute (read from any folder); "" when none was asked for.
+    metrics: str
     state: str = LIVE  # "running", "finished", "failed", "interrupted", "gone"
     step: int = 0  # the latest step reported (updated now and then while it runs)
     steps: int = 0  # the steps the run was asked for
@@ -44,6 +45,12 @@ class RunRecord:
     @property
     def live(self) -> bool:
         return self.state == LIVE
+
+    @property
+    def metrics_written(self) -> bool:
+        """Whether its metrics file is there to be read: a run that failed before it
+        wrote one has none, whatever it asked for."""
+        return bool(self.metrics) and Path(self.metrics).is_file()
 
 
 def runtime_folder() -> Path:
@@ -71,9 +78,13 @@ def record_path(folder: Path, run_id: str) -> Path:
 
 
 def new_record(*, model: str, metrics: str, steps: int, folder: Path) -> RunRecord:
+    """The record of a run starting now in this process; `metrics` as the user gave it,
+    kept absolute, since `attach` may be typed in another folder."""
     pid, now = os.getpid(), time.time()
     run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{pid}"
     sock = str(folder / f"{pid}.sock")
+    if metrics:
+        metrics = os.path.abspath(Path(metrics).expanduser())
     return RunRecord(id=run_id, pid=pid, model=model, started=now, socket=sock,
                      metrics=metrics, steps=steps)
 

@@ -116,6 +116,14 @@ class EngineSettings(_Strict):
     collective_timeout: float = Field(EngineConfig.collective_timeout, gt=0,
                                      le=COLLECTIVE_TIMEOUT_MAX)
 
+    @field_validator("device_budget", "host_budget")
+    @classmethod
+    def _check_budget(cls, value: Size | None) -> Size | None:
+        # No bytes at all is no budget to run in: said here, before anything starts.
+        if value is not None and value.nbytes <= 0:
+            raise ValueError(f"a budget must be more than 0 bytes (got {str(value)!r})")
+        return value
+
 
 class LoraSettings(_Strict):
     """LoRA adapters (engine.models.lora): the base weights stay frozen, in payload-only

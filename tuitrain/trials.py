@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from engine.telemetry import StepStats
-from tuitrain.formatting import format_rate, format_seconds, format_size
+from tuitrain.formatting import format_rate, format_seconds, format_size, plural
 from tuitrain.metrics import MetricsWriter
 
 # Settled steps a trial keeps for its medians: its latest, so that a long run stays small and
@@ -118,10 +118,6 @@ class Trial:
     def describe(self) -> str:
         """One line: the setting, then what it measured."""
         return f"{self.setting.describe()}: {describe_measurements(self)}"
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def format_spread(spread: float | None) -> str:
@@ -283,7 +279,7 @@ def summary_lines(rows: list[Trial]) -> list[str]:
         return []
     best = best_trial(rows)
     lines = [
-        "  trials    one per setting, medians of settled steps; "
+        "  trials   one per setting, medians of settled steps; "
         f"★ fastest within budget over {BEST_MIN_SETTLED}+ settled steps"
     ]
     for trial in rows:

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tuitrain.formatting import plural
+
 __all__ = [
     "Candidate",
     "Failed",
@@ -382,7 +384,8 @@ def _against(trial: Trial, best: Trial, trials: list[Trial]) -> None:
     fastest settled step), its forecast corrected by `trials` for one not tried."""
     if trial.status == STOPPED_EARLY:
         trial.slower = min(trial.steps) / best.measured - 1
-        trial.reason = f"{trial.slower:.0%} slower than the best after {len(trial.steps)} steps"
+        trial.reason = (f"{trial.slower:.0%} slower than the best after "
+                        f"{plural(len(trial.steps), 'step')}")
         return
     trial.slower = _corrected(trial, trials) / best.measured - 1.0
     trial.reason = (f"forecast {trial.slower:+.0%} against the best measured"
@@ -457,7 +460,7 @@ def _run_trial(trial: Trial, trainer: Trainer, best: Trial | None, trial_steps: 
         return ran, trial.candidate
     if len(trial.steps) < trial_steps:  # stopped before its trial was over: no median
         trial.status = NOT_REACHED
-        trial.reason = f"stopped after {len(trial.steps)} of {trial_steps} steps"
+        trial.reason = f"stopped after {len(trial.steps)} of {plural(trial_steps, 'step')}"
         on_trial(trial)
         return ran, trial.candidate
     trial.status = MEASURED

@@ -24,6 +24,7 @@ from tuitrain.tune import (
     DOES_NOT_FIT,
     MEASURED,
     MEASURING,
+    MIN_TRIAL_STEPS,
     PENDING,
     Candidate,
     Trial,
@@ -69,8 +70,9 @@ def add_tune_parser(commands, run_flags) -> argparse.ArgumentParser:
     tune.add_argument("--preset", metavar="FILE", help="tune the preset's settings")
     for flag in run_flags:
         flag.add_to(tune)
-    tune.add_argument("--trial-steps", metavar="N", type=int, default=3,
-                      help="settled steps each trial measures (default 3, at least 3)")
+    tune.add_argument("--trial-steps", metavar="N", type=int, default=MIN_TRIAL_STEPS,
+                      help=f"settled steps each trial measures (default and least "
+                      f"{MIN_TRIAL_STEPS})")
     tune.add_argument("--time-limit", metavar="DURATION",
                       help="stop searching after this long (e.g. 90s, 5m), keeping the best")
     tune.add_argument("--save-preset", metavar="FILE", help="save the run with the best setting")
@@ -85,8 +87,9 @@ def tune_command(args: argparse.Namespace, settings: Settings, *, simulated: boo
     from tuitrain.run_checks import check_runnable
     from tuitrain.run_preset import save_target
 
-    if args.trial_steps < 1:
-        raise UsageError(f"--trial-steps: {args.trial_steps} is not a number of steps above 0")
+    if args.trial_steps < MIN_TRIAL_STEPS:  # a median of fewer is one step's noise
+        raise UsageError(f"--trial-steps: must be at least {MIN_TRIAL_STEPS} (got "
+                         f"{args.trial_steps})")
     try:
         limit = parse_duration(args.time_limit) if args.time_limit is not None else None
     except ValueError as error:

@@ -54,7 +54,10 @@ class ProcessWorker:
     Args:
         settings: the run. The worker reports back the settings it actually used.
         log_path: where the worker's stdout and stderr go (appended). Default: a new file
-            under the temporary folder, see `default_log_path`.
+            under the temporary folder, see `default_log_path`, removed by `stop` when the
+            run ended cleanly (finished, or stopped when asked to) and kept when the worker
+            failed or was terminated, since the failure report points to it. A log given
+            here is the caller's: always kept.
         history: how many recent StepStats `history` keeps.
         environment: variables set in the worker before it imports anything heavy (a
             data-parallel rank's place in the launch, see tuitrain.rank_worker).
@@ -75,6 +78,7 @@ class ProcessWorker:
         self.settings = settings
         self.environment = dict(environment or {})
         self.log_path = Path(log_path) if log_path is not None else default_log_path()
+        self._own_log = log_path is None  # made here: removed after a clean end
         self.latest: StepStats | None = None
         self.history: deque[StepStats] = deque(maxlen=history)
         self.started: Started | None = None
@@ -193,6 +197,9 @@ class ProcessWorker:
         self._drain()
         self._stopped = True
         self._close_channels()
+        if self._own_log and self._ended_cleanly():
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
 
     @property
     def alive(self) -> bool:
@@ -265,6 +272,13 @@ class ProcessWorker:
             self.started = event
         elif isinstance(event, Finished | Failed):
             self.result = event
+
+    def _ended_cleanly(self) -> bool:
+        """Whether the worker reported its run finished (stopped early or not) and then
+        exited by itself with status 0: nothing in its log that anyone needs to read."""
+        process = self._process
+        return (isinstance(self.result, Finished) and self._forced is None
+                and process is not None and process.exitcode == 0)
 
     def _death_report(self) -> Failed:
         code = self._process.exitcode if self._process is not None else None

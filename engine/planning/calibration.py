@@ -482,7 +482,7 @@ def _adamw_rate(clock: _Clock, elements: int, where: torch.device,
 def _disk(scale: float) -> tuple[float, float]:
     """(write, read) bytes per second of the disk tier's own probe in the scratch folder's
     parent; (0, 0) when it cannot be written."""
-    from engine.devices.disk import default_disk_dir
+    from engine.devices.disk import default_disk_dir, remove_if_empty
     from engine.devices.disk.files import ALIGN, direct_io_supported, sequential_bandwidth
     from engine.devices.disk.tier import BANDWIDTH_PROBE
 
@@ -491,6 +491,7 @@ def _disk(scale: float) -> tuple[float, float]:
         base.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix=".calibrate-", dir=base))
     except OSError:
+        remove_if_empty(base)
         return 0.0, 0.0
     try:
         size = max(ALIGN * 4, int(BANDWIDTH_PROBE * 4 * scale) // ALIGN * ALIGN)
@@ -501,6 +502,7 @@ def _disk(scale: float) -> tuple[float, float]:
         return 0.0, 0.0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        remove_if_empty(base)
 
 
 # The decoder the compute factor is measured on: opt-125m's layers, two of them, at a

@@ -24,7 +24,7 @@ from tests.tuitrain.test_presets import SHIPPED as SHIPPED_STORIES
 from tuitrain import __version__
 from tuitrain.cli import RUN_FLAGS, build_parser, main, resolve_settings
 from tuitrain.measured import measure_metrics
-from tuitrain.presets import SHIPPED_DIR, load_preset
+from tuitrain.presets import SHIPPED_DIR, load_preset, merge
 from tuitrain.settings import LoraSettings, Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,6 +156,14 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, argv):
         (
             ["--device-mem", "6 gigs"],
             "tuitrain: error: --device-mem: not a size: '6 gigs' (use bytes or e.g. 6GiB, 512MiB)",
+        ),
+        (
+            ["--device-mem", "0"],
+            "tuitrain: error: --device-mem: a budget must be more than 0 bytes (got '0')",
+        ),
+        (
+            ["--host-mem", "0GiB"],
+            "tuitrain: error: --host-mem: a budget must be more than 0 bytes (got '0GiB')",
         ),
         (["--margin", "-0.1"], "tuitrain: error: --margin: must be within 0..1 (got -0.1)"),
         (
@@ -375,6 +383,28 @@ def test_every_flag_reaches_its_setting(tmp_path):
     assert settings.checkpoint.model_dump() == {"dir": "ck", "every": 4, "resume": "old"}
 
 
+def test_checkpointing_and_no_checkpointing_together_are_refused(capsys):
+    for command in ("run", "plan", "tune"):
+        assert argparse_refusal(capsys, [command, "tiny", "--checkpointing",
+                                         "--no-checkpointing"]) == [
+            f"tuitrain {command}: error: argument --no-checkpointing: not allowed with "
+            "argument --checkpointing"]
+    assert argparse_refusal(capsys, ["run", "tiny", "--no-checkpointing", "--checkpointing"]) == [
+        "tuitrain run: error: argument --checkpointing: not allowed with argument "
+        "--no-checkpointing"]
+    # Said twice, it is said once.
+    assert parsed(["run", "tiny", "--checkpointing", "--checkpointing"]
+                  ).training.activation_checkpointing is True
+
+
+@pytest.mark.parametrize("command", ["run", "tune"])
+def test_force_without_save_preset_is_refused(capsys, command):
+    assert refused(capsys, [command, "tiny", "--headless" if command == "run" else "--steps=9",
+                            "--force"]) == (
+        "tuitrain: error: --force lets --save-preset replace a file; without --save-preset it "
+        "has nothing to do")
+
+
 def test_no_checkpointing_turns_off_what_a_preset_turned_on():
     assert parsed(["run", "--preset", "laptop-6gb"]).training.activation_checkpointing
     off = parsed(["run", "--preset", "laptop-6gb", "--no-checkpointing"])
@@ -522,6 +552,45 @@ def test_nproc_mistakes_are_one_line_before_any_rank_starts(capsys, monkeypatch)
         "tuitrain: error: --nproc starts the ranks itself; under torchrun leave it out")
 
 
+@pytest.fixture
+def unwritable(tmp_path, monkeypatch) -> Path:
+    """A folder nobody may write in (mode 0o500). Root is not held back by modes, so for
+    root the folder is also reported as not writable, as it would be to anyone else."""
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o500)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
+            False if Path(path) == folder and mode & os.W_OK else real(path, mode, **kw)))
+    yield folder
+    folder.chmod(0o700)
+
+
+@pytest.mark.parametrize("flag", ["--save-preset", "--metrics", "--checkpoint-dir"])
+def test_a_place_the_run_cannot_write_is_one_line_before_anything_starts(
+    capsys, monkeypatch, unwritable, flag
+):
+    from tuitrain import headless
+
+    started = []
+    monkeypatch.setattr(headless, "run_headless", lambda *a, **kw: started.append(a) or 0)
+    target = unwritable / ("ck" if flag == "--checkpoint-dir" else "out")
+    line = refused(capsys, ["run", "tiny", "--headless", "--steps", "1", flag, str(target)])
+    assert line == f"tuitrain: error: {flag}: cannot write in {unwritable} (permission denied)"
+    assert started == []
+    assert os.listdir(unwritable) == []
+    # A folder under a file cannot be made either.
+    a_file = write(unwritable.parent, "not a folder", "f.txt")
+    line = refused(capsys, ["run", "tiny", "--headless", "--checkpoint-dir", str(a_file / "ck")])
+    assert line == f"tuitrain: error: --checkpoint-dir: {a_file} is a file, not a folder"
+
+
+def test_a_tune_that_cannot_save_its_preset_is_one_line_before_it_starts(capsys, unwritable):
+    line = refused(capsys, ["tune", "tiny", "--save-preset", str(unwritable / "t.yaml")])
+    assert line == (
+        f"tuitrain: error: --save-preset: cannot write in {unwritable} (permission denied)")
+
+
 def test_a_disk_folder_that_cannot_be_made_is_one_line_before_anything_runs(capsys, tmp_path):
     a_file = write(tmp_path, "not a folder", "f.txt")
     line = refused(capsys, ["run", "tiny", "--headless", "--disk", str(a_file / "scratch")])
@@ -548,23 +617,59 @@ def test_a_preset_saved_from_a_data_parallel_run_reproduces_it_on_as_many_ranks(
     capsys, tmp_path, monkeypatch
 ):
     from tuitrain import headless, launch
+    from tuitrain.events import Started
+
+    def chosen_by_the_plan(settings: Settings) -> dict:  # what a worker starts with
+        return merge(settings, {"engine.policy": "cpu"}).model_dump(mode="json")
 
     started = []
-    monkeypatch.setattr(launch, "launch", lambda nproc, argv, **kw: started.append(nproc) or 0)
+
+    def ranks_started(nproc, argv, **kw):  # rank 0 tells the launcher what it used
+        started.append(nproc)
+        used = chosen_by_the_plan(parsed(["run", *argv]))
+        Path(os.environ[launch.USED_SETTINGS_ENV]).write_text(json.dumps(used))
+        return 0
+
+    monkeypatch.setattr(launch, "launch", ranks_started)
     saved = tmp_path / "dp.yaml"
     run = ["run", "tiny", "--headless", "--steps", "1", "--batch-size", "4"]
     assert main([*run, "--nproc", "2", "--save-preset", str(saved)]) == 0, capsys.readouterr()
     assert started == [2]
     header = [line for line in saved.read_text().splitlines() if line.startswith("#")]
     assert f"# reproduce: tuitrain run --preset {saved} --headless --nproc 2" in header
+    assert load_preset(saved).engine.policy == "cpu"  # the policy the ranks trained under
+    assert launch.USED_SETTINGS_ENV not in os.environ
+
+    def rank_0(settings, *, on_started, **kw):
+        on_started(Started(model="tiny", parameters=1, device="simulated", chunks=[],
+                           settings=chosen_by_the_plan(settings)))
+        return 0
+
     # Under torchrun rank 0 saves it, with as many ranks as torchrun started.
-    monkeypatch.setattr(headless, "run_headless", lambda settings, **kw: 0)
+    monkeypatch.setattr(headless, "run_headless", rank_0)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     under_torchrun = tmp_path / "torchrun.yaml"
     assert main([*run, "--save-preset", str(under_torchrun)]) == 0, capsys.readouterr()
     header = [line for line in under_torchrun.read_text().splitlines() if line.startswith("#")]
     assert f"# reproduce: tuitrain run --preset {under_torchrun} --headless --nproc 4" in header
+    assert load_preset(under_torchrun).engine.policy == "cpu"
+
+
+@pytest.mark.slow
+def test_a_saved_preset_holds_the_policy_the_plan_chose_for_the_run(capsys, tmp_path):
+    """A run given no --policy trains under the plan's choice (cuda, for tiny): the preset
+    saved from it says that policy, as the metrics' settings do, not the `auto` it asked
+    with, and the precision and device budget the run resolved."""
+    saved, metrics = tmp_path / "found.yaml", tmp_path / "m.jsonl"
+    argv = ["run", "tiny", "--headless", "--steps", "1", "--seq-len", "16", "--metrics",
+            str(metrics), "--save-preset", str(saved)]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    used = json.loads(metrics.read_text().splitlines()[0])["settings"]
+    assert used["engine"]["policy"] == "cuda"
+    preset = load_preset(saved)
+    assert preset.engine.policy == "cuda"
+    assert preset.model_dump(mode="json") == used
 
 
 def test_a_warm_up_longer_than_the_run_says_so_in_one_line(capsys, monkeypatch, tmp_path):

@@ -331,9 +331,9 @@ def test_the_headless_run_shows_the_settings_each_evaluation_and_the_held_out_lo
     assert run_headless(settings, out=out, err=err, log_path=str(tmp_path / "w.log")) == 0
     assert err.getvalue() == ""
     text = out.getvalue()
-    assert "4 steps of 2 x 16 tokens in 2 micro-batches, lr 0.001 cosine after 1 warm-up steps" \
+    assert "4 steps of 2 x 16 tokens in 2 micro-batches, lr 0.001 cosine after 1 warm-up step," \
         in text
-    assert "eval      0.05 of the data's documents held out; up to 4 sequences, every 2 steps " \
+    assert "eval     0.05 of the data's documents held out; up to 4 sequences, every 2 steps " \
         "and after the last" in text
     shown = re.findall(r"eval after step (\d): loss (\d+\.\d{4}), perplexity \d+\.\d\d on 64 "
                        r"held-out tokens", text)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.tuitrain.forked_workers import worker_processes
-from tuitrain.headless import run_headless
+from tuitrain.headless import _Report, run_headless
 from tuitrain.settings import Settings
 
 START_SECONDS = 240.0  # a cold start imports torch and tokenises the corpus
@@ -58,7 +58,7 @@ def test_a_run_prints_settings_progress_and_summary_and_appends_metrics(tmp_path
     # The one trial, starred: its 5 settled steps (the first records the chunk order) are
     # enough to call it the fastest (trials.BEST_MIN_SETTLED).
     assert "★ auto, margin 0.00, budget 6.0 GiB: 6 steps" in text
-    assert f"metrics   {metrics}" in text
+    assert f"metrics  {metrics}" in text
 
     lines = metrics.read_text().splitlines()
     assert lines[0] == earlier, "an existing metrics file is appended to, never truncated"
@@ -116,7 +116,7 @@ def test_ctrl_c_stops_the_worker_cleanly_and_exits_130(tmp_path: Path) -> None:
             assert run.poll() is None, f"exited early: {''.join(err)}"
             assert time.monotonic() < deadline, "no step within the start-up time"
             time.sleep(0.05)
-        worker_pid = int(next(re.search(r"pid (\d+)", x)[1] for x in out if "worker    pid" in x))
+        worker_pid = int(next(re.search(r"pid (\d+)", x)[1] for x in out if "worker   pid" in x))
         assert psutil.pid_exists(worker_pid)
 
         os.killpg(run.pid, signal.SIGINT)
@@ -191,6 +191,30 @@ def report_on(out: io.StringIO, **training: int):
 
     settings = tiny_settings(training=training)
     return _Report(settings=settings, out=out, err=io.StringIO(), log_path="w.log")
+
+
+def test_a_one_step_run_reads_step_and_its_labels_take_one_space():
+    from tuitrain.events import Finished, Started
+
+    out = io.StringIO()
+    settings = tiny_settings(training={"steps": 1, "warmup_steps": 1, "eval_every": 1},
+                             data={"eval_fraction": 0.1})
+    report = _Report(settings=settings, out=out, err=io.StringIO(), log_path="w.log")
+    report.handle(Started(model="tiny", parameters=657_344, device="simulated, 6.0 GiB",
+                          chunks=[], settings=settings.model_dump(mode="json"), pid=7,
+                          log_path="w.log"))
+    report.handle(Finished(summary={"steps": 1, "tokens": 32, "seconds": 1.5}))
+    lines = out.getvalue().splitlines()
+    assert "  training 1 step of 2 x 16 tokens, lr 0.0003 constant after 1 warm-up step, " \
+        "seed 0" in lines
+    assert any(line.endswith("every 1 step and after the last") for line in lines), lines
+    assert "done: 1 step, 32 tokens in 1.50 s" in lines
+    # The settings' labels make a column as wide as the longest and one space: "training"
+    # is followed by one space, and every value starts where its value does.
+    labelled = [line for line in lines[1:] if re.match(r"^  [a-z]+ ", line)]
+    assert [line.split()[0] for line in labelled] == [
+        "engine", "training", "data", "eval", "metrics", "worker"]
+    assert {re.match(r"^  [a-z]+ +", line).end() for line in labelled} == {len("  training ")}
 
 
 class NarrowTerminal(Terminal):

@@ -6,8 +6,11 @@ error file each rank that failed by itself writes with tuitrain.ranks.record_fai
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import time
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -90,6 +93,9 @@ def test_a_preset_saved_from_n_ranks_runs_on_n_ranks_without_nproc(tmp_path, mon
 
     def launched(nproc, argv, *, batch_size, err=None) -> int:  # the ranks, not started
         started.append(nproc)
+        if used := os.environ.get(launch.USED_SETTINGS_ENV):  # rank 0 says what it used
+            settings = cli.resolve_settings(cli.build_parser().parse_args(["run", *argv]))
+            Path(used).write_text(json.dumps(settings.model_dump(mode="json")))
         return 0
 
     monkeypatch.setattr(launch, "launch", launched)

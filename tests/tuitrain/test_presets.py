@@ -179,6 +179,8 @@ def test_unknown_top_level_section(tmp_path):
         ("engine:\n  policy: gpu\n", ("engine.policy", "'cuda', 'cpu' or 'auto'", "'gpu'")),
         ("engine:\n  precision: fp8\n", ("engine.precision", "fp8")),
         ("engine:\n  device_budget: lots\n", ("engine.device_budget", "not a size", "lots")),
+        ("engine:\n  device_budget: 0\n", ("engine.device_budget", "more than 0 bytes")),
+        ("engine:\n  host_budget: 0MiB\n", ("engine.host_budget", "more than 0 bytes")),
         ("engine: [cuda, cpu]\n", ("engine: must be a mapping", "a list")),
         ("model: 125\n", ("model: must be text", "125")),
         ("training:\n  steps: 0\n", ("training.steps", "greater than 0")),
@@ -320,8 +322,8 @@ def test_dump_keeps_a_multi_line_command_inside_the_comment():
 texts = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=30)
 sizes = st.one_of(
     st.none(),
-    st.integers(0, 2**44).map(str),
-    st.sampled_from(["6GiB", "5.5GiB", "512MiB", "1.5GB", "1000", "0"]),
+    st.integers(1, 2**44).map(str),  # a budget of 0 bytes is refused (a test above)
+    st.sampled_from(["6GiB", "5.5GiB", "512MiB", "1.5GB", "1000", "1"]),
 )
 positive = st.floats(min_value=1e-12, max_value=1e3, allow_nan=False)
 settings_data = st.fixed_dictionaries(

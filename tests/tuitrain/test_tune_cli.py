@@ -100,8 +100,9 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
 
 
 @pytest.mark.parametrize(("flags", "line"), [
-    (["--trial-steps", "0"], "tuitrain: error: --trial-steps: 0 is not a number of steps "
-                             "above 0"),
+    (["--trial-steps", "0"], "tuitrain: error: --trial-steps: must be at least 3 (got 0)"),
+    (["--trial-steps", "1"], "tuitrain: error: --trial-steps: must be at least 3 (got 1)"),
+    (["--trial-steps", "2"], "tuitrain: error: --trial-steps: must be at least 3 (got 2)"),
     (["--time-limit", "soon"], "tuitrain: error: --time-limit: 'soon' is not a duration "
                                "(e.g. 90s, 5m, 1h)"),
 ])
@@ -122,7 +123,7 @@ def test_a_global_batch_too_big_for_the_device_in_one_micro_batch_is_tuned_not_r
     fastest forecast that fits), says so, and the search goes on from it."""
     metrics = tmp_path / "m.jsonl"
     status = main(["tune", "tiny", "--batch-size", "8", "--seq-len", "64", "--precision",
-                   "fp32", "--device-mem", "12MiB", "--trial-steps", "2", "--time-limit",
+                   "fp32", "--device-mem", "12MiB", "--trial-steps", "3", "--time-limit",
                    "1s", "--metrics", str(metrics)])
     captured = capsys.readouterr()
     assert status == 0, captured.err

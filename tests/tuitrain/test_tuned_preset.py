@@ -52,7 +52,7 @@ def test_run_of_a_preset_tuned_elsewhere_says_so_once_and_how_to_tune_it_here(
     path = tuned_preset(tmp_path, "0000000000000000")
     given = []
 
-    def headless(settings, *, out, err, pace=None) -> int:
+    def headless(settings, *, out, err, pace=None, on_started=None) -> int:
         given.append(pace)
         return 0
 
@@ -70,7 +70,8 @@ def test_run_of_a_preset_tuned_here_checks_the_pace(tmp_path: Path,
     path = tuned_preset(tmp_path, fingerprint()[0], seconds=0.25)
     given = []
     monkeypatch.setattr(tuitrain.headless, "run_headless",
-                        lambda settings, *, out, err, pace=None: given.append(pace) or 0)
+                        lambda settings, *, out, err, pace=None, on_started=None:
+                        given.append(pace) or 0)
     assert main(["run", "--preset", str(path), "--headless"]) == 0
     assert "another machine" not in capsys.readouterr().err
     (pace,) = given

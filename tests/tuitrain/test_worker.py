@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -299,6 +300,39 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def run_to_its_end(settings: Settings) -> tuple[ProcessWorker, Event]:
+    """A worker with a log of its own naming, run until it finishes or fails, stopped."""
+    with ProcessWorker(settings=settings) as worker:
+        watch = Watch(worker)
+        ended = watch.until(lambda e: isinstance(e, Finished | Failed), timeout=START_SECONDS)
+        assert worker.log_path.exists()  # there to read while the run lasts
+    return worker, ended
+
+
+def test_a_run_that_finishes_leaves_no_log_behind(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    settings = tiny_settings().model_copy(update={"training": tiny_settings().training
+                                                  .model_copy(update={"steps": 1})})
+    worker, ended = run_to_its_end(settings)
+    assert isinstance(ended, Finished)
+    assert worker.log_path.parent == tmp_path / "tuitrain"
+    assert list((tmp_path / "tuitrain").iterdir()) == []
+    # Stopped when asked to (the app's q, the first Ctrl-C of a headless run): as clean.
+    with ProcessWorker(settings=tiny_settings()) as stopped:
+        Watch(stopped).step(1)
+    assert isinstance(stopped.result, Finished) and stopped.result.summary["stopped"]
+    assert list((tmp_path / "tuitrain").iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_run_that_fails_keeps_the_log_its_report_points_to(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    worker, ended = run_to_its_end(tiny_settings(metrics="/dev/full"))
+    assert isinstance(ended, Failed)
+    assert "No space left on device" in worker.log_path.read_text()
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

@@ -15,6 +15,7 @@ from engine.devices.disk.scratch import (
     default_disk_dir,
     rank_folder,
     remove_all,
+    remove_if_empty,
     remove_stale,
 )
 from engine.devices.disk.tier import (
@@ -38,6 +39,7 @@ __all__ = [
     "probe_bytes",
     "rank_folder",
     "remove_all",
+    "remove_if_empty",
     "remove_stale",
     "space_needed",
 ]

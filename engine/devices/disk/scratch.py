@@ -13,7 +13,9 @@ is collected or at interpreter exit; a process that ends without the interpreter
 
 Data-parallel ranks on one machine keep their folders apart under `disk_dir/rank-<rank>`
 (`rank_folder`): a folder the engine makes on the user's behalf, so it goes too with the
-last scratch folder in it. A run leaves nothing but what the user asked for.
+last scratch folder in it, as the default `disk_dir` under the user's cache folder does
+(`remove_if_empty`). A run leaves nothing but what the user asked for: a `disk_dir` the
+user named stays, empty.
 """
 
 from __future__ import annotations
@@ -133,15 +135,28 @@ def remove_all() -> None:
         folder.remove()
 
 
+def remove_if_empty(folder: Path) -> None:
+    """Remove `folder` if it is the default scratch folder (default_disk_dir) and empty:
+    made on the user's behalf, it goes with the last thing in it. Another run's folder in
+    it, or anything else anyone put there, keeps it (rmdir refuses); a run that makes its
+    folder there meanwhile makes the parent again (_make_in)."""
+    if folder == default_disk_dir():
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 def _remove(path: Path, lock_fd: int, owner: int) -> None:
     if os.getpid() != owner:  # a forked child inherits the finalizer, not the folder
         return
     shutil.rmtree(path, ignore_errors=True)
     os.close(lock_fd)
-    if _RANK.match(path.parent.name):
+    parent = path.parent
+    if _RANK.match(parent.name):
         # Another run's folder in it, or one being made, keeps it (rmdir refuses).
         with contextlib.suppress(OSError):
-            path.parent.rmdir()
+            parent.rmdir()
+        parent = parent.parent
+    remove_if_empty(parent)
 
 
 # Tries at making a folder in a rank folder that other engines may remove while it is empty.

@@ -102,7 +102,8 @@ def test_a_live_record_without_its_socket_is_a_pid_taken_by_another_process(
 
 
 def test_runs_are_found_by_id_prefix_or_pid_and_listed(runtime_dir: Path) -> None:
-    first = replace(new_record(model="tiny", metrics="m.jsonl", steps=10,
+    (runtime_dir / "m.jsonl").write_text("")
+    first = replace(new_record(model="tiny", metrics=str(runtime_dir / "m.jsonl"), steps=10,
                                folder=runtime_dir), id="20260101-000000-11", pid=11,
                     started=1.0, state="finished", step=10, socket="")
     second = replace(first, id="20260102-000000-12", pid=12, started=2.0, state="failed")
@@ -118,6 +119,38 @@ def test_runs_are_found_by_id_prefix_or_pid_and_listed(runtime_dir: Path) -> Non
     assert lines[0].split() == ["RUN", "MODEL", "STEP", "STATE", "STARTED", "ATTACH", "TO"]
     assert "finished" in lines[1] and "10/10" in lines[1] and lines[1].endswith("m.jsonl")
     assert "failed" in lines[2]
+
+
+def test_a_metrics_file_given_relative_is_found_from_another_folder(
+        runtime_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    started_in, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started_in.mkdir()
+    elsewhere.mkdir()
+    metrics = started_in / "m.jsonl"
+    metrics.write_text(json.dumps({"settings": Settings(model="tiny").model_dump(mode="json")}))
+    monkeypatch.chdir(started_in)
+    record = replace(new_record(model="tiny", metrics="m.jsonl", steps=10, folder=runtime_dir),
+                     state="finished", socket="")
+    assert record.metrics == str(metrics)
+    write_record(runtime_dir, record)
+    monkeypatch.chdir(elsewhere)
+    client, settings = open_run(record.id, read_only=True)
+    assert settings.model == "tiny"
+    assert runs_listing()[1].endswith(str(metrics))
+
+
+def test_a_run_that_ended_before_writing_its_metrics_offers_none(
+        runtime_dir: Path, tmp_path: Path) -> None:
+    never = tmp_path / "never.jsonl"
+    record = replace(new_record(model="tiny", metrics=str(never), steps=10,
+                                folder=runtime_dir), state="failed", socket="")
+    write_record(runtime_dir, record)
+    assert runs_listing()[1].endswith("(metrics file not written)")
+    assert str(never) not in runs_listing()[1]
+    with pytest.raises(UsageError) as refused:
+        open_run(record.id, read_only=True)
+    assert str(refused.value) == (f"run {record.id} has failed and its metrics file {never} "
+                                  "is not there: there is nothing to show")
 
 
 def test_attach_without_a_terminal_names_ssh_t_in_one_line_with_exit_2(
