@@ -224,7 +224,7 @@ class TuitrainApp(App[None]):
             self.query_one(RunHeader).show(device_budget=event.device_budget)
             # In the header's words: one value, one unit (and the field reads it back).
             self.steering.default_budget = format_size(event.device_budget)
-            controls.show_default_budget(self.steering.default_budget)
+            self.steering.show_targets()
         self._show_waiting()
         where = f", log {event.log_path}" if event.log_path else ""
         self.add_log(f"started {event.model} on {event.device or 'N/A'} (pid {event.pid}{where})")

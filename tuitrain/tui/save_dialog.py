@@ -22,6 +22,7 @@ from tuitrain.events import Started
 from tuitrain.presets import SUFFIX, default_preset_name, run_command, save_preset, saved_dir
 from tuitrain.settings import Settings
 from tuitrain.trials import Trial
+from tuitrain.tui.field import Field
 from tuitrain.tui.trial_preset import save_summary, trial_settings
 
 Measured = Mapping[str, object]  # what presets.save_preset records in the header
@@ -96,7 +97,7 @@ class SaveDialog(ModalScreen[str | None]):
             if self.summary:
                 yield Static(self.summary, id="preset-summary")
             yield Label("File (YAML):")
-            yield Input(self.path, id="preset-path", select_on_focus=False)
+            yield Field(self.path, id="preset-path", select_on_focus=False)
             with Horizontal():
                 yield Button("Cancel", id="cancel")
                 yield Button("Save", id="save", variant="primary")

@@ -221,4 +221,5 @@ class Steering:
             margin_ratio=float(self.target["margin_ratio"]),
             # Empty: the field's placeholder shows the budget the worker chose.
             device_budget=str(device_budget) if device_budget is not None else "",
+            budget_shown=self.shown("device_budget", device_budget),
         )
