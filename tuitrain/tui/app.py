@@ -372,8 +372,9 @@ class TuitrainApp(App[None]):
             return False  # read-only, or an attached run that has ended
         if action in ("pause", "resume"):  # the one the run is not in (or heading for)
             return self.live and self.steering.want_paused == (action == "resume")
-        if action == "tune":
-            return self.live
+        if action in ("tune", "stop_tune"):  # the one that acts now
+            searching = self.tuning is not None and self.tuning.running
+            return self.live and searching == (action == "stop_tune")
         if action == "checkpoint":
             return self.live and self.settings.checkpoint.dir is not None
         if action == "restart":
@@ -416,7 +417,12 @@ class TuitrainApp(App[None]):
         self._start_worker()
 
     def action_tune(self) -> None:
-        toggle_tune(self)
+        if self.can_run("tune"):
+            toggle_tune(self)
+
+    def action_stop_tune(self) -> None:
+        if self.can_run("stop_tune"):
+            toggle_tune(self)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(views_for(self.panels.size_class), self.view,

@@ -56,10 +56,14 @@ KEYS: tuple[KeyAction, ...] = (
         key="space", shown="space", action="resume", title="Resume", short="Resume",
         help="resume a paused run",
     ),
+    # The same: a search under way is stopped by the key that started it.
     KeyAction(
         key="a", shown="a", action="tune", title="Tune", short="Tune",
-        help="search the fastest setting that fits on the run's own steps, apply it "
-        "(a again stops, keeping the best so far)",
+        help="search the fastest setting that fits on the run's own steps, apply it",
+    ),
+    KeyAction(
+        key="a", shown="a", action="stop_tune", title="Stop tune", short="Stop tune",
+        help="stop the search after this step, keeping and applying the best so far",
     ),
     KeyAction(
         key="s", shown="s", action="save_preset", title="Save preset", short="Save",
@@ -86,7 +90,8 @@ KEYS: tuple[KeyAction, ...] = (
 
 # What changes the run: never offered to a viewer that sends nothing (attach --read-only).
 STEERING_ACTIONS = frozenset(
-    {"cycle_policy", "margin_up", "margin_down", "pause", "resume", "tune", "checkpoint"}
+    {"cycle_policy", "margin_up", "margin_down", "pause", "resume", "tune", "stop_tune",
+     "checkpoint"}
 )
 
 # Reached from the command palette only: rare enough not to take a key.
