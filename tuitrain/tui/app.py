@@ -136,10 +136,14 @@ class TuitrainApp(App[None]):
         self.panels.redraw()
 
     def add_log(self, message: str, *, level: str = "info", step: int | None = None) -> None:
-        """A line in the log panel, at the latest step unless `step` is given."""
-        if step is None and self.latest is not None:
-            step = self.latest.step
-        self.query_one(LogPanel).add(message, level=level, step=step)
+        """A line in the log panel, at the latest step unless `step` is given. A change
+        applied at the step under way is stamped with it, and so are the lines after it
+        until that step's telemetry comes: the column never runs backwards."""
+        log = self.query_one(LogPanel)
+        if step is None:
+            stamped = [s for s in (log.step, self.latest and self.latest.step) if s]
+            step = max(stamped) if stamped else None
+        log.add(message, level=level, step=step)
 
     # --- start and end --------------------------------------------------------------------
 

@@ -31,13 +31,20 @@ class LogPanel(RichLog):
         self.border_title = "Log"
         self.can_focus = False
         self.messages: deque[str] = deque(maxlen=MAX_LINES)
+        self.step: int | None = None  # the latest step a line was stamped with, this run
 
     def shorten(self, short: bool) -> None:
         """Two lines instead of four, to leave rows to a panel shown above."""
         self.set_class(short, "-short")
         self.scroll_end(animate=False)
 
+    def new_run(self) -> None:
+        """The lines that follow are a new run's, whose steps count from 1 again."""
+        self.step = None
+
     def add(self, message: str, *, level: str = "info", step: int | None = None) -> None:
         prefix = f"[{step:>5}] " if step is not None else "        "
+        if step is not None:
+            self.step = step if self.step is None else max(self.step, step)
         self.messages.append(message)
         self.write(Text.assemble((prefix, "dim"), (message, LEVEL_STYLES.get(level, ""))))

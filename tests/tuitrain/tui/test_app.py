@@ -8,6 +8,7 @@ import pytest
 
 from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_started, fake_stats
 from tuitrain.events import (
+    Applied,
     Checkpoint,
     Failed,
     Log,
@@ -324,6 +325,24 @@ async def test_the_log_step_column_never_runs_backwards():
         assert steps == sorted(steps)
         assert "policy: auto → cuda, applied at step 4" in log.messages
         assert log.messages[-1] == "paused after step 4"
+
+
+async def test_a_change_is_logged_at_the_step_it_applies_at():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("c")
+        (sent,) = commands_of(fake, SetPolicy)
+        fake._waiting.clear()  # answered here, before step 4's telemetry comes
+        fake.emit(Applied(sent.id, 4, "policy cuda"))
+        await settle(app, pilot)
+        await pilot.press("plus")  # still before it: the column does not go back to 3
+        log = app.query_one(LogPanel)
+        stamps = {line.text[8:].strip(): int(line.text[1:6])
+                  for line in log.lines if line.text.startswith("[")}
+        assert stamps["policy: auto → cuda (pending)"] == 3
+        assert stamps["policy: auto → cuda, applied at step 4"] == 4
+        assert stamps["margin: 0.00 → 0.05 (pending)"] == 4
 
 
 async def test_the_default_budget_shows_once_the_worker_has_chosen_it():
