@@ -27,6 +27,7 @@ from tuitrain.tui.controls import Controls
 from tuitrain.tui.failure_panel import FailurePanel
 from tuitrain.tui.header import RunHeader
 from tuitrain.tui.help_screen import HelpScreen
+from tuitrain.tui.layout import views_for
 from tuitrain.tui.log_panel import LogPanel
 from tuitrain.tui.memory_chart import HISTORY, MemoryChart
 from tuitrain.tui.states_table import StatesTable
@@ -503,3 +504,22 @@ def _settings(**engine: object) -> Settings:
     for key, value in engine.items():
         setattr(settings.engine, key, value)
     return settings
+
+
+async def test_log_lines_written_before_the_terminal_shrank_are_wrapped_again():
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        long = "policy cuda: the plan's choice for this machine " + "word " * 20 + "END"
+        app.add_log(long)
+        await pilot.pause()
+        await pilot.resize_terminal(80, 24)
+        await settle(app, pilot)
+        (log_view,) = [view for view in views_for("compact") if view.name == "log"]
+        app.panels.show_view(log_view)
+        await pilot.pause()
+        log = app.query_one(LogPanel)
+        width = log.scrollable_content_region.width
+        texts = [line.text.rstrip() for line in log.lines]
+        assert all(len(text) <= width for text in texts)
+        assert " ".join(t.strip() for t in texts).split().count("END") == 1
