@@ -54,6 +54,7 @@ from tuitrain.tui.memory_chart import MemoryChart
 from tuitrain.tui.ranks_table import RanksTable
 from tuitrain.tui.run_panels import PANELS_CSS, RunPanels
 from tuitrain.tui.save_dialog import PresetSaving
+from tuitrain.tui.screenshot import save_screenshot
 from tuitrain.tui.spawn import (
     WorkerFactory,
     default_worker_factory,
@@ -440,6 +441,9 @@ class TuitrainApp(App[None]):
         assert self.view is not None
         self.panels.show_view(next_view(self.panels.size_class, self.view))
 
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        self.set_timer(0.1, partial(save_screenshot, self, filename, path))  # palette gone
+
     def action_leave_field(self) -> None:
         self.set_focus(None)
 
@@ -461,7 +465,7 @@ class TuitrainApp(App[None]):
         self.exit(return_code=exit_status(self.failure_at_quit))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        """Our actions that can run now, then Textual's theme and screenshot commands."""
+        """Our actions that can run now, then Textual's own commands (its theme)."""
         textual = super().get_system_commands(screen)
         views = views_for(self.panels.size_class)
         shows = [

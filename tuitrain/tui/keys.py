@@ -11,7 +11,7 @@ from textual.binding import Binding
 
 from tuitrain.settings import MARGIN_RATIO_MAX, MARGIN_RATIO_MIN
 
-TEXTUAL_COMMANDS_REPLACED = ("Quit", "Keys")  # by our Quit and Help
+TEXTUAL_COMMANDS_REPLACED = ("Quit", "Keys", "Screenshot")  # by our Quit, Help, Screenshot
 MARGIN_STEP = 0.05  # how far + and - move the margin ratio
 # + and - share one place in the footer ("+- Margin"), which fits the keys in 80 columns.
 MARGIN_GROUP = Binding.Group("Margin")
@@ -100,6 +100,10 @@ PALETTE_ONLY: tuple[KeyAction, ...] = (
         key="", shown="", action="checkpoint", title="Save checkpoint", short="Checkpoint",
         help="ask the worker to write a checkpoint now (a run with --checkpoint-dir)",
     ),
+    KeyAction(
+        key="", shown="", action="screenshot", title="Screenshot", short="Screenshot",
+        help="save the screen as SVG in your Downloads folder (else the working folder)",
+    ),
 )
 # fmt: on
 
@@ -134,8 +138,9 @@ def palette_commands(
     """Our actions that `can_run` now, the `extra` commands (the views of this size), then
     Textual's `textual` commands but the replaced ones.
 
-    Textual's own Quit and Keys are left out: ours quits by stopping the worker first, and
-    Help lists every key and command already.
+    Textual's own Quit, Keys and Screenshot are left out: ours quits by stopping the worker
+    first, Help lists every key and command already, and ours saves where it can and says
+    where.
     """
     for key in KEYS + PALETTE_ONLY:
         if can_run(key.action):

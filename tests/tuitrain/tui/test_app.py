@@ -21,6 +21,7 @@ from tuitrain.events import (
     Step,
 )
 from tuitrain.settings import Settings
+from tuitrain.tui import screenshot
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.chunk_map import ChunkMap
 from tuitrain.tui.controls import Controls
@@ -523,3 +524,20 @@ async def test_log_lines_written_before_the_terminal_shrank_are_wrapped_again():
         texts = [line.text.rstrip() for line in log.lines]
         assert all(len(text) <= width for text in texts)
         assert " ".join(t.strip() for t in texts).split().count("END") == 1
+
+
+async def test_the_palettes_screenshot_is_saved_and_the_toast_says_where(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no Downloads folder: the working folder, then
+    monkeypatch.setattr(screenshot.platformdirs, "user_downloads_dir",
+                        lambda: str(tmp_path / "Downloads"))
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        commands = [c.title for c in app.get_system_commands(app.screen)]
+        assert commands.count("Screenshot") == 1
+        await app.run_action("screenshot")
+        await pilot.pause(0.3)
+        (saved,) = tmp_path.glob("*.svg")
+        assert "<svg" in saved.read_text()
+        said = [n.message for n in app._notifications]
+        assert any(saved.name in message for message in said), said
