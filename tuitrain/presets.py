@@ -451,10 +451,13 @@ def _shortened(text: str, width: int) -> str:
 
 
 def default_preset_name(model: str, policy: str, margin_ratio: float,
-                        device_budget: object | None = None) -> str:
+                        device_budget: object | None = None, *, batch_size: int = 1,
+                        grad_accum: int = 1, checkpointing: bool = False) -> str:
     """The file name a preset saved from a run is offered: model, policy, margin ratio (when
-    not 0) and budget (when one was given), so that two settings of one run, such as auto at
-    two margins, get two names, and neither asks to overwrite the other. A model folder
+    not 0), budget (when one was given), the step's split into micro-batches (`batch_size`
+    sequences x `grad_accum`, when it has several) and activation checkpointing (when on),
+    so that two settings of one run, such as auto at two margins or with and without
+    checkpointing, get two names, and neither asks to overwrite the other. A model folder
     gives its last name."""
     name = Path(model.rstrip("/\\")).name or "model"
     parts = [name, policy]
@@ -462,6 +465,10 @@ def default_preset_name(model: str, policy: str, margin_ratio: float,
         parts.append(f"margin{margin_ratio:g}")
     if device_budget is not None:
         parts.append(str(device_budget))
+    if grad_accum > 1:
+        parts.append(f"{batch_size}x{grad_accum}")
+    if checkpointing:
+        parts.append("checkpointing")
     return "-".join(parts) + SUFFIX
 
 

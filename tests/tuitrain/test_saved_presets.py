@@ -116,3 +116,8 @@ def test_the_default_name_of_a_saved_preset_tells_its_settings_apart():
     assert default_preset_name("opt-1.3b", "auto", 0.1) == "opt-1.3b-auto-margin0.1.yaml"
     assert default_preset_name("/models/my-opt/", "cpu", 0.25, "3GiB") == (
         "my-opt-cpu-margin0.25-3GiB.yaml")
+    assert default_preset_name("tiny", "auto", 0.5, "2GiB", batch_size=4, grad_accum=2,
+                               checkpointing=True) == (
+        "tiny-auto-margin0.5-2GiB-4x2-checkpointing.yaml")
+    assert default_preset_name("tiny", "auto", 0.5, "2GiB", batch_size=8) == (
+        "tiny-auto-margin0.5-2GiB.yaml")  # one micro-batch a step: nothing to tell apart

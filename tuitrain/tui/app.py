@@ -54,6 +54,7 @@ from tuitrain.tui.memory_chart import MemoryChart
 from tuitrain.tui.ranks_table import RanksTable
 from tuitrain.tui.run_panels import PANELS_CSS, RunPanels
 from tuitrain.tui.save_dialog import PresetSaving
+from tuitrain.tui.screenshot import save_screenshot
 from tuitrain.tui.spawn import (
     WorkerFactory,
     default_worker_factory,
@@ -136,10 +137,14 @@ class TuitrainApp(App[None]):
         self.panels.redraw()
 
     def add_log(self, message: str, *, level: str = "info", step: int | None = None) -> None:
-        """A line in the log panel, at the latest step unless `step` is given."""
-        if step is None and self.latest is not None:
-            step = self.latest.step
-        self.query_one(LogPanel).add(message, level=level, step=step)
+        """A line in the log panel, at the latest step unless `step` is given. A change
+        applied at the step under way is stamped with it, and so are the lines after it
+        until that step's telemetry comes: the column never runs backwards."""
+        log = self.query_one(LogPanel)
+        if step is None:
+            stamped = [s for s in (log.step, self.latest and self.latest.step) if s]
+            step = max(stamped) if stamped else None
+        log.add(message, level=level, step=step)
 
     # --- start and end --------------------------------------------------------------------
 
@@ -224,7 +229,7 @@ class TuitrainApp(App[None]):
             self.query_one(RunHeader).show(device_budget=event.device_budget)
             # In the header's words: one value, one unit (and the field reads it back).
             self.steering.default_budget = format_size(event.device_budget)
-            controls.show_default_budget(self.steering.default_budget)
+            self.steering.show_targets()
         self._show_waiting()
         where = f", log {event.log_path}" if event.log_path else ""
         self.add_log(f"started {event.model} on {event.device or 'N/A'} (pid {event.pid}{where})")
@@ -372,8 +377,9 @@ class TuitrainApp(App[None]):
             return False  # read-only, or an attached run that has ended
         if action in ("pause", "resume"):  # the one the run is not in (or heading for)
             return self.live and self.steering.want_paused == (action == "resume")
-        if action == "tune":
-            return self.live
+        if action in ("tune", "stop_tune"):  # the one that acts now
+            searching = self.tuning is not None and self.tuning.running
+            return self.live and searching == (action == "stop_tune")
         if action == "checkpoint":
             return self.live and self.settings.checkpoint.dir is not None
         if action == "restart":
@@ -416,7 +422,12 @@ class TuitrainApp(App[None]):
         self._start_worker()
 
     def action_tune(self) -> None:
-        toggle_tune(self)
+        if self.can_run("tune"):
+            toggle_tune(self)
+
+    def action_stop_tune(self) -> None:
+        if self.can_run("stop_tune"):
+            toggle_tune(self)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(views_for(self.panels.size_class), self.view,
@@ -429,6 +440,9 @@ class TuitrainApp(App[None]):
             return
         assert self.view is not None
         self.panels.show_view(next_view(self.panels.size_class, self.view))
+
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        self.set_timer(0.1, partial(save_screenshot, self, filename, path))  # palette gone
 
     def action_leave_field(self) -> None:
         self.set_focus(None)
@@ -451,7 +465,7 @@ class TuitrainApp(App[None]):
         self.exit(return_code=exit_status(self.failure_at_quit))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        """Our actions that can run now, then Textual's theme and screenshot commands."""
+        """Our actions that can run now, then Textual's own commands (its theme)."""
         textual = super().get_system_commands(screen)
         views = views_for(self.panels.size_class)
         shows = [

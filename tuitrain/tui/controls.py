@@ -1,12 +1,15 @@
 """Controls: the policy, margin ratio and budget the user asks for, and how each request went.
 
 The widget only validates and asks (it posts a message); the app sends the command and
-feeds back what happened, so there is one place that talks to the worker.
+feeds back what happened, so there is one place that talks to the worker. A field shows the
+run's value (the one asked for last) except while the user edits it: what they type is
+never replaced under them, and a field they leave without Enter reads the run's value again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rich.text import Text
 from textual import on
@@ -19,10 +22,13 @@ from textual.widgets import Input, Label, Select, Static
 from engine.placement.policy import Policy
 from tuitrain.settings import InvalidSettings, Size, check_engine_setting
 from tuitrain.tui.changes import Change
+from tuitrain.tui.field import Field
 from tuitrain.tui.fitting import wrap_at_separators
 
 STATUS_STYLES = {"pending": "yellow", "applied": "green", "rejected": "red"}
 HINT = "Enter applies · c policy · +- margin"
+# In a field c, + and - are typed: the hint says how to leave instead (36 columns at 80x24).
+FIELD_HINT = "Enter applies · Esc leaves the field"
 
 
 def _valid(setting: str) -> Function:
@@ -102,7 +108,12 @@ class Controls(Vertical):
         self.border_title = "Controls"
         self._initial = (policy, margin_ratio, device_budget)
         self._steerable = True  # see allow_changes
+        self._why_not = ""  # see allow_changes
         self._budget_allowed = True  # see allow_budget
+        # Per field: the text it shows when the user is not editing it, and the text last
+        # written in it here (a focused field holding other text is being edited).
+        self._wanted = {"margin": f"{margin_ratio:.2f}", "budget": device_budget or ""}
+        self._written = dict(self._wanted)
 
     def compose(self) -> ComposeResult:
         policy, margin_ratio, device_budget = self._initial
@@ -112,16 +123,17 @@ class Controls(Vertical):
             yield Select(options, value=policy, allow_blank=False, compact=True, id="policy")
         with Horizontal():
             yield Label("margin")
-            yield Input(
+            yield Field(
                 f"{margin_ratio:.2f}",
                 compact=True,
                 id="margin",
                 validators=[_valid("margin_ratio")],
             )
             yield Label("budget")
-            yield Input(
+            yield Field(
                 device_budget or "",
-                placeholder="6GiB",
+                # Until the worker says which budget it chose (see set_values).
+                placeholder=device_budget or "default",
                 compact=True,
                 id="budget",
                 validators=[_valid("device_budget")],
@@ -138,16 +150,28 @@ class Controls(Vertical):
         policy: str | None = None,
         margin_ratio: float | None = None,
         device_budget: str | None = None,
+        budget_shown: str | None = None,
     ) -> None:
-        """Show these targets without treating them as a new request."""
+        """Show these targets without treating them as a new request; a field the user is
+        editing shows them once they leave it. `device_budget` "" is the default budget,
+        which the empty field shows greyed as `budget_shown` (the budget in words)."""
         if policy is not None:
             select = self.query_one("#policy", Select)
             with select.prevent(Select.Changed):
                 select.value = policy
         if margin_ratio is not None:
-            self.query_one("#margin", Input).value = f"{margin_ratio:.2f}"
+            self._show("margin", f"{margin_ratio:.2f}")
         if device_budget is not None:
-            self.query_one("#budget", Input).value = device_budget
+            self._show("budget", device_budget)
+        if budget_shown is not None:
+            self.query_one("#budget", Input).placeholder = budget_shown
+
+    def _show(self, name: str, text: str) -> None:
+        self._wanted[name] = text
+        field = self.query_one(f"#{name}", Input)
+        if field.has_focus and field.value != self._written[name]:
+            return  # being edited
+        field.value = self._written[name] = text
 
     def allow_budget(self, allowed: bool) -> None:
         """The budget is a simulated device's; a real GPU's capacity is what it is."""
@@ -163,12 +187,16 @@ class Controls(Vertical):
         self._steerable = allowed
         self.query_one("#policy", Select).disabled = not allowed
         self.query_one("#margin", Input).disabled = not allowed
+        self._why_not = why
         self.allow_budget(self._budget_allowed)
-        self.query_one("#control-hint", Static).update(HINT if allowed else why)
+        self._show_hint()
 
-    def show_default_budget(self, device_budget: str) -> None:
-        """Show, greyed in the empty budget field, the budget the worker chose by default."""
-        self.query_one("#budget", Input).placeholder = device_budget
+    def _show_hint(self) -> None:
+        if not self._steerable:
+            hint = self._why_not
+        else:
+            hint = FIELD_HINT if isinstance(self.screen.focused, Field) else HINT
+        self.query_one("#control-hint", Static).update(hint)
 
     def show_changes(self, changes: list[Change]) -> None:
         lines = [Text(c.describe(), style=STATUS_STYLES[c.status]) for c in changes]
@@ -190,6 +218,19 @@ class Controls(Vertical):
 
     # --- what the user does ---------------------------------------------------------------
 
+    def on_descendant_focus(self) -> None:
+        self._show_hint()
+
+    def on_descendant_blur(self) -> None:
+        self._show_hint()
+
+    @on(Input.Blurred)
+    def _left(self, event: Input.Blurred) -> None:
+        """Left without Enter: the field reads the run's value again."""
+        name = event.input.id
+        if name in self._wanted:
+            event.input.value = self._written[name] = self._wanted[name]
+
     @on(Select.Changed, "#policy")
     def _policy_changed(self, event: Select.Changed) -> None:
         event.stop()
@@ -199,21 +240,28 @@ class Controls(Vertical):
     @on(Input.Submitted, "#margin")
     def _margin_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        try:
-            value = check_engine_setting("margin_ratio", event.value.strip())
-        except InvalidSettings as error:
-            self.show_message(str(error), error=True)
-            return
-        self.show_message("")
-        self.post_message(self.MarginEntered(round(value, 4)))
+        if (value := self._entered("margin", event.value)) is not None:
+            self.post_message(self.MarginEntered(round(value, 4)))
 
     @on(Input.Submitted, "#budget")
     def _budget_submitted(self, event: Input.Submitted) -> None:
         event.stop()
+        if (value := self._entered("budget", event.value)) is not None:
+            self.post_message(self.BudgetEntered(value))
+
+    def _entered(self, name: str, text: str) -> Any:
+        """The setting typed in field `name`, checked; None (the reason on screen) when it is
+        not valid, or when the field was emptied (it reads the run's value again)."""
+        field = self.query_one(f"#{name}", Input)
+        if not text.strip():
+            field.value = self._written[name] = self._wanted[name]
+            return None
+        setting = "margin_ratio" if name == "margin" else "device_budget"
         try:
-            value = check_engine_setting("device_budget", event.value.strip())
+            value = check_engine_setting(setting, text.strip())
         except InvalidSettings as error:
             self.show_message(str(error), error=True)
-            return
+            return None
         self.show_message("")
-        self.post_message(self.BudgetEntered(value))
+        self._written[name] = field.value  # entered: the run's value may replace it now
+        return value

@@ -11,7 +11,7 @@ from textual.binding import Binding
 
 from tuitrain.settings import MARGIN_RATIO_MAX, MARGIN_RATIO_MIN
 
-TEXTUAL_COMMANDS_REPLACED = ("Quit", "Keys")  # by our Quit and Help
+TEXTUAL_COMMANDS_REPLACED = ("Quit", "Keys", "Screenshot")  # by our Quit, Help, Screenshot
 MARGIN_STEP = 0.05  # how far + and - move the margin ratio
 # + and - share one place in the footer ("+- Margin"), which fits the keys in 80 columns.
 MARGIN_GROUP = Binding.Group("Margin")
@@ -56,10 +56,14 @@ KEYS: tuple[KeyAction, ...] = (
         key="space", shown="space", action="resume", title="Resume", short="Resume",
         help="resume a paused run",
     ),
+    # The same: a search under way is stopped by the key that started it.
     KeyAction(
         key="a", shown="a", action="tune", title="Tune", short="Tune",
-        help="search the fastest setting that fits on the run's own steps, apply it "
-        "(a again stops, keeping the best so far)",
+        help="search the fastest setting that fits on the run's own steps, apply it",
+    ),
+    KeyAction(
+        key="a", shown="a", action="stop_tune", title="Stop tune", short="Stop tune",
+        help="stop the search after this step, keeping and applying the best so far",
     ),
     KeyAction(
         key="s", shown="s", action="save_preset", title="Save preset", short="Save",
@@ -86,7 +90,8 @@ KEYS: tuple[KeyAction, ...] = (
 
 # What changes the run: never offered to a viewer that sends nothing (attach --read-only).
 STEERING_ACTIONS = frozenset(
-    {"cycle_policy", "margin_up", "margin_down", "pause", "resume", "tune", "checkpoint"}
+    {"cycle_policy", "margin_up", "margin_down", "pause", "resume", "tune", "stop_tune",
+     "checkpoint"}
 )
 
 # Reached from the command palette only: rare enough not to take a key.
@@ -94,6 +99,10 @@ PALETTE_ONLY: tuple[KeyAction, ...] = (
     KeyAction(
         key="", shown="", action="checkpoint", title="Save checkpoint", short="Checkpoint",
         help="ask the worker to write a checkpoint now (a run with --checkpoint-dir)",
+    ),
+    KeyAction(
+        key="", shown="", action="screenshot", title="Screenshot", short="Screenshot",
+        help="save the screen as SVG in your Downloads folder (else the working folder)",
     ),
 )
 # fmt: on
@@ -129,8 +138,9 @@ def palette_commands(
     """Our actions that `can_run` now, the `extra` commands (the views of this size), then
     Textual's `textual` commands but the replaced ones.
 
-    Textual's own Quit and Keys are left out: ours quits by stopping the worker first, and
-    Help lists every key and command already.
+    Textual's own Quit, Keys and Screenshot are left out: ours quits by stopping the worker
+    first, Help lists every key and command already, and ours saves where it can and says
+    where.
     """
     for key in KEYS + PALETTE_ONLY:
         if can_run(key.action):

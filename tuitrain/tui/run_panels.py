@@ -189,6 +189,7 @@ class RunPanels:
         """Empty every panel for a new run (the log keeps the old run's lines)."""
         self.app.query_one(FailurePanel).hide()
         self.app.query_one(LogPanel).shorten(False)
+        self.app.query_one(LogPanel).new_run()
         for panel in (MemoryChart, StepPanel, StepTimeline, TrialsTable):
             self.app.query_one(panel).reset()
         self.show_ranks()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from textual import on
 from textual.app import App, ComposeResult
@@ -22,6 +23,7 @@ from tuitrain.events import Started
 from tuitrain.presets import SUFFIX, default_preset_name, run_command, save_preset, saved_dir
 from tuitrain.settings import Settings
 from tuitrain.trials import Trial
+from tuitrain.tui.field import Field
 from tuitrain.tui.trial_preset import save_summary, trial_settings
 
 Measured = Mapping[str, object]  # what presets.save_preset records in the header
@@ -36,10 +38,11 @@ def shown_path(path: Path) -> str:
 
 
 def default_preset_path(model: str, policy: str, margin_ratio: float = 0.0,
-                        device_budget: object | None = None) -> str:
-    """presets.default_preset_name in the user's saved presets folder."""
+                        device_budget: object | None = None, **shape: Any) -> str:
+    """presets.default_preset_name in the user's saved presets folder; `shape`: its
+    batch_size, grad_accum and checkpointing."""
     return shown_path(saved_dir() / default_preset_name(model, policy, margin_ratio,
-                                                        device_budget))
+                                                        device_budget, **shape))
 
 
 def reproducing_command(preset_path: str, nproc: int = 1) -> str:
@@ -96,7 +99,7 @@ class SaveDialog(ModalScreen[str | None]):
             if self.summary:
                 yield Static(self.summary, id="preset-summary")
             yield Label("File (YAML):")
-            yield Input(self.path, id="preset-path", select_on_focus=False)
+            yield Field(self.path, id="preset-path", select_on_focus=False)
             with Horizontal():
                 yield Button("Cancel", id="cancel")
                 yield Button("Save", id="save", variant="primary")
@@ -164,13 +167,16 @@ class PresetSaving:
 
     def start(self, settings: Settings, measured: Measured | None, *, summary: str,
               nproc: int = 1) -> None:
-        """Open the dialog with <saved presets>/<model>-<policy>.yaml filled in; `summary`
+        """Open the dialog with <saved presets>/<model>-<policy>....yaml filled in; `summary`
         tells what will be saved (the setting, what was measured); `nproc`: the ranks the
         run trains on, which the preset's command runs again."""
         self.nproc = nproc
         settings = settings.model_copy(deep=True)
         e = settings.engine
-        path = default_preset_path(settings.model, e.policy, e.margin_ratio, e.device_budget)
+        t = settings.training
+        path = default_preset_path(settings.model, e.policy, e.margin_ratio, e.device_budget,
+                                   batch_size=t.batch_size, grad_accum=t.grad_accum,
+                                   checkpointing=t.activation_checkpointing)
         self.app.push_screen(
             SaveDialog(path, summary=summary), partial(self._chosen, settings, measured)
         )

@@ -53,8 +53,8 @@ class SteeredScreen(Protocol):
     def set_state(self, state: str) -> None:
         """Show the run's new state."""
 
-    def add_log(self, message: str, *, level: str = "info") -> None:
-        """A line in the log panel."""
+    def add_log(self, message: str, *, level: str = "info", step: int | None = None) -> None:
+        """A line in the log panel, stamped `step` (None: the latest)."""
 
 
 class Steering:
@@ -135,7 +135,8 @@ class Steering:
         change = self.changes.applied(event.id, event.step)
         if change is None:
             self._applied_elsewhere(event)
-            self.screen.add_log(f"applied at step {event.step}: {event.what}", level="change")
+            self.screen.add_log(f"applied at step {event.step}: {event.what}", level="change",
+                                step=event.step)
             return
         if change.setting in SETTINGS:
             self.in_force[change.setting] = change.value
@@ -146,9 +147,10 @@ class Steering:
             self.screen.set_state("running")
         where = event.what.removeprefix("checkpoint").strip()
         detail = f" ({where})" if change.setting == "checkpoint" and where else ""
-        # The log's step column is when it happened; the line itself names the step it
-        # applies at (the next one, for a setting), so the column never runs backwards.
-        self.screen.add_log(change.describe() + detail, level="change")
+        # A setting's line is stamped with the step it applies at, which it names; a pause,
+        # a resume or a checkpoint happened after the step it names, the latest.
+        stamp = event.step if change.setting in SETTINGS else None
+        self.screen.add_log(change.describe() + detail, level="change", step=stamp)
         self.show_changes()
 
     def _applied_elsewhere(self, event: Applied) -> None:
@@ -221,4 +223,5 @@ class Steering:
             margin_ratio=float(self.target["margin_ratio"]),
             # Empty: the field's placeholder shows the budget the worker chose.
             device_budget=str(device_budget) if device_budget is not None else "",
+            budget_shown=self.shown("device_budget", device_budget),
         )

@@ -205,7 +205,9 @@ class StepPanel(Horizontal):
             return  # drawn when it has its size (SizedPlot)
         plt = plot.plt
         plt.clear_data()
-        plt.title(f"loss {self.losses[-1][1]:.4f}")
+        # The numbers are the breakdown's (its first line): drawn on another timer, a value
+        # here would be another step's beside it.
+        plt.title("loss")
         steps = [s for s, _ in self.losses]
         # Two braille dots per column; a group's mean smooths the loss instead of hiding it.
         xs, ys = downsample(
@@ -213,7 +215,6 @@ class StepPanel(Horizontal):
         )
         plt.plot(xs, ys, color="cyan", marker="braille")
         if self.evals:
-            plt.title(f"loss {self.losses[-1][1]:.4f}  held-out {self.evals[-1][1]:.4f}")
             plt.plot([s for s, _ in self.evals], [v for _, v in self.evals], color="orange",
                      marker="dot", label="held-out")
         plt.xticks(step_ticks(steps))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tuitrain.events import Command, Event
+from tuitrain.formatting import format_seconds
 from tuitrain.settings import Settings
 from tuitrain.tui.trials_table import TrialsTable
 from tuitrain.tune import Trial, TuneResult, search
@@ -44,12 +45,13 @@ class LiveTune:
         self.on_done = on_done
         self.say = say
         self.stopping = False
+        self.ended = False  # the result is out: the thread may still be finishing
         self.thread: threading.Thread | None = None
         self.events: queue.Queue[Event] = queue.Queue()
 
     @property
     def running(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
+        return self.thread is not None and self.thread.is_alive() and not self.ended
 
     def start(self, settings: Settings, *, shape: tuple[int, int, bool], policy: str,
               margin_ratio: float, device_budget: int, simulated: bool,
@@ -57,7 +59,7 @@ class LiveTune:
         """Search from the run's setting now: `shape` (micro-batch, accumulation,
         checkpointing), policy, margin and budget; the run is `settings` (its global
         batch)."""
-        self.stopping = False
+        self.stopping = self.ended = False
         self.events = queue.Queue()
         run = {"settings": settings, "shape": shape, "policy": policy,
                "margin_ratio": margin_ratio, "device_budget": device_budget,
@@ -107,6 +109,7 @@ class LiveTune:
                 self.call(self.say, f"tune: time model: {learned}")
         except Exception as error:  # the search's failure is the app's line, not a crash
             result = f"{type(error).__name__}: {error}"
+        self.ended = True
         self.call(self.on_done, result)
 
 
@@ -144,6 +147,7 @@ def toggle_tune(app: Any) -> None:
                device_budget=budget, simulated=started.device.startswith("simulated"))
     app.add_log("tune: searching policy, margin, micro-batches and checkpointing on this "
                 "run's steps (a stops)")
+    app.refresh_bindings()  # `a` stops it now
 
 
 def _trial_line(app: Any, trial: Trial, tokens: int) -> None:
@@ -155,12 +159,13 @@ def _trial_line(app: Any, trial: Trial, tokens: int) -> None:
     app.query_one(TrialsTable).show_candidate(trial, tokens)
     if trial.status == MEASURING and not trial.steps:
         app.add_log(f"tune: trying {trial.candidate.describe()} (forecast "
-                    f"{trial.forecast.seconds:.3f} s/step)")
+                    f"{format_seconds(trial.forecast.seconds)}/step)")
     elif trial.status not in (PENDING, MEASURING):
         app.add_log(f"tune: {trial_line(trial)}")
 
 
 def _done(app: Any, result: TuneResult | str) -> None:
+    app.refresh_bindings()  # `a` starts a search again
     if isinstance(result, str):
         app.add_log(f"tune: could not search: {result}", level="warning")
         return
@@ -168,7 +173,10 @@ def _done(app: Any, result: TuneResult | str) -> None:
         app.add_log(f"tune: nothing measured ({result.stopped_by})", level="warning")
         return
     best = result.best
-    line = (f"tune: best {best.candidate.describe()}, {best.measured:.3f} s/step, "
-            f"{result.steps} steps ({result.stopped_by}); applied: s saves it")
+    # The trial's own median, which the search compared; the trials table's row goes on
+    # counting every settled step the run takes with the setting from now on.
+    line = (f"tune: best {best.candidate.describe()}: {format_seconds(best.measured)}/step, "
+            f"median of its {len(best.steps)} trial steps; searched {result.steps} steps "
+            f"({result.stopped_by}); applied: s saves it")
     app.add_log(line)
     app.notify(line)

@@ -8,6 +8,7 @@ import pytest
 
 from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_started, fake_stats
 from tuitrain.events import (
+    Applied,
     Checkpoint,
     Failed,
     Log,
@@ -20,12 +21,14 @@ from tuitrain.events import (
     Step,
 )
 from tuitrain.settings import Settings
+from tuitrain.tui import screenshot
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.chunk_map import ChunkMap
 from tuitrain.tui.controls import Controls
 from tuitrain.tui.failure_panel import FailurePanel
 from tuitrain.tui.header import RunHeader
 from tuitrain.tui.help_screen import HelpScreen
+from tuitrain.tui.layout import views_for
 from tuitrain.tui.log_panel import LogPanel
 from tuitrain.tui.memory_chart import HISTORY, MemoryChart
 from tuitrain.tui.states_table import StatesTable
@@ -326,6 +329,24 @@ async def test_the_log_step_column_never_runs_backwards():
         assert log.messages[-1] == "paused after step 4"
 
 
+async def test_a_change_is_logged_at_the_step_it_applies_at():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("c")
+        (sent,) = commands_of(fake, SetPolicy)
+        fake._waiting.clear()  # answered here, before step 4's telemetry comes
+        fake.emit(Applied(sent.id, 4, "policy cuda"))
+        await settle(app, pilot)
+        await pilot.press("plus")  # still before it: the column does not go back to 3
+        log = app.query_one(LogPanel)
+        stamps = {line.text[8:].strip(): int(line.text[1:6])
+                  for line in log.lines if line.text.startswith("[")}
+        assert stamps["policy: auto → cuda (pending)"] == 3
+        assert stamps["policy: auto → cuda, applied at step 4"] == 4
+        assert stamps["margin: 0.00 → 0.05 (pending)"] == 4
+
+
 async def test_the_default_budget_shows_once_the_worker_has_chosen_it():
     started = fake_started(device_budget=6 * GiB, settings={"engine": {"device_budget": "6GiB"}})
     app, _ = make_app([started])
@@ -484,3 +505,39 @@ def _settings(**engine: object) -> Settings:
     for key, value in engine.items():
         setattr(settings.engine, key, value)
     return settings
+
+
+async def test_log_lines_written_before_the_terminal_shrank_are_wrapped_again():
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        long = "policy cuda: the plan's choice for this machine " + "word " * 20 + "END"
+        app.add_log(long)
+        await pilot.pause()
+        await pilot.resize_terminal(80, 24)
+        await settle(app, pilot)
+        (log_view,) = [view for view in views_for("compact") if view.name == "log"]
+        app.panels.show_view(log_view)
+        await pilot.pause()
+        log = app.query_one(LogPanel)
+        width = log.scrollable_content_region.width
+        texts = [line.text.rstrip() for line in log.lines]
+        assert all(len(text) <= width for text in texts)
+        assert " ".join(t.strip() for t in texts).split().count("END") == 1
+
+
+async def test_the_palettes_screenshot_is_saved_and_the_toast_says_where(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no Downloads folder: the working folder, then
+    monkeypatch.setattr(screenshot.platformdirs, "user_downloads_dir",
+                        lambda: str(tmp_path / "Downloads"))
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        commands = [c.title for c in app.get_system_commands(app.screen)]
+        assert commands.count("Screenshot") == 1
+        await app.run_action("screenshot")
+        await pilot.pause(0.3)
+        (saved,) = tmp_path.glob("*.svg")
+        assert "<svg" in saved.read_text()
+        said = [n.message for n in app._notifications]
+        assert any(saved.name in message for message in said), said

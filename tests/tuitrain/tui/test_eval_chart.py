@@ -70,3 +70,15 @@ async def test_a_curve_drawn_before_its_view_is_laid_out_is_drawn_again_at_its_s
         plot = app.query_one("#loss-plot")
         assert plot.size.width > 0
         assert limits[-1] == 2 * plot.size.width
+
+
+async def test_the_step_panel_shows_the_loss_once_whichever_redraw_came_last():
+    """The numbers and the curve are redrawn on two timers: a loss in the curve's title was
+    another step's than the one beside it."""
+    app, fake = make_app(fake_run(6))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        panel = app.query_one(StepPanel)
+        panel.redraw_loss()  # the curve drawn after the numbers, as its timer may
+        await pilot.pause()
+        assert app.export_screenshot().count(f"{panel.latest.loss:.4f}") == 1

@@ -3,6 +3,7 @@ silent overwrite."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,25 @@ async def test_a_path_that_cannot_be_written_is_reported_and_the_app_stays_open(
         await pilot.pause()
         assert "could not save blocker/x.yaml" in app.query_one(Controls).message
         assert app.is_running
+
+
+async def test_rows_that_differ_in_checkpointing_or_split_are_offered_different_names():
+    split = [Step(dataclasses.replace(fake_stats(n), micro_batches=2)) for n in (4, 5, 6)]
+    checkpointed = [Step(dataclasses.replace(fake_stats(n), activation_checkpointing=True))
+                    for n in (7, 8, 9)]
+    app, _ = make_app([*fake_run(3), *split, *checkpointed])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        rows = app.trial_book.rows()
+        assert len(rows) == 3
+        offered = []
+        for row in rows:
+            app.save_trial(row)
+            await pilot.pause()
+            assert isinstance(app.screen, SaveDialog)
+            offered.append(Path(app.screen.query_one("#preset-path").value).name)
+            await pilot.press("escape")
+            await pilot.pause()
+    assert len(set(offered)) == 3, offered
+    assert offered[0] == "opt-125m-auto.yaml"
+    assert "checkpointing" in offered[2] and "checkpointing" not in offered[1]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
 
 from tests.tuitrain.fakeworker import FakeWorker, fake_run, fake_stats, follow_settings
 from tuitrain.events import SetMargin, SetPolicy
+from tuitrain.formatting import format_seconds
 from tuitrain.presets import load_preset, saved_dir
 from tuitrain.run_preset import PresetPace
 from tuitrain.settings import Settings
@@ -60,6 +62,15 @@ async def test_a_measures_settings_on_the_run_applies_the_best_and_s_saves_it():
         log = "\n".join(said)
         assert "tune: best " in log and "s saves it" in log
         assert log.count("tune: trying ") >= 2 and "s/step (forecast" in log
+        # In the trials table's units, and said to be the trial's median: the table's row
+        # goes on with the run's steps.
+        (best_line,) = [line for line in said if line.startswith("tune: best ")]
+        (best_trial,) = [t for t in app.query_one(TrialsTable).candidates.values()
+                         if f"best {t.candidate.describe()}:" in best_line]
+        assert (f"{format_seconds(best_trial.measured)}/step, median of its "
+                f"{len(best_trial.steps)} trial steps") in best_line
+        assert all(re.search(r"\(forecast [\d.]+ (µs|ms|s)/step\)", line)
+                   for line in said if line.startswith("tune: trying "))
         rows = app.trial_book.rows()
         assert len(rows) >= 2  # the trials table holds every setting the search ran
         # The best is the setting in force, starred, and what `s` saves.
@@ -75,6 +86,18 @@ async def test_a_measures_settings_on_the_run_applies_the_best_and_s_saves_it():
         assert saved.engine.margin_ratio == best.setting.margin_ratio
         assert saved.training.grad_accum == best.setting.micro_batches
         assert saved.training.activation_checkpointing == best.setting.activation_checkpointing
+
+
+async def test_the_footer_offers_a_as_what_it_does_now():
+    app, fake, said = tuning_app(400)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert app.screen.active_bindings["a"].binding.description == "Tune"
+        await pilot.press("a")
+        await settle(app, pilot)
+        assert app.screen.active_bindings["a"].binding.description == "Stop tune"
+        await tune_until_done(app, pilot)
+        assert app.screen.active_bindings["a"].binding.description == "Tune"
 
 
 async def test_a_again_stops_the_search_and_keeps_the_best_so_far():
