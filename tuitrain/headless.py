@@ -85,16 +85,17 @@ def run_headless(
     except ValueError as error:
         err.write(f"tuitrain: error: {error}\n")
         return EXIT_BAD_INPUT
+    own_log = False  # a log named here goes after a clean end, as a default one does
     if place.parallel:
         if log_path is None:
             default = default_log_path()
-            log_path = str(default.with_name(f"rank{place.rank}-{default.name}"))
+            log_path, own_log = str(default.with_name(f"rank{place.rank}-{default.name}")), True
         if not place.leader:
             from tuitrain.presets import merge
 
             settings = merge(settings, {"logging.metrics": None})  # rank 0's to write
             out, err = _Discard(), _Prefixed(err, f"rank {place.rank}: ")
-    worker = ProcessWorker(settings=settings, log_path=log_path)
+    worker = ProcessWorker(settings=settings, log_path=log_path, own_log=own_log)
     # Rank 0 speaks for the run: viewers attach to it (tuitrain.served).
     served = serve(worker, settings, err=err) if place.leader else None
     worker = served or worker

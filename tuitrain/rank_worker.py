@@ -53,7 +53,8 @@ class DataParallelWorker:
     Args:
         settings: the run; `training.batch_size` is the global batch (a multiple of nproc).
         nproc: how many ranks, at least 2.
-        log_dir: where each rank's log goes (`rank<R>-...log`); default the temporary folder.
+        log_dir: where each rank's log goes (`rank<R>-...log`); default the temporary folder,
+            where a rank's log is removed once it ended cleanly (tuitrain.worker).
 
     Like ProcessWorker it keeps `latest`, `history`, `started` (rank 0's) and `result`.
     """
@@ -66,6 +67,7 @@ class DataParallelWorker:
         default = default_log_path()
         folder = Path(log_dir) if log_dir is not None else default.parent
         self.log_paths = [folder / f"rank{r}-{default.name}" for r in range(nproc)]
+        self._own_logs = log_dir is None
         self.ranks: list[ProcessWorker] = []
         self.result: Finished | Failed | None = None
         self._failures: list[tuple[int, Failed, float]] = []  # (rank, failure, when seen)
@@ -95,7 +97,7 @@ class DataParallelWorker:
                 settings = settings.model_copy(
                     update={"logging": settings.logging.model_copy(update={"metrics": None})})
             worker = ProcessWorker(settings=settings, log_path=self.log_paths[rank],
-                                   environment=environment)
+                                   environment=environment, own_log=self._own_logs)
             worker.start()
             self.ranks.append(worker)
 

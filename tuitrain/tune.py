@@ -86,7 +86,7 @@ class Candidate:
 
     def describe(self) -> str:
         ckpt = ", checkpointing" if self.activation_checkpointing else ""
-        return (f"{self.policy} margin {self.margin_ratio:g}, {self.batch_size} x "
+        return (f"{self.policy} margin {self.margin_ratio:.2f}, {self.batch_size} x "
                 f"{self.grad_accum}{ckpt}")
 
 

@@ -57,7 +57,9 @@ class ProcessWorker:
             under the temporary folder, see `default_log_path`, removed by `stop` when the
             run ended cleanly (finished, or stopped when asked to) and kept when the worker
             failed or was terminated, since the failure report points to it. A log given
-            here is the caller's: always kept.
+            here is the caller's: always kept, unless `own_log`.
+        own_log: the log is this worker's to remove after a clean end, as a default one is
+            (a data-parallel rank's, named after its rank in the temporary folder).
         history: how many recent StepStats `history` keeps.
         environment: variables set in the worker before it imports anything heavy (a
             data-parallel rank's place in the launch, see tuitrain.rank_worker).
@@ -74,11 +76,12 @@ class ProcessWorker:
         log_path: str | os.PathLike | None = None,
         history: int = HISTORY_LENGTH,
         environment: dict[str, str] | None = None,
+        own_log: bool = False,
     ) -> None:
         self.settings = settings
         self.environment = dict(environment or {})
         self.log_path = Path(log_path) if log_path is not None else default_log_path()
-        self._own_log = log_path is None  # made here: removed after a clean end
+        self._own_log = own_log or log_path is None  # removed after a clean end
         self.latest: StepStats | None = None
         self.history: deque[StepStats] = deque(maxlen=history)
         self.started: Started | None = None

@@ -326,6 +326,20 @@ def test_a_run_that_finishes_leaves_no_log_behind(tmp_path: Path, monkeypatch) -
     assert list((tmp_path / "tuitrain").iterdir()) == []
 
 
+def test_a_log_the_caller_names_is_kept_unless_it_is_the_workers_own(tmp_path: Path) -> None:
+    """A log path given by the caller is the caller's file; one named for a worker (a
+    data-parallel rank's, `own_log`) goes after a clean end as a default one does."""
+    settings = tiny_settings().model_copy(update={"training": tiny_settings().training
+                                                  .model_copy(update={"steps": 1})})
+    for own, kept in ((False, True), (True, False)):
+        log = tmp_path / f"rank0-{own}.log"
+        with ProcessWorker(settings=settings, log_path=log, own_log=own) as worker:
+            ended = Watch(worker).until(lambda e: isinstance(e, Finished | Failed),
+                                        timeout=START_SECONDS)
+        assert isinstance(ended, Finished)
+        assert log.exists() == kept
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_run_that_fails_keeps_the_log_its_report_points_to(tmp_path: Path,
                                                               monkeypatch) -> None:
