@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from engine.telemetry import StepStats
+from tuitrain.errors import EXIT_BAD_INPUT
 from tuitrain.events import (
     Command,
     Event,
@@ -55,8 +56,9 @@ class ProcessWorker:
         settings: the run. The worker reports back the settings it actually used.
         log_path: where the worker's stdout and stderr go (appended). Default: a new file
             under the temporary folder, see `default_log_path`, removed by `stop` when the
-            run ended cleanly (finished, or stopped when asked to) and kept when the worker
-            failed or was terminated, since the failure report points to it. A log given
+            run ended cleanly (finished, or stopped when asked to) or refused bad input, and
+            kept when the worker failed or was terminated, since the failure report points
+            to it. A log given
             here is the caller's: always kept, unless `own_log`.
         own_log: the log is this worker's to remove after a clean end, as a default one is
             (a data-parallel rank's, named after its rank in the temporary folder).
@@ -200,7 +202,7 @@ class ProcessWorker:
         self._drain()
         self._stopped = True
         self._close_channels()
-        if self._own_log and self._ended_cleanly():
+        if self._own_log and self._log_unneeded():
             with contextlib.suppress(OSError):
                 self.log_path.unlink()
 
@@ -276,12 +278,16 @@ class ProcessWorker:
         elif isinstance(event, Finished | Failed):
             self.result = event
 
-    def _ended_cleanly(self) -> bool:
-        """Whether the worker reported its run finished (stopped early or not) and then
-        exited by itself with status 0: nothing in its log that anyone needs to read."""
+    def _log_unneeded(self) -> bool:
+        """Whether the worker's log holds nothing anyone needs to read: it reported its run
+        finished (stopped early or not) and exited by itself with status 0, or it refused
+        a mistake in the input, which its reason says in full (the report names no log)."""
         process = self._process
-        return (isinstance(self.result, Finished) and self._forced is None
-                and process is not None and process.exitcode == 0)
+        if self._forced is not None or process is None:
+            return False
+        if isinstance(self.result, Failed):
+            return self.result.exitcode == process.exitcode == EXIT_BAD_INPUT
+        return isinstance(self.result, Finished) and process.exitcode == 0
 
     def _death_report(self) -> Failed:
         code = self._process.exitcode if self._process is not None else None

@@ -24,6 +24,7 @@ import pytest
 
 from engine import format_size, parse_size
 from tests.tuitrain.forked_workers import spawned, worker_processes
+from tuitrain.errors import EXIT_BAD_INPUT
 from tuitrain.events import (
     Applied,
     Checkpoint,
@@ -338,6 +339,17 @@ def test_a_log_the_caller_names_is_kept_unless_it_is_the_workers_own(tmp_path: P
                                         timeout=START_SECONDS)
         assert isinstance(ended, Finished)
         assert log.exists() == kept
+
+
+def test_a_mistake_in_the_input_leaves_no_log_behind(tmp_path: Path, monkeypatch) -> None:
+    """Bad input the worker alone can find (a budget below the working set) is told by its
+    reason in full; its log, a traceback behind that line, is not kept."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    settings = Settings(model="tiny", engine={"precision": "fp32", "device_budget": "1KiB"},
+                        training={"batch_size": 2, "seq_len": 16})
+    worker, ended = run_to_its_end(settings)
+    assert isinstance(ended, Failed) and ended.exitcode == EXIT_BAD_INPUT, ended
+    assert list((tmp_path / "tuitrain").iterdir()) == []
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

@@ -38,9 +38,9 @@ def describe_failure(failed: Failed, *, log_path: str = "") -> Text:
             " quit",
         )
     )
-    if log_path:
-        lines.append(Text(f"full log: {log_path}", style="dim"))
-    if not bad_input:
+    if not bad_input:  # a mistake's log holds nothing more, and is not kept (worker.py)
+        if log_path:
+            lines.append(Text(f"full log: {log_path}", style="dim"))
         for line in failed.log_tail[-LOG_TAIL_LINES:]:
             lines.append(Text(f"  {line}", style="dim"))
     return Text("\n").join(lines)
