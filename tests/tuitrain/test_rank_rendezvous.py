@@ -18,7 +18,7 @@ class Recorded:
 
     started: list[dict[str, str]] = []
 
-    def __init__(self, *, settings, log_path, environment) -> None:
+    def __init__(self, *, settings, log_path, environment, own_log=False) -> None:
         self.environment = environment
         self.alive, self.result = False, None
 
