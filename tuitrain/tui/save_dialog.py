@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from textual import on
 from textual.app import App, ComposeResult
@@ -38,11 +37,12 @@ def shown_path(path: Path) -> str:
 
 
 def default_preset_path(model: str, policy: str, margin_ratio: float = 0.0,
-                        device_budget: object | None = None, **shape: Any) -> str:
-    """presets.default_preset_name in the user's saved presets folder; `shape`: its
-    batch_size, grad_accum and checkpointing."""
-    return shown_path(saved_dir() / default_preset_name(model, policy, margin_ratio,
-                                                        device_budget, **shape))
+                        device_budget: object | None = None, *, batch_size: int = 1,
+                        grad_accum: int = 1, checkpointing: bool = False) -> str:
+    """presets.default_preset_name in the user's saved presets folder."""
+    return shown_path(saved_dir() / default_preset_name(
+        model, policy, margin_ratio, device_budget, batch_size=batch_size,
+        grad_accum=grad_accum, checkpointing=checkpointing))
 
 
 def reproducing_command(preset_path: str, nproc: int = 1) -> str:
