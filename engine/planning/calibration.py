@@ -572,8 +572,18 @@ class _Reference:
         # within minutes, the factor came to x1.44-1.46 under glibc's own heap (no new
         # memory at this size) and x1.42 under a run's steady one (196 MiB new a run, about
         # a third of its kernels' time): the same factor, whichever heap calibrates.
-        measured = statistics.median(self.runs) - _fresh(cal, work)
-        return max(measured, 0.0) / forecast if forecast > 0 else 1.0
+        return _factor(statistics.median(self.runs), _fresh(cal, work), forecast)
+
+
+def _factor(run: float, fresh: float, kernels: float) -> float:
+    """The reference decoder's `run` seconds, less its `fresh` seconds of new memory (priced
+    apart), over its `kernels`' forecast at the rates. New memory is taken off at most down
+    to half the run: its probe can meet the host's page handling at a slow moment (the same
+    800 MiB took 0.35 s to 8 s here), and taken off whole it left a factor of 0, which makes
+    every compute forecast nothing."""
+    if kernels <= 0:
+        return 1.0
+    return max(run - fresh, run / 2) / kernels
 
 
 def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None,

@@ -356,6 +356,14 @@ def test_a_cpu_with_other_vector_instructions_is_another_machine(monkeypatch):
     assert other != key and "(OTHER)" in words
 
 
+def test_the_compute_factor_takes_new_memory_off_but_never_all_of_the_run():
+    factor = calibration_module._factor
+    assert factor(run=1.0, fresh=0.2, kernels=0.5) == pytest.approx(1.6)
+    # A new-memory probe slower than the whole run: half the run stays the kernels'.
+    assert factor(run=1.0, fresh=3.0, kernels=0.5) == pytest.approx(1.0)
+    assert factor(run=1.0, fresh=0.0, kernels=0.0) == 1.0
+
+
 def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     cal = measure(simulate=True, limit=0.5, scale=0.01)
     rates = [cal.elementwise, cal.h2d, cal.d2h, cal.adamw_host, cal.adamw_device,
