@@ -406,6 +406,25 @@ def test_a_kernel_is_timed_at_its_best_and_the_reference_decoder_at_its_median()
     assert clock.rate(6.0, run, lambda: None, typical=True, runs=5) == pytest.approx(2.0)
 
 
+def test_a_run_the_threads_clock_did_not_see_whole_is_not_the_fastest():
+    """A parallel kernel's thread 0 asleep at its end while another thread finishes: its
+    clock read 1 s of a run the wall clock saw take 3 s. The fastest whole run is taken;
+    where no run is whole (a busy machine throughout), the thread's clock still is."""
+    thread = iter([9.0, 2.0, 1.0, 2.5, 3.0])
+    wall = iter([9.0, 2.1, 3.0, 2.6, 3.1])
+    clocks = {"thread": 0.0, "wall": 0.0}
+
+    def run():
+        clocks["thread"] += next(thread)
+        clocks["wall"] += next(wall)
+
+    clock = calibration_module._Clock(60.0, 10**9, timer=lambda: clocks["thread"],
+                                      wall=lambda: clocks["wall"])
+    assert clock.rate(10.0, run, lambda: None, runs=4) == pytest.approx(10.0 / 2.0)
+    assert calibration_module.whole_runs([1.0, 2.0], [3.0, 4.0]) == [1.0, 2.0]
+    assert calibration_module.whole_runs([1.0, 2.0], [1.0, 4.0]) == [1.0]
+
+
 def test_the_reference_decoder_is_timed_in_two_windows_and_judged_by_their_median(
         monkeypatch):
     """A slow spell that fills one window is one window of two: the factor is the median
