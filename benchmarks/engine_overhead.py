@@ -46,13 +46,14 @@ Copies: on the simulated device a copy between host and device is a memcpy. A fe
 of use runs on the device's copy thread beside the step, as a GPU's copy engine runs it
 beside the kernels; every other copy (a fetch the step waits for, a gradient's way home)
 runs on the stepping thread. The last column estimates what the engine's own work costs
-without those: the paired ratio of each round's step less the bytes it copied on the
-stepping thread (all it moved, less what the copy thread fetched ahead: `fetches_ahead`,
-counted over one more step after the rounds) at this process's copy bandwidth
-(`copy_bandwidth`, a probe of the same chunk-sized copies after the rounds), over plain's
-step. An estimate: a copy in a step may find the caches otherwise than the probe does,
-and what the copy thread's memcpy takes from the step's compute (the memory bus, the
-shared cache) stays in it.
+without those: the paired ratio of each round's step less the seconds the stepping thread
+spent in copies (`copies_in_line`, the wall clock around each copy, and around each
+fetch ahead's submission, over one more step after the rounds), over plain's step. An
+estimate: what the copy thread's memcpy takes from the step's compute (the memory bus, the
+shared cache) stays in it. The bytes per second those copies ran at is printed beside a
+probe's (`copy_bandwidth`: the same chunk-sized copy, alone, after the rounds): inside a
+step they ran at half the probe's speed (benchmarks/README.md, "The step's parts by the
+wall clock"), which an estimate from the probe's speed took as twice as fast.
 """
 
 from __future__ import annotations
@@ -175,6 +176,44 @@ def fetches_ahead(eng: Engine) -> Iterator[list[int]]:
         del device.copy_ahead  # the class's method again
 
 
+@contextmanager
+def copies_in_line(eng: Engine) -> Iterator[list[float]]:
+    """The wall seconds `eng`'s simulated device spends copying on the stepping thread
+    meanwhile (its copies, and its fetches ahead, which are in line where no core is
+    spare, else only submitted): one entry a copy; none on CUDA, whose copies stream."""
+    seconds: list[float] = []
+    device = eng.device
+    if not device.simulated:
+        yield seconds
+        return
+    copy, copy_ahead = device.copy, device.copy_ahead
+    before = {name: vars(device).get(name) for name in ("copy", "copy_ahead")}
+
+    def timed_copy(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return copy(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    def timed_ahead(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return copy_ahead(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    device.copy, device.copy_ahead = timed_copy, timed_ahead
+    try:
+        yield seconds
+    finally:
+        for name, method in before.items():  # as they were: another wrapper, or the class's
+            if method is None:
+                delattr(device, name)
+            else:
+                setattr(device, name, method)
+
+
 def plain_step(model, opt, batch) -> None:
     loss = model(**batch).loss
     loss.backward()
@@ -259,11 +298,13 @@ def main(argv: list[str] | None = None) -> None:
                 cpu[name].append(cpu_seconds)
                 faults[name].append(step_faults)
     ahead: dict[str, int] = {}
+    in_line: dict[str, float] = {}
     for policy, eng in engines.items():
-        with fetches_ahead(eng) as fetched:
+        with fetches_ahead(eng) as fetched, copies_in_line(eng) as copying:
             stats = eng.step(batches[-1])
         moved[policy] = stats.bytes_h2d + stats.bytes_d2h
         ahead[policy] = sum(fetched)
+        in_line[policy] = sum(copying)
 
     bandwidth = 0.0 if torch.cuda.is_available() else copy_bandwidth()
     base_median = statistics.median(times["plain"])
@@ -282,16 +323,20 @@ def main(argv: list[str] | None = None) -> None:
         ratio, low, high = paired(values, times["plain"])
         less = "-"
         if bandwidth and name in moved:
-            copies = (moved[name] - ahead[name]) / bandwidth
-            less = f"{paired([v - copies for v in values], times['plain'])[0]:.3f}"
+            less = f"{paired([v - in_line[name] for v in values], times['plain'])[0]:.3f}"
         print(f"{name:<8}{budget:>12}{median:>10.3f}{median / base_median:>8.2f}"
               f"{cpu_median:>8.3f}{cpu_median / base_cpu:>8.2f}{ratio:>8.3f}"
               f"{f'{low:.3f}-{high:.3f}':>14}{bytes_moved:>13}"
               f"{statistics.median(faults[name]):>13,.0f}{less:>13}")
     if bandwidth:
-        print(f"copies at {bandwidth / 1e9:.1f} GB/s (Tensor.copy_ of 32 MiB, this process); "
-              "of the bytes moved, on the copy thread: "
-              + ", ".join(f"{name} {format_size(n)}" for name, n in ahead.items()))
+        print(f"a lone copy at {bandwidth / 1e9:.1f} GB/s (Tensor.copy_ of 32 MiB, this "
+              "process); of the bytes moved, on the copy thread: "
+              + ", ".join(f"{name} {format_size(n)}" for name, n in ahead.items())
+              + "; the rest in line: " + ", ".join(
+                  f"{name} {in_line[name] * 1e3:.1f} ms"
+                  + (f" ({(moved[name] - ahead[name]) / in_line[name] / 1e9:.1f} GB/s)"
+                     if in_line[name] and moved[name] > ahead[name] else "")
+                  for name in in_line))
     print(f"{args.model} on {device}: plain {base_median:.3f} s/step; " + ", ".join(
         f"{name} {statistics.median(values) / base_median:.2f}x"
         for name, values in times.items() if name != "plain")
