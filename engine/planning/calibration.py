@@ -46,7 +46,7 @@ import torch
 
 from engine.data.tokenizer import atomic_write, cache_dir
 from engine.devices.host_memory import mapped_from
-from engine.planning.machine import busy, fingerprint, load_average, quiet
+from engine.planning.machine import busy, fingerprint, load_average, load_beside, quiet
 
 if TYPE_CHECKING:
     from engine.planning.flops import StepWork
@@ -64,7 +64,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 9  # bump when what is measured changes: older files are measured again
+FORMAT = 10  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -86,7 +86,11 @@ COPY_BYTES = 64 * 2**20
 # machine's probe gave 2.4-4.4 G elements/s where the engine's update of opt-125m's chunks
 # ran at 1.6 G/s.
 ADAMW_ELEMENTS = 16 * 2**20
-ELEMENTWISE_ELEMENTS = 4 * 2**20
+# The elementwise probe reads two tensors of this many fp32 elements and writes a third (192
+# MiB in all), from memory as well: at 4M elements (48 MiB, in a last-level cache part of the
+# time) runs of it read 59-99 GiB/s by the wall clock here, and calibrations 62.5, 100.6,
+# 173.5 and 179.3 GiB/s in a day; at 16M, 44-50 GiB/s run to run.
+ELEMENTWISE_ELEMENTS = 16 * 2**20
 FRESH_BYTES = 64 * 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The correction is the median of the last runs' measured / uncorrected forecast, so that a
@@ -458,7 +462,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     cal.seconds = time.perf_counter() - started
     parts["engine steps"] = cal.seconds - sum(parts.values())
     cal.extra["seconds"] = parts  # where the time went, for a machine that takes longer
-    cal.extra["load"] = load  # what else ran: busy cores slow every figure
+    # What else ran: busy cores slow every figure.
+    cal.extra["load"] = load_beside(load, load_average(), cal.seconds, torch.get_num_threads())
     cal.measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return cal
 

@@ -17,6 +17,7 @@ taken while the cores were busy is measured again once they are quiet
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import platform
 from pathlib import Path
@@ -80,6 +81,24 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (OSError, AttributeError):
         return None
+
+
+def load_beside(start: float | None, end: float | None, seconds: float, own: int
+                ) -> float | None:
+    """The load other work put on the machine while a measurement ran for `seconds` on
+    `own` threads, from the 1-minute load averages at its start and its end. The average
+    moves toward what runs by 1 - exp(-seconds / 60) of the way: what it moved beyond the
+    measurement's own threads is the others'. The start's own figure lags by up to a
+    minute: a calibration started just as another job did read 0.9 on 2 cores, ran beside
+    it (its reference decoder at 2.3x its forecast, against 1.3-1.4 when quiet) and was
+    kept as quiet. Where the measurement is too short for the average to move, the higher
+    of the two; None where the system gives no load average."""
+    if start is None or end is None:
+        return start if end is None else end
+    moved = 1 - math.exp(-seconds / 60)
+    if moved < 0.05:
+        return max(start, end)
+    return max(start, (end - start * (1 - moved)) / moved - own)
 
 
 def busy(load: float | None) -> bool:

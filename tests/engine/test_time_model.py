@@ -28,7 +28,7 @@ from engine.planning.calibration import (
 )
 from engine.planning.flops import StepWork, step_work
 from engine.planning.hardware import HARDWARE, UnknownHardware, hardware_profile
-from engine.planning.machine import busy, quiet
+from engine.planning.machine import busy, load_beside, quiet
 from engine.planning.planner import plan
 from engine.planning.time_model import Traffic, forecast, step_times
 from tests.calibrations import GFLOP, fixed_calibration
@@ -325,6 +325,23 @@ def test_figures_measured_on_busy_cores_are_measured_again_once_they_are_quiet(
 def test_a_real_measurement_records_the_load_it_was_taken_under(empty_cache, monkeypatch):
     monkeypatch.setattr(calibration_module, "load_average", lambda: 3.25)
     assert measure(simulate=True, limit=0.5, scale=0.01).extra["load"] == 3.25
+    # Too short for the average to move: the higher of its start's and its end's.
+    loads = iter([0.4, 1.7])
+    monkeypatch.setattr(calibration_module, "load_average", lambda: next(loads))
+    assert measure(simulate=True, limit=0.5, scale=0.01).extra["load"] == 1.7
+
+
+def test_a_job_that_starts_with_a_measurement_makes_it_busy_though_the_start_read_quiet():
+    """The 1-minute load average lags: read at a measurement's start it may not show a job
+    that started a moment before. What the average moved during the measurement, beyond the
+    measurement's own threads, is the others' load."""
+    moved = 1 - math.exp(-12 / 60)
+    quiet_end = 0.1 * (1 - moved) + 2 * moved  # 12 s of the measurement's 2 threads alone
+    assert load_beside(0.1, quiet_end, 12.0, 2) == pytest.approx(0.1)
+    beside_a_job = 0.9 * (1 - moved) + 4 * moved  # and 2 threads of another job
+    assert load_beside(0.9, beside_a_job, 12.0, 2) == pytest.approx(2.0)
+    assert load_beside(0.5, 0.7, 1.0, 2) == 0.7  # too short to tell: the higher
+    assert load_beside(None, 0.7, 12.0, 2) == 0.7 and load_beside(0.5, None, 12.0, 2) == 0.5
 
 
 def test_another_machine_or_an_outdated_file_is_measured_again(empty_cache, monkeypatch):
