@@ -189,21 +189,16 @@ def copies_in_line(eng: Engine) -> Iterator[list[float]]:
     copy, copy_ahead = device.copy, device.copy_ahead
     before = {name: vars(device).get(name) for name in ("copy", "copy_ahead")}
 
-    def timed_copy(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return copy(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - t0)
+    def clocked(method):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds.append(time.perf_counter() - t0)
+        return wrapper
 
-    def timed_ahead(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return copy_ahead(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - t0)
-
-    device.copy, device.copy_ahead = timed_copy, timed_ahead
+    device.copy, device.copy_ahead = clocked(copy), clocked(copy_ahead)
     try:
         yield seconds
     finally:
