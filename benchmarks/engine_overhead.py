@@ -64,7 +64,7 @@ import random
 import resource
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -101,6 +101,32 @@ def build(name: str) -> torch.nn.Module:
                        num_attention_heads=8, max_position_embeddings=512,
                        word_embed_proj_dim=512)
     return OPTForCausalLM(config)
+
+
+def policy_budgets(base: torch.nn.Module, batch: dict[str, torch.Tensor], *,
+                   simulate: bool | None = None) -> tuple[dict[str, int], int]:
+    """(the device budget of each policy, the working set): cuda ample (everything
+    resident), auto the working set plus half the parameters' fp32 bytes, cpu twice the
+    working set. The working set needs one traced step of `batch`: a throwaway engine on a
+    copy of `base` measures it."""
+    with Engine(copy.deepcopy(base), EngineConfig(policy="cpu", device_budget="64GiB",
+                                                  simulate=simulate)) as probe:
+        probe.step(batch)
+        working_set = probe.trace.working_set
+    payload = sum(p.numel() * 4 for p in base.parameters())
+    return ({"cuda": 64 * 2**30, "auto": working_set + payload // 2, "cpu": working_set * 2},
+            working_set)
+
+
+def clocked(method: Callable, spent: Callable[[float], None]) -> Callable:
+    """`method`, passing the wall seconds of each call to `spent`."""
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent(time.perf_counter() - t0)
+    return wrapper
 
 
 def synchronize() -> None:
@@ -189,16 +215,8 @@ def copies_in_line(eng: Engine) -> Iterator[list[float]]:
     copy, copy_ahead = device.copy, device.copy_ahead
     before = {name: vars(device).get(name) for name in ("copy", "copy_ahead")}
 
-    def clocked(method):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                seconds.append(time.perf_counter() - t0)
-        return wrapper
-
-    device.copy, device.copy_ahead = clocked(copy), clocked(copy_ahead)
+    device.copy = clocked(copy, seconds.append)
+    device.copy_ahead = clocked(copy_ahead, seconds.append)
     try:
         yield seconds
     finally:
@@ -249,11 +267,7 @@ def main(argv: list[str] | None = None) -> None:
                for _ in range(args.rounds + args.warmup)]
     batches = [{"input_ids": b, "labels": b} for b in batches]
     payload = sum(p.numel() * 4 for p in base.parameters())
-
-    # The working set needs one traced step; a throwaway engine measures it.
-    with Engine(copy.deepcopy(base), EngineConfig(policy="cpu", device_budget="64GiB")) as probe:
-        probe.step(batches[0])
-        working_set = probe.trace.working_set
+    budgets, working_set = policy_budgets(base, batches[0])
 
     # On a GPU the baseline trains there too, the whole model resident.
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -263,7 +277,6 @@ def main(argv: list[str] | None = None) -> None:
         "plain": lambda b: timed(
             lambda: plain_step(plain, opt, {k: v.to(device) for k, v in b.items()})),
     }
-    budgets = {"cuda": 64 * 2**30, "auto": working_set + payload // 2, "cpu": working_set * 2}
     engines = {}
     for policy, budget in budgets.items():
         eng = Engine(copy.deepcopy(base), EngineConfig(policy=policy, device_budget=budget))

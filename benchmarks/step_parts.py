@@ -23,13 +23,12 @@ waits for, copies and all.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-from engine_overhead import build
+from engine_overhead import build, clocked, policy_budgets
 
 from engine import Engine, EngineConfig
 from engine.chunks.chunk import Chunk
@@ -64,19 +63,16 @@ TIMED: list[tuple[type, str, str]] = [
 
 
 def timed(cls: type, name: str, seconds: dict[str, float], calls: dict[str, int]) -> Callable:
-    """Wrap `cls.name` in a wall clock; returns the original, to put back."""
+    """Wrap `cls.name` in a wall clock (engine_overhead.clocked) that adds each call's
+    seconds and count under "Class.name"; returns the original, to put back."""
     original = getattr(cls, name)
     key = f"{cls.__name__}.{name}"
 
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
-            calls[key] = calls.get(key, 0) + 1
+    def spent(call: float) -> None:
+        seconds[key] = seconds.get(key, 0.0) + call
+        calls[key] = calls.get(key, 0) + 1
 
-    setattr(cls, name, wrapper)
+    setattr(cls, name, clocked(original, spent))
     return original
 
 
@@ -101,13 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [torch.randint(0, base.config.vocab_size, (2, seq), generator=g)
                for _ in range(settle + args.steps)]
     batches = [{"input_ids": b, "labels": b} for b in batches]
-    payload = sum(p.numel() * 4 for p in base.parameters())
-    with Engine(copy.deepcopy(base), EngineConfig(policy="cpu", device_budget="64GiB",
-                                                  simulate=True)) as probe:
-        probe.step(batches[0])
-        working_set = probe.trace.working_set
-    budget = {"cuda": 64 * 2**30, "auto": working_set + payload // 2,
-              "cpu": working_set * 2}[args.policy]
+    budget = policy_budgets(base, batches[0], simulate=True)[0][args.policy]
     seconds: dict[str, float] = {}
     calls: dict[str, int] = {}
     # Wrapped before the engine is built: it installs its hooks as bound methods.

@@ -637,7 +637,7 @@ def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None
     work = step_work(model_config("tiny"), torch.float32, batch_size=batch, seq_len=seq,
                      checkpointing=False, mapped_from=mapped_from())
     deadline = time.perf_counter() + limit
-    walls = [0.0]  # one more step must end before the deadline: as long as the last
+    walls: list[float] = []  # one more step must end before the deadline: as long as the last
     with Engine(model, config) as eng:
         # The traced step and one more at least; more while the limit lasts (a loaded
         # machine spends it on the first two).
@@ -648,7 +648,7 @@ def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None
             times.append(time.thread_time() - t0)
             walls.append(time.perf_counter() - w0)
     # The traced step left out; the fastest whole one, as in _Clock.rate.
-    steady = min(whole_runs(times[1:], walls[2:]))
+    steady = min(whole_runs(times[1:], walls[1:]))
     ops = (cal.compute_factor * _kernels(cal, work) + _fresh(cal, work)
            + stats.bytes_h2d / cal.h2d + stats.bytes_d2h / cal.d2h
            + sum(p.numel() for p in model.parameters()) / cal.adamw_host)

@@ -253,7 +253,7 @@ class ChunkAdamW:
             for chunk in on_device:  # now
                 adamw_update(chunk, **hyper, scratch=scratch)
                 self.manager.drop_slot_grads(chunk)
-            del scratch
+            del scratch  # freed before the host's is made: one at a time, as the plan counts
         except BaseException:
             pipeline.cancel()
             raise
