@@ -202,6 +202,7 @@ def main() -> None:
         models = [llama_folder(Path(root)) if m == "llama" else m for m in args.models]
         # The model alone: what tunes taught this machine (the learned correction) is left
         # out, so that the table says how good the terms are.
+        steady_heap()  # measured, if it must be, in the heap the rows keep (measure)
         cal = dataclasses.replace(calibration(say=print), correction=1.0)
         print(f"calibration: {cal.machine} ({cal.measured_at}); load "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

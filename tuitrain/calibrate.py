@@ -18,14 +18,15 @@ from tuitrain.formatting import format_seconds
 
 def calibrate_main(*, refresh: bool, as_json: bool) -> int:
     from engine.devices.device import uses_cuda
-    from engine.planning.calibration import DTYPES, calibration, calibration_path, load_calibration
+    from engine.planning.calibration import DTYPES, calibration_path, load_calibration
     from engine.planning.machine import busy
+    from tuitrain.plan_forecast import machine_calibration
     from tuitrain.settings import Settings
 
     # What a run here computes in unless told: its correction leads the JSON.
     default = Settings().precision_for(simulated=not uses_cuda())
-    cal = calibration(refresh=refresh, precision=default,
-                      say=lambda line: print(line, file=sys.stderr, flush=True))
+    cal = machine_calibration(refresh=refresh, precision=default,
+                              say=lambda line: print(line, file=sys.stderr, flush=True))
     taught = {p: t for p in DTYPES
               if (t := load_calibration(cal.fingerprint, precision=p)) is not None
               and t.measured_at == cal.measured_at and t.learned_from}
@@ -62,9 +63,17 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
     disk = (f"read {_bytes(cal.disk_read)}, write {_bytes(cal.disk_write)}" if cal.disk_read
             else "not measured (the scratch folder could not be written)")
     print(f"disk:        {disk}")
-    half = f", x{cal.half_factor:.2f} in bf16" if cal.half_factor else ""
-    print(f"decoder:     x{cal.compute_factor:.2f} the rates' forecast for a real decoder's "
-          f"forward and backward in fp32{half}")
+
+    def fitted(factor: float, offset: float) -> str:
+        if not offset:
+            return f"x{factor:.2f}"
+        return f"x{factor:.2f} {'+' if offset > 0 else '-'} {format_seconds(abs(offset))}"
+
+    half = (f", {fitted(cal.half_factor, cal.half_offset)} in bf16" if cal.half_factor
+            else "")
+    print(f"decoder:     {fitted(cal.compute_factor, cal.compute_offset)} the rates' forecast "
+          f"for a real decoder's forward and backward in fp32{half} (per micro-batch; "
+          f"fitted at two depths)")
     if cal.op_overhead > 0:
         print(f"engine:      {format_seconds(cal.op_overhead)} per op (hooks and byte counting)")
     else:

@@ -9,11 +9,12 @@ which the output says.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tuitrain.formatting import format_seconds
 
 if TYPE_CHECKING:
+    from engine.planning.calibration import Calibration
     from engine.planning.hardware import HardwareProfile
     from engine.planning.planner import Plan
     from engine.planning.time_model import StepTime
@@ -25,15 +26,26 @@ _PARTS = (("forward", "forward"), ("backward", "backward"), ("recompute", "recom
           ("disk", "disk"), ("collectives", "collectives"))
 
 
+def machine_calibration(**kwargs: Any) -> Calibration:
+    """This machine's calibration (engine.planning.calibration.calibration, given `kwargs`),
+    measured, where it must be, in the heap a run keeps (engine.devices.host_memory
+    .steady_heap, as tuitrain.training_run sets it): the new memory its decoder takes is
+    then what the forecasts price apart. The heap is this process's from then on, as in a
+    run; a command that plans or tunes allocates little else."""
+    from engine.devices.host_memory import steady_heap
+    from engine.planning.calibration import calibration
+
+    steady_heap()
+    return calibration(**kwargs)
+
 def forecast(result: Plan, hardware: HardwareProfile | None,
              grad_accum: int = 1) -> dict[str, StepTime]:
     """policy -> StepTime for `result`'s rows; measures this machine first if it never was
     (saying so on stderr)."""
-    from engine.planning.calibration import calibration
     from engine.planning.time_model import step_times
 
-    cal = calibration(say=lambda line: print(line, file=sys.stderr, flush=True),
-                      precision=result.precision)
+    cal = machine_calibration(say=lambda line: print(line, file=sys.stderr, flush=True),
+                              precision=result.precision)
     if hardware is not None:
         cal = hardware.calibration(cal)
     return step_times(result, cal, grad_accum=grad_accum)

@@ -72,12 +72,12 @@ def tune_forecaster(settings: Settings, *, simulated: bool,
                     say: Callable[[str], None]) -> tuple[Forecaster, Calibration]:
     """The plan and time model for `settings` on this machine, and the machine's
     calibration. Measures the machine first when it has none (`say` tells)."""
-    from engine.planning.calibration import calibration
     from tuitrain.fit import default_host_budget
+    from tuitrain.plan_forecast import machine_calibration
     from tuitrain.tune_plan import plan_forecaster
 
     precision = settings.precision_for(simulated)
-    cal = calibration(say=say, precision=precision)  # what tunes in it taught
+    cal = machine_calibration(say=say, precision=precision)  # what tunes taught it
     forecast = plan_forecaster(settings.model, host_mem=default_host_budget(),
                                precision=precision,
                                seq_len=settings.training.seq_len, simulated=simulated,

@@ -9,8 +9,9 @@ on the compute device; the bytes per second that ops other than matmuls write th
 fast the system hands out new host memory (a page faulted in, zeroed and unmapped); copies
 each way through the device's transfers (the staging ring on CUDA); PyTorch's fused AdamW,
 the engine's update, on the host and on the device; the disk tier's sequential probe in the
-scratch folder; and the engine's own cost per module interval (hooks, chunk states), from a
-few steps of the `tiny` model.
+scratch folder; a real decoder's forward and backward at two depths, against what those
+rates forecast for it; and the engine's own cost per module interval (hooks, chunk
+states), from a few steps of the `tiny` model.
 
 The figures are cached under the user cache folder, one file per machine fingerprint: the
 CPU model, vector instructions and cores, the torch version and the GPU's name, driver and
@@ -64,11 +65,11 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 10  # bump when what is measured changes: older files are measured again
+FORMAT = 11  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
-KERNELS_SHARE = 0.35
+KERNELS_SHARE = 0.5
 # Widths matmuls are measured at (tokens x width @ width x width); a model's own width is
 # interpolated between them. A GPU is measured wider: small matmuls cannot fill it.
 WIDTHS = (256, 768, 2048)
@@ -122,7 +123,8 @@ class Calibration:
     # and zeroed at its first write, unmapped when freed (0: not measured, costs nothing).
     fresh_pages: float = 0.0
     # A real decoder's forward and backward measured over what the FLOPs and bytes above
-    # forecast for it: the small matmuls, the barriers between a parallel kernel's threads,
+    # forecast for it, per second of that forecast (the slope between two depths, see
+    # REFERENCE): the small matmuls, the barriers between a parallel kernel's threads,
     # and the dispatch of each op, which kernels measured alone at their best do not show.
     # In fp32; `half_factor` the same in the half precision runs here default to (bf16, or
     # fp16 on a GPU without bf16; the other half precision takes it too), where the
@@ -131,6 +133,12 @@ class Calibration:
     # which runs in fp32 and would take seconds a run in bf16): fp32's stands for it.
     compute_factor: float = 1.0
     half_factor: float = 0.0
+    # Seconds every micro-batch's forward and backward take beyond factor x their kernels'
+    # forecast (`compute_seconds`), fitted with the factor on the decoder at two depths; in
+    # fp32 and in that half precision. Negative where the shallow decoder ran faster than
+    # the deep one's slope.
+    compute_offset: float = 0.0
+    half_offset: float = 0.0
     measured_at: str = ""  # ISO time
     seconds: float = 0.0  # how long the measurement took
     # Where the device's figures come from: "this machine's calibration", or a hardware profile's
@@ -165,6 +173,15 @@ class Calibration:
         if precision != "fp32" and self.half_factor > 0:
             return self.half_factor
         return self.compute_factor
+
+    def compute_seconds(self, precision: str, kernels: float) -> float:
+        """Seconds of a micro-batch's forward and backward whose kernels the rates forecast
+        at `kernels` seconds: the factor times them, plus the offset; at least half the
+        factor's alone (a model far smaller than the decoder the offset was fitted on)."""
+        half = precision != "fp32" and self.half_factor > 0
+        offset = self.half_offset if half else self.compute_offset
+        scaled = self.factor(precision) * kernels
+        return max(scaled + offset, scaled / 2)
 
     def fresh_seconds(self, nbytes: float) -> float:
         """Seconds that `nbytes` of new host memory cost beyond the writes into it."""
@@ -373,7 +390,16 @@ def whole_runs(seconds: list[float], walls: list[float]) -> list[float]:
 def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
             scale: float = 1.0) -> Calibration:
     """Measure this machine now (about `limit` seconds). `scale` shrinks every size, for a
-    quick, rougher measurement (tests)."""
+    quick, rougher measurement (tests).
+
+    In the process's heap as it is: a calibration for runs is measured in the heap they
+    keep (engine.devices.host_memory.steady_heap; tuitrain's commands set it first), whose
+    new memory the forecasts price apart. Under glibc's own heap the decoder's tensors
+    below its line are new memory too, which nothing counts: the factor carries them, on
+    top of the new memory a forecast adds: counted twice. Measured here in one process,
+    decoders of opt-125m's width (1 to 12 layers) ran in the same time under either heap,
+    at 1.33-1.45x the rates' forecast under glibc's and at 0.83-1.23x, with new memory
+    priced apart, under the steady one."""
     from engine.devices.device import default_precision, make_device, uses_cuda
 
     started, load = time.perf_counter(), load_average()
@@ -453,8 +479,9 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     )
     for reference in references:
         reference.time(clock)  # its second window, after the kernels, the copies and the disk
-    cal.compute_factor = references[0].factor(cal)
-    cal.half_factor = references[1].factor(cal) if len(references) > 1 else 0.0
+    cal.compute_factor, cal.compute_offset = references[0].fit(cal)
+    if len(references) > 1:
+        cal.half_factor, cal.half_offset = references[1].fit(cal)
     del references
     parts["decoder"] = time.perf_counter() - started - sum(parts.values())
     cal.op_overhead = _op_overhead(cal, model, simulate,
@@ -534,30 +561,48 @@ def _disk(scale: float) -> tuple[float, float]:
         remove_if_empty(base)
 
 
-# The decoder the compute factor is measured on: opt-125m's layers, two of them, at a
-# batch of 2 x 128 with a small vocabulary (so that its head does not dominate).
-REFERENCE = {"model": "opt-125m", "layers": 2, "vocab": 8192, "batch": 2, "seq_len": 128}
+# The decoder the compute factor is measured on: opt-125m's layers at a batch of 2 x 128
+# with a small vocabulary (so that its head does not dominate), at two depths. Why two:
+# with no new memory (a kept heap) such decoders ran at 1.08-1.13x the rates' forecast from 1
+# to 12 layers, at either vocabulary; but runs keep the steady heap, whose new memory the
+# probe's rate prices apart, and that price fits a deep stack, not a shallow one (1 layer:
+# 58 ms priced where the steady heap added 22; opt-125m: 426 priced, 372 added). A factor
+# fitted on 2 layers, its new memory taken off, came out low (0.94, against 1.19-1.23 at 12
+# layers) and forecast opt-125m's step at 0.83x. The slope between the depths is what a
+# layer adds, its new memory included, and the shallow decoder's rest is an offset per
+# micro-batch (about -0.03 s here). Measured in one process after a calibration: 12-layer
+# decoders at vocabularies of 8,192 and 50,272 within 2% of their forecast; 2 layers with
+# opt-125m's head, 21% high.
+REFERENCE = {"model": "opt-125m", "layers": (1, 6), "vocab": 8192, "batch": 2, "seq_len": 128}
 # On a GPU, opt-1.3b's layers at 4 x 1024: opt-125m's at 2 x 128 are launch-bound there and
 # measured a factor of 3.6 (fp32) and 7.1 (bf16) on an H200, which multiplied every
-# model's arithmetic, opt-1.3b's too (2.91 s forecast, 0.20 s measured).
-CUDA_REFERENCE = {"model": "opt-1.3b", "layers": 2, "vocab": 8192, "batch": 4, "seq_len": 1024}
-# Its median run, of at least REFERENCE_RUNS in each of two windows that take
-# REFERENCE_SHARES between them: one run moves by a quarter from one moment to the next
-# here, and the fastest of a few is the luckiest, not what a step takes.
+# model's arithmetic, opt-1.3b's too (2.91 s forecast, 0.20 s measured). Three layers deep
+# at most: both precisions' decoders are held at once, and a laptop's 6 GB must hold them
+# with one run's activations (by count about half a GB a layer in fp32 at this batch; not
+# yet measured on a GPU).
+CUDA_REFERENCE = {"model": "opt-1.3b", "layers": (1, 3), "vocab": 8192, "batch": 4,
+                  "seq_len": 1024}
+# Its median run at each depth, the two taken in turn, of at least REFERENCE_RUNS in each of
+# two windows that take REFERENCE_SHARES between them: one run moves by a quarter from one
+# moment to the next here, and the fastest of a few is the luckiest, not what a step takes.
 REFERENCE_RUNS = 3
-REFERENCE_SHARES = 4
+REFERENCE_SHARES = 12
+# The fitted factor stays within these multiples of the deep decoder's own (its run over its
+# forecast): two depths a few runs each can disagree by a slow spell, and a slope from them
+# alone could then make a layer cost nothing, or twice what it does.
+SLOPE_BOUNDS = (0.5, 2.0)
 
 
 class _Reference:
     """A real decoder's forward and backward (REFERENCE, or CUDA_REFERENCE on a GPU; plain
-    PyTorch, no engine, no generation cache, as the engine runs a model), timed in two
-    windows, one before the kernels and one after them: on a shared machine a slow spell
-    lasts seconds (the same decoder ran 220 ms, then 370 ms, then 260 ms a run here, each
-    for several seconds), so that one spell is one window of two. `factor`: the median run
-    of both over the time the calibration's rates forecast for its FLOPs and bytes
-    (engine.planning.flops). The rates are each kernel's fastest and this is a median, so
-    the factor also carries how far a typical step of many kernels falls behind their
-    best."""
+    PyTorch, no engine, no generation cache, as the engine runs a model) at two depths,
+    timed in turn in two windows, one before the kernels and one after them: on a shared
+    machine a slow spell lasts seconds (the same decoder ran 220 ms, then 370 ms, then 260
+    ms a run here, each for several seconds), so that one spell is one window of two, and
+    it slows both depths alike. `fit`: the factor and the offset that turn the calibration's
+    forecast for the FLOPs and bytes (engine.planning.flops) of each depth into its median
+    run. The rates are each kernel's fastest and these are medians, so the factor also
+    carries how far a typical step of many kernels falls behind their best."""
 
     def __init__(self, where: torch.device, sync: Callable[[], None], scale: float,
                  precision: str = "fp32", shape: dict | None = None) -> None:
@@ -567,52 +612,80 @@ class _Reference:
         from engine.models.zoo import model_config
 
         shape = shape or REFERENCE
-        config = model_config("tiny" if scale < 1.0 else shape["model"])
-        config.num_hidden_layers = shape["layers"]
-        config.vocab_size = min(config.vocab_size, shape["vocab"])
-        self.config, self.sync = config, sync
+        self.configs, self.models = [], []
+        for layers in shape["layers"]:
+            config = model_config("tiny" if scale < 1.0 else shape["model"])
+            config.num_hidden_layers = layers
+            config.vocab_size = min(config.vocab_size, shape["vocab"])
+            with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
+                model = AutoModelForCausalLM.from_config(config).to(
+                    where, DTYPES[precision]).train()
+            prepare_for_training(model)
+            self.configs.append(config)
+            self.models.append(model)
+        self.sync = sync
         self.batch, self.seq = shape["batch"], max(8, int(shape["seq_len"] * scale))
-        with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
-            self.model = AutoModelForCausalLM.from_config(config).to(
-                where, DTYPES[precision]).train()
-        prepare_for_training(self.model)
         self.ids = torch.zeros(self.batch, self.seq, dtype=torch.long, device=where)
         self.precision = precision
-        self.runs: list[float] = []
+        self.runs: tuple[list[float], list[float]] = ([], [])  # shallow, deep
 
-    def _run(self) -> None:
-        self.model(input_ids=self.ids, labels=self.ids).loss.backward()
-        self.model.zero_grad(set_to_none=True)
+    def _run(self, model: torch.nn.Module) -> None:
+        model(input_ids=self.ids, labels=self.ids).loss.backward()
+        model.zero_grad(set_to_none=True)
 
     def time(self, clock: _Clock) -> None:
-        """One window: half of REFERENCE_SHARES of `clock`'s time."""
-        with torch.random.fork_rng(devices=[]):  # its dropout draws none of the run's
-            self.runs += clock.times(self._run, self.sync, runs=REFERENCE_RUNS,
-                                     shares=REFERENCE_SHARES / 2)
+        """One window: half of REFERENCE_SHARES of `clock`'s time, each depth in turn."""
+        timed: tuple[list[float], list[float]] = ([], [])
 
-    def factor(self, cal: Calibration) -> float:
+        def both() -> None:
+            for model, runs in zip(self.models, timed, strict=True):
+                start = clock.timer()
+                self._run(model)
+                self.sync()
+                runs.append(clock.timer() - start)
+
+        with torch.random.fork_rng(devices=[]):  # its dropout draws none of the run's
+            clock.times(both, self.sync, runs=REFERENCE_RUNS, shares=REFERENCE_SHARES / 2)
+        for runs, window in zip(self.runs, timed, strict=True):
+            runs += window[1:]  # the first ran to warm up
+
+    def fit(self, cal: Calibration) -> tuple[float, float]:
+        """(factor, offset): a micro-batch of forward and backward whose kernels the rates
+        forecast at k seconds takes factor x k + offset (engine.planning.time_model), its
+        new memory apart."""
         from engine.planning.flops import step_work
 
-        work = step_work(self.config, DTYPES[self.precision], batch_size=self.batch,
-                         seq_len=self.seq, checkpointing=False, mapped_from=mapped_from())
-        forecast = _kernels(cal, work, self.precision)
-        # New memory is priced at its own measured rate, not scaled by the factor: the
-        # tensors new in this process's heap (engine.devices.host_memory). Measured here
-        # within minutes, the factor came to x1.44-1.46 under glibc's own heap (no new
-        # memory at this size) and x1.42 under a run's steady one (196 MiB new a run, about
-        # a third of its kernels' time): the same factor, whichever heap calibrates.
-        return _factor(statistics.median(self.runs), _fresh(cal, work), forecast)
+        points = []
+        for config, runs in zip(self.configs, self.runs, strict=True):
+            work = step_work(config, DTYPES[self.precision], batch_size=self.batch,
+                             seq_len=self.seq, checkpointing=False, mapped_from=mapped_from())
+            # New memory is priced at its own measured rate, not scaled by the factor: the
+            # tensors new in this process's heap.
+            points.append((_kernels(cal, work, self.precision),
+                           _less_fresh(statistics.median(runs), _fresh(cal, work))))
+        (shallow, shallow_run), (deep, deep_run) = points
+        own = _factor(deep_run, 0.0, deep)
+        if deep <= shallow:
+            return own, 0.0
+        low, high = SLOPE_BOUNDS
+        slope = min(high * own, max(low * own, (deep_run - shallow_run) / (deep - shallow)))
+        return slope, shallow_run - slope * shallow
 
 
 def _factor(run: float, fresh: float, kernels: float) -> float:
     """The reference decoder's `run` seconds, less its `fresh` seconds of new memory (priced
-    apart), over its `kernels`' forecast at the rates. New memory is taken off at most down
-    to half the run: its probe can meet the host's page handling at a slow moment (the same
-    800 MiB took 0.35 s to 8 s here), and taken off whole it left a factor of 0, which makes
-    every compute forecast nothing."""
+    apart: `_less_fresh`), over its `kernels`' forecast at the rates."""
     if kernels <= 0:
         return 1.0
-    return max(run - fresh, run / 2) / kernels
+    return _less_fresh(run, fresh) / kernels
+
+
+def _less_fresh(run: float, fresh: float) -> float:
+    """`run` seconds less `fresh` seconds of new memory, taken off at most down to half the
+    run: its probe can meet the host's page handling at a slow moment (the same 800 MiB took
+    0.35 s to 8 s here), and taken off whole it left a factor of 0, which makes every compute
+    forecast nothing."""
+    return max(run - fresh, run / 2)
 
 
 def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None,
@@ -649,7 +722,7 @@ def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None
             walls.append(time.perf_counter() - w0)
     # The traced step left out; the fastest whole one, as in _Clock.rate.
     steady = min(whole_runs(times[1:], walls[1:]))
-    ops = (cal.compute_factor * _kernels(cal, work) + _fresh(cal, work)
+    ops = (cal.compute_seconds("fp32", _kernels(cal, work)) + _fresh(cal, work)
            + stats.bytes_h2d / cal.h2d + stats.bytes_d2h / cal.d2h
            + sum(p.numel() for p in model.parameters()) / cal.adamw_host)
     return max(0.0, (steady - ops) / work.ops)

@@ -70,6 +70,8 @@ class HardwareProfile:
             adamw_device=memory / ADAMW_BYTES,
             compute_factor=1.0,  # the derating stands for it
             half_factor=1.0,
+            compute_offset=0.0,
+            half_offset=0.0,
             correction=1.0,  # what runs on this host taught is no property of that GPU
             learned_from=0,
             learned=[],

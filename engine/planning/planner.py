@@ -260,6 +260,7 @@ class _Planner:
             disk_bytes=where.disk_bytes,
             disk_read=io.read,
             disk_written=io.written,
+            update_beside=bool(where.state) and not where.payload,
         )
         if self.cost.sharded:
             sharding = outcome.step.sharding

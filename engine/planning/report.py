@@ -41,6 +41,10 @@ class PolicyPlan:
     disk_bytes: int = 0
     disk_read: int = 0
     disk_written: int = 0
+    # Whether the update of the chunks whose state is on disk runs beside the next step's
+    # forward (engine.chunks.disk_side.overlap_update: state on disk and no payload there,
+    # which the forward would read); else the step waits for it.
+    update_beside: bool = False
     # Data parallel: bytes per step are one rank's. The other ranks' shards it receives by
     # all-gathers, and what it sends into theirs by reduce-scatters (StepStats
     # .bytes_gathered, .bytes_reduce_scattered); the ranks on one machine.

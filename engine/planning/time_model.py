@@ -6,15 +6,17 @@
 A step is `grad_accum` micro-batches of forward and backward, then one update:
 
 - compute: matmul FLOPs at the calibrated throughput of the precision and the model's width,
-  the bytes other ops read and write at the device's elementwise bandwidth, and the engine's
-  own cost per op (engine.planning.flops counts both; engine.planning.calibration measures
+  the bytes other ops read and write at the device's elementwise bandwidth, times the
+  factor and plus the offset a real decoder measured (engine.planning.calibration), and the
+  engine's own cost per op (engine.planning.flops counts both; engine.planning.calibration measures
   the rates), forward, backward and the forward recomputed under activation
   checkpointing; on the simulated device also the new memory its large tensors take at
   the calibrated rate of fresh pages (a run's steady heap maps every tensor of a MiB or
   more afresh: engine.devices.host_memory);
 - copies each way: the plan's copied bytes (fetches to the device, gradients back for the
   chunks updated on the host) at the calibrated bandwidths; on the simulated device, also
-  the fresh pages of the chunk buffers its pool cannot serve;
+  the fresh pages of the chunk buffers its pool cannot serve and of the host's gradient
+  landing places;
 - the update: AdamW over the elements updated on the host and on the device;
 - the disk tier: what the plan reads and writes there per step;
 - collectives (data parallel): what a rank gathers and reduce-scatters.
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.devices.streams import spare_core
+from engine.placement.rules import grads_land_per_step
 from engine.planning.calibration import Calibration
 from engine.planning.flops import StepWork, step_work
 from engine.planning.hardware import ADAMW_BYTES
@@ -102,6 +105,15 @@ class Traffic:
     fresh: int = 0
     # Of `copied`, the fetches ahead of use from host memory (PolicyPlan.prefetched).
     prefetched: int = 0
+    # The update of the chunks whose state is on disk runs beside the next step's forward
+    # (PolicyPlan.update_beside); False: the step waits for it.
+    update_beside: bool = True
+    # Bytes of the host's gradient landing places made in a step and freed after its update
+    # (engine.placement.rules.grads_land_per_step: fp32, one process, no disk tier): new
+    # memory once a step, however many micro-batches land in them. On the simulated device
+    # opt-125m's under auto at 1 GiB (478 MiB) took 0.04 s a step to free alone, and its
+    # copies 0.13 s a step where the bytes copied forecast 0.02.
+    grad_homes: int = 0
 
 
 def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: str,
@@ -112,14 +124,25 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     rate = cal.matmul_rate(precision, work.hidden)
     micro = max(1, grad_accum)
 
-    def seconds(flops: float, nbytes: float, fresh: float, ops: float) -> float:
-        kernels = cal.factor(precision) * (flops / rate + nbytes / cal.elementwise)
+    def kernels(flops: float, nbytes: float) -> float:
+        return flops / rate + nbytes / cal.elementwise
+
+    # Forward and backward at the calibration's factor and offset (fitted on a decoder at
+    # two depths), shared between them by their kernels; the recomputed forward at the
+    # factor alone (the offset is each micro-batch's, once).
+    plain = kernels(work.forward_flops, work.forward_bytes) + kernels(work.backward_flops,
+                                                                      work.backward_bytes)
+    scale = cal.compute_seconds(precision, plain) / plain if plain > 0 else 0.0
+
+    def seconds(flops: float, nbytes: float, fresh: float, ops: float,
+                factor: float = scale) -> float:
+        work_seconds = factor * kernels(flops, nbytes)
         # The engine's own work per op runs on the host: in line with the ops on the
         # simulated device; on CUDA beside the kernels it queued, which run asynchronously.
         host = ops * cal.op_overhead
         if not simulated:  # a GPU's caching allocator hands out memory it keeps
-            return micro * max(kernels, host)
-        return micro * (kernels + host + cal.fresh_seconds(fresh))
+            return micro * max(work_seconds, host)
+        return micro * (work_seconds + host + cal.fresh_seconds(fresh))
 
     share = (work.forward_flops + work.backward_flops + work.recompute_flops) or 1.0
     forward = seconds(work.forward_flops, work.forward_bytes, work.forward_fresh,
@@ -127,12 +150,14 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     backward = seconds(work.backward_flops, work.backward_bytes, work.backward_fresh,
                        work.ops * work.backward_flops / share)
     recompute = seconds(work.recompute_flops, work.recompute_bytes, work.recompute_fresh,
-                        work.ops * work.recompute_flops / share)
+                        work.ops * work.recompute_flops / share, cal.factor(precision))
     # Gradients come back to the host for the chunks updated there; the rest of the
     # copies are fetches.
     d2h_bytes = min(traffic.copied, traffic.updated_on_host * traffic.itemsize)
     h2d = micro * ((traffic.copied - d2h_bytes) / cal.h2d + cal.fresh_seconds(traffic.fresh))
     d2h = micro * d2h_bytes / cal.d2h
+    if simulated:  # a GPU's land in pinned host memory, which its allocator keeps
+        d2h += cal.fresh_seconds(traffic.grad_homes)
     # Outside fp32 the update first reads each gradient as fp32 and after it writes the
     # weights back in the compute dtype (engine.step.optimizer): per element 4 + itemsize
     # bytes each, at the bandwidth the update itself moves its bytes at. The fp32 copies
@@ -164,10 +189,13 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
         # The disk tier's threads share the cores and the memory bus with the kernels here,
         # so its reads and writes hide behind no compute but one: the update of the chunks
         # whose state is on disk flies beside the next step's first forward
-        # (engine.chunks.flight). Measured on opt-125m with half the chunks on disk: the
-        # disk added its whole time to a step of four micro-batches, and all but about one
-        # forward's worth to a step of one.
-        overlap += min(disk, forward / micro)
+        # (engine.chunks.flight), where none of their payload is on disk. Measured on
+        # opt-125m with half the chunks on disk: the disk added its whole time to a step of
+        # four micro-batches, and all but about one forward's worth to a step of one; in
+        # fp32, where the payload is the master and goes to disk with it, the step waited
+        # for the update (1.09 s of disk waits in a 1.24 s update at 1 GiB, x1).
+        if traffic.update_beside:
+            overlap += min(disk, forward / micro)
     else:
         # The disk tier reads ahead and writes behind on threads, beside the GPU's kernels.
         overlap += min(disk, compute + opt_host + opt_device)
@@ -202,6 +230,9 @@ def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[s
     # What AdamW updates and what sends gradients back: a LoRA run's adapters alone (its
     # frozen chunks get no gradient, so they copy nothing out and update nothing).
     parameters = (work.trainable if lora is not None else plan.parameters) / plan.nproc
+    lands_per_step = grads_land_per_step(aliased=plan.precision == "fp32",
+                                         sharded=plan.nproc > 1,
+                                         disk_tier=plan.host_budget is not None)
     out = {}
     for name, row in plan.policies.items():
         off_device = ((row.host_model + row.landed_grads + row.disk_bytes) / state
@@ -215,6 +246,9 @@ def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[s
             communicated=row.gathered + row.reduce_scattered,
             fresh=row.fresh,
             prefetched=row.prefetched,
+            update_beside=row.update_beside,
+            grad_homes=(int(parameters * (1.0 - on_device)) * 4
+                        if lands_per_step else 0),
         )
         out[name] = forecast(work, traffic, cal, precision=plan.precision,
                              simulated=plan.simulated, grad_accum=grad_accum,

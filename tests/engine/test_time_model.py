@@ -224,6 +224,25 @@ def test_on_the_simulated_device_the_disk_hides_behind_one_forward_only():
     assert t.overlap == pytest.approx(0.5) and t.total == pytest.approx(t.compute)
 
 
+def test_on_the_simulated_device_a_step_that_reads_its_payload_from_disk_waits_for_it():
+    """Where payloads are on disk (fp32: the payload is the master, and goes there with
+    it), the next forward would read what the update writes: the update does not fly
+    beside it (engine.chunks.disk_side.overlap_update), and the disk hides behind nothing."""
+    waits = dataclasses.replace(DISK, update_beside=False)
+    t = forecast(WORK, waits, fixed_calibration(), precision="fp32", simulated=True)
+    assert t.overlap == 0 and t.total == pytest.approx(t.compute + 30.0)
+    # The planner says which: in fp32 payloads go to disk; in bf16 the state alone does.
+    shape = dict(device_mem="1GiB", host_mem="16GiB", batch_size=2, seq_len=32,
+                 simulated=True)
+    for precision, beside in (("fp32", False), ("bf16", True)):
+        whole = plan("tiny", precision=precision, **shape).model_bytes
+        row = plan("tiny", precision=precision, host_budget=whole // 2, **shape).cpu
+        assert row.disk_read > 0 and row.update_beside == beside
+        times = step_times(plan("tiny", precision=precision, host_budget=whole // 2,
+                                **shape), fixed_calibration())["cpu"]
+        assert (times.overlap > 0) == beside
+
+
 def test_a_plans_rows_get_their_own_traffic():
     p = plan("tiny", device_mem="1GiB", host_mem="16GiB", precision="fp32", batch_size=2,
              seq_len=32, simulated=True)
@@ -233,10 +252,59 @@ def test_a_plans_rows_get_their_own_traffic():
     assert cuda.optimizer_host == 0 and cuda.optimizer_device > 0
     assert cpu.optimizer_device == 0
     assert cpu.optimizer_host == pytest.approx(p.parameters / 1e8)
-    assert cpu.copy_h2d + cpu.copy_d2h == pytest.approx(p.cpu.copied / 1e9)
+    # The bytes copied, and the host's fp32 gradient landing places, new every step.
+    assert cpu.copy_h2d + cpu.copy_d2h == pytest.approx(p.cpu.copied / 1e9
+                                                        + 4 * p.parameters / 2.5e8)
     assert cpu.compute == pytest.approx(cuda.compute)
     assert cpu.total > cuda.total
 
+
+
+def test_the_hosts_gradient_landing_places_are_new_memory_once_a_step():
+    """fp32 gradients land on the host in buffers made at the first landing and freed after
+    the update (rules.grads_land_per_step): on the simulated device each is new memory once
+    a step, however many micro-batches. Not with a disk tier, not in bf16 (they land in the
+    payload), not on a GPU (pinned memory its allocator keeps)."""
+    shape = dict(device_mem="1GiB", host_mem="16GiB", batch_size=2, seq_len=32)
+    cal = fixed_calibration()  # new memory at 250 MB/s, copies at 1 GB/s
+    p = plan("tiny", precision="fp32", simulated=True, **shape)
+    homes = 4 * p.parameters / 2.5e8
+    one = step_times(p, cal)["cpu"]
+    assert one.copy_d2h == pytest.approx(4 * p.parameters / 1e9 + homes)
+    four = step_times(p, cal, grad_accum=4)["cpu"]
+    assert four.copy_d2h == pytest.approx(4 * (4 * p.parameters / 1e9) + homes)
+    assert step_times(p, cal)["cuda"].copy_d2h == 0  # nothing lands on the host
+    gpu = plan("tiny", precision="fp32", simulated=False, **shape)
+    half = plan("tiny", precision="bf16", simulated=True, **shape)
+    tier = plan("tiny", precision="fp32", simulated=True, host_budget=p.model_bytes,
+                **shape)
+    for other, itemsize in ((gpu, 4), (half, 2), (tier, 4)):  # the bytes copied alone
+        assert step_times(other, cal)["cpu"].copy_d2h == pytest.approx(
+            min(other.cpu.copied, itemsize * other.parameters) / 1e9)
+
+
+def test_the_decoders_offset_comes_once_a_micro_batch_and_never_below_half():
+    """The calibration fits a factor and an offset on a decoder at two depths: forward and
+    backward take factor x their kernels + the offset, shared between them by their
+    kernels; the recomputed forward the factor alone. A model so small that the offset
+    would take more than half its factor's time keeps that half."""
+    cal = dataclasses.replace(fixed_calibration(), compute_factor=2.0, compute_offset=-1.0)
+    assert cal.compute_seconds("fp32", 6.0) == pytest.approx(11.0)
+    assert cal.compute_seconds("fp32", 0.5) == pytest.approx(0.5)  # half of 2 x 0.5
+    plain = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=True)
+    # WORK's kernels: 1 + 1 s forward, 2 + 2 s backward; 12 s at x2, 11 with the offset.
+    ops = 1000 * 1e-5
+    assert plain.forward + plain.backward == pytest.approx(11.0 + ops)
+    assert plain.forward - ops / 3 == pytest.approx(11.0 / 3)
+    four = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=True, grad_accum=4)
+    assert four.forward + four.backward == pytest.approx(4 * (11.0 + ops))
+    ckpt = dataclasses.replace(WORK, recompute_flops=10 * GFLOP, recompute_bytes=1e9)
+    # No offset: 2 s of kernels at x2, and its share of the ops (10 of 40 GFLOP).
+    assert forecast(ckpt, TRAFFIC, cal, precision="fp32", simulated=True).recompute == (
+        pytest.approx(2.0 * 2.0 + 1000 * 10 / 40 * 1e-5))
+    half = dataclasses.replace(cal, half_factor=3.0, half_offset=0.5)
+    assert half.compute_seconds("bf16", 1.0) == pytest.approx(3.5)
+    assert half.compute_seconds("fp32", 1.0) == pytest.approx(1.0)  # x2 - 1 = 1 = half
 
 def test_a_lora_step_sends_back_and_updates_the_adapters_alone():
     """Frozen chunks get no gradient: nothing of theirs is copied out or updated, and
@@ -251,7 +319,8 @@ def test_a_lora_step_sends_back_and_updates_the_adapters_alone():
     cal = fixed_calibration()
     plain, adapted = step_times(full, cal)["cpu"], step_times(lora, cal)["cpu"]
     assert adapted.optimizer_host == pytest.approx(work.trainable / cal.adamw_host)
-    assert adapted.copy_d2h == pytest.approx(work.trainable * 4 / cal.d2h)
+    assert adapted.copy_d2h == pytest.approx(work.trainable * 4 / cal.d2h
+                                             + cal.fresh_seconds(work.trainable * 4))
     # Every frozen chunk is still fetched (forward and backward): the copies in stay, at
     # least every chunk's payload twice. (A trained tied embedding is fetched a third time,
     # for its own gradient after the head's: a frozen one needs no gradient of its own.)
@@ -389,6 +458,7 @@ def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     assert set(cal.matmul) == {"fp32", "bf16", "fp16"}
     assert cal.op_overhead >= 0 and cal.source == "this machine's calibration"
     assert math.isfinite(cal.compute_factor) and cal.compute_factor > 0
+    assert math.isfinite(cal.compute_offset)
     # bf16's own factor where runs here compute in it; none where they run in fp32.
     assert (cal.half_factor > 0) == host_has_bf16()
     assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
@@ -442,35 +512,62 @@ def test_a_run_the_threads_clock_did_not_see_whole_is_not_the_fastest():
     assert calibration_module.whole_runs([1.0, 2.0], [1.0, 4.0]) == [1.0]
 
 
-def test_the_reference_decoder_is_timed_in_two_windows_and_judged_by_their_median(
-        monkeypatch):
-    """A slow spell that fills one window is one window of two: the factor is the median
-    run of both (each window's first run warms up)."""
-    durations = iter([9.0, 4.0, 4.0, 4.0, 9.0, 1.0, 1.0, 2.0])
+def test_the_reference_decoder_is_timed_at_two_depths_in_turn_in_two_windows():
+    """A slow spell that fills one window is one window of two, and it slows both depths
+    alike: each window runs the shallow decoder and the deep one in turn (the first pair
+    warms up), and each depth is judged by its median run over both windows."""
+    durations = iter([9.0, 9.0, 1.0, 4.0, 1.0, 4.0, 1.0, 4.0,   # a slow spell's window...
+                      9.0, 9.0, 2.0, 5.0, 2.0, 5.0, 2.0, 5.0])  # ...and a quiet one
     now = [0.0]
     reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
-    monkeypatch.setattr(reference, "_run", lambda: now.__setitem__(0, now[0] + next(durations)))
+    assert [c.num_hidden_layers for c in reference.configs] == [1, 6]
+    reference._run = lambda model: now.__setitem__(0, now[0] + next(durations))
     clock = calibration_module._Clock(60.0, 10**9, timer=lambda: now[0])
-    reference.time(clock)  # a slow spell: 4, 4, 4
-    reference.time(clock)  # then 1, 1, 2
-    assert reference.runs == [4.0, 4.0, 4.0, 1.0, 1.0, 2.0]
-    cal = dataclasses.replace(fixed_calibration(), fresh_pages=0.0)  # new memory: no cost
-    factor = reference.factor(cal)
-    reference.runs = [1.0]  # one second's run: the factor is one over the forecast
-    assert factor == pytest.approx(3.0 * reference.factor(cal))  # median of the six: 3
+    reference.time(clock)
+    reference.time(clock)
+    assert reference.runs == ([1.0, 1.0, 1.0, 2.0, 2.0, 2.0], [4.0, 4.0, 4.0, 5.0, 5.0, 5.0])
 
 
-def test_the_reference_decoders_new_memory_is_priced_apart_from_its_factor(monkeypatch):
-    """Its runs take new memory for the tensors above the process's heap line; that time
-    is the fresh pages' measured rate, not a kernel's slowness the factor would carry."""
+def _fitted(monkeypatch, runs, kernels, fresh=(0.0, 0.0)):
+    """The reference's fit to `runs` (shallow, deep), its depths' kernels forecast at
+    `kernels` seconds and their new memory at `fresh`."""
     reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
-    reference.runs = [1.0]
-    cal = fixed_calibration()
-    monkeypatch.setattr(calibration_module, "mapped_from", lambda: None)  # a kept heap
-    kept = reference.factor(cal)
-    monkeypatch.setattr(calibration_module, "mapped_from", lambda: 1)  # every tensor new
-    assert reference.factor(cal) < kept
-    assert reference.factor(dataclasses.replace(cal, fresh_pages=0.0)) == kept
+    reference.runs = runs
+    given = {"kernels": iter(kernels), "fresh": iter(fresh)}
+    monkeypatch.setattr(calibration_module, "_kernels", lambda *_: next(given["kernels"]))
+    monkeypatch.setattr(calibration_module, "_fresh", lambda *_: next(given["fresh"]))
+    return reference.fit(fixed_calibration())
+
+
+def test_the_compute_factor_is_the_slope_between_the_depths_and_the_rest_an_offset(
+        monkeypatch):
+    """Each layer costs what the deep decoder's extra layers took per second of their
+    forecast; the shallow decoder's rest is what every micro-batch takes beyond that."""
+    factor, offset = _fitted(monkeypatch, ([1.0, 2.0, 1.5], [4.5, 4.0, 5.0]), (1.0, 2.5))
+    assert factor == pytest.approx((4.5 - 1.5) / (2.5 - 1.0))  # 2.0
+    assert offset == pytest.approx(1.5 - 2.0 * 1.0)
+    # New memory is priced apart, taken off each depth's run (at most down to its half).
+    factor, offset = _fitted(monkeypatch, ([1.5], [4.5]), (1.0, 2.5), fresh=(0.1, 0.5))
+    assert factor == pytest.approx((4.0 - 1.4) / 1.5)
+    assert offset == pytest.approx(1.4 - factor * 1.0)
+    _, halved = _fitted(monkeypatch, ([1.5], [4.5]), (1.0, 2.5), fresh=(9.0, 0.0))
+    assert halved == pytest.approx(0.75 - 2.5 * 1.0)  # the shallow run's half stays
+
+
+def test_a_slope_from_a_slow_spell_stays_within_bounds_of_the_deep_decoders_own(
+        monkeypatch):
+    """Depths that ran alike (a slow spell on the shallow one) would make a layer cost
+    nothing: the factor keeps at least half the deep decoder's own, and the offset is
+    what the shallow run then leaves."""
+    low, high = calibration_module.SLOPE_BOUNDS
+    factor, offset = _fitted(monkeypatch, ([4.0], [4.5]), (1.0, 2.5))
+    assert factor == pytest.approx(low * 4.5 / 2.5)
+    assert offset == pytest.approx(4.0 - factor * 1.0)
+    factor, _ = _fitted(monkeypatch, ([0.1], [9.0]), (2.0, 2.5))  # a slope of 17.8
+    assert factor == pytest.approx(high * 9.0 / 2.5)
+    # Depths the rates forecast alike (a model of one layer kind too small to tell): the
+    # deep decoder's own factor, and no offset.
+    assert _fitted(monkeypatch, ([1.0], [2.0]), (1.0, 1.0)) == (pytest.approx(2.0), 0.0)
 
 
 def test_a_models_width_between_measured_ones_interpolates():

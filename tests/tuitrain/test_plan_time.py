@@ -127,6 +127,17 @@ def test_calibrate_says_what_an_engine_cost_of_nothing_per_op_means(empty_cache,
     assert "0 s per op" not in out
 
 
+def test_calibrate_says_the_decoders_offset_beside_its_factor(empty_cache, capsys):
+    cal = fixed_calibration(*fingerprint())
+    cal.compute_factor, cal.compute_offset = 1.3, -0.0234
+    cal.half_factor, cal.half_offset = 1.6, 0.012
+    calibration_module.save_calibration(cal)
+    assert main(["calibrate"]) == 0
+    assert ("decoder:     x1.30 - 23.4 ms the rates' forecast for a real decoder's forward "
+            "and backward in fp32, x1.60 + 12.0 ms in bf16 (per micro-batch") in (
+        capsys.readouterr().out)
+
+
 def test_calibrate_says_when_the_figures_were_measured_on_busy_cores(empty_cache, capsys,
                                                                      monkeypatch):
     cal = fixed_calibration(*fingerprint())
