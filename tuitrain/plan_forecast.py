@@ -30,13 +30,17 @@ def machine_calibration(**kwargs: Any) -> Calibration:
     """This machine's calibration (engine.planning.calibration.calibration, given `kwargs`),
     measured, where it must be, in the heap a run keeps (engine.devices.host_memory
     .steady_heap, as tuitrain.training_run sets it): the new memory its decoder takes is
-    then what the forecasts price apart. The heap is this process's from then on, as in a
-    run; a command that plans or tunes allocates little else."""
+    then what the forecasts price apart. Only a process that measures takes that heap, for
+    the rest of its life, as a run's does; one that reads the cached figures keeps its own."""
     from engine.devices.host_memory import steady_heap
-    from engine.planning.calibration import calibration
+    from engine.planning.calibration import calibration, measure
 
-    steady_heap()
-    return calibration(**kwargs)
+    def measured() -> Calibration:
+        steady_heap()
+        return measure()
+
+    return calibration(measure_fn=measured, **kwargs)
+
 
 def forecast(result: Plan, hardware: HardwareProfile | None,
              grad_accum: int = 1) -> dict[str, StepTime]:

@@ -117,6 +117,22 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
     assert empty_cache == [1, 1]
 
 
+def test_a_command_measures_in_a_runs_heap_and_leaves_its_own_heap_when_cached(
+        empty_cache, capsys, monkeypatch):
+    """The decoder's new memory is what forecasts price apart only in the heap runs keep
+    (engine.devices.host_memory.steady_heap): a command that measures takes it first; one
+    that reads the cache (the app's process, when it tunes) keeps its own."""
+    from engine.devices import host_memory
+
+    heaps = []
+    monkeypatch.setattr(host_memory, "steady_heap", lambda: heaps.append(1) or True)
+    assert main(["calibrate"]) == 0
+    assert empty_cache == [1] and heaps == [1]
+    assert main(["calibrate"]) == 0
+    assert empty_cache == [1] and heaps == [1]
+    capsys.readouterr()
+
+
 def test_calibrate_says_what_an_engine_cost_of_nothing_per_op_means(empty_cache, capsys):
     cal = fixed_calibration(*fingerprint())
     cal.op_overhead = 0.0  # tiny's steps took no longer than the decoder's factor forecast
