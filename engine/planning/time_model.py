@@ -108,12 +108,13 @@ class Traffic:
     # The update of the chunks whose state is on disk runs beside the next step's forward
     # (PolicyPlan.update_beside); False: the step waits for it.
     update_beside: bool = True
-    # Bytes of the host's gradient landing places made in a step and freed after its update
-    # (engine.placement.rules.grads_land_per_step: fp32, one process, no disk tier): new
-    # memory once a step, however many micro-batches land in them. On the simulated device
-    # opt-125m's under auto at 1 GiB (478 MiB) took 0.04 s a step to free alone, and its
-    # copies 0.13 s a step where the bytes copied forecast 0.02.
-    grad_homes: int = 0
+    # The host's fp32 gradient landing places, one per chunk updated there, are made in a
+    # step and freed after its update (engine.placement.rules.grads_land_per_step: fp32,
+    # one process, no disk tier): new memory once a step, however many micro-batches land
+    # in them. On the simulated device opt-125m's under auto at 1 GiB (478 MiB) took 0.04 s
+    # a step to free alone, and its copies 0.13 s a step where the bytes copied forecast
+    # 0.02.
+    grads_land_per_step: bool = False
 
 
 def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: str,
@@ -157,7 +158,8 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     h2d = micro * ((traffic.copied - d2h_bytes) / cal.h2d + cal.fresh_seconds(traffic.fresh))
     d2h = micro * d2h_bytes / cal.d2h
     if simulated:  # a GPU's land in pinned host memory, which its allocator keeps
-        d2h += cal.fresh_seconds(traffic.grad_homes)
+        if traffic.grads_land_per_step:
+            d2h += cal.fresh_seconds(4 * traffic.updated_on_host)
     # Outside fp32 the update first reads each gradient as fp32 and after it writes the
     # weights back in the compute dtype (engine.step.optimizer): per element 4 + itemsize
     # bytes each, at the bandwidth the update itself moves its bytes at. The fp32 copies
@@ -247,8 +249,7 @@ def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[s
             fresh=row.fresh,
             prefetched=row.prefetched,
             update_beside=row.update_beside,
-            grad_homes=(int(parameters * (1.0 - on_device)) * 4
-                        if lands_per_step else 0),
+            grads_land_per_step=lands_per_step,
         )
         out[name] = forecast(work, traffic, cal, precision=plan.precision,
                              simulated=plan.simulated, grad_accum=grad_accum,
