@@ -5,7 +5,7 @@ machine's calibration) beside the median of the measured steps (warm-up excluded
 their ratio; then every pair of rows whose measured times differ by more than 15%: does
 the forecast order them the same way? Measured is the wall time of a step, which only a
 quiet machine gives (the load average is printed on every row); the stepping thread's and
-the process's CPU seconds beside it.
+the process's CPU seconds beside it, and the seconds a step waited for the disk tier (DISK).
 
     python benchmarks/time_model.py                    # the whole grid (long)
     python benchmarks/time_model.py --quick            # a few rows, few steps
@@ -78,6 +78,9 @@ class Row:
     # the disk tier's reads and writes, which it does not count.
     thread: float = 0.0
     cpu: float = 0.0  # the process's CPU seconds per step, every thread's
+    # Seconds a step waited for the disk tier (StepStats.disk_wait): its share of the wall
+    # time, measured rather than inferred from the wall and thread clocks.
+    disk_wait: float = 0.0
     note: str = ""
 
     @property
@@ -104,7 +107,7 @@ def llama_folder(root: Path) -> str:
     return str(folder)
 
 
-def measure_apart(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
+def measure_apart(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float, float]:
     """`measure` in a new process (this script's `--measure`)."""
     fields = json.dumps(dataclasses.asdict(row))
     done = subprocess.run([sys.executable, __file__, "--measure", fields, "--steps", str(steps),
@@ -117,9 +120,10 @@ def measure_apart(row: Row, steps: int, disk_dir: str) -> tuple[float, float, fl
     return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
-    """(wall, stepping thread's CPU, process CPU) seconds of a steady step: medians, the
-    first WARM_UP steps excluded. With the heap a run keeps (tuitrain.training_run)."""
+def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float, float]:
+    """(wall, stepping thread's CPU, process CPU, disk wait) seconds of a steady step:
+    medians, the first WARM_UP steps excluded. With the heap a run keeps
+    (tuitrain.training_run)."""
     steady_heap()
     model = build_model(row.model, seed=0)
     if row.checkpointing:
@@ -133,15 +137,16 @@ def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float]:
     config = EngineConfig(policy=row.policy, margin_ratio=row.margin, device_budget=row.budget,
                           precision=PRECISION, grad_accum=row.accum, host_budget=host_budget,
                           disk_dir=disk_dir if row.disk else None, seed=0)
-    thread, wall, cpu = [], [], []
+    thread, wall, cpu, waits = [], [], [], []
     with Engine(model, config) as eng:
         for _ in range(steps):
             t0, w0, c0 = time.thread_time(), time.perf_counter(), time.process_time()
-            eng.step({"input_ids": ids, "labels": ids})
+            stats = eng.step({"input_ids": ids, "labels": ids})
+            waits.append(stats.disk_wait)
             thread.append(time.thread_time() - t0)
             wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
-    return tuple(statistics.median(x[WARM_UP:]) for x in (wall, thread, cpu))
+    return tuple(statistics.median(x[WARM_UP:]) for x in (wall, thread, cpu, waits))
 
 
 def _half_the_chunks(row: Row) -> int:
@@ -210,15 +215,16 @@ def main() -> None:
                 if all(text in r.label() for text in args.only)
                 and (not args.rows or r.label() in args.rows)]
         print(f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'THREAD':>8} "
-              f"{'CPU':>8} {'LOAD':>5}")
+              f"{'CPU':>8} {'DISK':>6} {'LOAD':>5}")
         for row in rows:
             row.predicted = predict(row, cal, root)
             if row.note:
                 print(f"{row.label():<44} {row.predicted:9.3f} {'-':>9} {'-':>6}  {row.note}")
                 continue
-            row.measured, row.thread, row.cpu = measure_apart(row, args.steps, root)
+            row.measured, row.thread, row.cpu, row.disk_wait = measure_apart(row, args.steps,
+                                                                             root)
             print(f"{row.label():<44} {row.predicted:9.3f} {row.measured:9.3f} "
-                  f"{row.ratio:6.2f} {row.thread:8.3f} {row.cpu:8.3f} "
+                  f"{row.ratio:6.2f} {row.thread:8.3f} {row.cpu:8.3f} {row.disk_wait:6.3f} "
                   f"{os.getloadavg()[0]:5.1f}", flush=True)
         done = [r for r in rows if r.measured]
         within = sum(abs(r.ratio - 1) <= TOLERANCE for r in done)
