@@ -47,9 +47,9 @@ from engine import Engine, EngineConfig
 from engine.config import format_size
 from engine.devices.host_memory import steady_heap
 from engine.models.zoo import build_model
-from engine.planning.calibration import calibration
 from engine.planning.planner import plan
 from engine.planning.time_model import step_times
+from tuitrain.plan_forecast import machine_calibration
 
 SEQ = 128
 BATCH = 2  # sequences per micro-batch (--batch)
@@ -207,8 +207,8 @@ def main() -> None:
         models = [llama_folder(Path(root)) if m == "llama" else m for m in args.models]
         # The model alone: what tunes taught this machine (the learned correction) is left
         # out, so that the table says how good the terms are.
-        steady_heap()  # measured, if it must be, in the heap the rows keep (measure)
-        cal = dataclasses.replace(calibration(say=print), correction=1.0)
+        # Measured, if it must be, in the heap the rows keep (measure), as tuitrain does.
+        cal = dataclasses.replace(machine_calibration(say=print), correction=1.0)
         print(f"calibration: {cal.machine} ({cal.measured_at}); load "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         rows = [r for r in grid(models, args.quick)

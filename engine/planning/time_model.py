@@ -157,9 +157,8 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     d2h_bytes = min(traffic.copied, traffic.updated_on_host * traffic.itemsize)
     h2d = micro * ((traffic.copied - d2h_bytes) / cal.h2d + cal.fresh_seconds(traffic.fresh))
     d2h = micro * d2h_bytes / cal.d2h
-    if simulated:  # a GPU's land in pinned host memory, which its allocator keeps
-        if traffic.grads_land_per_step:
-            d2h += cal.fresh_seconds(4 * traffic.updated_on_host)
+    if simulated and traffic.grads_land_per_step:  # a GPU's land in pinned memory it keeps
+        d2h += cal.fresh_seconds(4 * traffic.updated_on_host)
     # Outside fp32 the update first reads each gradient as fp32 and after it writes the
     # weights back in the compute dtype (engine.step.optimizer): per element 4 + itemsize
     # bytes each, at the bandwidth the update itself moves its bytes at. The fp32 copies
