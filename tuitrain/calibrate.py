@@ -55,6 +55,9 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
         print(f"matmul {precision}: {rates}")
     print(f"elementwise: {_bytes(cal.elementwise)} read and written")
     print(f"copies:      host to device {_bytes(cal.h2d)}, device to host {_bytes(cal.d2h)}")
+    if cal.random:
+        print(f"random:      {cal.random / 1e6:,.0f} M numbers/s drawn, beyond writing them "
+              f"(dropout's masks)")
     if cal.fresh_pages:
         print(f"new memory:  {_bytes(cal.fresh_pages)} beyond writing it (each page faulted in, "
               f"zeroed, unmapped)")

@@ -65,7 +65,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 11  # bump when what is measured changes: older files are measured again
+FORMAT = 12  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -92,6 +92,8 @@ ADAMW_ELEMENTS = 16 * 2**20
 # time) runs of it read 59-99 GiB/s by the wall clock here, and calibrations 62.5, 100.6,
 # 173.5 and 179.3 GiB/s in a day; at 16M, 44-50 GiB/s run to run.
 ELEMENTWISE_ELEMENTS = 16 * 2**20
+# Dropout's mask is drawn over an activation's elements: opt-125m's at 2 x 128 are 196k.
+RANDOM_ELEMENTS = 2**20
 FRESH_BYTES = 64 * 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The correction is the median of the last runs' measured / uncorrected forecast, so that a
@@ -122,6 +124,10 @@ class Calibration:
     # Bytes per second of new host memory beyond writing it: mapped, each page faulted in
     # and zeroed at its first write, unmapped when freed (0: not measured, costs nothing).
     fresh_pages: float = 0.0
+    # Random numbers per second drawn on the device (dropout's mask: `bernoulli_` over fp32
+    # elements) beyond the bytes that writes, which `elementwise` prices (0: not measured,
+    # or a device that draws them as fast as it writes them).
+    random: float = 0.0
     # A real decoder's forward and backward measured over what the FLOPs and bytes above
     # forecast for it, per second of that forecast (the slope between two depths, see
     # REFERENCE): the small matmuls, the barriers between a parallel kernel's threads,
@@ -167,6 +173,14 @@ class Calibration:
                 t = (math.log(hidden) - math.log(lo)) / (math.log(hi) - math.log(lo))
                 return table[lo] * (table[hi] / table[lo]) ** t
         return table[widths[-1]]
+
+    def kernel_seconds(self, precision: str, hidden: int, flops: float, nbytes: float,
+                       random: float = 0.0) -> float:
+        """Seconds of kernels at the rates alone (no factor, no new memory): `flops` of
+        matmuls at a model width of `hidden`, `nbytes` that other ops read and write, and
+        `random` numbers drawn."""
+        seconds = flops / self.matmul_rate(precision, hidden) + nbytes / self.elementwise
+        return seconds + (random / self.random if self.random > 0 else 0.0)
 
     def factor(self, precision: str) -> float:
         """The compute factor of a step computed in `precision`."""
@@ -426,7 +440,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     shape = CUDA_REFERENCE if cuda else REFERENCE
     references = [_Reference(where, sync, scale, name, shape) for name in names]
     clock = _Clock(left * KERNELS_SHARE,
-                   len(widths) * len(precisions) + 6 + len(references) * REFERENCE_SHARES,
+                   len(widths) * len(precisions) + 7 + len(references) * REFERENCE_SHARES,
                    time.perf_counter if cuda else time.thread_time)
     tokens = max(16, int((CUDA_TOKENS if cuda else TOKENS) * scale))
     for reference in references:
@@ -452,6 +466,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     # Two tensors read, one written.
     elementwise = clock.rate(3 * out.nbytes, lambda: torch.add(x, y, out=out), sync)
     fresh_pages = _fresh_pages_rate(clock, max(2**16, int(FRESH_BYTES * scale)))
+    random = _random_rate(clock, max(4096, int(RANDOM_ELEMENTS * scale)), where, sync,
+                          elementwise)
 
     numel = max(4096, int(COPY_BYTES * scale)) // 4
     host, dev = device.host_empty(numel, torch.float32), device.empty(numel, torch.float32)
@@ -476,6 +492,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         matmul=matmul, elementwise=elementwise, h2d=h2d, d2h=d2h,
         adamw_host=adamw_host, adamw_device=adamw_device,
         disk_read=disk_read, disk_write=disk_write, op_overhead=0.0, fresh_pages=fresh_pages,
+        random=random,
     )
     for reference in references:
         reference.time(clock)  # its second window, after the kernels, the copies and the disk
@@ -518,6 +535,19 @@ def _fresh_pages_rate(clock: _Clock, size: int) -> float:
     resident = size / clock.rate(size, lambda: kept.fill_(1), lambda: None, typical=True,
                                  shares=0.5)
     return size / (new - resident) if new > resident else 0.0
+
+
+def _random_rate(clock: _Clock, elements: int, where: torch.device,
+                 sync: Callable[[], None], elementwise: float) -> float:
+    """Random numbers per second of dropout's mask (`bernoulli_` over fp32 elements)
+    beyond the bytes it reads and writes at `elementwise`; 0 where drawing is no slower
+    than that. The run's random numbers stay untouched."""
+    mask = torch.empty(elements, device=where)
+    devices = [where.index or 0] if where.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        drawn = clock.rate(elements, lambda: mask.bernoulli_(0.9), sync)
+    beyond = elements / drawn - 2 * mask.nbytes / elementwise
+    return elements / beyond if beyond > 0 else 0.0
 
 
 def _adamw_rate(clock: _Clock, elements: int, where: torch.device,
@@ -731,8 +761,9 @@ def _op_overhead(cal: Calibration, model: torch.nn.Module, simulate: bool | None
 def _kernels(cal: Calibration, work: StepWork, precision: str = "fp32") -> float:
     """Seconds of a plain forward and backward at the rates alone (no factor, no new
     memory)."""
-    return ((work.forward_flops + work.backward_flops) / cal.matmul_rate(precision, work.hidden)
-            + (work.forward_bytes + work.backward_bytes) / cal.elementwise)
+    return cal.kernel_seconds(precision, work.hidden, work.forward_flops + work.backward_flops,
+                              work.forward_bytes + work.backward_bytes,
+                              work.forward_random + work.backward_random)
 
 
 def _fresh(cal: Calibration, work: StepWork) -> float:

@@ -54,6 +54,14 @@ _FREE = {"view", "_unsafe_view", "expand", "t", "transpose", "permute", "unsquee
          "slice", "select", "as_strided", "alias", "detach", "split", "split_with_sizes",
          "unbind", "_reshape_alias", "lift_fresh", "empty", "empty_like", "zeros",
          "new_empty", "new_zeros", "zeros_like", "empty_strided"}
+# Ops that draw random numbers (dropout's mask: `bernoulli_` on the meta device and on a
+# CPU). Their bytes are counted as every other op's; the numbers they draw are counted apart
+# (`*_random`), since drawing them costs far more than writing them: on this machine's CPU a
+# dropout over 196k fp32 elements took 1.0 ms where multiplying them took 10 us, and
+# opt-125m's dropouts (p=0.1) 2.3% of its step, which its bytes priced at nothing.
+_RANDOM = {"bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
+           "normal", "uniform", "exponential", "geometric", "cauchy", "log_normal", "random",
+           "native_dropout", "randperm", "multinomial"}
 
 
 @dataclass(frozen=True)
@@ -79,18 +87,23 @@ class StepWork:
     forward_fresh: float = 0.0
     backward_fresh: float = 0.0
     recompute_fresh: float = 0.0
+    # Random numbers drawn (dropout's masks; a checkpointed layer draws them again).
+    forward_random: float = 0.0
+    backward_random: float = 0.0
+    recompute_random: float = 0.0
 
     def scaled(self, factor: float) -> StepWork:
         """This work `factor` times (micro-batches of one step)."""
         return dataclasses.replace(
             self, **{f.name: getattr(self, f.name) * factor for f in dataclasses.fields(self)
-                     if f.name.endswith(("_flops", "_bytes", "_fresh"))},
+                     if f.name.endswith(("_flops", "_bytes", "_fresh", "_random"))},
             intervals=int(self.intervals * factor), ops=int(self.ops * factor))
 
 
 class _Counter(TorchDispatchMode):
-    """Matmul FLOPs, the bytes every other op reads and writes, and the bytes of the new
-    tensors at or above `mapped_from` (None: none), forward apart from backward."""
+    """Matmul FLOPs, the bytes every other op reads and writes, the bytes of the new
+    tensors at or above `mapped_from` (None: none) and the random numbers drawn, forward
+    apart from backward."""
 
     def __init__(self, mapped_from: int | None) -> None:
         super().__init__()
@@ -98,6 +111,7 @@ class _Counter(TorchDispatchMode):
         self.flops = [0.0, 0.0]
         self.bytes = [0.0, 0.0]
         self.fresh = [0.0, 0.0]
+        self.random = [0.0, 0.0]
         self.mapped_from = mapped_from
         self.ops = 0
 
@@ -114,8 +128,13 @@ class _Counter(TorchDispatchMode):
         elif packet.__name__.rstrip("_") not in _FREE:
             moved = [*_tensors(out), *_tensors(args), *_tensors(list(kwargs.values()))]
             self.bytes[phase] += sum(t.numel() * t.element_size() for t in moved)
-        # An op whose results alias nothing allocates them (views and in-place ops do not).
-        if self.mapped_from is not None and not any(r.alias_info for r in func._schema.returns):
+        if packet.__name__.strip("_") in _RANDOM:
+            self.random[phase] += sum(t.numel() for t in _tensors(out)[:1])
+        # An op whose results alias nothing allocates them (views and in-place ops do not,
+        # nor `_unsafe_view`, a view whose schema says otherwise: counted, it made 49 of
+        # opt-125m's 1,161 MiB of new memory a step, and 79 of a Llama-shaped model's 948).
+        if (self.mapped_from is not None and packet is not _aten._unsafe_view
+                and not any(r.alias_info for r in func._schema.returns)):
             sizes = (t.numel() * t.element_size() for t in _tensors(out))
             self.fresh[phase] += sum(n for n in sizes if n >= self.mapped_from)
         return out
@@ -141,9 +160,9 @@ def _attention_flops(func: object, args: tuple) -> float:
 
 def _count(config: PretrainedConfig, dtype: torch.dtype, batch_size: int, seq_len: int,
            checkpointing: bool, lora: Lora | None, mapped_from: int | None
-           ) -> tuple[list[float], list[float], list[float], int, int, int]:
-    """(flops, bytes, fresh bytes, intervals, ops, trainable parameters) of one step: flops
-    and bytes [forward, backward]."""
+           ) -> tuple[list[float], list[float], list[float], list[float], int, int, int]:
+    """(flops, bytes, fresh bytes, random numbers, intervals, ops, trainable parameters) of
+    one step: the first four [forward, backward]."""
     model = _meta_model(config, dtype, checkpointing, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fired = [0]
@@ -163,8 +182,8 @@ def _count(config: PretrainedConfig, dtype: torch.dtype, batch_size: int, seq_le
     # Every module's backward is an interval of its own too (fetched again, or only
     # receiving gradients: engine.step.backward_reads); a recomputed one's forward a third
     # (its pre-hook fires again in backward).
-    return (counter.flops, counter.bytes, counter.fresh, forward_points + fired[0],
-            counter.ops, trainable)
+    return (counter.flops, counter.bytes, counter.fresh, counter.random,
+            forward_points + fired[0], counter.ops, trainable)
 
 
 def _depth(config: PretrainedConfig, layers: int) -> PretrainedConfig:
@@ -178,7 +197,7 @@ def _depth(config: PretrainedConfig, layers: int) -> PretrainedConfig:
 @lru_cache(maxsize=32)
 def _cached(config_json: str, config_class: type, dtype: torch.dtype, batch_size: int,
             seq_len: int, lora: Lora | None, mapped_from: int | None, checkpointing: bool
-            ) -> tuple[list[float], list[float], list[float], int, int, int]:
+            ) -> tuple[list[float], list[float], list[float], list[float], int, int, int]:
     config = config_class.from_dict(json.loads(config_json))
     layers = getattr(config, "num_hidden_layers", None)
     uniform = len(set(getattr(config, "layer_types", None) or [None])) == 1
@@ -188,10 +207,11 @@ def _cached(config_json: str, config_class: type, dtype: torch.dtype, batch_size
     one = _count(_depth(config, 1), *shape)
     two = _count(_depth(config, 2), *shape)
     # Work grows by the same amount with every layer: base + layers x one layer's.
-    flops, nbytes, fresh = ([a + (layers - 1) * (b - a) for a, b in zip(x, y, strict=True)]
-                            for x, y in ((one[i], two[i]) for i in (0, 1, 2)))
-    intervals, ops, trainable = (one[i] + (layers - 1) * (two[i] - one[i]) for i in (3, 4, 5))
-    return flops, nbytes, fresh, intervals, ops, trainable
+    flops, nbytes, fresh, random = (
+        [a + (layers - 1) * (b - a) for a, b in zip(x, y, strict=True)]
+        for x, y in ((one[i], two[i]) for i in (0, 1, 2, 3)))
+    intervals, ops, trainable = (one[i] + (layers - 1) * (two[i] - one[i]) for i in (4, 5, 6))
+    return flops, nbytes, fresh, random, intervals, ops, trainable
 
 
 def step_work(config: PretrainedConfig, dtype: torch.dtype, *, batch_size: int, seq_len: int,
@@ -205,13 +225,14 @@ def step_work(config: PretrainedConfig, dtype: torch.dtype, *, batch_size: int, 
     Nothing is allocated (the model lives on the meta device); a few tenths of a second."""
     key = (config.to_json_string(use_diff=False), type(config), dtype, batch_size, seq_len,
            lora, mapped_from)
-    flops, nbytes, fresh, intervals, ops, trainable = _cached(*key, checkpointing)
-    recompute_flops = recompute_bytes = recompute_fresh = 0.0
+    flops, nbytes, fresh, random, intervals, ops, trainable = _cached(*key, checkpointing)
+    recompute_flops = recompute_bytes = recompute_fresh = recompute_random = 0.0
     if checkpointing:
-        plain_flops, plain_bytes, plain_fresh, *_ = _cached(*key, False)
+        plain_flops, plain_bytes, plain_fresh, plain_random, *_ = _cached(*key, False)
         recompute_flops = max(0.0, flops[1] - plain_flops[1])
         recompute_bytes = max(0.0, nbytes[1] - plain_bytes[1])
         recompute_fresh = max(0.0, fresh[1] - plain_fresh[1])
+        recompute_random = max(0.0, random[1] - plain_random[1])
     return StepWork(
         forward_flops=flops[0],
         backward_flops=flops[1] - recompute_flops,
@@ -226,4 +247,7 @@ def step_work(config: PretrainedConfig, dtype: torch.dtype, *, batch_size: int, 
         forward_fresh=fresh[0],
         backward_fresh=fresh[1] - recompute_fresh,
         recompute_fresh=recompute_fresh,
+        forward_random=random[0],
+        backward_random=random[1] - recompute_random,
+        recompute_random=recompute_random,
     )

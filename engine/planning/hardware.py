@@ -65,6 +65,7 @@ class HardwareProfile:
             device=self.description,
             matmul={p: {768: r} for p, r in rates.items()},
             elementwise=memory,  # what other ops read and write
+            random=0.0,  # a GPU draws random numbers about as fast as it writes them
             h2d=self.pcie,
             d2h=self.pcie,
             adamw_device=memory / ADAMW_BYTES,

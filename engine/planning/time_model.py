@@ -6,7 +6,8 @@
 A step is `grad_accum` micro-batches of forward and backward, then one update:
 
 - compute: matmul FLOPs at the calibrated throughput of the precision and the model's width,
-  the bytes other ops read and write at the device's elementwise bandwidth, times the
+  the bytes other ops read and write at the device's elementwise bandwidth, the random
+  numbers they draw (dropout's masks) at the device's rate of drawing them, times the
   factor and plus the offset a real decoder measured (engine.planning.calibration), and the
   engine's own cost per op (engine.planning.flops counts both; engine.planning.calibration measures
   the rates), forward, backward and the forward recomputed under activation
@@ -122,36 +123,31 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     """Seconds of one step of `grad_accum` micro-batches, each of `work`. `copies_beside`:
     the simulated device has a core for its copy thread (engine.devices.streams
     .spare_core); without one, its fetches ahead of use run in line too."""
-    rate = cal.matmul_rate(precision, work.hidden)
     micro = max(1, grad_accum)
 
-    def kernels(flops: float, nbytes: float) -> float:
-        return flops / rate + nbytes / cal.elementwise
+    def kernels(phase: str) -> float:  # "forward", "backward" or "recompute"
+        return cal.kernel_seconds(precision, work.hidden, getattr(work, f"{phase}_flops"),
+                                  getattr(work, f"{phase}_bytes"),
+                                  getattr(work, f"{phase}_random"))
 
     # Forward and backward at the calibration's factor and offset (fitted on a decoder at
     # two depths), shared between them by their kernels; the recomputed forward at the
     # factor alone (the offset is each micro-batch's, once).
-    plain = kernels(work.forward_flops, work.forward_bytes) + kernels(work.backward_flops,
-                                                                      work.backward_bytes)
+    plain = kernels("forward") + kernels("backward")
     scale = cal.compute_seconds(precision, plain) / plain if plain > 0 else 0.0
+    share = (work.forward_flops + work.backward_flops + work.recompute_flops) or 1.0
 
-    def seconds(flops: float, nbytes: float, fresh: float, ops: float,
-                factor: float = scale) -> float:
-        work_seconds = factor * kernels(flops, nbytes)
+    def seconds(phase: str, factor: float = scale) -> float:
+        work_seconds = factor * kernels(phase)
         # The engine's own work per op runs on the host: in line with the ops on the
         # simulated device; on CUDA beside the kernels it queued, which run asynchronously.
-        host = ops * cal.op_overhead
+        host = work.ops * getattr(work, f"{phase}_flops") / share * cal.op_overhead
         if not simulated:  # a GPU's caching allocator hands out memory it keeps
             return micro * max(work_seconds, host)
-        return micro * (work_seconds + host + cal.fresh_seconds(fresh))
+        return micro * (work_seconds + host + cal.fresh_seconds(getattr(work, f"{phase}_fresh")))
 
-    share = (work.forward_flops + work.backward_flops + work.recompute_flops) or 1.0
-    forward = seconds(work.forward_flops, work.forward_bytes, work.forward_fresh,
-                      work.ops * work.forward_flops / share)
-    backward = seconds(work.backward_flops, work.backward_bytes, work.backward_fresh,
-                       work.ops * work.backward_flops / share)
-    recompute = seconds(work.recompute_flops, work.recompute_bytes, work.recompute_fresh,
-                        work.ops * work.recompute_flops / share, cal.factor(precision))
+    forward, backward = seconds("forward"), seconds("backward")
+    recompute = seconds("recompute", cal.factor(precision))
     # Gradients come back to the host for the chunks updated there; the rest of the
     # copies are fetches.
     d2h_bytes = min(traffic.copied, traffic.updated_on_host * traffic.itemsize)

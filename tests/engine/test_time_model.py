@@ -26,7 +26,7 @@ from engine.planning.calibration import (
     load_calibration,
     measure,
 )
-from engine.planning.flops import StepWork, step_work
+from engine.planning.flops import StepWork, _Counter, step_work
 from engine.planning.hardware import HARDWARE, UnknownHardware, hardware_profile
 from engine.planning.machine import busy, load_beside, quiet
 from engine.planning.planner import plan
@@ -85,6 +85,31 @@ def test_tensors_at_or_above_the_mapping_line_count_as_new_memory():
                      checkpointing=True)
     assert 0 < ckpt.recompute_fresh < steady.forward_fresh
     assert ckpt.backward_fresh == pytest.approx(steady.backward_fresh)
+
+    # A view is no new memory, whatever its schema says: `_unsafe_view` declares no alias.
+    x, counter = torch.empty(1024, 512, device="meta"), _Counter(mapped_from=2**20)
+    with counter:
+        torch.ops.aten._unsafe_view(x, [512, 1024])
+        assert counter.fresh == [0.0, 0.0]
+        torch.ops.aten.add(x, 1)
+    assert counter.fresh == [2 * 2**20, 0.0]
+
+
+def test_dropout_draws_its_masks_in_forward_and_again_where_layers_recompute():
+    """opt-125m's dropout (p=0.1) draws a mask over the activations it drops; backward
+    reuses it, and activation checkpointing recomputes each layer's forward, masks
+    included. A model without dropout draws none."""
+    config, shape = model_config("opt-125m"), dict(batch_size=2, seq_len=128)
+    plain = step_work(config, torch.float32, checkpointing=False, **shape)
+    tokens = 2 * 128 * config.hidden_size
+    # Each layer drops after attention and after its MLP.
+    assert plain.forward_random == 2 * config.num_hidden_layers * tokens
+    assert plain.backward_random == plain.recompute_random == 0
+    ckpt = step_work(config, torch.float32, checkpointing=True, **shape)
+    assert ckpt.recompute_random == 2 * config.num_hidden_layers * tokens
+    assert ckpt.backward_random == 0
+    config.dropout = 0.0
+    assert step_work(config, torch.float32, checkpointing=False, **shape).forward_random == 0
 
 
 # --- the arithmetic ---------------------------------------------------------------------
@@ -182,6 +207,21 @@ def test_new_memory_costs_its_pages_on_the_simulated_device_only():
         more = forecast(fresh, TRAFFIC, cal, precision="fp32", simulated=simulated)
         assert more.forward - plain.forward == pytest.approx(cost)
         assert more.recompute - plain.recompute == pytest.approx(cost / 2)
+
+
+def test_random_numbers_cost_their_draws_beyond_their_bytes_where_measured():
+    """Drawing dropout's masks costs what the calibration measured beyond the bytes they
+    write, times the factor as every kernel; unmeasured (a GPU's profile), only the bytes."""
+    drawn = dataclasses.replace(WORK, forward_random=2e8, recompute_random=1e8)
+    cal = dataclasses.replace(fixed_calibration(), random=1e8, compute_factor=2.0)
+    plain = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=True)
+    more = forecast(drawn, TRAFFIC, cal, precision="fp32", simulated=True)
+    assert more.forward - plain.forward == pytest.approx(2.0 * 2.0)
+    assert more.recompute - plain.recompute == pytest.approx(2.0 * 1.0)
+    unmeasured = dataclasses.replace(cal, random=0.0)
+    assert forecast(drawn, TRAFFIC, unmeasured, precision="fp32", simulated=True).forward == (
+        pytest.approx(plain.forward))
+    assert hardware_profile("h100-80gb").calibration(cal).random == 0
 
 
 def test_the_precision_picks_its_matmul_rate():
@@ -452,7 +492,7 @@ def test_the_compute_factor_takes_new_memory_off_but_never_all_of_the_run():
 
 def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     cal = measure(simulate=True, limit=0.5, scale=0.01)
-    rates = [cal.elementwise, cal.h2d, cal.d2h, cal.adamw_host, cal.adamw_device,
+    rates = [cal.elementwise, cal.h2d, cal.d2h, cal.adamw_host, cal.adamw_device, cal.random,
              *(r for table in cal.matmul.values() for r in table.values())]
     assert all(math.isfinite(r) and r > 0 for r in rates)
     assert set(cal.matmul) == {"fp32", "bf16", "fp16"}
