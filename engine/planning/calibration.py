@@ -50,6 +50,7 @@ from engine.devices.host_memory import mapped_from
 from engine.planning.machine import busy, fingerprint, load_average, load_beside, quiet
 
 if TYPE_CHECKING:
+    from engine.devices.device import ComputeDevice
     from engine.planning.flops import StepWork
 
 __all__ = [
@@ -445,6 +446,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     tokens = max(16, int((CUDA_TOKENS if cuda else TOKENS) * scale))
     for reference in references:
         reference.time(clock)  # its first window: before the kernels
+    memory = _MemorySpeeds(clock, device, sync, scale)
+    memory.time()  # its first window, beside the decoder's
 
     matmul: dict[str, dict[int, float]] = {}
     for name in precisions:
@@ -460,25 +463,11 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         # fp16 matmuls on a CPU take the bf16 path's speed or worse; not measured apart.
         matmul["fp16"] = dict(matmul["bf16"])
 
-    n = max(4096, int(ELEMENTWISE_ELEMENTS * scale))
-    x, y = torch.full((n,), 0.5, device=where), torch.full((n,), 0.25, device=where)
-    out = torch.empty(n, device=where)
-    # Two tensors read, one written.
-    elementwise = clock.rate(3 * out.nbytes, lambda: torch.add(x, y, out=out), sync)
     fresh_pages = _fresh_pages_rate(clock, max(2**16, int(FRESH_BYTES * scale)))
     random = _random_rate(clock, max(4096, int(RANDOM_ELEMENTS * scale)), where, sync,
-                          elementwise)
-
-    numel = max(4096, int(COPY_BYTES * scale)) // 4
-    host, dev = device.host_empty(numel, torch.float32), device.empty(numel, torch.float32)
-    host.fill_(1.0)
-    h2d = clock.rate(host.nbytes, lambda: device.copy(dev, host), sync)
-    d2h = clock.rate(host.nbytes, lambda: device.copy(host, dev), sync)
-    device.close()
-
+                          memory.windows[0]["elementwise"])
     elements = max(4096, int(ADAMW_ELEMENTS * scale))
-    adamw_host = _adamw_rate(clock, elements, torch.device("cpu"), lambda: None)
-    adamw_device = _adamw_rate(clock, elements, where, sync) if cuda else adamw_host
+    adamw_device = _adamw_rate(clock, elements, where, sync) if cuda else 0.0
 
     parts = {"model": limit - left if left > 1.0 else time.perf_counter() - started}
     # The decoder's first window ran before the kernels: its time is in theirs.
@@ -489,13 +478,19 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     cal = Calibration(
         fingerprint=key, machine=words,
         device=torch.cuda.get_device_name() if cuda else "simulated",
-        matmul=matmul, elementwise=elementwise, h2d=h2d, d2h=d2h,
-        adamw_host=adamw_host, adamw_device=adamw_device,
+        matmul=matmul, elementwise=0.0, h2d=0.0, d2h=0.0, adamw_host=0.0,
+        adamw_device=adamw_device,
         disk_read=disk_read, disk_write=disk_write, op_overhead=0.0, fresh_pages=fresh_pages,
         random=random,
     )
     for reference in references:
         reference.time(clock)  # its second window, after the kernels, the copies and the disk
+    memory.time()
+    device.close()
+    for name, rate in memory.speeds().items():
+        setattr(cal, name, rate)
+    cal.extra["memory windows"] = memory.windows  # both, for a machine whose speed moves
+    cal.adamw_device = cal.adamw_device or cal.adamw_host  # the simulated device's is the host
     cal.compute_factor, cal.compute_offset = references[0].fit(cal)
     if len(references) > 1:
         cal.half_factor, cal.half_offset = references[1].fit(cal)
@@ -550,10 +545,58 @@ def _random_rate(clock: _Clock, elements: int, where: torch.device,
     return elements / beyond if beyond > 0 else 0.0
 
 
+class _MemorySpeeds:
+    """The rates that memory's speed sets: the elementwise probe, the copies each way and
+    AdamW on the host, each the median of its runs, in two windows that take one share
+    each between them: one beside the decoder's first window, one beside its second.
+
+    The slower window counts. This machine's memory runs at one of two speeds about 2x
+    apart, the slower most of the time: an fp32 add over 16M elements sampled every half
+    second for a minute took 4.3-5.6 ms, but for two spells of a second or so 2.4-2.6 ms
+    (2026-12-05). A calibration whose probes fell in such a spell read copies at 47 GiB/s
+    and AdamW at 4.6 G elements/s, where the one before read 20 and 2.4, and the runs that
+    followed took the slower speed; their fastest run, as compute rates are taken, is that
+    spell's."""
+
+    def __init__(self, clock: _Clock, device: ComputeDevice, sync: Callable[[], None],
+                 scale: float) -> None:
+        self.clock, self.device, self.sync, self.scale = clock, device, sync, scale
+        self.windows: list[dict[str, float]] = []
+
+    def time(self) -> None:
+        """One window (the tensors of each probe freed before the next is made)."""
+        self.windows.append({"elementwise": self._elementwise(), **self._copies(),
+                             "adamw_host": _adamw_rate(
+                                 self.clock, max(4096, int(ADAMW_ELEMENTS * self.scale)),
+                                 torch.device("cpu"), lambda: None, typical=True,
+                                 shares=0.5)})
+
+    def _elementwise(self) -> float:
+        where, n = self.device.torch_device, max(4096, int(ELEMENTWISE_ELEMENTS * self.scale))
+        x, y = torch.full((n,), 0.5, device=where), torch.full((n,), 0.25, device=where)
+        out = torch.empty(n, device=where)
+        # Two tensors read, one written.
+        return self.clock.rate(3 * out.nbytes, lambda: torch.add(x, y, out=out), self.sync,
+                               typical=True, shares=0.5)
+
+    def _copies(self) -> dict[str, float]:
+        device, numel = self.device, max(4096, int(COPY_BYTES * self.scale)) // 4
+        host, dev = device.host_empty(numel, torch.float32), device.empty(numel, torch.float32)
+        host.fill_(1.0)
+        return {"h2d": self.clock.rate(host.nbytes, lambda: device.copy(dev, host), self.sync,
+                                       typical=True, shares=0.5),
+                "d2h": self.clock.rate(host.nbytes, lambda: device.copy(host, dev), self.sync,
+                                       typical=True, shares=0.5)}
+
+    def speeds(self) -> dict[str, float]:
+        """Each rate's slower window."""
+        return {name: min(w[name] for w in self.windows) for name in self.windows[0]}
+
+
 def _adamw_rate(clock: _Clock, elements: int, where: torch.device,
-                sync: Callable[[], None]) -> float:
+                sync: Callable[[], None], **how: object) -> float:
     """Elements per second of the engine's update: PyTorch's fused AdamW over one flat
-    fp32 chunk (engine.step.optimizer)."""
+    fp32 chunk (engine.step.optimizer). `how`: as `_Clock.rate`'s."""
     param, grad, m, v = (torch.full((elements,), 0.5, device=where) for _ in range(4))
     step = torch.ones((), device=where)
 
@@ -562,7 +605,7 @@ def _adamw_rate(clock: _Clock, elements: int, where: torch.device,
                             maximize=False, lr=1e-4, beta1=0.9, beta2=0.999,
                             weight_decay=0.0, eps=1e-8)
 
-    return clock.rate(elements, run, sync)
+    return clock.rate(elements, run, sync, **how)
 
 
 def _disk(scale: float) -> tuple[float, float]:

@@ -533,6 +533,30 @@ def test_a_kernel_is_timed_at_its_best_and_the_reference_decoder_at_its_median()
     assert clock.rate(6.0, run, lambda: None, typical=True, runs=5) == pytest.approx(2.0)
 
 
+def test_memorys_rates_are_medians_in_two_windows_and_the_slower_window_counts():
+    """Memory here runs at one of two speeds, the faster in spells of a second or so: a
+    probe that falls in one must not price every later step's copies and updates."""
+    fast, slow = [100.0, 15.0, 40.0, 4.0], [50.0, 20.0, 21.0, 2.5]  # the h2d copy: window 1
+    readings, how = iter(fast + slow), []
+
+    class Clock:
+        def rate(self, work, run, sync, *, typical=False, runs=3, shares=1.0):
+            run()  # each probe runs, at a small scale
+            how.append((typical, shares))
+            return next(readings)
+
+    simulated = device.make_device(2**30, simulate=True)
+    try:
+        memory = calibration_module._MemorySpeeds(Clock(), simulated, lambda: None, 0.001)
+        memory.time()
+        memory.time()
+    finally:
+        simulated.close()
+    assert memory.speeds() == {"elementwise": 50.0, "h2d": 15.0, "d2h": 21.0,
+                               "adamw_host": 2.5}
+    assert how == [(True, 0.5)] * 8  # medians; two windows make one share
+
+
 def test_a_run_the_threads_clock_did_not_see_whole_is_not_the_fastest():
     """A parallel kernel's thread 0 asleep at its end while another thread finishes: its
     clock read 1 s of a run the wall clock saw take 3 s. The fastest whole run is taken;
