@@ -448,6 +448,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         reference.time(clock)  # its first window: before the kernels
     memory = _MemorySpeeds(clock, device, sync, scale)
     memory.time()  # its first window, beside the decoder's
+    disk = [_disk(scale)]
 
     matmul: dict[str, dict[int, float]] = {}
     for name in precisions:
@@ -472,7 +473,10 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     parts = {"model": limit - left if left > 1.0 else time.perf_counter() - started}
     # The decoder's first window ran before the kernels: its time is in theirs.
     parts["kernels, copies, decoder"] = time.perf_counter() - started - parts["model"]
-    disk_write, disk_read = _disk(scale)
+    disk.append(_disk(scale))
+    # Both windows' bytes over both windows' seconds, each way.
+    disk_write, disk_read = (len(disk) / sum(1 / r for r in rates) if all(rates) else 0.0
+                             for rates in zip(*disk, strict=True))
     parts["disk"] = time.perf_counter() - started - sum(parts.values())
     key, words = fingerprint()
     cal = Calibration(
@@ -489,7 +493,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     device.close()
     for name, rate in memory.speeds().items():
         setattr(cal, name, rate)
-    cal.extra["memory windows"] = memory.windows  # both, for a machine whose speed moves
+    # Both windows, for a machine whose speeds move.
+    cal.extra["memory windows"], cal.extra["disk windows"] = memory.windows, disk
     cal.adamw_device = cal.adamw_device or cal.adamw_host  # the simulated device's is the host
     cal.compute_factor, cal.compute_offset = references[0].fit(cal)
     if len(references) > 1:
@@ -608,9 +613,15 @@ def _adamw_rate(clock: _Clock, elements: int, where: torch.device,
     return clock.rate(elements, run, sync, **how)
 
 
+# The disk probe writes and reads back this many bytes, in the tier's probe's pieces
+# (BANDWIDTH_PROBE). At 64 MiB, six probes in a row here read 1.3-1.6 GiB/s; at 512 MiB,
+# 1.6-2.1: a step moves a GiB or more, and the first reads of a probe are its slowest.
+DISK_PROBE = 256 * 2**20
+
+
 def _disk(scale: float) -> tuple[float, float]:
-    """(write, read) bytes per second of the disk tier's own probe in the scratch folder's
-    parent; (0, 0) when it cannot be written."""
+    """(write, read) bytes per second of the disk tier's probe, DISK_PROBE bytes, in the
+    scratch folder's parent; (0, 0) when it cannot be written."""
     from engine.devices.disk import default_disk_dir, remove_if_empty
     from engine.devices.disk.files import ALIGN, direct_io_supported, sequential_bandwidth
     from engine.devices.disk.tier import BANDWIDTH_PROBE
@@ -623,8 +634,8 @@ def _disk(scale: float) -> tuple[float, float]:
         remove_if_empty(base)
         return 0.0, 0.0
     try:
-        size = max(ALIGN * 4, int(BANDWIDTH_PROBE * 4 * scale) // ALIGN * ALIGN)
-        piece = max(ALIGN, size // 4 // ALIGN * ALIGN)
+        size = max(ALIGN * 4, int(DISK_PROBE * scale) // ALIGN * ALIGN)
+        piece = max(ALIGN, min(BANDWIDTH_PROBE, size // 4) // ALIGN * ALIGN)
         return sequential_bandwidth(folder, write_bytes=size, read_bytes=size, piece=piece,
                                     direct=direct_io_supported(folder))
     except OSError:

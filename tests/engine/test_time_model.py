@@ -501,6 +501,9 @@ def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     assert math.isfinite(cal.compute_offset)
     # bf16's own factor where runs here compute in it; none where they run in fp32.
     assert (cal.half_factor > 0) == host_has_bf16()
+    # The disk and memory's speeds in two windows each, both kept beside the rates.
+    assert len(cal.extra["disk windows"]) == len(cal.extra["memory windows"]) == 2
+    assert cal.disk_read > 0 and cal.disk_write > 0
     assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
 
 
