@@ -6,12 +6,14 @@ with (engine.planning.time_model).
 
 What is measured, each on the engine's own path: matmuls per compute dtype at a few widths
 on the compute device; the bytes per second that ops other than matmuls write there; how
-fast the system hands out new host memory (a page faulted in, zeroed and unmapped); copies
-each way through the device's transfers (the staging ring on CUDA); PyTorch's fused AdamW,
-the engine's update, on the host and on the device; the disk tier's sequential probe in the
-scratch folder; a real decoder's forward and backward at two depths, against what those
-rates forecast for it; and the engine's own cost per module interval (hooks, chunk
-states), from a few steps of the `tiny` model.
+fast it draws random numbers (dropout's masks); how fast the system hands out new host
+memory (a page faulted in, zeroed and unmapped); copies each way through the device's
+transfers (the staging ring on CUDA); PyTorch's fused AdamW, the engine's update, on the
+host and on the device; the disk tier's sequential probe in the scratch folder; a real
+decoder's forward and backward at two depths, against what those rates forecast for it;
+and the engine's own cost per module interval (hooks, chunk states), from a few steps of
+the `tiny` model. What memory's speed sets, and the disk, are measured in two windows
+apart (`_MemorySpeeds`, `_disk`): a machine's memory and disk move from moment to moment.
 
 The figures are cached under the user cache folder, one file per machine fingerprint: the
 CPU model, vector instructions and cores, the torch version and the GPU's name, driver and
@@ -433,8 +435,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     precisions = list(DTYPES) if cuda else ["fp32", "bf16"]
     # The engine's steps (_op_overhead) take what is left of the limit: building `tiny`
     # and its first steps take a few seconds on a busy machine.
-    # A share for each matmul, the elementwise rate, each copy and each AdamW; the
-    # reference decoder REFERENCE_SHARES.
+    # A share for each matmul, the elementwise rate, the random numbers, new memory, each
+    # copy and each AdamW; the reference decoder REFERENCE_SHARES.
     # The decoder in fp32, and in the half precision runs here default to, if any.
     half = default_precision(cuda)
     names = ["fp32"] if half == "fp32" else ["fp32", half]
@@ -468,10 +470,10 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     random = _random_rate(clock, max(4096, int(RANDOM_ELEMENTS * scale)), where, sync,
                           memory.windows[0]["elementwise"])
     elements = max(4096, int(ADAMW_ELEMENTS * scale))
-    adamw_device = _adamw_rate(clock, elements, where, sync) if cuda else 0.0
+    adamw_device = _adamw_rate(clock, elements, where, sync) if cuda else 0.0  # see below
 
     parts = {"model": limit - left if left > 1.0 else time.perf_counter() - started}
-    # The decoder's first window ran before the kernels: its time is in theirs.
+    # The decoder's and the disk's first windows ran before the kernels: in their time.
     parts["kernels, copies, decoder"] = time.perf_counter() - started - parts["model"]
     disk.append(_disk(scale))
     # Both windows' bytes over both windows' seconds, each way.
@@ -495,7 +497,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         setattr(cal, name, rate)
     # Both windows, for a machine whose speeds move.
     cal.extra["memory windows"], cal.extra["disk windows"] = memory.windows, disk
-    cal.adamw_device = cal.adamw_device or cal.adamw_host  # the simulated device's is the host
+    if not cuda:
+        cal.adamw_device = cal.adamw_host  # the simulated device's memory is the host's
     cal.compute_factor, cal.compute_offset = references[0].fit(cal)
     if len(references) > 1:
         cal.half_factor, cal.half_offset = references[1].fit(cal)
