@@ -128,7 +128,7 @@ class _Counter(TorchDispatchMode):
         elif packet.__name__.rstrip("_") not in _FREE:
             moved = [*_tensors(out), *_tensors(args), *_tensors(list(kwargs.values()))]
             self.bytes[phase] += sum(t.numel() * t.element_size() for t in moved)
-        if packet.__name__.strip("_") in _RANDOM:
+        if packet.__name__.rstrip("_") in _RANDOM:
             self.random[phase] += sum(t.numel() for t in _tensors(out)[:1])
         # An op whose results alias nothing allocates them (views and in-place ops do not,
         # nor `_unsafe_view`, a view whose schema says otherwise: counted, it made 49 of
@@ -225,29 +225,21 @@ def step_work(config: PretrainedConfig, dtype: torch.dtype, *, batch_size: int, 
     Nothing is allocated (the model lives on the meta device); a few tenths of a second."""
     key = (config.to_json_string(use_diff=False), type(config), dtype, batch_size, seq_len,
            lora, mapped_from)
-    flops, nbytes, fresh, random, intervals, ops, trainable = _cached(*key, checkpointing)
-    recompute_flops = recompute_bytes = recompute_fresh = recompute_random = 0.0
+    *measures, intervals, ops, trainable = _cached(*key, checkpointing)
+    # What a checkpointed step's backward does beyond a plain one's is the recomputation.
+    recompute = [0.0] * len(measures)
     if checkpointing:
-        plain_flops, plain_bytes, plain_fresh, plain_random, *_ = _cached(*key, False)
-        recompute_flops = max(0.0, flops[1] - plain_flops[1])
-        recompute_bytes = max(0.0, nbytes[1] - plain_bytes[1])
-        recompute_fresh = max(0.0, fresh[1] - plain_fresh[1])
-        recompute_random = max(0.0, random[1] - plain_random[1])
+        plain = _cached(*key, False)[:len(measures)]
+        recompute = [max(0.0, m[1] - p[1]) for m, p in zip(measures, plain, strict=True)]
+    parts = {}
+    for name, (forward, backward), again in zip(("flops", "bytes", "fresh", "random"),
+                                                measures, recompute, strict=True):
+        parts |= {f"forward_{name}": forward, f"backward_{name}": backward - again,
+                  f"recompute_{name}": again}
     return StepWork(
-        forward_flops=flops[0],
-        backward_flops=flops[1] - recompute_flops,
-        recompute_flops=recompute_flops,
-        forward_bytes=nbytes[0],
-        backward_bytes=nbytes[1] - recompute_bytes,
-        recompute_bytes=recompute_bytes,
         intervals=intervals,
         ops=ops,
         hidden=int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0),
         trainable=trainable,
-        forward_fresh=fresh[0],
-        backward_fresh=fresh[1] - recompute_fresh,
-        recompute_fresh=recompute_fresh,
-        forward_random=random[0],
-        backward_random=random[1] - recompute_random,
-        recompute_random=recompute_random,
+        **parts,
     )
