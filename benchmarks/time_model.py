@@ -160,7 +160,7 @@ def predict(row: Row, cal, disk_dir: str) -> float:
     p = plan(row.model, device_mem=row.budget, host_mem="64GiB", precision=PRECISION,
              batch_size=BATCH, seq_len=SEQ, checkpointing=row.checkpointing,
              margin_ratio=row.margin, host_budget=host_budget, disk_dir=disk_dir,
-             simulated=not torch.cuda.is_available())
+             simulated=not torch.cuda.is_available(), grad_accum=row.accum)
     if not p.policies[row.policy].fits:
         row.note = p.policies[row.policy].reason
     return step_times(p, cal, grad_accum=row.accum)[row.policy].total

@@ -65,6 +65,8 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
           f"{cal.adamw_device / 1e6:,.0f} M/s on the device")
     disk = (f"read {_bytes(cal.disk_read)}, write {_bytes(cal.disk_write)}" if cal.disk_read
             else "not measured (the scratch folder could not be written)")
+    if cal.disk_duplex:
+        disk += f", {_bytes(cal.disk_duplex)} reading and writing at once (the update's)"
     print(f"disk:        {disk}")
 
     def fitted(factor: float, offset: float) -> str:

@@ -18,21 +18,21 @@ def plan_forecaster(model: str, *, host_mem: int, precision: str, seq_len: int,
                     disk_dir: str | Path | None = None, lora: object = None) -> Forecaster:
     """A Forecaster for `model` at this batch length on this machine (with `lora`'s
     adapters, an engine.models.lora.Lora, if given). Plans are shared by the candidates
-    that differ only in policy or accumulation."""
+    that differ only in policy (accumulation changes the host peak and the disk's bytes)."""
     from engine.planning.planner import plan
     from engine.planning.time_model import step_times
 
     plans: dict[tuple, object] = {}
 
     def forecast(c: Candidate) -> Forecast:
-        key = (c.device_budget, c.batch_size, c.activation_checkpointing, c.margin_ratio,
-               c.host_budget)
+        key = (c.device_budget, c.batch_size, c.grad_accum, c.activation_checkpointing,
+               c.margin_ratio, c.host_budget)
         if key not in plans:
             plans[key] = plan(model, device_mem=c.device_budget, host_mem=host_mem,
                               precision=precision, batch_size=c.batch_size, seq_len=seq_len,
                               checkpointing=c.activation_checkpointing, simulated=simulated,
                               margin_ratio=c.margin_ratio, host_budget=c.host_budget,
-                              disk_dir=disk_dir, lora=lora)
+                              disk_dir=disk_dir, grad_accum=c.grad_accum, lora=lora)
         p = plans[key]
         row = p.policies[c.policy]
         if not row.fits:

@@ -9,7 +9,8 @@ on the compute device; the bytes per second that ops other than matmuls write th
 fast it draws random numbers (dropout's masks); how fast the system hands out new host
 memory (a page faulted in, zeroed and unmapped); copies each way through the device's
 transfers (the staging ring on CUDA); PyTorch's fused AdamW, the engine's update, on the
-host and on the device; the disk tier's sequential probe in the scratch folder; a real
+host and on the device; the disk tier's steady reads and writes in the scratch folder, each
+way and both at once; a real
 decoder's forward and backward at two depths, against what those rates forecast for it;
 and the engine's own cost per module interval (hooks, chunk states), from a few steps of
 the `tiny` model. What memory's speed sets, and the disk, are measured in two windows
@@ -49,6 +50,7 @@ import torch
 
 from engine.data.tokenizer import atomic_write, cache_dir
 from engine.devices.host_memory import mapped_from
+from engine.placement import rules
 from engine.planning.machine import busy, fingerprint, load_average, load_beside, quiet
 
 if TYPE_CHECKING:
@@ -68,7 +70,7 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 12  # bump when what is measured changes: older files are measured again
+FORMAT = 13  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
@@ -131,6 +133,10 @@ class Calibration:
     # elements) beyond the bytes that writes, which `elementwise` prices (0: not measured,
     # or a device that draws them as fast as it writes them).
     random: float = 0.0
+    # Bytes per second read and written together in the scratch folder, one thread reading
+    # while another writes, as the update reads each piece ahead and writes the last behind
+    # (engine.chunks.update_walk) (0: not measured; one after the other at the rates above).
+    disk_duplex: float = 0.0
     # A real decoder's forward and backward measured over what the FLOPs and bytes above
     # forecast for it, per second of that forecast (the slope between two depths, see
     # REFERENCE): the small matmuls, the barriers between a parallel kernel's threads,
@@ -477,8 +483,9 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     parts["kernels, copies, decoder"] = time.perf_counter() - started - parts["model"]
     disk.append(_disk(scale))
     # Both windows' bytes over both windows' seconds, each way.
-    disk_write, disk_read = (len(disk) / sum(1 / r for r in rates) if all(rates) else 0.0
-                             for rates in zip(*disk, strict=True))
+    disk_write, disk_read, disk_duplex = (len(disk) / sum(1 / r for r in rates)
+                                          if all(rates) else 0.0
+                                          for rates in zip(*disk, strict=True))
     parts["disk"] = time.perf_counter() - started - sum(parts.values())
     key, words = fingerprint()
     cal = Calibration(
@@ -486,8 +493,8 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         device=torch.cuda.get_device_name() if cuda else "simulated",
         matmul=matmul, elementwise=0.0, h2d=0.0, d2h=0.0, adamw_host=0.0,
         adamw_device=adamw_device,
-        disk_read=disk_read, disk_write=disk_write, op_overhead=0.0, fresh_pages=fresh_pages,
-        random=random,
+        disk_read=disk_read, disk_write=disk_write, disk_duplex=disk_duplex, op_overhead=0.0,
+        fresh_pages=fresh_pages, random=random,
     )
     for reference in references:
         reference.time(clock)  # its second window, after the kernels, the copies and the disk
@@ -616,18 +623,21 @@ def _adamw_rate(clock: _Clock, elements: int, where: torch.device,
     return clock.rate(elements, run, sync, **how)
 
 
-# The disk probe writes and reads back this many bytes, in the tier's probe's pieces
-# (BANDWIDTH_PROBE). At 64 MiB, six probes in a row here read 1.3-1.6 GiB/s; at 512 MiB,
+# The disk probe writes and reads back this many bytes, in pieces of the update's largest
+# (DISK_PROBE_PIECE). At 64 MiB, six probes in a row here read 1.3-1.6 GiB/s; at 512 MiB,
 # 1.6-2.1: a step moves a GiB or more, and the first reads of a probe are its slowest.
 DISK_PROBE = 256 * 2**20
+DISK_PROBE_PIECE = 8 * rules.DISK_PIECE  # a piece of fp32 state: both moments
 
 
-def _disk(scale: float) -> tuple[float, float]:
-    """(write, read) bytes per second of the disk tier's probe, DISK_PROBE bytes, in the
-    scratch folder's parent; (0, 0) when it cannot be written."""
+def _disk(scale: float) -> tuple[float, float, float]:
+    """(write, read, both at once) bytes per second of the disk tier's steady I/O
+    (engine.devices.disk.files.steady_bandwidth), DISK_PROBE bytes each, in the scratch
+    folder's parent; zeros when it cannot be written. The opt-125m and Llama-shaped updates
+    with half their chunks on disk (1.0-1.5 GiB each way) moved 1.7-1.9 GiB/s both ways
+    together; a probe of blocks written for the first time, 1.2-1.6."""
     from engine.devices.disk import default_disk_dir, remove_if_empty
-    from engine.devices.disk.files import ALIGN, direct_io_supported, sequential_bandwidth
-    from engine.devices.disk.tier import BANDWIDTH_PROBE
+    from engine.devices.disk.files import ALIGN, direct_io_supported, steady_bandwidth
 
     base = default_disk_dir()
     try:
@@ -635,14 +645,14 @@ def _disk(scale: float) -> tuple[float, float]:
         folder = Path(tempfile.mkdtemp(prefix=".calibrate-", dir=base))
     except OSError:
         remove_if_empty(base)
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     try:
         size = max(ALIGN * 4, int(DISK_PROBE * scale) // ALIGN * ALIGN)
-        piece = max(ALIGN, min(BANDWIDTH_PROBE, size // 4) // ALIGN * ALIGN)
-        return sequential_bandwidth(folder, write_bytes=size, read_bytes=size, piece=piece,
-                                    direct=direct_io_supported(folder))
+        piece = max(ALIGN, min(DISK_PROBE_PIECE, size // 4) // ALIGN * ALIGN)
+        return steady_bandwidth(folder, nbytes=size, piece=piece,
+                                direct=direct_io_supported(folder))
     except OSError:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         remove_if_empty(base)

@@ -62,10 +62,16 @@ def placement(costs: list[rules.DiskCost], resident: Iterable[int],
 
 @dataclass(frozen=True)
 class DiskTraffic:
-    """Bytes the disk tier reads and writes in one step."""
+    """Bytes the disk tier reads and writes in one step, and of them those the step waits
+    for: the update's, both ways (less the state read ahead while the step ran), and with
+    gradient accumulation the later micro-batches' reads of what an earlier one sent to
+    disk (the masters copied to the device, the gradients added to). The rest, payloads
+    read ahead of use and gradients written behind, runs beside the compute."""
 
     read: int = 0
     written: int = 0
+    update: int = 0
+    later_read: int = 0
 
 
 def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list[int], *,
@@ -88,7 +94,7 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
             from the start: its payload copied from the master, and the gradients of one
             whose payload is on disk added to those there (read and written again).
     """
-    read = written = 0
+    read = written = later_read = 0
     fetches, updated = list(fetches), list(updated)
     home = set(updated)
     # The state pieces read ahead for the update while the step runs (one state buffer
@@ -103,8 +109,10 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
             cost = costs[chunk]
             if (from_master or (later and chunk in home)) and not cost.aliased \
                     and chunk in where.state:
-                read += sum(aligned(4 * n) for p, n in enumerate(_pieces(numel[chunk], piece))
-                            if (chunk, p) not in ahead)
+                master = sum(aligned(4 * n) for p, n in enumerate(_pieces(numel[chunk], piece))
+                             if (chunk, p) not in ahead)
+                read += master
+                later_read += master if later else 0
             elif chunk in where.payload:
                 read += cost.pieces * cost.payload_piece
         if later:
@@ -112,17 +120,22 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
                 grads = costs[chunk].pieces * (costs[chunk].grad_piece
                                                or costs[chunk].payload_piece)
                 read, written = read + grads, written + grads
+                later_read += grads
+    update_read = update_written = 0
     for chunk in updated:
         cost = costs[chunk]
         if chunk in where.payload:
             # Gradients landing, then the update: state, payload (fp32: and the gradients).
             written += cost.pieces * (cost.grad_piece or cost.payload_piece)
-            read += cost.state_region + cost.payload_region
-            written += cost.state_region + cost.pieces * cost.payload_piece
+            update_read += cost.state_region + cost.payload_region
+            update_written += cost.state_region + cost.pieces * cost.payload_piece
         elif chunk in where.state:
-            read += cost.state_region
-            written += cost.state_region
-    return DiskTraffic(read, written)
+            update_read += cost.state_region
+            update_written += cost.state_region
+    read_ahead = sum(costs[c].state_piece for c, _ in ahead)
+    return DiskTraffic(read + update_read, written + update_written,
+                       update=update_read - read_ahead + update_written,
+                       later_read=later_read)
 
 
 def _pieces(numel: int, piece: int | None) -> list[int]:

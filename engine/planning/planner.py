@@ -260,6 +260,8 @@ class _Planner:
             disk_bytes=where.disk_bytes,
             disk_read=io.read,
             disk_written=io.written,
+            disk_update=io.update,
+            disk_later_read=io.later_read,
             update_beside=bool(where.state) and not where.payload,
         )
         if self.cost.sharded:

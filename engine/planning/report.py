@@ -41,6 +41,10 @@ class PolicyPlan:
     disk_bytes: int = 0
     disk_read: int = 0
     disk_written: int = 0
+    # Of those, what the step waits for (engine.planning.disk.DiskTraffic): the update's
+    # reads and writes, less the state read ahead, and accumulation's later reads.
+    disk_update: int = 0
+    disk_later_read: int = 0
     # Whether the update of the chunks whose state is on disk runs beside the next step's
     # forward (engine.chunks.disk_side.overlap_update: state on disk and no payload there,
     # which the forward would read); else the step waits for it.
@@ -135,6 +139,8 @@ class Plan:
                 "disk_bytes": p.disk_bytes,
                 "disk_read": p.disk_read,
                 "disk_written": p.disk_written,
+                "disk_update": p.disk_update,
+                "disk_later_read": p.disk_later_read,
             }
             for name, p in self.policies.items()
         }

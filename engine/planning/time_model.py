@@ -19,16 +19,18 @@ A step is `grad_accum` micro-batches of forward and backward, then one update:
   the fresh pages of the chunk buffers its pool cannot serve and of the host's gradient
   landing places;
 - the update: AdamW over the elements updated on the host and on the device;
-- the disk tier: what the plan reads and writes there per step;
+- the disk tier: what the plan reads and writes there per step, and of it what the step
+  waits for (the update's reads and writes, at the rate the disk does both at once);
 - collectives (data parallel): what a rank gathers and reduce-scatters.
 
 Overlap is the device's: on CUDA the copies stream on their own engine while kernels run,
 so only what exceeds the compute is exposed; the simulated device runs its fetches ahead of
 use on a copy thread beside the step where a core is left beside torch's threads, and
 every other copy in line (a memcpy on the stepping thread). The disk tier's reads and
-writes run on threads beside the step: on CUDA beside the kernels; on the simulated device,
-whose kernels take the same cores, beside one forward only (the update that overlaps the
-next step's). A CUDA rank's collectives run beside the kernels too.
+writes run on threads beside the step: on CUDA beside the kernels; on the simulated device
+the payloads read ahead and the gradients written behind run beside the compute, and the
+update's reads and writes beside one forward where the update flies (the next step's). A
+CUDA rank's collectives run beside the kernels too.
 
 Every part is then multiplied by the calibration's correction: what runs on this machine
 measured against their forecasts (engine.planning.calibration.learn).
@@ -96,6 +98,10 @@ class Traffic:
     itemsize: int  # bytes per element of the compute dtype (gradients copied back)
     disk_read: int = 0
     disk_written: int = 0
+    # Of those, what the step waits for (engine.planning.disk.DiskTraffic): the update's
+    # reads and writes, and accumulation's later reads.
+    disk_update: int = 0
+    disk_later_read: int = 0
     communicated: int = 0  # bytes gathered and reduce-scattered per micro-batch
     # Bytes of new device buffers per micro-batch (simulated: PolicyPlan.fresh): chunk
     # buffers the pool could not serve, each page faulted in and zeroed by the system when
@@ -165,11 +171,19 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     cast = 0.0 if traffic.itemsize >= 4 else 2 * (4 + traffic.itemsize) / ADAMW_BYTES
     opt_host = traffic.updated_on_host * (1 + cast) / cal.adamw_host
     opt_device = traffic.updated_on_device * (1 + cast) / cal.adamw_device
-    disk = 0.0
-    if traffic.disk_read:
-        disk += traffic.disk_read / (cal.disk_read or cal.h2d)
+    disk = traffic.disk_read / (cal.disk_read or cal.h2d) if traffic.disk_read else 0.0
     if traffic.disk_written:
         disk += traffic.disk_written / (cal.disk_write or cal.d2h)
+    # What the step waits for: the update's reads and writes, which the tier's two threads
+    # run at once (each piece read ahead, the last written behind), and accumulation's
+    # later reads, in line. Payloads read ahead and gradients written behind run beside the
+    # compute. The opt-125m and Llama-shaped updates with half their chunks on disk (fp32,
+    # x1) moved 1.7-2.3 GiB/s both ways together, by the tier's clocks, where the probe of
+    # both at once read 2.4 (and one way after the other, on newly written blocks, 1.5).
+    waits = traffic.disk_later_read / (cal.disk_read or cal.h2d)
+    if traffic.disk_update:
+        waits += traffic.disk_update / (cal.disk_duplex or cal.disk_read or cal.h2d)
+    waits = min(disk, waits)
     # Collectives go through host memory on the simulated device (gloo) and over the
     # interconnect on GPUs; the copy bandwidth stands for both (not measured apart).
     collectives = micro * traffic.communicated / min(cal.h2d, cal.d2h)
@@ -183,16 +197,15 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
         # modules that compute meanwhile (engine.devices.streams.CopyingHostStreams).
         if copies_beside:
             overlap += min(micro * traffic.prefetched / cal.h2d, compute)
-        # The disk tier's threads share the cores and the memory bus with the kernels here,
-        # so its reads and writes hide behind no compute but one: the update of the chunks
-        # whose state is on disk flies beside the next step's first forward
-        # (engine.chunks.flight), where none of their payload is on disk. Measured on
-        # opt-125m with half the chunks on disk: the disk added its whole time to a step of
-        # four micro-batches, and all but about one forward's worth to a step of one; in
-        # fp32, where the payload is the master and goes to disk with it, the step waited
-        # for the update (1.09 s of disk waits in a 1.24 s update at 1 GiB, x1).
+        # The disk tier reads payloads ahead and writes gradients behind beside the compute;
+        # the step waits for the update's I/O, except where the update of the chunks whose
+        # state is on disk flies beside the next step's first forward (engine.chunks.flight:
+        # none of their payload on disk). In fp32 the payload is the master and goes to disk
+        # with the state, and the step waits (opt-125m cpu at 1 GiB with half the chunks on
+        # disk, x1: 0.86-0.96 s of the step's 0.9-1.0 s of disk waits in the update).
+        overlap += min(disk - waits, compute)
         if traffic.update_beside:
-            overlap += min(disk, forward / micro)
+            overlap += min(waits, forward / micro)
     else:
         # The disk tier reads ahead and writes behind on threads, beside the GPU's kernels.
         overlap += min(disk, compute + opt_host + opt_device)
@@ -240,6 +253,7 @@ def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[s
             updated_on_host=int(parameters * (1.0 - on_device)),
             updated_on_device=int(parameters * on_device),
             disk_read=row.disk_read, disk_written=row.disk_written,
+            disk_update=row.disk_update, disk_later_read=row.disk_later_read,
             communicated=row.gathered + row.reduce_scattered,
             fresh=row.fresh,
             prefetched=row.prefetched,

@@ -44,6 +44,6 @@ def test_what_anyone_else_put_in_the_default_folder_keeps_it(default):
 def test_measuring_the_disk_leaves_no_folder(default):
     from engine.planning.calibration import _disk
 
-    write, read = _disk(0.01)
-    assert write > 0 and read > 0
+    write, read, both = _disk(0.01)
+    assert write > 0 and read > 0 and both > 0
     assert not default.exists()

@@ -459,6 +459,23 @@ def test_accumulation_under_a_host_budget_is_forecast_byte_for_byte(
         inner()
 
     engine.manager.on_change = sample
+    # The bytes moved from the update's start (what the step waits for, less the state read
+    # ahead while it ran) to its end.
+    update_started = []
+    make_pipeline = engine.manager.update_pipeline
+
+    def pipeline(chunks):
+        made = make_pipeline(chunks)
+        start = made.start
+
+        def started() -> None:
+            update_started.append((tier.bytes_read, tier.bytes_written))
+            start()
+
+        made.start = started
+        return made
+
+    engine.manager.update_pipeline = pipeline
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         ids = torch.randint(0, 512, (accum * SHAPE["batch_size"], SHAPE["seq_len"]),
@@ -466,6 +483,7 @@ def test_accumulation_under_a_host_budget_is_forecast_byte_for_byte(
         before = tier.bytes_read, tier.bytes_written
         stats = engine.step({"input_ids": ids, "labels": ids})
         engine.manager.flight.wait()
+    update = tier.bytes_read + tier.bytes_written - sum(update_started[-1])
     row = forecast.cpu
     assert forecast.grad_accum == forecast.to_dict()["grad_accum"] == accum
     assert row.fits, row.reason
@@ -474,6 +492,9 @@ def test_accumulation_under_a_host_budget_is_forecast_byte_for_byte(
     assert row.host_model == stats.memory.host_model
     assert (row.disk_read, row.disk_written) == (tier.bytes_read - before[0],
                                                  tier.bytes_written - before[1])
+    assert row.disk_update == update > 0
+    # The later micro-batches read what the first sent to disk: masters, or gradients.
+    assert 0 < row.disk_later_read < row.disk_read
     engine.close()
 
 

@@ -249,38 +249,77 @@ def test_on_cuda_the_disk_tier_overlaps_the_step_and_shows_what_it_cannot_hide()
     assert t.total == pytest.approx(30.0)  # 30 s of disk, the ~6 s of compute beside it
 
 
-def test_on_the_simulated_device_the_disk_hides_behind_one_forward_only():
-    """The disk tier's threads take the cores the kernels need; only the update that flies
-    beside the next step's first forward hides, however many micro-batches a step has."""
+# 5 s of disk at 1 GB/s each way: 1 s of accumulation's later reads, in line, and 3 GB the
+# update reads and writes, 1.5 s at the 2 GB/s the disk does both ways at once: 2.5 s the
+# step waits; the other 2.5 s (payloads read ahead, gradients written behind) beside the
+# ~6 s of compute.
+UPDATE = Traffic(copied=0, updated_on_host=0, updated_on_device=0, itemsize=4,
+                 disk_read=3_000_000_000, disk_written=2_000_000_000,
+                 disk_update=3_000_000_000, disk_later_read=1_000_000_000, update_beside=False)
+
+
+def duplex_calibration():
+    return dataclasses.replace(fixed_calibration(), disk_duplex=2e9)
+
+
+def test_on_the_simulated_device_the_step_waits_for_the_updates_disk_io():
+    """Reads ahead and writes behind run beside the compute; the update's reads and writes
+    are waited for, at the rate the disk does both at once; accumulation's later reads in
+    line, at the read rate."""
     for accum in (1, 4):
-        t = forecast(WORK, DISK, fixed_calibration(), precision="fp32", simulated=True,
+        t = forecast(WORK, UPDATE, duplex_calibration(), precision="fp32", simulated=True,
                      grad_accum=accum)
-        assert t.disk == pytest.approx(30.0)
-        assert t.overlap == pytest.approx(t.forward / accum)
-        assert t.total == pytest.approx(t.compute + 30.0 - t.forward / accum)
-    small = Traffic(copied=0, updated_on_host=0, updated_on_device=0, itemsize=4,
-                    disk_read=500_000_000)  # 0.5 s: all of it beside the ~2 s forward
-    t = forecast(WORK, small, fixed_calibration(), precision="fp32", simulated=True)
-    assert t.overlap == pytest.approx(0.5) and t.total == pytest.approx(t.compute)
+        assert t.disk == pytest.approx(5.0)
+        assert t.overlap == pytest.approx(2.5)
+        assert t.total == pytest.approx(t.compute + 2.5)
+    # Not measured both ways at once: the update's bytes at the read rate.
+    t = forecast(WORK, UPDATE, fixed_calibration(), precision="fp32", simulated=True)
+    assert t.total == pytest.approx(t.compute + 4.0)
+    # With little compute, what runs beside it hides no more than the compute's length.
+    idle = dataclasses.replace(WORK, forward_flops=GFLOP / 10, backward_flops=GFLOP / 5,
+                               forward_bytes=0, backward_bytes=0, ops=0)
+    t = forecast(idle, UPDATE, duplex_calibration(), precision="fp32", simulated=True)
+    assert t.overlap == pytest.approx(t.compute) and t.total == pytest.approx(5.0)
 
 
-def test_on_the_simulated_device_a_step_that_reads_its_payload_from_disk_waits_for_it():
+def test_on_the_simulated_device_an_update_that_flies_hides_behind_one_forward():
+    """Where the update flies beside the next step's first forward (state on disk, no
+    payload there), its I/O hides behind one micro-batch's forward, however many a step
+    has; a short update hides whole."""
+    flies = dataclasses.replace(UPDATE, update_beside=True, disk_later_read=0,
+                                disk_update=8_000_000_000, disk_read=6_000_000_000,
+                                disk_written=4_000_000_000)  # 4 s of update, 6 beside
+    for accum in (1, 4):
+        t = forecast(WORK, flies, duplex_calibration(), precision="fp32", simulated=True,
+                     grad_accum=accum)
+        assert t.disk == pytest.approx(10.0)
+        assert t.overlap == pytest.approx(6.0 + t.forward / accum)
+        assert t.total == pytest.approx(t.compute + 4.0 - t.forward / accum)
+    short = dataclasses.replace(flies, disk_update=2_000_000_000, disk_read=2_000_000_000,
+                                disk_written=1_000_000_000)  # 1 s of update: within a forward
+    t = forecast(WORK, short, duplex_calibration(), precision="fp32", simulated=True)
+    assert t.total == pytest.approx(t.compute)
+
+
+def test_the_planner_says_whether_the_update_flies():
     """Where payloads are on disk (fp32: the payload is the master, and goes there with
     it), the next forward would read what the update writes: the update does not fly
-    beside it (engine.chunks.disk_side.overlap_update), and the disk hides behind nothing."""
-    waits = dataclasses.replace(DISK, update_beside=False)
-    t = forecast(WORK, waits, fixed_calibration(), precision="fp32", simulated=True)
-    assert t.overlap == 0 and t.total == pytest.approx(t.compute + 30.0)
-    # The planner says which: in fp32 payloads go to disk; in bf16 the state alone does.
+    beside it (engine.chunks.disk_side.overlap_update). In bf16 the state alone goes."""
     shape = dict(device_mem="1GiB", host_mem="16GiB", batch_size=2, seq_len=32,
                  simulated=True)
     for precision, beside in (("fp32", False), ("bf16", True)):
         whole = plan("tiny", precision=precision, **shape).model_bytes
-        row = plan("tiny", precision=precision, host_budget=whole // 2, **shape).cpu
+        p = plan("tiny", precision=precision, host_budget=whole // 2, **shape)
+        row = p.cpu
         assert row.disk_read > 0 and row.update_beside == beside
-        times = step_times(plan("tiny", precision=precision, host_budget=whole // 2,
-                                **shape), fixed_calibration())["cpu"]
-        assert (times.overlap > 0) == beside
+        assert 0 < row.disk_update <= row.disk_read + row.disk_written
+        times = step_times(p, duplex_calibration())["cpu"]
+        p.cpu = dataclasses.replace(row, disk_read=0, disk_written=0, disk_update=0,
+                                    disk_later_read=0)
+        without = step_times(p, duplex_calibration())["cpu"]
+        waits = row.disk_update / 2e9
+        hides = min(waits, times.forward) if beside else 0.0
+        assert times.total - without.total == pytest.approx(waits - hides)
 
 
 def test_a_plans_rows_get_their_own_traffic():

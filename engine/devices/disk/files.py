@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -155,3 +156,57 @@ def sequential_bandwidth(folder: Path, *, write_bytes: int, read_bytes: int, pie
         file.close()
         path.unlink()
     return write_bytes / max(write, 1e-9), read_bytes / max(read, 1e-9)
+
+
+def steady_bandwidth(folder: Path, *, nbytes: int, piece: int,
+                     direct: bool) -> tuple[float, float, float]:
+    """(write, read, both) bytes per second of the disk tier's steady I/O in `folder`,
+    `piece` bytes at a time: writes over blocks written before (a tier rewrites its regions
+    at every step, and the first write of a newly reserved block costs more: 1.4-2.1 GiB/s
+    here, against 2.4-3.0 rewriting), reads from the disk, and both directions at once, one
+    thread reading while another writes, as the update reads each piece ahead and writes
+    the last behind (their bytes together over their time together). Uses a file of its
+    own, of twice `nbytes`, removed after."""
+    size = nbytes + (-nbytes % piece)
+    path = folder / "bandwidth.bin"
+    file = ScratchFile(path, 2 * size, direct=direct)
+    written, read = aligned_empty(piece), aligned_empty(piece)
+    # Bytes that do not compress, from a generator of its own: the run's draws none.
+    written.random_(0, 255, generator=torch.Generator().manual_seed(0))
+    failed: list[OSError] = []
+
+    def write(lo: int) -> None:
+        for offset in range(lo, lo + size, piece):
+            file.write(written, offset)
+
+    def read_back() -> None:
+        try:
+            for offset in range(0, size, piece):
+                file.read(read, offset)
+        except OSError as e:
+            failed.append(e)
+
+    try:
+        write(0)
+        write(size)  # every block written once, as a tier's regions are after its first step
+        t0 = time.perf_counter()
+        write(0)
+        os.fsync(file.fd)
+        t1 = time.perf_counter()
+        read_back()
+        t2 = time.perf_counter()
+        reader = threading.Thread(target=read_back, name="tuitrain-disk-probe")
+        reader.start()
+        try:
+            write(size)
+        finally:
+            reader.join()
+        os.fsync(file.fd)
+        t3 = time.perf_counter()
+        if failed:
+            raise failed[0]
+    finally:
+        file.close()
+        path.unlink()
+    return (size / max(t1 - t0, 1e-9), size / max(t2 - t1, 1e-9),
+            2 * size / max(t3 - t2, 1e-9))
