@@ -202,7 +202,7 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
         # state is on disk flies beside the next step's first forward (engine.chunks.flight:
         # none of their payload on disk). In fp32 the payload is the master and goes to disk
         # with the state, and the step waits (opt-125m cpu at 1 GiB with half the chunks on
-        # disk, x1: 0.86-0.96 s of the step's 0.9-1.0 s of disk waits in the update).
+        # disk, x1: 0.86-0.96 s of the step's 0.93-1.04 s of disk waits in the update).
         overlap += min(disk - waits, compute)
         if traffic.update_beside:
             overlap += min(waits, forward / micro)

@@ -247,6 +247,27 @@ def test_the_plan_forecasts_each_candidate_and_says_why_one_does_not_fit():
     assert split.seconds > whole.seconds
 
 
+def test_the_forecast_plans_each_candidates_accumulation(tmp_path):
+    """Later micro-batches read from disk what the first sent there: a candidate's
+    forecast is its plan at its own accumulation, not one micro-batch's."""
+    from engine.planning.planner import plan
+    from engine.planning.time_model import step_times
+    from tests.calibrations import fixed_calibration
+    from tuitrain.tune_plan import plan_forecaster
+
+    shape = dict(host_mem=16 * GIB, precision="fp32", seq_len=32, simulated=True)
+    half = plan("tiny", device_mem=GIB, batch_size=2, **shape).model_bytes // 2
+    forecast = plan_forecaster("tiny", calibration=fixed_calibration(), disk_dir=tmp_path,
+                               **shape)
+    for accum in (1, 4):
+        c = Candidate("cpu", 0.0, 2, accum, False, GIB, host_budget=half)
+        p = plan("tiny", device_mem=GIB, batch_size=2, host_budget=half, disk_dir=tmp_path,
+                 grad_accum=accum, **shape)
+        assert p.cpu.disk_later_read > 0 if accum > 1 else p.cpu.disk_later_read == 0
+        expected = step_times(p, fixed_calibration(), grad_accum=accum)["cpu"].total
+        assert forecast(c).seconds == pytest.approx(expected)
+
+
 def test_the_measured_steps_teach_this_machines_next_forecast():
     from engine.planning.calibration import calibration, load_calibration
     from tuitrain.tune_setup import learn_from
