@@ -162,8 +162,8 @@ def steady_bandwidth(folder: Path, *, nbytes: int, piece: int,
                      direct: bool) -> tuple[float, float, float]:
     """(write, read, both) bytes per second of the disk tier's steady I/O in `folder`,
     `piece` bytes at a time: writes over blocks written before (a tier rewrites its regions
-    at every step, and the first write of a newly reserved block costs more: 1.4-2.1 GiB/s
-    here, against 2.4-3.0 rewriting), reads from the disk, and both directions at once, one
+    at every step, and the first write of a newly reserved block costs more: 1.2-2.4 GiB/s
+    here, against 1.8-3.9 rewriting), reads from the disk, and both directions at once, one
     thread reading while another writes, as the update reads each piece ahead and writes
     the last behind (their bytes together over their time together). Uses a file of its
     own, of twice `nbytes`, removed after."""
