@@ -18,6 +18,13 @@ the disk tier off and on (a host budget that holds half the chunks). fp32 (`--pr
 bf16`: the same grid in bf16), batch 2 x 128 per micro-batch. The calibration is this
 machine's cached one (measured first if absent).
 
+Each row is measured in VISITS visits (`--visits`), each through the whole grid in turn, a
+process of its own per row and visit: its measured time is the median of the settled steps
+of all its visits, beside each visit's own median. One process's steps sit in one spell of
+a shared machine: the same row in two grids measured 6-8% apart (st. dev. of the log
+ratio over 68-136 rows, 2026-12-05), where the forecasts' own errors agreed between those
+grids little (a correlation of 0.2-0.4).
+
 Each row runs in a process of its own, as a user's run does, with the heap a run keeps
 (every tensor of a MiB or more mapped afresh: engine.devices.host_memory). Run one after
 another in one process, rows with the same plan measured up to 38% apart (opt-125m, auto
@@ -58,6 +65,9 @@ TOLERANCE = 0.15
 # Steps left out of the median: the traced one and the counted ones after it, until the
 # chunks settle (engine.step.counting: two counted steps with one fingerprint).
 WARM_UP = 3
+# Visits to each row, and steps in each (warm-up included): four settled steps a row.
+VISITS = 2
+STEPS = WARM_UP + 2
 
 
 @dataclass
@@ -82,6 +92,8 @@ class Row:
     # time, measured rather than inferred from the wall and thread clocks.
     disk_wait: float = 0.0
     note: str = ""
+    # Each visit's settled steps: (wall, thread, cpu, disk wait) seconds, one list each.
+    visits: list = dataclasses.field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -92,6 +104,15 @@ class Row:
                 f"{format_size(self.budget)}"
                 f"{' ckpt' if self.checkpointing else ''} x{self.accum}"
                 f"{' disk' if self.disk else ''}")
+
+    def visit(self, steps: list[list[float]]) -> float:
+        """Keep one visit's settled steps; the medians over every visit so far, and this
+        visit's own wall median."""
+        self.visits.append(steps)
+        pooled = [sum((v[i] for v in self.visits), []) for i in range(4)]
+        self.measured, self.thread, self.cpu, self.disk_wait = (statistics.median(x)
+                                                                for x in pooled)
+        return statistics.median(steps[0])
 
 
 def llama_folder(root: Path) -> str:
@@ -107,9 +128,9 @@ def llama_folder(root: Path) -> str:
     return str(folder)
 
 
-def measure_apart(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float, float]:
+def measure_apart(row: Row, steps: int, disk_dir: str) -> list[list[float]]:
     """`measure` in a new process (this script's `--measure`)."""
-    fields = json.dumps(dataclasses.asdict(row))
+    fields = json.dumps({k: v for k, v in dataclasses.asdict(row).items() if k != "visits"})
     done = subprocess.run([sys.executable, __file__, "--measure", fields, "--steps", str(steps),
                            "--batch", str(BATCH), "--precision", PRECISION,
                            "--disk-dir", disk_dir],
@@ -117,13 +138,12 @@ def measure_apart(row: Row, steps: int, disk_dir: str) -> tuple[float, float, fl
     if done.returncode:
         last = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
         raise RuntimeError(f"{row.label()}: {last[0]}")
-    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float, float]:
-    """(wall, stepping thread's CPU, process CPU, disk wait) seconds of a steady step:
-    medians, the first WARM_UP steps excluded. With the heap a run keeps
-    (tuitrain.training_run)."""
+def measure(row: Row, steps: int, disk_dir: str) -> list[list[float]]:
+    """(wall, stepping thread's CPU, process CPU, disk wait) seconds of each steady step,
+    the first WARM_UP steps excluded. With the heap a run keeps (tuitrain.training_run)."""
     steady_heap()
     model = build_model(row.model, seed=0)
     if row.checkpointing:
@@ -146,7 +166,7 @@ def measure(row: Row, steps: int, disk_dir: str) -> tuple[float, float, float, f
             thread.append(time.thread_time() - t0)
             wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
-    return tuple(statistics.median(x[WARM_UP:]) for x in (wall, thread, cpu, waits))
+    return [x[WARM_UP:] for x in (wall, thread, cpu, waits)]
 
 
 def _half_the_chunks(row: Row) -> int:
@@ -185,7 +205,10 @@ def main() -> None:
     global BATCH, PRECISION
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["opt-125m", "llama"])
-    parser.add_argument("--steps", type=int, default=WARM_UP + 4)
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help=f"steps a visit, the first {WARM_UP} left out")
+    parser.add_argument("--visits", type=int, default=VISITS,
+                        help="visits to each row, each in a process of its own")
     parser.add_argument("--quick", action="store_true", help="three rows of the first model")
     parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
                         help="the rows whose label contains every TEXT (e.g. cpu ckpt)")
@@ -200,6 +223,8 @@ def main() -> None:
     BATCH, PRECISION = args.batch, args.precision
     if args.steps <= WARM_UP:
         parser.error(f"--steps must be more than the {WARM_UP} warm-up steps")
+    if args.visits < 1:
+        parser.error("--visits must be at least 1")
     if args.measure:
         print(json.dumps(measure(Row(**json.loads(args.measure)), args.steps, args.disk_dir)))
         return
@@ -214,18 +239,26 @@ def main() -> None:
         rows = [r for r in grid(models, args.quick)
                 if all(text in r.label() for text in args.only)
                 and (not args.rows or r.label() in args.rows)]
-        print(f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'THREAD':>8} "
-              f"{'CPU':>8} {'DISK':>6} {'LOAD':>5}")
+        header = (f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'THREAD':>8} "
+                  f"{'CPU':>8} {'DISK':>6} {'LOAD':>5}")
         for row in rows:
             row.predicted = predict(row, cal, root)
-            if row.note:
-                print(f"{row.label():<44} {row.predicted:9.3f} {'-':>9} {'-':>6}  {row.note}")
-                continue
-            row.measured, row.thread, row.cpu, row.disk_wait = measure_apart(row, args.steps,
-                                                                             root)
-            print(f"{row.label():<44} {row.predicted:9.3f} {row.measured:9.3f} "
-                  f"{row.ratio:6.2f} {row.thread:8.3f} {row.cpu:8.3f} {row.disk_wait:6.3f} "
-                  f"{os.getloadavg()[0]:5.1f}", flush=True)
+        for visit in range(1, args.visits + 1):
+            print(f"visit {visit} of {args.visits}: "
+                  + ("the medians of every visit so far, and this one's (VISIT)" if visit > 1
+                     else "this visit's medians"))
+            print(header + (f" {'VISIT':>6}" if visit > 1 else ""))
+            for row in rows:
+                if row.note:
+                    if visit == 1:
+                        print(f"{row.label():<44} {row.predicted:9.3f} {'-':>9} {'-':>6}  "
+                              f"{row.note}")
+                    continue
+                own = row.visit(measure_apart(row, args.steps, root))
+                print(f"{row.label():<44} {row.predicted:9.3f} {row.measured:9.3f} "
+                      f"{row.ratio:6.2f} {row.thread:8.3f} {row.cpu:8.3f} {row.disk_wait:6.3f} "
+                      f"{os.getloadavg()[0]:5.1f}" + (f" {own:6.3f}" if visit > 1 else ""),
+                      flush=True)
         done = [r for r in rows if r.measured]
         within = sum(abs(r.ratio - 1) <= TOLERANCE for r in done)
         pairs = [(a, b) for a, b in itertools.combinations(done, 2)
@@ -233,6 +266,11 @@ def main() -> None:
         ordered = sum((a.measured < b.measured) == (a.predicted < b.predicted) for a, b in pairs)
         print(f"within {TOLERANCE:.0%}: {within}/{len(done)} rows; ordered as measured: "
               f"{ordered}/{len(pairs)} pairs; load now {os.getloadavg()[0]:.1f}")
+        if args.visits > 1:
+            alone = [sum(abs(r.predicted / statistics.median(r.visits[v][0]) - 1) <= TOLERANCE
+                         for r in done) for v in range(args.visits)]
+            print(f"each visit alone, within {TOLERANCE:.0%}: "
+                  + ", ".join(f"{n}/{len(done)}" for n in alone))
         for a, b in pairs:
             if (a.measured < b.measured) != (a.predicted < b.predicted):
                 print(f"  out of order: {a.label()} / {b.label()}")
