@@ -21,9 +21,9 @@ machine's cached one (measured first if absent).
 Each row is measured in VISITS visits (`--visits`), each through the whole grid in turn, a
 process of its own per row and visit: its measured time is the median of the settled steps
 of all its visits, beside each visit's own median. One process's steps sit in one spell of
-a shared machine: the same row in two grids measured 6-8% apart (st. dev. of the log
-ratio over 68-136 rows, 2026-12-05), where the forecasts' own errors agreed between those
-grids little (a correlation of 0.2-0.4).
+a shared machine: the same rows in two grids measured 8-11% apart (st. dev. of the log
+ratio, four pairs of grids of 68-136 rows, 2026-12-05), where the forecasts' own errors
+hardly agreed between those grids (correlations of -0.2 to 0.4).
 
 Each row runs in a process of its own, as a user's run does, with the heap a run keeps
 (every tensor of a MiB or more mapped afresh: engine.devices.host_memory). Run one after
