@@ -60,7 +60,9 @@ def calibrate_main(*, refresh: bool, as_json: bool) -> int:
               f"(dropout's masks)")
     if cal.fresh_pages:
         print(f"new memory:  {_bytes(cal.fresh_pages)} beyond writing it (each page faulted in, "
-              f"zeroed, unmapped)")
+              f"zeroed, unmapped)"
+              + (f"; a step's activations {_bytes(cal.activation_pages)}"
+                 if cal.activation_pages else ""))
     print(f"AdamW:       {cal.adamw_host / 1e6:,.0f} M parameters/s on the host, "
           f"{cal.adamw_device / 1e6:,.0f} M/s on the device")
     disk = (f"read {_bytes(cal.disk_read)}, write {_bytes(cal.disk_write)}" if cal.disk_read

@@ -10,11 +10,13 @@ fast it draws random numbers (dropout's masks); how fast the system hands out ne
 memory (a page faulted in, zeroed and unmapped); copies each way through the device's
 transfers (the staging ring on CUDA); PyTorch's fused AdamW, the engine's update, on the
 host and on the device; the disk tier's steady reads and writes in the scratch folder, each
-way and both at once; a real
-decoder's forward and backward at two depths, against what those rates forecast for it;
-and the engine's own cost per module interval (hooks, chunk states), from a few steps of
-the `tiny` model. What memory's speed sets, and the disk, are measured in two windows
-apart (`_MemorySpeeds`, `_disk`): a machine's memory and disk move from moment to moment.
+way and both at once; a real decoder's forward and backward at two depths, against what
+those rates forecast for it, in this process's heap and, on the simulated device, in a
+process of its own whose heap maps nothing afresh (what the activations' new memory costs
+is their difference); and the engine's own cost per module interval (hooks, chunk states),
+from a few steps of the `tiny` model. What memory's speed sets, and the disk, are measured
+in two windows apart (`_MemorySpeeds`, `_disk`): a machine's memory and disk move from
+moment to moment.
 
 The figures are cached under the user cache folder, one file per machine fingerprint: the
 CPU model, vector instructions and cores, the torch version and the GPU's name, driver and
@@ -32,12 +34,16 @@ about their forecast). A new measurement starts them over.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import mmap
+import select
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -70,11 +76,11 @@ __all__ = [
     "save_calibration",
 ]
 
-FORMAT = 13  # bump when what is measured changes: older files are measured again
+FORMAT = 14  # bump when what is measured changes: older files are measured again
 TIME_LIMIT = 30.0  # seconds a calibration may take, all measurements together
 # The kernels' and copies' share of what is left of the limit once the engine is imported;
 # the engine's steps take the rest, which on a loaded machine is two steps of `tiny`.
-KERNELS_SHARE = 0.5
+KERNELS_SHARE = 0.65
 # Widths matmuls are measured at (tokens x width @ width x width); a model's own width is
 # interpolated between them. A GPU is measured wider: small matmuls cannot fill it.
 WIDTHS = (256, 768, 2048)
@@ -129,6 +135,14 @@ class Calibration:
     # Bytes per second of new host memory beyond writing it: mapped, each page faulted in
     # and zeroed at its first write, unmapped when freed (0: not measured, costs nothing).
     fresh_pages: float = 0.0
+    # Bytes per second of the new memory a forward and backward take for their activations,
+    # gradients and logits, beyond writing it: the reference decoder in the process's heap
+    # against the same decoder in a kept heap, which maps nothing afresh (REFERENCE). A
+    # step's own new pages went 1.3-1.8x as fast as the probe's above (opt-125m: 1.0 GiB
+    # faulted a step, 0.18-0.21 s, against 0.29-0.33 s at the probe's rate), which still
+    # prices the copies' new buffers: written by one copy each, as the probe's are. 0: not
+    # measured (no kept heap to compare with): the probe's rate.
+    activation_pages: float = 0.0
     # Random numbers per second drawn on the device (dropout's mask: `bernoulli_` over fp32
     # elements) beyond the bytes that writes, which `elementwise` prices (0: not measured,
     # or a device that draws them as fast as it writes them).
@@ -207,8 +221,15 @@ class Calibration:
         return max(scaled + offset, scaled / 2)
 
     def fresh_seconds(self, nbytes: float) -> float:
-        """Seconds that `nbytes` of new host memory cost beyond the writes into it."""
+        """Seconds that `nbytes` of new host memory cost beyond the writes into it: a copy's
+        new buffer."""
         return nbytes / self.fresh_pages if self.fresh_pages > 0 else 0.0
+
+    def activation_seconds(self, nbytes: float) -> float:
+        """Seconds that `nbytes` of a forward's or backward's new host memory cost beyond
+        the writes into it."""
+        rate = self.activation_pages or self.fresh_pages
+        return nbytes / rate if rate > 0 else 0.0
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -417,12 +438,13 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
 
     In the process's heap as it is: a calibration for runs is measured in the heap they
     keep (engine.devices.host_memory.steady_heap; tuitrain's commands set it first), whose
-    new memory the forecasts price apart. Under glibc's own heap the decoder's tensors
-    below its line are new memory too, which nothing counts: the factor carries them, on
-    top of the new memory a forecast adds: counted twice. Measured here in one process,
-    decoders of opt-125m's width (1 to 12 layers) ran in the same time under either heap,
-    at 1.33-1.45x the rates' forecast under glibc's and at 0.83-1.23x, with new memory
-    priced apart, under the steady one."""
+    new memory the forecasts price apart; the kept decoder beside it in a process of its
+    own (at a `limit` of KEPT_LIMIT or more), so that this one's heap stays as runs keep
+    it. Under glibc's own heap the decoder's tensors below its line are new memory too,
+    which nothing counts: the factor carries them, on top of the new memory a forecast
+    adds: counted twice. Measured here in one process, decoders of opt-125m's width (1 to
+    12 layers) ran in the same time under either heap, at 1.33-1.45x the rates' forecast
+    under glibc's and at 0.83-1.23x, with new memory priced apart, under the steady one."""
     from engine.devices.device import default_precision, make_device, uses_cuda
 
     started, load = time.perf_counter(), load_average()
@@ -431,9 +453,16 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     # limit is then shared out.
     from engine.models.zoo import build_model
 
-    model = build_model("tiny", seed=0)
-    left = max(1.0, started + limit - time.perf_counter())
     cuda = uses_cuda(simulate)
+    half = default_precision(cuda)
+    shape = CUDA_REFERENCE if cuda else REFERENCE
+    # The deep decoder in a kept heap, in a process of its own (started first: its imports
+    # take the seconds this one's model takes to build), timed beside this one's.
+    kept = None if cuda or limit < KEPT_LIMIT else _KeptDecoder.start(shape, scale)
+    model = build_model("tiny", seed=0)
+    if kept is not None:
+        kept = kept.ready(started + limit / 2)
+    left = max(1.0, started + limit - time.perf_counter())
     device = make_device(2**30, simulate)
     where = device.torch_device
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -442,14 +471,15 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     # The engine's steps (_op_overhead) take what is left of the limit: building `tiny`
     # and its first steps take a few seconds on a busy machine.
     # A share for each matmul, the elementwise rate, the random numbers, new memory, each
-    # copy and each AdamW; the reference decoder REFERENCE_SHARES.
+    # copy and each AdamW; the reference decoder REFERENCE_SHARES, twice as many with the
+    # kept decoder beside it (each of its rounds runs both).
     # The decoder in fp32, and in the half precision runs here default to, if any.
-    half = default_precision(cuda)
     names = ["fp32"] if half == "fp32" else ["fp32", half]
-    shape = CUDA_REFERENCE if cuda else REFERENCE
-    references = [_Reference(where, sync, scale, name, shape) for name in names]
+    references = [_Reference(where, sync, scale, name, shape, kept if name == "fp32" else None)
+                  for name in names]
     clock = _Clock(left * KERNELS_SHARE,
-                   len(widths) * len(precisions) + 7 + len(references) * REFERENCE_SHARES,
+                   len(widths) * len(precisions) + 7
+                   + sum(reference.shares for reference in references),
                    time.perf_counter if cuda else time.thread_time)
     tokens = max(16, int((CUDA_TOKENS if cuda else TOKENS) * scale))
     for reference in references:
@@ -506,9 +536,17 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     cal.extra["memory windows"], cal.extra["disk windows"] = memory.windows, disk
     if not cuda:
         cal.adamw_device = cal.adamw_host  # the simulated device's memory is the host's
+    # New memory's price first: the half precision's decoder, with no kept one beside it,
+    # takes it off its runs.
+    cal.activation_pages = references[0].activation_pages(cal)
     cal.compute_factor, cal.compute_offset = references[0].fit(cal)
     if len(references) > 1:
         cal.half_factor, cal.half_offset = references[1].fit(cal)
+    if kept is not None:
+        kept.close()
+        if all(references[0].kept):
+            cal.extra["kept decoder"] = {"runs": references[0].runs,
+                                         "kept": references[0].kept}
     del references
     parts["decoder"] = time.perf_counter() - started - sum(parts.values())
     cal.op_overhead = _op_overhead(cal, model, simulate,
@@ -660,16 +698,14 @@ def _disk(scale: float) -> tuple[float, float, float]:
 
 # The decoder the compute factor is measured on: opt-125m's layers at a batch of 2 x 128
 # with a small vocabulary (so that its head does not dominate), at two depths. Why two:
-# with no new memory (a kept heap) such decoders ran at 1.08-1.13x the rates' forecast from 1
-# to 12 layers, at either vocabulary; but runs keep the steady heap, whose new memory the
-# probe's rate prices apart, and that price fits a deep stack, not a shallow one (1 layer:
-# 58 ms priced where the steady heap added 22; opt-125m: 426 priced, 372 added). A factor
-# fitted on 2 layers, its new memory taken off, came out low (0.94, against 1.19-1.23 at 12
-# layers) and forecast opt-125m's step at 0.83x. The slope between the depths is what a
-# layer adds, its new memory included, and the shallow decoder's rest is an offset per
-# micro-batch (about -0.03 s here). Measured in one process after a calibration: 12-layer
-# decoders at vocabularies of 8,192 and 50,272 within 2% of their forecast; 2 layers with
-# opt-125m's head, 21% high.
+# the slope between the depths is what a layer adds, and the shallow decoder's rest is an
+# offset per micro-batch. On the simulated device the factor is fitted on the decoder in a
+# kept heap (_KeptDecoder), which takes no new memory: there such decoders ran at one factor
+# from 1 to 12 layers, at either vocabulary (1.08-1.14x the rates' forecast on 2026-12-04,
+# 1.29-1.31 on 2026-12-05's machine), with an offset near nothing. The steady heap's runs
+# beside it price the new memory (`activation_pages`). Fitted on the steady heap's runs
+# alone, their new memory taken off at the probe's rate, the factor moved from 1.14 to
+# 1.41 between calibrations of one afternoon, and the forecasts of a grid with it.
 REFERENCE = {"model": "opt-125m", "layers": (1, 6), "vocab": 8192, "batch": 2, "seq_len": 128}
 # On a GPU, opt-1.3b's layers at 4 x 1024: opt-125m's at 2 x 128 are launch-bound there and
 # measured a factor of 3.6 (fp32) and 7.1 (bf16) on an H200, which multiplied every
@@ -702,7 +738,8 @@ class _Reference:
     carries how far a typical step of many kernels falls behind their best."""
 
     def __init__(self, where: torch.device, sync: Callable[[], None], scale: float,
-                 precision: str = "fp32", shape: dict | None = None) -> None:
+                 precision: str = "fp32", shape: dict | None = None,
+                 kept: _KeptDecoder | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         from engine.models.training import prepare_for_training
@@ -725,40 +762,85 @@ class _Reference:
         self.ids = torch.zeros(self.batch, self.seq, dtype=torch.long, device=where)
         self.precision = precision
         self.runs: tuple[list[float], list[float]] = ([], [])  # shallow, deep
+        self.kept_decoder = kept
+        self.kept: tuple[list[float], list[float]] = ([], [])  # the same in a kept heap
+        self.beyond: list[list[float]] = []  # each window's deep runs less their kept pairs
+        self.shares = REFERENCE_SHARES * (2 if kept is not None else 1)
+        self._work: list[StepWork] = []
 
     def _run(self, model: torch.nn.Module) -> None:
         model(input_ids=self.ids, labels=self.ids).loss.backward()
         model.zero_grad(set_to_none=True)
 
     def time(self, clock: _Clock) -> None:
-        """One window: half of REFERENCE_SHARES of `clock`'s time, each depth in turn."""
-        timed: tuple[list[float], list[float]] = ([], [])
+        """One window: half of its `shares` of `clock`'s time, each depth in turn, and
+        after them the kept decoder's (each pair of runs in the same moment)."""
+        timed: tuple[list[float], ...] = ([], [], [], [])  # shallow, deep, and kept
 
         def both() -> None:
-            for model, runs in zip(self.models, timed, strict=True):
+            for model, runs in zip(self.models, timed, strict=False):
                 start = clock.timer()
                 self._run(model)
                 self.sync()
                 runs.append(clock.timer() - start)
+            if self.kept_decoder is not None:
+                kept = self.kept_decoder.run()
+                if kept is None:  # it failed: these runs are fitted alone
+                    self.kept_decoder = None
+                    self.kept, self.beyond = ([], []), []
+                    return
+                for runs, seconds in zip(timed[2:], kept, strict=True):
+                    runs.append(seconds)
 
         with torch.random.fork_rng(devices=[]):  # its dropout draws none of the run's
-            clock.times(both, self.sync, runs=REFERENCE_RUNS, shares=REFERENCE_SHARES / 2)
-        for runs, window in zip(self.runs, timed, strict=True):
+            clock.times(both, self.sync, runs=REFERENCE_RUNS, shares=self.shares / 2)
+        if self.kept_decoder is None:
+            timed = timed[:2]
+        for runs, window in zip(self.runs + self.kept, timed, strict=False):
             runs += window[1:]  # the first ran to warm up
+        if self.kept_decoder is not None:
+            self.beyond.append([s - k for s, k in zip(timed[1][1:], timed[3][1:], strict=True)])
+
+    def _works(self) -> list[StepWork]:
+        from engine.planning.flops import step_work
+
+        self._work = self._work or [
+            step_work(config, DTYPES[self.precision], batch_size=self.batch, seq_len=self.seq,
+                      checkpointing=False, mapped_from=mapped_from())
+            for config in self.configs]
+        return self._work
+
+    def activation_pages(self, cal: Calibration) -> float:
+        """Bytes per second of the deep decoder's new memory: its bytes (engine.planning
+        .flops: the tensors new in this process's heap) over what its runs took beyond the
+        kept decoder's, the median of the pairs run in turn in the last window, within
+        ACTIVATION_BOUNDS of the probe's rate. 0 where no kept decoder ran beside it (the
+        probe's rate stands).
+
+        The last window alone: in the first, run seconds after the models were built, this
+        process's runs took up to twice what they took later (opt-125m's width at 6
+        layers: 0.47-0.78 s, then 0.37-0.41 as in a loop of its own, with its new pages
+        faulted in alike), where the kept decoder's took 0.30 s throughout (2026-12-05)."""
+        fresh = self._works()[1]
+        nbytes = fresh.forward_fresh + fresh.backward_fresh
+        if not self.beyond or not self.beyond[-1] or nbytes <= 0 or cal.fresh_pages <= 0:
+            return 0.0
+        took = statistics.median(self.beyond[-1])
+        low, high = (bound * cal.fresh_pages for bound in ACTIVATION_BOUNDS)
+        return high if took <= nbytes / high else max(low, nbytes / took)
 
     def fit(self, cal: Calibration) -> tuple[float, float]:
         """(factor, offset): a micro-batch of forward and backward whose kernels the rates
         forecast at k seconds takes factor x k + offset (engine.planning.time_model), its
-        new memory apart."""
-        from engine.planning.flops import step_work
-
+        new memory apart: fitted on the kept decoder's runs, which take no new memory,
+        where it ran; else on these, their new memory taken off at its price."""
+        kept = all(self.kept)
         points = []
-        for config, runs in zip(self.configs, self.runs, strict=True):
-            work = step_work(config, DTYPES[self.precision], batch_size=self.batch,
-                             seq_len=self.seq, checkpointing=False, mapped_from=mapped_from())
+        for work, runs, kept_runs in zip(self._works(), self.runs, self.kept, strict=True):
             # New memory is priced at its own measured rate, not scaled by the factor: the
             # tensors new in this process's heap.
             points.append((_kernels(cal, work, self.precision),
+                           statistics.median(kept_runs) if kept else
                            _less_fresh(statistics.median(runs), _fresh(cal, work))))
         (shallow, shallow_run), (deep, deep_run) = points
         own = _factor(deep_run, 0.0, deep)
@@ -767,6 +849,102 @@ class _Reference:
         low, high = SLOPE_BOUNDS
         slope = min(high * own, max(low * own, (deep_run - shallow_run) / (deep - shallow)))
         return slope, shallow_run - slope * shallow
+
+
+# The activations' rate of new memory stays within these multiples of the probe's: a pair of
+# runs that a slow spell split could make it cost nothing, or more than it costs written
+# alone. Measured here: 1.3-1.8x.
+ACTIVATION_BOUNDS = (0.5, 4.0)
+KEPT_WAIT = 60.0  # seconds the kept decoder may take to answer before it counts as failed
+# The shortest time limit a calibration starts the kept decoder in: its imports take seconds.
+KEPT_LIMIT = 10.0
+
+
+class _KeptDecoder:
+    """The reference's decoders in a process of their own whose heap maps nothing afresh
+    (engine.devices.host_memory.kept_heap), run on request, so that the decoder in this
+    process's heap and in a kept one are timed at the same moment: their difference is
+    what the new memory of a step's activations costs, and the kept runs are the kernels
+    alone. A process of its own: glibc's thresholds, once a kept heap has held a step,
+    do not give a steady heap back (a step then faulted 310-516 MiB afresh where it had
+    faulted 1,013), and a fork cannot run the parent's OpenMP kernels (its first parallel
+    kernel waits forever). None where it cannot start (a C library without a kept heap)."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+
+    @classmethod
+    def start(cls, shape: dict, scale: float) -> _KeptDecoder | None:
+        if mapped_from() is None:  # this process keeps its heap: nothing to compare with
+            return None
+        what = json.dumps({"shape": shape, "scale": scale, "threads": torch.get_num_threads()})
+        try:
+            return cls(subprocess.Popen(
+                [sys.executable, "-c", "from engine.planning.calibration import kept_decoder;"
+                 f"kept_decoder({what!r})"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, bufsize=1, cwd=Path(__file__).resolve().parents[2]))
+        except OSError:
+            return None
+
+    def ready(self, deadline: float) -> _KeptDecoder | None:
+        """This, once its decoders are built; None (and it is stopped) where it failed or
+        is not ready by `deadline`."""
+        if self._answer(deadline) == "ready":
+            return self
+        self.close(kill=True)
+        return None
+
+    def run(self) -> list[float] | None:
+        """The thread seconds of one run of each depth, in turn; None where the process
+        has failed."""
+        try:
+            self.process.stdin.write("run\n")
+            self.process.stdin.flush()
+            seconds = [float(s) for s in (self._answer(time.perf_counter() + KEPT_WAIT)
+                                          or "").split()]
+        except (OSError, ValueError):
+            return None
+        return seconds if len(seconds) == 2 else None
+
+    def _answer(self, deadline: float) -> str | None:
+        ready, _, _ = select.select([self.process.stdout], [], [],
+                                    max(0.0, min(deadline - time.perf_counter(), 3600.0)))
+        return self.process.stdout.readline().strip() if ready else None
+
+    def close(self, *, kill: bool = False) -> None:
+        """Stop the process: at the end of its input, or at once (`kill`)."""
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=0 if kill else 10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
+
+
+def kept_decoder(what: str) -> None:
+    """`_KeptDecoder`'s process: the reference decoders built in a kept heap; each line
+    "run" on stdin runs each depth once and answers their thread seconds."""
+    from engine.devices.host_memory import kept_heap
+
+    kept = kept_heap()
+    asked = json.loads(what)
+    torch.set_num_threads(asked["threads"])
+    reference = _Reference(torch.device("cpu"), lambda: None, asked["scale"], "fp32",
+                           asked["shape"])
+    print("ready" if kept else "no kept heap", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        seconds = []
+        with torch.random.fork_rng(devices=[]):
+            for model in reference.models:
+                start = time.thread_time()
+                reference._run(model)
+                seconds.append(time.thread_time() - start)
+        print(" ".join(f"{s:.6f}" for s in seconds), flush=True)
 
 
 def _factor(run: float, fresh: float, kernels: float) -> float:
@@ -834,4 +1012,4 @@ def _kernels(cal: Calibration, work: StepWork, precision: str = "fp32") -> float
 
 
 def _fresh(cal: Calibration, work: StepWork) -> float:
-    return cal.fresh_seconds(work.forward_fresh + work.backward_fresh)
+    return cal.activation_seconds(work.forward_fresh + work.backward_fresh)

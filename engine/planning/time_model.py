@@ -12,12 +12,12 @@ A step is `grad_accum` micro-batches of forward and backward, then one update:
   engine's own cost per op (engine.planning.flops counts both; engine.planning.calibration measures
   the rates), forward, backward and the forward recomputed under activation
   checkpointing; on the simulated device also the new memory its large tensors take at
-  the calibrated rate of fresh pages (a run's steady heap maps every tensor of a MiB or
-  more afresh: engine.devices.host_memory);
+  the rate a real decoder's took (a run's steady heap maps every tensor of a MiB or more
+  afresh: engine.devices.host_memory);
 - copies each way: the plan's copied bytes (fetches to the device, gradients back for the
   chunks updated on the host) at the calibrated bandwidths; on the simulated device, also
   the fresh pages of the chunk buffers its pool cannot serve and of the host's gradient
-  landing places;
+  landing places, at the probe's rate of new memory;
 - the update: AdamW over the elements updated on the host and on the device;
 - the disk tier: what the plan reads and writes there per step, and of it what the step
   waits for (the update's reads and writes, at the rate the disk does both at once);
@@ -153,7 +153,8 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
         host = work.ops * getattr(work, f"{phase}_flops") / share * cal.op_overhead
         if not simulated:  # a GPU's caching allocator hands out memory it keeps
             return micro * max(work_seconds, host)
-        return micro * (work_seconds + host + cal.fresh_seconds(getattr(work, f"{phase}_fresh")))
+        fresh = cal.activation_seconds(getattr(work, f"{phase}_fresh"))
+        return micro * (work_seconds + host + fresh)
 
     forward, backward = seconds("forward"), seconds("backward")
     recompute = seconds("recompute", cal.factor(precision))

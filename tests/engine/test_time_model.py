@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -207,6 +208,23 @@ def test_new_memory_costs_its_pages_on_the_simulated_device_only():
         more = forecast(fresh, TRAFFIC, cal, precision="fp32", simulated=simulated)
         assert more.forward - plain.forward == pytest.approx(cost)
         assert more.recompute - plain.recompute == pytest.approx(cost / 2)
+
+
+def test_activations_take_their_new_memory_at_the_decoders_rate_and_copies_at_the_probes():
+    """A step's activations went into new pages faster than the probe writes them; the
+    copies' new buffers are written by one copy each, as the probe's are."""
+    fresh = dataclasses.replace(WORK, forward_fresh=5e8, backward_fresh=2.5e8)
+    traffic = dataclasses.replace(TRAFFIC, fresh=5e8)
+    cal = dataclasses.replace(fixed_calibration(), activation_pages=5e8)  # the probe: 2.5e8
+    plain = forecast(WORK, TRAFFIC, cal, precision="fp32", simulated=True)
+    more = forecast(fresh, traffic, cal, precision="fp32", simulated=True)
+    assert more.forward - plain.forward == pytest.approx(1.0)
+    assert more.backward - plain.backward == pytest.approx(0.5)
+    assert more.copy_h2d - plain.copy_h2d == pytest.approx(2.0)
+    # Not measured (no kept heap to compare with): the probe's rate for both.
+    unmeasured = dataclasses.replace(cal, activation_pages=0.0)
+    assert (forecast(fresh, traffic, unmeasured, precision="fp32", simulated=True).forward
+            - plain.forward) == pytest.approx(2.0)
 
 
 def test_random_numbers_cost_their_draws_beyond_their_bytes_where_measured():
@@ -658,6 +676,83 @@ def test_the_reference_decoder_is_timed_at_two_depths_in_turn_in_two_windows():
     reference.time(clock)
     reference.time(clock)
     assert reference.runs == ([1.0, 1.0, 1.0, 2.0, 2.0, 2.0], [4.0, 4.0, 4.0, 5.0, 5.0, 5.0])
+
+
+class _Kept:
+    """A kept decoder that answers each round with the next of `answers` (None: failed)."""
+
+    def __init__(self, answers):
+        self.answers = iter(answers)
+
+    def run(self):
+        return next(self.answers)
+
+
+def test_the_kept_decoder_runs_beside_each_round_and_each_window_keeps_its_pairs():
+    durations = iter([9.0, 9.0, 5.0, 8.0, 5.0, 7.0, 5.0, 6.0])
+    now = [0.0]
+    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01,
+                                              kept=_Kept([[9.0, 9.0], [1.0, 4.0], [1.0, 4.5],
+                                                          [1.0, 4.0]]))
+    assert reference.shares == 2 * calibration_module.REFERENCE_SHARES  # two runs a round
+    reference._run = lambda model: now.__setitem__(0, now[0] + next(durations))
+    reference.time(calibration_module._Clock(60.0, 10**9, timer=lambda: now[0]))
+    assert reference.runs == ([5.0, 5.0, 5.0], [8.0, 7.0, 6.0])
+    assert reference.kept == ([1.0, 1.0, 1.0], [4.0, 4.5, 4.0])
+    assert reference.beyond == [[4.0, 2.5, 2.0]]
+    # A kept decoder that fails: this process's runs are fitted alone from then on.
+    durations = iter([9.0] * 8)
+    reference.kept_decoder = _Kept([None])
+    reference.time(calibration_module._Clock(60.0, 10**9, timer=lambda: now[0]))
+    assert reference.kept == ([], []) and reference.beyond == []
+    assert reference.kept_decoder is None and reference.shares > 0
+
+
+def test_the_activations_price_is_the_last_windows_pairs_within_bounds_of_the_probe(
+        monkeypatch):
+    """In the first window, seconds after the models were built, this process's runs took
+    up to twice what they took later: the last window's pairs set the price."""
+    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
+    work = dataclasses.replace(WORK, forward_fresh=3e8, backward_fresh=1e8)
+    monkeypatch.setattr(reference, "_works", lambda: [WORK, work])
+    cal = fixed_calibration()  # the probe: 2.5e8 bytes a second
+    assert reference.activation_pages(cal) == 0.0  # no kept decoder ran: the probe's
+    reference.beyond = [[9.0, 9.0], [0.8, 1.0, 1.2]]
+    assert reference.activation_pages(cal) == pytest.approx(4e8 / 1.0)
+    low, high = calibration_module.ACTIVATION_BOUNDS
+    reference.beyond = [[0.8], [-0.1, 0.0]]  # a slow spell on a kept run
+    assert reference.activation_pages(cal) == pytest.approx(high * 2.5e8)
+    reference.beyond = [[0.8], [10.0]]
+    assert reference.activation_pages(cal) == pytest.approx(low * 2.5e8)
+
+
+def test_beside_a_kept_decoder_the_factor_is_fitted_on_its_runs_alone(monkeypatch):
+    """The kept decoder's runs take no new memory: the factor and offset are its kernels',
+    whatever this process's runs (their new memory) took."""
+    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
+    reference.runs = ([9.0], [9.0])
+    reference.kept = ([1.5, 1.0, 2.0], [4.0, 4.5, 5.0])
+    given = iter([1.0, 2.5])
+    monkeypatch.setattr(calibration_module, "_kernels", lambda *_: next(given))
+    factor, offset = reference.fit(fixed_calibration())
+    assert factor == pytest.approx((4.5 - 1.5) / (2.5 - 1.0))
+    assert offset == pytest.approx(1.5 - factor * 1.0)
+
+
+def test_the_kept_decoder_is_a_process_of_its_own_that_maps_nothing_afresh(monkeypatch):
+    kept = calibration_module._KeptDecoder.start(calibration_module.REFERENCE, 0.01)
+    assert kept is not None
+    try:
+        assert kept.ready(time.perf_counter() + 120) is kept
+        for _ in range(2):
+            seconds = kept.run()
+            assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    finally:
+        kept.close()
+    assert kept.process.returncode == 0
+    # A process that keeps its heap itself has nothing to compare the kept decoder with.
+    monkeypatch.setattr(calibration_module, "mapped_from", lambda: None)
+    assert calibration_module._KeptDecoder.start(calibration_module.REFERENCE, 0.01) is None
 
 
 def _fitted(monkeypatch, runs, kernels, fresh=(0.0, 0.0)):

@@ -5,6 +5,7 @@ The calibration is the fixed one tests/conftest.py caches (tests/calibrations.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -12,7 +13,7 @@ import pytest
 
 from engine.devices import device
 from engine.planning import calibration as calibration_module
-from engine.planning.calibration import fingerprint, learn, load_calibration
+from engine.planning.calibration import fingerprint, learn, load_calibration, save_calibration
 from engine.planning.hardware import HARDWARE
 from tests.calibrations import fixed_calibration
 from tuitrain.cli import main
@@ -104,10 +105,14 @@ def test_calibrate_measures_once_says_so_and_refresh_measures_again(empty_cache,
     assert "engine:      10 µs per op (hooks and byte counting)" in first.out
     assert "busy" not in first.out  # the fixed figures record no load
     assert "learned:     nothing yet" in first.out
+    assert "activations" not in first.out  # no kept heap measured them: the probe's rate
+    save_calibration(dataclasses.replace(load_calibration(), activation_pages=5e8))
     learn(load_calibration(), 2.0)  # a tune's steps took twice their forecast
     assert main(["calibrate"]) == 0
     cached = capsys.readouterr()
     assert cached.err == ""  # cached: nothing measured
+    assert "beyond writing it (each page faulted in, zeroed, unmapped); a step's activations " \
+           "476.8 MiB/s" in cached.out
     assert "learned:     forecasts in fp32 x2.00, from the steps of 1 tune on this machine" in (
         cached.out)
     assert main(["calibrate", "--refresh", "--json"]) == 0
