@@ -47,3 +47,16 @@ def test_measuring_the_disk_leaves_no_folder(default):
     write, read, both = _disk(0.01)
     assert write > 0 and read > 0 and both > 0
     assert not default.exists()
+
+
+def test_the_disk_probe_computes_beside_both_ways_at_once_and_leaves_no_file(tmp_path):
+    """The update computes each piece while the tier reads the next and writes the last:
+    the probe of both ways at once runs what it is given beside them until both are done."""
+    from engine.devices.disk.files import ALIGN, direct_io_supported, steady_bandwidth
+
+    ran = []
+    rates = steady_bandwidth(tmp_path, nbytes=64 * ALIGN, piece=8 * ALIGN,
+                             direct=direct_io_supported(tmp_path),
+                             beside=lambda: ran.append(1))
+    assert all(rate > 0 for rate in rates) and ran
+    assert not any(tmp_path.iterdir())

@@ -20,6 +20,7 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -158,15 +159,16 @@ def sequential_bandwidth(folder: Path, *, write_bytes: int, read_bytes: int, pie
     return write_bytes / max(write, 1e-9), read_bytes / max(read, 1e-9)
 
 
-def steady_bandwidth(folder: Path, *, nbytes: int, piece: int,
-                     direct: bool) -> tuple[float, float, float]:
+def steady_bandwidth(folder: Path, *, nbytes: int, piece: int, direct: bool,
+                     beside: Callable[[], None] | None = None) -> tuple[float, float, float]:
     """(write, read, both) bytes per second of the disk tier's steady I/O in `folder`,
     `piece` bytes at a time: writes over blocks written before (a tier rewrites its regions
     at every step, and the first write of a newly reserved block costs more: 1.2-2.4 GiB/s
     here, against 1.8-3.9 rewriting), reads from the disk, and both directions at once, one
     thread reading while another writes, as the update reads each piece ahead and writes
-    the last behind (their bytes together over their time together). Uses a file of its
-    own, of twice `nbytes`, removed after."""
+    the last behind (their bytes together over their time together), with `beside` run
+    over and over on this thread meanwhile, as the update computes between them. Uses a
+    file of its own, of twice `nbytes`, removed after."""
     size = nbytes + (-nbytes % piece)
     path = folder / "bandwidth.bin"
     file = ScratchFile(path, 2 * size, direct=direct)
@@ -178,6 +180,12 @@ def steady_bandwidth(folder: Path, *, nbytes: int, piece: int,
     def write(lo: int) -> None:
         for offset in range(lo, lo + size, piece):
             file.write(written, offset)
+
+    def write_back() -> None:
+        try:
+            write(size)
+        except OSError as e:
+            failed.append(e)
 
     def read_back() -> None:
         try:
@@ -198,7 +206,14 @@ def steady_bandwidth(folder: Path, *, nbytes: int, piece: int,
         reader = threading.Thread(target=read_back, name="tuitrain-disk-probe")
         reader.start()
         try:
-            write(size)
+            if beside is None:
+                write(size)
+            else:
+                writer = threading.Thread(target=write_back, name="tuitrain-disk-probe")
+                writer.start()
+                while writer.is_alive() or reader.is_alive():
+                    beside()
+                writer.join()
         finally:
             reader.join()
         os.fsync(file.fd)
