@@ -512,8 +512,9 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     # The decoder's and the disk's first windows ran before the kernels: in their time.
     parts["kernels, copies, decoder"] = time.perf_counter() - started - parts["model"]
     disk.append(_disk(scale))
-    # Each way, the slower window (see _disk).
-    disk_write, disk_read, disk_duplex = (min(rates) if all(rates) else 0.0
+    # Both windows' bytes over both windows' seconds, each way (see _disk).
+    disk_write, disk_read, disk_duplex = (len(disk) / sum(1 / r for r in rates)
+                                          if all(rates) else 0.0
                                           for rates in zip(*disk, strict=True))
     parts["disk"] = time.perf_counter() - started - sum(parts.values())
     key, words = fingerprint()
@@ -681,11 +682,13 @@ def _disk(scale: float) -> tuple[float, float, float]:
 
     Both at once with AdamW computing beside, as the update computes each piece while the
     tier reads the next and writes the last: six pairs of probes in turn moved 5-10% less so
-    (1.40-1.52 GiB/s against 1.54-1.66 alone, at 256 MiB and at 1 GiB). The calibration
-    keeps each way's slower window: the disk here slows from one half hour to the next
-    (1.84 GiB/s both ways at a calibration, 1.54-1.66 an hour later), and grids' updates
-    with half the chunks on disk waited 1.1-1.8 s for 2.1 GiB, each row in a process of its
-    own (2026-12-05)."""
+    (1.40-1.52 GiB/s against 1.54-1.66 alone, at 256 MiB and at 1 GiB).
+
+    Two windows, their bytes over their seconds: the disk here moves by half from one half
+    hour to the next, either way (both at once: 1.84 GiB/s at 16:22, 1.27-1.34 at 17:23,
+    and opt-125m's updates of 2.1 GiB waited 1.1-1.8 s in between and 1.1-1.4 s after;
+    2026-12-05), and neither window says where it goes next: a calibration is one moment
+    of it."""
     from engine.devices.disk import default_disk_dir, remove_if_empty
     from engine.devices.disk.files import ALIGN, direct_io_supported, steady_bandwidth
 

@@ -587,9 +587,10 @@ def test_a_quick_real_measurement_gives_a_rate_for_everything(empty_cache):
     # The disk and memory's speeds in two windows each, both kept beside the rates.
     assert len(cal.extra["disk windows"]) == len(cal.extra["memory windows"]) == 2
     assert cal.disk_read > 0 and cal.disk_write > 0
-    # The disk's slower window each way: it slows from one half hour to the next.
+    # Each way, both windows' bytes over both windows' seconds.
     assert [cal.disk_write, cal.disk_read, cal.disk_duplex] == [
-        min(rates) for rates in zip(*cal.extra["disk windows"], strict=True)]
+        pytest.approx(2 / (1 / a + 1 / b)) for a, b in zip(*cal.extra["disk windows"],
+                                                         strict=True)]
     assert not any(empty_cache.glob("scratch/.calibrate-*"))  # the disk probe cleaned up
 
 
