@@ -907,8 +907,11 @@ class _KeptDecoder:
     def ready(self, deadline: float) -> _KeptDecoder | None:
         """This, once its decoders are built; None (and it is stopped) where it failed or
         is not ready by `deadline`."""
-        if self._answer(deadline) == "ready":
-            return self
+        try:
+            if self._answer(deadline) == "ready":
+                return self
+        except (OSError, ValueError):  # a system whose pipes select cannot wait on
+            pass
         self.close(kill=True)
         return None
 
