@@ -138,10 +138,11 @@ class Calibration:
     # Bytes per second of the new memory a forward and backward take for their activations,
     # gradients and logits, beyond writing it: the reference decoder in the process's heap
     # against the same decoder in a kept heap, which maps nothing afresh (REFERENCE). A
-    # step's own new pages went 1.3-1.8x as fast as the probe's above (opt-125m: 1.0 GiB
-    # faulted a step, 0.18-0.21 s, against 0.29-0.33 s at the probe's rate), which still
-    # prices the copies' new buffers: written by one copy each, as the probe's are. 0: not
-    # measured (no kept heap to compare with): the probe's rate.
+    # step's own new pages went 1.3-1.8x as fast as the probe's above on one boot of this
+    # project's machine (opt-125m: 1.0 GiB faulted a step, 0.18-0.21 s, against 0.29-0.33
+    # s at the probe's rate) and 0.8-0.95x on the next (4.1-4.85 GiB/s against 4.9-5.4);
+    # the probe still prices the copies' new buffers: written by one copy each, as its own
+    # are. 0: not measured (no kept heap to compare with): the probe's rate.
     activation_pages: float = 0.0
     # Random numbers per second drawn on the device (dropout's mask: `bernoulli_` over fp32
     # elements) beyond the bytes that writes, which `elementwise` prices (0: not measured,
@@ -789,17 +790,24 @@ class _Reference:
         model(input_ids=self.ids, labels=self.ids).loss.backward()
         model.zero_grad(set_to_none=True)
 
+    def run_each(self, timer: Callable[[], float]) -> list[float]:
+        """`timer`'s seconds of one run of each depth, in turn."""
+        seconds = []
+        for model in self.models:
+            start = timer()
+            self._run(model)
+            self.sync()
+            seconds.append(timer() - start)
+        return seconds
+
     def time(self, clock: _Clock) -> None:
         """One window: half of its `shares` of `clock`'s time, each depth in turn, and
         after them the kept decoder's (each pair of runs in the same moment)."""
         timed: tuple[list[float], ...] = ([], [], [], [])  # shallow, deep, and kept
 
         def both() -> None:
-            for model, runs in zip(self.models, timed, strict=False):
-                start = clock.timer()
-                self._run(model)
-                self.sync()
-                runs.append(clock.timer() - start)
+            for runs, seconds in zip(timed, self.run_each(clock.timer), strict=False):
+                runs.append(seconds)
             if self.kept_decoder is not None:
                 kept = self.kept_decoder.run()
                 if kept is None:  # it failed: these runs are fitted alone
@@ -870,7 +878,7 @@ class _Reference:
 
 # The activations' rate of new memory stays within these multiples of the probe's: a pair of
 # runs that a slow spell split could make it cost nothing, or more than it costs written
-# alone. Measured here: 1.3-1.8x.
+# alone. Measured here: 0.8-1.8x.
 ACTIVATION_BOUNDS = (0.5, 4.0)
 KEPT_WAIT = 60.0  # seconds the kept decoder may take to answer before it counts as failed
 # The shortest time limit a calibration starts the kept decoder in: its imports take seconds.
@@ -958,12 +966,8 @@ def kept_decoder(what: str) -> None:
     for line in sys.stdin:
         if line.strip() != "run":
             break
-        seconds = []
         with torch.random.fork_rng(devices=[]):
-            for model in reference.models:
-                start = time.thread_time()
-                reference._run(model)
-                seconds.append(time.thread_time() - start)
+            seconds = reference.run_each(time.thread_time)
         print(" ".join(f"{s:.6f}" for s in seconds), flush=True)
 
 
