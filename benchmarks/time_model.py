@@ -16,7 +16,10 @@ written once to a temporary folder with random weights), policies cuda/auto/cpu,
 0 and 0.5, two device budgets, activation checkpointing off and on, accumulation 1 and 4,
 the disk tier off and on (a host budget that holds half the chunks). fp32 (`--precision
 bf16`: the same grid in bf16), batch 2 x 128 per micro-batch. The calibration is this
-machine's cached one (measured first if absent).
+machine's cached one (measured first if absent). A row with the disk tier is forecast
+just before each of its visits, with a probe of the disk then (as `tuitrain plan` and a
+tune forecast a plan that uses the disk: engine.planning.disk_speed); its forecast is
+the mean of its visits'.
 
 Each row is measured in VISITS visits (`--visits`), each through the whole grid in turn, a
 process of its own per row and visit: its measured time is the median of the settled steps
@@ -54,6 +57,7 @@ from engine import Engine, EngineConfig
 from engine.config import format_size
 from engine.devices.host_memory import steady_heap
 from engine.models.zoo import build_model
+from engine.planning.disk_speed import disk_now
 from engine.planning.planner import plan
 from engine.planning.time_model import step_times
 from tuitrain.plan_forecast import machine_calibration
@@ -80,6 +84,8 @@ class Row:
     accum: int
     disk: bool
     predicted: float = 0.0
+    forecasts: list = dataclasses.field(default_factory=list)  # each visit's, in turn
+    duplex: list = dataclasses.field(default_factory=list)  # the disk both ways, each visit's
     # Wall seconds per step: what the user waits. Only a quiet machine measures it; the
     # clocks beside it tell a loaded one apart.
     measured: float = 0.0
@@ -175,7 +181,9 @@ def _half_the_chunks(row: Row) -> int:
     return p.model_bytes // 2
 
 
-def predict(row: Row, cal, disk_dir: str) -> float:
+def predict(row: Row, cal, disk_dir: str, *, now: bool = True) -> float:
+    """The row's forecast; with the disk tier, with the disk as probed now (`now`), or at
+    the calibration's rates."""
     host_budget = _half_the_chunks(row) if row.disk else None
     p = plan(row.model, device_mem=row.budget, host_mem="64GiB", precision=PRECISION,
              batch_size=BATCH, seq_len=SEQ, checkpointing=row.checkpointing,
@@ -183,6 +191,9 @@ def predict(row: Row, cal, disk_dir: str) -> float:
              simulated=not torch.cuda.is_available(), grad_accum=row.accum)
     if not p.policies[row.policy].fits:
         row.note = p.policies[row.policy].reason
+    if p.uses_disk and now:
+        cal = disk_now(cal, p.disk_dir, max_age=0.0)
+        row.duplex.append(cal.disk_duplex)
     return step_times(p, cal, grad_accum=row.accum)[row.policy].total
 
 
@@ -242,7 +253,7 @@ def main() -> None:
         header = (f"{'ROW':<44} {'PREDICTED':>9} {'MEASURED':>9} {'RATIO':>6} {'THREAD':>8} "
                   f"{'CPU':>8} {'DISK':>6} {'LOAD':>5}")
         for row in rows:
-            row.predicted = predict(row, cal, root)
+            row.predicted = predict(row, cal, root, now=False)  # the disk's: at each visit
         for visit in range(1, args.visits + 1):
             print(f"visit {visit} of {args.visits}: "
                   + ("the medians of every visit so far, and this one's (VISIT)" if visit > 1
@@ -254,11 +265,15 @@ def main() -> None:
                         print(f"{row.label():<44} {row.predicted:9.3f} {'-':>9} {'-':>6}  "
                               f"{row.note}")
                     continue
+                if row.disk:
+                    row.forecasts.append(predict(row, cal, root))
+                    row.predicted = statistics.fmean(row.forecasts)
                 own = row.visit(measure_apart(row, args.steps, root))
                 print(f"{row.label():<44} {row.predicted:9.3f} {row.measured:9.3f} "
                       f"{row.ratio:6.2f} {row.thread:8.3f} {row.cpu:8.3f} {row.disk_wait:6.3f} "
-                      f"{os.getloadavg()[0]:5.1f}" + (f" {own:6.3f}" if visit > 1 else ""),
-                      flush=True)
+                      f"{os.getloadavg()[0]:5.1f}" + (f" {own:6.3f}" if visit > 1 else "")
+                      + (f"  disk {row.duplex[-1] / 2**30:.2f} GiB/s both ways, forecast "
+                         f"{row.forecasts[-1]:.3f}" if row.disk else ""), flush=True)
         done = [r for r in rows if r.measured]
         within = sum(abs(r.ratio - 1) <= TOLERANCE for r in done)
         pairs = [(a, b) for a, b in itertools.combinations(done, 2)
@@ -267,7 +282,8 @@ def main() -> None:
         print(f"within {TOLERANCE:.0%}: {within}/{len(done)} rows; ordered as measured: "
               f"{ordered}/{len(pairs)} pairs; load now {os.getloadavg()[0]:.1f}")
         if args.visits > 1:
-            alone = [sum(abs(r.predicted / statistics.median(r.visits[v][0]) - 1) <= TOLERANCE
+            alone = [sum(abs((r.forecasts[v] if r.forecasts else r.predicted)
+                             / statistics.median(r.visits[v][0]) - 1) <= TOLERANCE
                          for r in done) for v in range(args.visits)]
             print(f"each visit alone, within {TOLERANCE:.0%}: "
                   + ", ".join(f"{n}/{len(done)}" for n in alone))

@@ -168,6 +168,18 @@ def calibrated(tuitrain_cache: Path) -> None:
         learned_path().unlink(missing_ok=True)  # a killed session's, kept in the cache
 
 
+@pytest.fixture(autouse=True, scope="session")
+def disk_unprobed() -> Iterator[None]:
+    """No forecast probes the disk (engine.planning.disk_speed.disk_now, a second or two of
+    I/O): the probe finds nothing, so the fixed calibration's disk rates stand and forecasts
+    do not depend on the machine. A test of the probe puts the real one back."""
+    from engine.planning import disk_speed
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(disk_speed, "probe", lambda scale=1.0, base=None: (0.0, 0.0, 0.0))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def unlearned(tuitrain_cache: Path) -> Iterator[None]:
     """What a test's tune taught the fixed calibration (calibration.learn) is forgotten

@@ -1,7 +1,8 @@
 """The time forecast of `tuitrain plan`: seconds per step for each policy's row.
 
 The forecast is engine.planning.time_model's, with this machine's calibration (measured
-once and cached; the first plan says it is measuring) or, with `--hardware NAME`, a shipped
+once and cached; the first plan says it is measuring; a plan that uses the disk probes the
+disk where the scratch would go: engine.planning.disk_speed) or, with `--hardware NAME`, a shipped
 profile's published specs beside this host's measured figures: then an estimate from specs,
 which the output says.
 """
@@ -44,12 +45,17 @@ def machine_calibration(**kwargs: Any) -> Calibration:
 
 def forecast(result: Plan, hardware: HardwareProfile | None,
              grad_accum: int = 1) -> dict[str, StepTime]:
-    """policy -> StepTime for `result`'s rows; measures this machine first if it never was
-    (saying so on stderr)."""
+    """policy -> StepTime for `result`'s rows; measures this machine first if it never was,
+    and the disk where the scratch would go if a row uses it (saying so on stderr)."""
+    from engine.planning.disk_speed import disk_now
     from engine.planning.time_model import step_times
 
-    cal = machine_calibration(say=lambda line: print(line, file=sys.stderr, flush=True),
-                              precision=result.precision)
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    cal = machine_calibration(say=say, precision=result.precision)
+    if result.uses_disk:
+        cal = disk_now(cal, result.disk_dir, say=say)
     if hardware is not None:
         cal = hardware.calibration(cal)
     return step_times(result, cal, grad_accum=grad_accum)

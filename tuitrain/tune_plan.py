@@ -4,6 +4,7 @@ budget by how much) and the time model (seconds per step), with this machine's c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,10 +16,13 @@ if TYPE_CHECKING:
 
 def plan_forecaster(model: str, *, host_mem: int, precision: str, seq_len: int,
                     simulated: bool, calibration: Calibration,
-                    disk_dir: str | Path | None = None, lora: object = None) -> Forecaster:
+                    disk_dir: str | Path | None = None, lora: object = None,
+                    say: Callable[[str], None] | None = None) -> Forecaster:
     """A Forecaster for `model` at this batch length on this machine (with `lora`'s
     adapters, an engine.models.lora.Lora, if given). Plans are shared by the candidates
-    that differ only in policy (accumulation changes the host peak and the disk's bytes)."""
+    that differ only in policy (accumulation changes the host peak and the disk's bytes).
+    `say` tells when the disk is measured (engine.planning.disk_speed.disk_now)."""
+    from engine.planning.disk_speed import disk_now
     from engine.planning.planner import plan
     from engine.planning.time_model import step_times
 
@@ -37,7 +41,9 @@ def plan_forecaster(model: str, *, host_mem: int, precision: str, seq_len: int,
         row = p.policies[c.policy]
         if not row.fits:
             return Forecast(False, 0.0, row.reason, over=_over(row, c, host_mem))
-        return Forecast(True, step_times(p, calibration, grad_accum=c.grad_accum)[c.policy].total)
+        # A setting that uses the disk: at its folder's speed now (probed once a while).
+        cal = disk_now(calibration, p.disk_dir, say=say) if p.uses_disk else calibration
+        return Forecast(True, step_times(p, cal, grad_accum=c.grad_accum)[c.policy].total)
 
     return forecast
 

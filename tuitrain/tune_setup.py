@@ -82,7 +82,7 @@ def tune_forecaster(settings: Settings, *, simulated: bool,
                                precision=precision,
                                seq_len=settings.training.seq_len, simulated=simulated,
                                calibration=cal, disk_dir=settings.engine.disk_dir,
-                               lora=settings.lora())
+                               lora=settings.lora(), say=say)
     return forecast, cal
 
 

@@ -15,8 +15,8 @@ those rates forecast for it, in this process's heap and, on the simulated device
 process of its own whose heap maps nothing afresh (what the activations' new memory costs
 is their difference); and the engine's own cost per module interval (hooks, chunk states),
 from a few steps of the `tiny` model. What memory's speed sets, and the disk, are measured
-in two windows apart (`_MemorySpeeds`, `_disk`): a machine's memory and disk move from
-moment to moment.
+in two windows apart (`_MemorySpeeds`; the disk's probe is engine.planning.disk_speed's): a
+machine's memory and disk move from moment to moment.
 
 The figures are cached under the user cache folder, one file per machine fingerprint: the
 CPU model, vector instructions and cores, the torch version and the GPU's name, driver and
@@ -40,11 +40,9 @@ import json
 import math
 import mmap
 import select
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,7 +54,7 @@ import torch
 
 from engine.data.tokenizer import atomic_write, cache_dir
 from engine.devices.host_memory import mapped_from
-from engine.placement import rules
+from engine.planning.disk_speed import fused_adamw, probe
 from engine.planning.machine import busy, fingerprint, load_average, load_beside, quiet
 
 if TYPE_CHECKING:
@@ -487,7 +485,7 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
         reference.time(clock)  # its first window: before the kernels
     memory = _MemorySpeeds(clock, device, sync, scale)
     memory.time()  # its first window, beside the decoder's
-    disk = [_disk(scale)]
+    disk = [probe(scale)]
 
     matmul: dict[str, dict[int, float]] = {}
     for name in precisions:
@@ -512,8 +510,11 @@ def measure(*, simulate: bool | None = None, limit: float = TIME_LIMIT,
     parts = {"model": limit - left if left > 1.0 else time.perf_counter() - started}
     # The decoder's and the disk's first windows ran before the kernels: in their time.
     parts["kernels, copies, decoder"] = time.perf_counter() - started - parts["model"]
-    disk.append(_disk(scale))
-    # Both windows' bytes over both windows' seconds, each way (see _disk).
+    disk.append(probe(scale))
+    # Both windows' bytes over both windows' seconds, each way: the disk here moves by half
+    # from one half hour to the next, either way, and neither window says where it goes
+    # next. A calibration is one moment of it; a plan that uses the disk is forecast with a
+    # probe of its own folder (engine.planning.disk_speed.disk_now).
     disk_write, disk_read, disk_duplex = (len(disk) / sum(1 / r for r in rates)
                                           if all(rates) else 0.0
                                           for rates in zip(*disk, strict=True))
@@ -649,69 +650,8 @@ class _MemorySpeeds:
 
 def _adamw_rate(clock: _Clock, elements: int, where: torch.device,
                 sync: Callable[[], None], **how: object) -> float:
-    """Elements per second of the engine's update (`_adamw`). `how`: as `_Clock.rate`'s."""
-    return clock.rate(elements, _adamw(elements, where), sync, **how)
-
-
-def _adamw(elements: int, where: torch.device) -> Callable[[], None]:
-    """The engine's update, once over one flat fp32 chunk of `elements`: PyTorch's fused
-    AdamW (engine.step.optimizer)."""
-    param, grad, m, v = (torch.full((elements,), 0.5, device=where) for _ in range(4))
-    step = torch.ones((), device=where)
-
-    def run() -> None:
-        torch._fused_adamw_([param], [grad], [m], [v], [], [step], amsgrad=False,
-                            maximize=False, lr=1e-4, beta1=0.9, beta2=0.999,
-                            weight_decay=0.0, eps=1e-8)
-
-    return run
-
-
-# The disk probe writes and reads back this many bytes, in pieces of the update's largest
-# (DISK_PROBE_PIECE). At 64 MiB, six probes in a row here read 1.3-1.6 GiB/s; at 512 MiB,
-# 1.6-2.1: a step moves a GiB or more, and the first reads of a probe are its slowest.
-DISK_PROBE = 256 * 2**20
-DISK_PROBE_PIECE = 8 * rules.DISK_PIECE  # a piece of fp32 state: both moments
-
-
-def _disk(scale: float) -> tuple[float, float, float]:
-    """(write, read, both at once) bytes per second of the disk tier's steady I/O
-    (engine.devices.disk.files.steady_bandwidth), DISK_PROBE bytes each, in the scratch
-    folder's parent; zeros when it cannot be written. The opt-125m and Llama-shaped updates
-    with half their chunks on disk (1.0-1.5 GiB each way) moved 1.7-1.9 GiB/s both ways
-    together; a probe of blocks written for the first time, 1.2-1.6.
-
-    Both at once with AdamW computing beside, as the update computes each piece while the
-    tier reads the next and writes the last: six pairs of probes in turn moved 5-10% less so
-    (1.40-1.52 GiB/s against 1.54-1.66 alone, at 256 MiB and at 1 GiB).
-
-    Two windows, their bytes over their seconds: the disk here moves by half from one half
-    hour to the next, either way (both at once: 1.84 GiB/s at 16:22, 1.27-1.34 at 17:23,
-    and opt-125m's updates of 2.1 GiB waited 1.1-1.8 s in between and 1.1-1.4 s after;
-    2026-12-05), and neither window says where it goes next: a calibration is one moment
-    of it."""
-    from engine.devices.disk import default_disk_dir, remove_if_empty
-    from engine.devices.disk.files import ALIGN, direct_io_supported, steady_bandwidth
-
-    base = default_disk_dir()
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix=".calibrate-", dir=base))
-    except OSError:
-        remove_if_empty(base)
-        return 0.0, 0.0, 0.0
-    try:
-        size = max(ALIGN * 4, int(DISK_PROBE * scale) // ALIGN * ALIGN)
-        piece = max(ALIGN, min(DISK_PROBE_PIECE, size // 4) // ALIGN * ALIGN)
-        # A piece's worth of state: weights and both moments.
-        update = _adamw(max(1024, piece // 16), torch.device("cpu"))
-        return steady_bandwidth(folder, nbytes=size, piece=piece,
-                                direct=direct_io_supported(folder), beside=update)
-    except OSError:
-        return 0.0, 0.0, 0.0
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        remove_if_empty(base)
+    """Elements per second of the engine's update (`fused_adamw`). `how`: as `_Clock.rate`'s."""
+    return clock.rate(elements, fused_adamw(elements, where), sync, **how)
 
 
 # The decoder the compute factor is measured on: opt-125m's layers at a batch of 2 x 128

@@ -41,14 +41,6 @@ def test_what_anyone_else_put_in_the_default_folder_keeps_it(default):
     assert [p.name for p in default.iterdir()] == ["notes.txt"]
 
 
-def test_measuring_the_disk_leaves_no_folder(default):
-    from engine.planning.calibration import _disk
-
-    write, read, both = _disk(0.01)
-    assert write > 0 and read > 0 and both > 0
-    assert not default.exists()
-
-
 def test_the_disk_probe_computes_beside_both_ways_at_once_and_leaves_no_file(tmp_path):
     """The update computes each piece while the tier reads the next and writes the last:
     the probe of both ways at once runs what it is given beside them until both are done."""

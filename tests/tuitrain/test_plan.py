@@ -422,3 +422,39 @@ def test_the_simulated_device_computes_in_bf16_where_the_cpu_has_bf16_units(
     monkeypatch.setattr(device, "host_has_bf16", lambda: units)
     assert Settings().precision_for(simulated=True) == expected
     assert Settings(engine={"precision": "fp32"}).precision_for(simulated=True) == "fp32"
+
+
+def test_a_plan_that_uses_the_disk_is_forecast_at_the_disks_speed_now(small_pieces, tmp_path,
+                                                                      monkeypatch, capsys):
+    """The calibration probed the default folder once; the disk the scratch goes to is
+    probed when the plan is forecast (engine.planning.disk_speed), and a plan that does not
+    use the disk never waits for that."""
+    from engine.planning import disk_speed
+
+    probed = []
+
+    def half_as_fast(scale: float = 1.0, base: Path | None = None) -> tuple[float, ...]:
+        probed.append(base)
+        return 0.5e9, 0.5e9, 0.5e9  # the tests' calibration: 1 GB/s each way, one by one
+
+    # fp32: the update's reads and writes of the master are what the step waits for.
+    budget = plan("tiny", device_mem="6GiB", host_mem="64GiB", batch_size=2,
+                  seq_len=64).model_bytes // 4
+    argv = ["plan", "tiny", "--device-mem", "20MiB", "--host-mem", str(budget),
+            "--disk", str(tmp_path), "--json", "--batch-size", "2", "--seq-len", "64",
+            "--precision", "fp32"]
+    assert main(argv) == 0
+    at_calibration = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(disk_speed, "probe", half_as_fast)
+    monkeypatch.setattr(disk_speed, "_probed", {})
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    now = json.loads(captured.out)
+    assert probed == [tmp_path] and f"measuring the disk where the scratch goes ({tmp_path})" \
+        in captured.err
+    assert now["step_seconds_source"] == "this machine's calibration, the disk measured now"
+    assert now["cpu"]["step_seconds"]["disk"] == pytest.approx(
+        2 * at_calibration["cpu"]["step_seconds"]["disk"])
+    assert now["cpu"]["step_seconds"]["total"] > at_calibration["cpu"]["step_seconds"]["total"]
+    assert main(["plan", "tiny", "--device-mem", "20MiB", "--json", *SMALL]) == 0
+    assert probed == [tmp_path]  # nothing on disk: no probe

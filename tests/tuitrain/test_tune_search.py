@@ -268,6 +268,38 @@ def test_the_forecast_plans_each_candidates_accumulation(tmp_path):
         assert forecast(c).seconds == pytest.approx(expected)
 
 
+def test_a_setting_on_the_disk_is_forecast_at_the_disks_speed_now(tmp_path, monkeypatch):
+    """Its folder's disk is probed once, when the first setting that uses it is forecast
+    (engine.planning.disk_speed), and the user is told; settings without the disk do not
+    wait for it."""
+    import dataclasses
+
+    from engine.planning import disk_speed
+    from engine.planning.planner import plan
+    from engine.planning.time_model import step_times
+    from tests.calibrations import fixed_calibration
+    from tuitrain.tune_plan import plan_forecaster
+
+    probed, said = [], []
+    monkeypatch.setattr(disk_speed, "probe", lambda scale=1.0, base=None: (
+        probed.append(base) or (0.4e9, 0.6e9, 0.3e9)))
+    monkeypatch.setattr(disk_speed, "_probed", {})
+    shape = dict(host_mem=16 * GIB, precision="fp32", seq_len=32, simulated=True)
+    half = plan("tiny", device_mem=GIB, batch_size=2, **shape).model_bytes // 2
+    forecast = plan_forecaster("tiny", calibration=fixed_calibration(), disk_dir=tmp_path,
+                               say=said.append, **shape)
+    assert forecast(Candidate("cpu", 0.0, 2, 1, False, GIB)).fits and probed == []
+    on_disk = [Candidate(policy, 0.0, 2, 1, False, GIB, host_budget=half)
+               for policy in ("cpu", "auto")]
+    p = plan("tiny", device_mem=GIB, batch_size=2, host_budget=half, disk_dir=tmp_path,
+             **shape)
+    now = dataclasses.replace(fixed_calibration(), disk_write=0.4e9, disk_read=0.6e9,
+                              disk_duplex=0.3e9)
+    for c in on_disk:
+        assert forecast(c).seconds == pytest.approx(step_times(p, now)[c.policy].total)
+    assert probed == [tmp_path] and len(said) == 1 and "measuring the disk" in said[0]
+
+
 def test_the_measured_steps_teach_this_machines_next_forecast():
     from engine.planning.calibration import calibration, load_calibration
     from tuitrain.tune_setup import learn_from
