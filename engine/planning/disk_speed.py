@@ -4,7 +4,7 @@ the same probe run again when a plan that uses the disk is forecast.
     cal = disk_now(cal, plan.disk_dir, say=print)  # the rates of that folder's disk, now
 
 Why again: the calibration probes the default scratch folder once, but a run may put its
-scratch on another disk (`--disk-dir`), and a disk's speed moves. This project's machine's
+scratch on another disk (`--disk DIR`), and a disk's speed moves. This project's machine's
 moved by half within an hour, either way: both ways at once 1.84 GiB/s at 16:22, 1.27-1.34
 at 17:23 and 1.7 at 17:53 (2026-12-05); four rows of the time model's grid that ran in a
 three-minute slow spell of it waited 2.15-4.13 s where the same plans had just waited
