@@ -8,7 +8,7 @@ scratch on another disk (`--disk DIR`), and a disk's speed moves. This project's
 moved by half within an hour, either way: both ways at once 1.84 GiB/s at 16:22, 1.27-1.34
 at 17:23 and 1.7 at 17:53 (2026-12-05); four rows of the time model's grid that ran in a
 three-minute slow spell of it waited 2.15-4.13 s where the same plans had just waited
-1.51-3.15 s. A probe takes about a second and a half: a plan that uses the disk is
+1.51-3.15 s. A probe takes about 2 s here: a plan that uses the disk is
 forecast with what the disk does now, and one that does not never waits for it.
 """
 
