@@ -157,8 +157,9 @@ class DeviceCopies(ChunkTiers):
 
     def make_room(self, nbytes: int, pos: int, protect: tuple[Chunk, ...] = ()) -> None:
         """Evict idle chunks (rules.evictions) until `nbytes` and the forecast fit."""
-        forecast = self.rules.forecast(self.trace, pos, self.non_model_now())
-        free = self.free_bytes(forecast)
+        now = self.non_model_now()  # read once: nothing allocates before the check
+        free = (self.device.capacity() - self.device_bytes - now
+                - self.rules.forecast(self.trace, pos, now))
         if free >= nbytes:
             return  # the common case, called for every gradient and copy: nothing to evict
         idle = [c.index for c in self.chunks if c.on_device and not c.copy_is_home

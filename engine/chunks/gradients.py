@@ -162,7 +162,11 @@ class Gradients(ChunkTiers):
         if kept is not None:
             kept[1].add_(grad)
             return
-        self.make_room(grad.nbytes, pos, (chunk,))
+        if not self.quiet:
+            # In a quiet micro-batch every chunk is resident, which nothing evicts, and the
+            # counted one like it made this room: checking it again for every gradient was
+            # half a point of a 6-layer OPT's step under cuda (benchmarks/README.md).
+            self.make_room(grad.nbytes, pos, (chunk,))
         if not chunk.resident:
             self.device.own(grad)  # its copy home is device -> host
         chunk.slot_grads[slot.offset] = (slot, grad)

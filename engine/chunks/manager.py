@@ -64,6 +64,7 @@ class ChunkManager(DeviceCopies, Gradients, Residency, DiskSide):
 
     def end_step(self) -> None:
         self.strict = True
+        self.quiet = False
         self.rules = rules.rules_for(self.policy)
 
     def end_backward(self) -> None:

@@ -45,6 +45,9 @@ class ChunkTiers:
         self.transfer_seconds = 0.0
         self.strict = True  # raise when room cannot be made; off while tracing
         self.overrun = 0  # most bytes over capacity seen while not strict
+        # A quiet micro-batch (engine.step.counting): every chunk resident, placed as the
+        # counted one placed them, so no gradient needs room made (keep_slot_grad).
+        self.quiet = False
         self._last_use: dict[int, int] = {}  # chunk -> position of its latest use (LRU)
         self.fetched_ahead: set[int] = set()  # copies prefetched, not used yet
         self.host_budget: int | None = None  # chunk bytes + I/O buffers on the host

@@ -418,8 +418,8 @@ class StepRunner:
         self.readings.reset(self.manager.device_bytes)
         self.counter.reset()
         counting = self.counts.begin(tracing=tracing, accumulate=accumulate)
-        self._quiet = (not counting and self.manager.sharding is None
-                       and all(c.copy_is_home for c in self.chunks))
+        self._quiet = self.manager.quiet = (not counting and self.manager.sharding is None
+                                            and all(c.copy_is_home for c in self.chunks))
         self._kept_grads: dict[int, int] = {}  # chunk index -> kept gradients adopted
         for chunk in self.chunks:
             chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)

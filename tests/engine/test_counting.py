@@ -148,6 +148,24 @@ def test_a_quiet_step_trains_exactly_as_a_counted_one_with_its_hooks_idle(arch, 
     assert all(s.state == TensorState.HOLD for c in eng.chunks for s in c.slots)
 
 
+def test_a_quiet_step_makes_no_room_for_its_gradients():
+    """Every chunk is resident in a quiet step, which nothing evicts, and the counted step
+    like it made the same room: its gradients are kept without a room check, where a
+    counted step checks for each. The manager is quiet only inside that step."""
+    eng = engine("cuda")
+    made = []
+    make_room = eng.manager.make_room
+    eng.manager.make_room = lambda *args, **kw: (made.append(args[0]), make_room(*args, **kw))
+    per_step = []
+    for b in BATCHES[:5]:
+        made.clear()
+        eng.step(b)
+        per_step.append(len(made))
+        assert eng.manager.quiet is False
+    # Traced and counted until settled (three steps), then quiet.
+    assert all(n > 0 for n in per_step[:3]) and per_step[3:] == [0, 0]
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_quiet_step_stops_at_an_interrupt_and_changes_nothing(where):
     config = EngineConfig(policy="cuda", device_budget="64MiB", simulate=True)
