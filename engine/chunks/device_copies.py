@@ -158,8 +158,7 @@ class DeviceCopies(ChunkTiers):
     def make_room(self, nbytes: int, pos: int, protect: tuple[Chunk, ...] = ()) -> None:
         """Evict idle chunks (rules.evictions) until `nbytes` and the forecast fit."""
         now = self.non_model_now()  # read once: nothing allocates before the check
-        free = (self.device.capacity() - self.device_bytes - now
-                - self.rules.forecast(self.trace, pos, now))
+        free = self.free_bytes(self.rules.forecast(self.trace, pos, now), now)
         if free >= nbytes:
             return  # the common case, called for every gradient and copy: nothing to evict
         idle = [c.index for c in self.chunks if c.on_device and not c.copy_is_home

@@ -45,8 +45,9 @@ class ChunkTiers:
         self.transfer_seconds = 0.0
         self.strict = True  # raise when room cannot be made; off while tracing
         self.overrun = 0  # most bytes over capacity seen while not strict
-        # A quiet micro-batch (engine.step.counting): every chunk resident, placed as the
-        # counted one placed them, so no gradient needs room made (keep_slot_grad).
+        # A quiet micro-batch (engine.step.counting), as the runner found it at its start:
+        # every chunk resident, placed as the counted one placed them, so the hooks idle
+        # and no gradient needs room made (keep_slot_grad).
         self.quiet = False
         self._last_use: dict[int, int] = {}  # chunk -> position of its latest use (LRU)
         self.fetched_ahead: set[int] = set()  # copies prefetched, not used yet
@@ -138,5 +139,9 @@ class ChunkTiers:
         self.device_bytes += chunk.nbytes if on else -chunk.nbytes
         self.on_change()
 
-    def free_bytes(self, extra_non_model: int = 0) -> int:
-        return self.device.capacity() - self.device_bytes - self.non_model_now() - extra_non_model
+    def free_bytes(self, extra_non_model: int = 0, non_model: int | None = None) -> int:
+        """Device bytes left beside `extra_non_model` more; `non_model`: the non-model
+        bytes now, where the caller has read them already."""
+        if non_model is None:
+            non_model = self.non_model_now()
+        return self.device.capacity() - self.device_bytes - non_model - extra_non_model

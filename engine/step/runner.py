@@ -86,7 +86,6 @@ class StepRunner:
         self._in_backward = False
         self._evicting = False
         self._interrupted = False
-        self._quiet = False  # this micro-batch is quiet (engine.step.counting): hooks idle
         self.slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
         self._handles, owned = install(model, pre_forward=self._pre_forward,
                                        post_forward=self._post_forward, borrowed=borrowed,
@@ -186,7 +185,7 @@ class StepRunner:
 
     def _sample(self) -> bool:
         """Take a sample of the device's bytes; returns whether it read the allocator."""
-        if self._evicting or self._quiet or not hasattr(self, "manager"):
+        if not hasattr(self, "manager") or self._evicting or self.manager.quiet:
             return False
         model = self.manager.device_bytes
         read = False
@@ -280,7 +279,7 @@ class StepRunner:
         where no module boundary is seen in backward, an interrupt stops it here."""
         if not self._in_step:
             return
-        if self._quiet:
+        if self.manager.quiet:
             self._stop_if_interrupted("backward")
             return
         self._sample()
@@ -299,7 +298,7 @@ class StepRunner:
             for chunk, slot in self.module_slots[key]:
                 chunk.set_state(slot, S.COMPUTE)
             return
-        if self._quiet:
+        if self.manager.quiet:
             # Every chunk's copy is its home and nothing is counted: nothing to fetch,
             # make room for or record, so its parameters stay HOLD (engine.step.counting).
             # A tied weight's uses still run on aliases (below): autograd would keep one
@@ -326,7 +325,7 @@ class StepRunner:
             return output
         if self.tied.any:
             self.tied.leave(self._modules[key])
-        if self._quiet:
+        if self.manager.quiet:
             return output  # nothing to fetch in backward either
         if self._tracing is not None:  # watched on traced steps only
             self.backward_reads.leave(key, (s.param for _, s in self.module_slots[key]))
@@ -418,8 +417,9 @@ class StepRunner:
         self.readings.reset(self.manager.device_bytes)
         self.counter.reset()
         counting = self.counts.begin(tracing=tracing, accumulate=accumulate)
-        self._quiet = self.manager.quiet = (not counting and self.manager.sharding is None
-                                            and all(c.copy_is_home for c in self.chunks))
+        # Quiet (engine.step.counting): the hooks idle, and no gradient needs room made.
+        self.manager.quiet = (not counting and self.manager.sharding is None
+                              and all(c.copy_is_home for c in self.chunks))
         self._kept_grads: dict[int, int] = {}  # chunk index -> kept gradients adopted
         for chunk in self.chunks:
             chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)
@@ -457,13 +457,13 @@ class StepRunner:
             self._abort()
             raise
         finally:
-            self._in_step = self._in_backward = self._quiet = False
+            self._in_step = self._in_backward = False
             m.end_step()
         return loss, x1 - x0, x2 - x1
 
     def _finish_count(self) -> None:
         """The step's peaks: measured, or those of the counted step it matches."""
-        if self._quiet:
+        if self.manager.quiet:
             self.peak, self.non_model_peak, self.timeline = self.counts.repeat()
             return
         m = self.manager
