@@ -31,6 +31,7 @@ import torch
 
 from engine.chunks.state import ACTIVITY, IllegalTransition, TensorState, check_transition
 from engine.distributed.shards import Shard
+from engine.placement import rules
 
 
 class _Waits(Protocol):
@@ -46,7 +47,7 @@ class PartsOnDisk(Protocol):
     def restore_payload(self, chunk: Chunk) -> None: ...
 
 
-ALIGN = 32  # elements; keeps every parameter view 64-byte aligned for vectorised kernels
+ALIGN = rules.ELEMENT_ALIGN  # keeps every parameter view 64-byte aligned for vectorised kernels
 
 
 def _aligned(n: int) -> int:

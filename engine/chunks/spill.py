@@ -14,9 +14,9 @@ them under the host budget; the ChunkManager asks this class to carry them out):
   them back with the state.
 
 Each chunk has one file with regions "state", "payload" and (fp32) "grad", each cut into
-pieces of at most rules.DISK_PIECE elements, which is what is read and written: an I/O
-buffer holds one piece, whatever the chunk's size. In a state piece the parts sit at
-block-aligned offsets: [master,] exp_avg, exp_avg_sq.
+pieces of one size, at most rules.DISK_PIECE elements (rules.piece_elements), which is what
+is read and written: an I/O buffer holds one piece, whatever the chunk's size. In a state
+piece the parts sit at block-aligned offsets: [master,] exp_avg, exp_avg_sq.
 
 The I/O buffers are the tier's (a few, allocated once, counted apart from the chunk bytes);
 the chunk's host tensors are allocated and freed through the manager's accounting (`alloc`,
@@ -96,7 +96,7 @@ class Spill:
         """(lo, hi) of each piece of the chunk's home tensors (sharded: of its shard,
         counted from the shard's start)."""
         numel = chunk.home_numel
-        step = min(numel, self.piece)
+        step = rules.piece_elements(numel, self.piece)
         return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
 
     def _piece_bytes(self, chunk: Chunk, region: str) -> int:

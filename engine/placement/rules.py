@@ -332,6 +332,14 @@ STATE_BUFFERS = 3  # the update reads piece k+1's state while updating k and wri
 DISK_PIECE = 2**22
 
 
+# Parameters sit in chunks at multiples of this many elements (64 bytes in fp32:
+# engine.chunks.chunk), and disk pieces are cut at multiples of it too. A vectorised
+# kernel rounds its vector body and its scalar tail differently, so a parameter split
+# across two pieces is updated bit for bit as it is whole only where each part starts
+# where it would in the whole.
+ELEMENT_ALIGN = 32
+
+
 # The smallest piece the I/O buffers shrink to for a model whose pieces at DISK_PIECE would
 # not leave the host budget room (`disk_piece`): 16K elements, 128 KiB of fp32 moments per
 # state piece, still 32 of the disk's blocks per read and write.
@@ -402,6 +410,21 @@ def _blocks(nbytes: int, block: int) -> int:
     return -(-nbytes // block) * block
 
 
+def piece_elements(numel: int, piece: int | None = None) -> int:
+    """Elements of each piece of a chunk of `numel` elements, with pieces of at most
+    `piece` (default DISK_PIECE): as few as fit, of one size (the last may be shorter),
+    cut at multiples of ELEMENT_ALIGN. A chunk a little over a piece was a whole piece and
+    a small tail, which the update's walk overlaps badly: the Llama-shaped model's chunks
+    of 4.86M elements at pieces of 4.19M waited 1.5-2.0 s a step for the disk, as two
+    pieces of 2.43M 1.07-1.11 s (benchmarks/README.md)."""
+    most = min(numel, piece or DISK_PIECE)
+    if most >= numel:
+        return numel
+    even = -(-numel // -(-numel // most))
+    size = -(-even // ELEMENT_ALIGN) * ELEMENT_ALIGN
+    return min(size, max(ELEMENT_ALIGN, most // ELEMENT_ALIGN * ELEMENT_ALIGN))
+
+
 def disk_cost(numel: int, itemsize: int, block: int, piece: int | None = None, *,
               frozen: bool = False) -> DiskCost:
     """DiskCost of a chunk of `numel` elements of `itemsize` bytes, for disk blocks of
@@ -409,7 +432,7 @@ def disk_cost(numel: int, itemsize: int, block: int, piece: int | None = None, *
     matches chunk.host_bytes_per_parameter: 16 B/param in fp32 (payload = master,
     gradients, moments), 14 in bf16/fp16; a frozen chunk its payload alone (no state to
     move: at level 1 nothing of it goes)."""
-    elements = min(numel, piece or DISK_PIECE)
+    elements = piece_elements(numel, piece)
     pieces = -(-numel // elements)
     fp32 = _blocks(4 * elements, block)
     if frozen:

@@ -146,7 +146,7 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
 
 def _pieces(numel: int, piece: int | None) -> list[int]:
     """Elements of each piece of a chunk of `numel` elements (Spill.spans)."""
-    step = min(numel, piece or rules.DISK_PIECE)
+    step = rules.piece_elements(numel, piece)
     return [min(step, numel - lo) for lo in range(0, numel, step)]
 
 

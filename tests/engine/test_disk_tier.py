@@ -26,7 +26,14 @@ from conftest import build, make_batches, max_relative_difference, reference_run
 
 from engine import Engine, EngineConfig
 from engine.devices.device import SIMULATE_ENV
-from engine.devices.disk import DiskTierError, direct_io_supported, files, remove_stale
+from engine.devices.disk import (
+    DiskTier,
+    DiskTierError,
+    ScratchFolder,
+    direct_io_supported,
+    files,
+    remove_stale,
+)
 from engine.placement import rules
 
 STEPS = 4
@@ -315,6 +322,38 @@ def test_half_precision_with_the_disk_gives_the_same_bits_as_without(disk_dir, p
 # each piece of each region read, updated and written on its own, parameters straddling
 # pieces included.
 SMALL_PIECE = 5000
+
+
+@pytest.mark.parametrize("numel, piece", [(4_860_928, 2**22), (65_920, SMALL_PIECE),
+                                          (2**22 + 32, 2**22), (100_000, 2**14)])
+def test_a_chunk_over_a_piece_is_cut_into_as_few_pieces_of_one_size_as_fit(numel, piece):
+    """Never a whole piece and a small tail, which the update's walk overlaps badly (the
+    Llama-shaped model's 4.86M-element chunks at pieces of 4.19M); each cut where a
+    parameter may start (rules.ELEMENT_ALIGN), so a parameter split across pieces is
+    updated as it is whole."""
+    size = rules.piece_elements(numel, piece)
+    count = -(-numel // size)
+    assert size <= piece and size % rules.ELEMENT_ALIGN == 0
+    assert count == -(-numel // piece)
+    assert numel - (count - 1) * size > size - count * rules.ELEMENT_ALIGN  # no small tail
+    assert rules.disk_cost(numel, 4, 4096, piece).pieces == count
+    assert rules.piece_elements(piece, piece) == piece == rules.piece_elements(piece, 2 * piece)
+
+
+def test_a_placement_with_smaller_pieces_gets_smaller_io_buffers(disk_dir):
+    """The pools are made at the size the placement in force counts: when chunks with
+    larger pieces leave the disk (resident on the device), their buffers go too, else the
+    host would hold more than its budget says."""
+    tier = DiskTier(ScratchFolder(disk_dir), probe=4 * 4096)
+    try:
+        tier.size_pools({"state": (3, 8 * 4096)})
+        large = tier.buffer_bytes
+        tier.size_pools({"state": (3, 2 * 4096)})
+        assert tier.buffer_bytes == 3 * (2 * 4096 + 4096) < large
+        tier.size_pools({"state": (4, 2 * 4096)})
+        assert tier.buffer_bytes == 4 * (2 * 4096 + 4096)
+    finally:
+        tier.close()
 
 
 @pytest.mark.parametrize("policy", ["cpu", "auto"])

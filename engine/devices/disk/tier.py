@@ -179,13 +179,14 @@ class DiskTier:
         file.path.unlink(missing_ok=True)
 
     def size_pools(self, sizes: dict[str, tuple[int, int]]) -> None:
-        """Pools named in `sizes` get (count, bytes per buffer); a pool whose buffers are
-        too small or too few is topped up, one no longer named is freed once idle."""
+        """Pools named in `sizes` get (count, bytes per buffer): a pool whose buffers are
+        of another size is made anew (the placement counts the size it names, smaller
+        too), one with too few is topped up, one no longer named is freed once idle."""
         self.reap()
         for name, (count, nbytes) in sizes.items():
             nbytes = aligned(nbytes)
             pool = self._pools.get(name)
-            if pool is None or pool.nbytes < nbytes:
+            if pool is None or pool.nbytes != nbytes:
                 if pool is not None:
                     self._drain(name)
                 pool = self._pools[name] = _Pool(nbytes, count)
