@@ -95,9 +95,7 @@ class Spill:
     def spans(self, chunk: Chunk) -> list[tuple[int, int]]:
         """(lo, hi) of each piece of the chunk's home tensors (sharded: of its shard,
         counted from the shard's start)."""
-        numel = chunk.home_numel
-        step = rules.piece_elements(numel, self.piece)
-        return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
+        return rules.piece_spans(chunk.home_numel, self.piece)
 
     def _piece_bytes(self, chunk: Chunk, region: str) -> int:
         cost = self.cost(chunk)

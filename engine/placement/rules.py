@@ -425,6 +425,12 @@ def piece_elements(numel: int, piece: int | None = None) -> int:
     return min(size, max(ELEMENT_ALIGN, most // ELEMENT_ALIGN * ELEMENT_ALIGN))
 
 
+def piece_spans(numel: int, piece: int | None = None) -> list[tuple[int, int]]:
+    """(lo, hi) of each piece of a chunk of `numel` elements (piece_elements)."""
+    step = piece_elements(numel, piece)
+    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
+
+
 def disk_cost(numel: int, itemsize: int, block: int, piece: int | None = None, *,
               frozen: bool = False) -> DiskCost:
     """DiskCost of a chunk of `numel` elements of `itemsize` bytes, for disk blocks of

@@ -112,7 +112,8 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
             cost = costs[chunk]
             if (from_master or (later and chunk in home)) and not cost.aliased \
                     and chunk in where.state:
-                master = sum(aligned(4 * n) for p, n in enumerate(_pieces(numel[chunk], piece))
+                master = sum(aligned(4 * (hi - lo)) for p, (lo, hi)
+                             in enumerate(rules.piece_spans(numel[chunk], piece))
                              if (chunk, p) not in ahead)
                 read += master
                 later_read += master if later else 0
@@ -142,12 +143,6 @@ def traffic(where: rules.DiskPlacement, costs: list[rules.DiskCost], numel: list
     return DiskTraffic(read + update_read, written + update_written,
                        update=update_read - read_ahead + update_written,
                        later_read=later_read)
-
-
-def _pieces(numel: int, piece: int | None) -> list[int]:
-    """Elements of each piece of a chunk of `numel` elements (Spill.spans)."""
-    step = rules.piece_elements(numel, piece)
-    return [min(step, numel - lo) for lo in range(0, numel, step)]
 
 
 def _existing(folder: Path) -> Path:
