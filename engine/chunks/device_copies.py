@@ -142,9 +142,7 @@ class DeviceCopies(ChunkTiers):
         self.settle(chunk)
         self._storage_resize(chunk, False)
         for slot in chunk.slots:
-            if slot.state != S.FREE:
-                if slot.state != S.HOLD:
-                    chunk.set_state(slot, S.HOLD)
+            if slot.state != S.FREE:  # idle: HOLD, or HOLD_AFTER_FWD/BWD
                 chunk.set_state(slot, S.FREE)
         return True
 

@@ -22,8 +22,10 @@ checkpointing still took 0.44 s there against 0.20 s):
   traced non-model peak less what is alive, and with the count replaced by that peak the
   room left is the same (capacity - model - peak), so the same chunks move;
 - their peaks are the last counted step's when the fingerprint matches (the same ops and
-  the same chunks at the same points reach the same bytes); otherwise each sample takes
-  the interval's traced peak, an upper bound, and the next step counts again.
+  the same chunks at the same points reach the same bytes); otherwise each interval
+  reports the most chunk bytes it held beside its traced non-model peak, an upper bound,
+  and the next step counts again. So between two points such a step only tracks the
+  chunk bytes, where a counted one samples everything (engine.step.runner).
 
 A step that does not count and whose chunks are all resident (their device copies are
 their homes: nothing can move, so its fingerprint is the counted one's by construction) is

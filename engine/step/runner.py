@@ -50,6 +50,11 @@ class StepRunner:
     # Peak non-model bytes this step (set again by `begin`). With `peak`, what the step
     # really reached: on the simulated device every storage alive counts (non_model.py).
     non_model_peak = 0
+    # A step that neither counts nor idles (engine.step.counting): the trace stands in for
+    # the count, so a sample is only the most chunk bytes in the interval, whose top is
+    # taken when it closes (`_bound_interval`). Its figures are the counted step's when
+    # its fingerprint matches, else these upper bounds.
+    _bounding = False
 
     def __init__(self, model: torch.nn.Module, chunks: list[Chunk], device: ComputeDevice, *,
                  borrowed: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
@@ -175,7 +180,7 @@ class StepRunner:
             return
         m = self.manager
         non_model = self.non_model_now()
-        if m.free_bytes(m.rules.forecast(m.trace, self.pos, non_model)) < 0:
+        if m.free_bytes(m.rules.forecast(m.trace, self.pos, non_model), non_model) < 0:
             self._evicting = True
             try:
                 m.make_room(0, self.pos, protect())
@@ -188,6 +193,9 @@ class StepRunner:
         if not hasattr(self, "manager") or self._evicting or self.manager.quiet:
             return False
         model = self.manager.device_bytes
+        if self._bounding:
+            self._interval_model = max(self._interval_model, model)
+            return False
         read = False
         if self.device.simulated or self._traced_stands_in():
             non_model = self._counted_now()
@@ -253,17 +261,23 @@ class StepRunner:
         m = self.manager
         self.timeline.append(TimelinePoint(phase, self.module_names[key], 0, 0, 0, 0))
         self._copied_at = (m.bytes_h2d, m.bytes_d2h)
-        # Chunks no placement could evict until the next point: in use or about to be.
-        pinned = tuple(c for c in self.chunks if c.in_use() or c in chunks)
-        self._pinned = sum(c.nbytes for c in pinned)
-        self._interval_peak = self._interval_ws = 0
+        self._interval_peak = self._interval_ws = self._interval_model = 0
         self._interval_top = (0, 0)
-        self._keep_room(lambda: pinned)  # before the module's first allocation, not after
+
+        # Chunks no placement could evict until the next point: in use or about to be.
+        def pinned() -> tuple[Chunk, ...]:
+            return tuple(c for c in self.chunks if c.in_use() or c in chunks)
+
+        if not self._bounding:  # the working set is sampled
+            self._pinned = sum(c.nbytes for c in pinned())
+        self._keep_room(pinned)  # before the module's first allocation, not after
         self.counts.mark(m.device_bytes, m.bytes_h2d, m.bytes_d2h)
 
     def _close_interval(self) -> None:
         """The interval since the latest point ends: its peaks go to the trace being
         recorded, if any, and with the bytes copied in it to the timeline."""
+        if self._bounding and 0 <= self.pos:
+            self._bound_interval()
         if self._tracing is not None and self._tracing.points:
             self._tracing.points[-1].close(
                 [*self._parts, (self._interval_ws, self._interval_peak)])
@@ -273,6 +287,18 @@ class StepRunner:
             point.bytes_h2d = m.bytes_h2d - self._copied_at[0]
             point.bytes_d2h = m.bytes_d2h - self._copied_at[1]
 
+    def _bound_interval(self) -> None:
+        """A step where the trace stands in for the count (`_bounding`): the interval's
+        top is the most chunk bytes it held beside its traced non-model peak, an upper
+        bound of its samples' (which that peak stands in for at each), taken once."""
+        points = self.manager.trace.points
+        # A step that ran more modules than its trace (a branch taken since) has no traced
+        # peak past the trace's end, as its samples had not (Trace.non_model_ahead).
+        non_model = points[self.pos].non_model_peak if self.pos < len(points) else 0
+        self._interval_top = (self._interval_model, non_model)
+        self.peak = max(self.peak, self._interval_model + non_model)
+        self.non_model_peak = max(self.non_model_peak, non_model)
+
     def _on_arrival(self) -> None:
         """A gradient arrives: the interval's next part begins, and the forecast is of
         the peak still to come in it (engine.placement.trace). In a quiet micro-batch,
@@ -281,6 +307,10 @@ class StepRunner:
             return
         if self.manager.quiet:
             self._stop_if_interrupted("backward")
+            return
+        if self._bounding:  # nothing sampled, no parts: only the forecast moves on
+            self._arrived += 1
+            self.manager.trace.arrived_at(self.pos, self._arrived)
             return
         self._sample()
         self._parts.append((self._interval_ws, self._interval_peak))
@@ -420,6 +450,7 @@ class StepRunner:
         # Quiet (engine.step.counting): the hooks idle, and no gradient needs room made.
         self.manager.quiet = (not counting and self.manager.sharding is None
                               and all(c.copy_is_home for c in self.chunks))
+        self._bounding = not (counting or self.manager.quiet)
         self._kept_grads: dict[int, int] = {}  # chunk index -> kept gradients adopted
         for chunk in self.chunks:
             chunk.grads_pending = sum(s.param.requires_grad for s in chunk.slots)
@@ -457,7 +488,7 @@ class StepRunner:
             self._abort()
             raise
         finally:
-            self._in_step = self._in_backward = False
+            self._in_step = self._in_backward = self._bounding = False
             m.end_step()
         return loss, x1 - x0, x2 - x1
 

@@ -72,6 +72,12 @@ def test_a_step_placed_otherwise_reports_an_upper_bound_and_the_next_one_counts(
     entered, (stats, true_peak) = entered_during(lambda: measured_step(eng, BATCHES[3]))
     assert entered == 0
     assert stats.memory.device_peak >= true_peak
+    # Interval by interval: the most chunk bytes held beside the traced non-model peak,
+    # whose highest is the step's.
+    assert max(p.model_bytes + p.non_model_bytes for p in stats.timeline) == (
+        stats.memory.device_peak)
+    assert max(p.non_model_bytes for p in stats.timeline) == (
+        stats.memory.device_non_model_peak) == eng.trace.non_model_peak
     entered, (stats, true_peak) = entered_during(lambda: measured_step(eng, BATCHES[4]))
     assert entered == 1
     assert stats.memory.device_peak == pytest.approx(true_peak, rel=0.05)
