@@ -14,7 +14,7 @@ class (and a name in engine.placement.policy.Policy).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.placement.policy import Policy
@@ -205,6 +205,19 @@ def grads_land_per_step(*, aliased: bool, sharded: bool, disk_tier: bool) -> boo
     with it) nor with a disk tier (the host budget's placement moves each part as a whole,
     this one included); in bf16/fp16 the gradients land in the payload, which stays."""
     return aliased and not sharded and not disk_tier
+
+
+def joins_run(needed: Collection, grads_to: Collection, run_needed: Collection,
+              run_grads_to: Collection) -> bool:
+    """Whether a module's backward joins the backward point just before it rather than
+    having one of its own: the chunks it needs are among those that point brought in
+    (`run_needed`), and those its gradients go to among that point's (`run_grads_to`). So
+    the modules of a layer, whose parameters share a chunk, have one backward point, the
+    first of them to run its backward. What a point of its own would do is done already:
+    the chunks are in, and the room kept at the point is for the peak of the interval,
+    which the trace measured over the whole run. Not where chunks are sharded: the ranks
+    agree on gathers at every point."""
+    return all(c in run_needed for c in needed) and all(c in run_grads_to for c in grads_to)
 
 
 # How many modules ahead a prefetch looks for a chunk to bring in.

@@ -138,6 +138,9 @@ class StepReplay:
         # StepRunner._partial; engine.step.tied_uses).
         self.partial: set[str] = set()
         self.in_backward = False
+        # The latest point's (chunks, chunks its gradients go to) while it is a backward
+        # one, which a module's backward may join (rules.joins_run); None otherwise.
+        self.joining: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.recorded = Trace()  # what the engine's warm-up would record from this step
         self.sharding = sharding(self) if sharding is not None else None
 
@@ -314,9 +317,26 @@ class StepReplay:
             self.recorded.points[-1].close([*self.parts, (self.held, self.part_peak)])
 
     def point(self, module: str, phase: str, fetch: bool = True) -> None:
+        chunks = self.lay.module_chunks[module] if fetch else ()
+        grads_to = self.lay.module_chunks[module]
+        if (phase == "backward" and self.joining is not None and self.sharding is None
+                and rules.joins_run(chunks, grads_to, *self.joining)):
+            # StepRunner._pre_backward: no point of its own; a chunk evicted since is
+            # brought in again (DeviceCopies.prepare without a phase).
+            if any(c not in self.on_device or c in self.stale for c in chunks):
+                for chunk in self.rules.release_before_use(sorted(self.on_device), chunks,
+                                                           self.fetched_ahead):
+                    self._release(chunk)
+                for chunk in chunks:
+                    self._materialise(chunk, chunks)
+            if self.disk.chunks:  # StepRunner._polling
+                self._prefetch()
+                self._read_ahead()
+            self._computing(module, phase, fetch)
+            return
+        self.joining = (chunks, grads_to) if phase == "backward" else None
         self._close_point()
         self.pos += 1
-        chunks = self.lay.module_chunks[module] if fetch else ()
         self.recorded.points.append(TracePoint(
             chunks, phase, grads_to=None if fetch else self.lay.module_chunks[module]))
         self.pinned = sum(self.nbytes[c] for c in self.busy.union(chunks))
@@ -340,6 +360,9 @@ class StepReplay:
                 self._materialise(chunk, chunks)
             self._prefetch()
             self._read_ahead()
+        self._computing(module, phase, fetch)
+
+    def _computing(self, module: str, phase: str, fetch: bool) -> None:
         for param in self.lay.module_params[module] if fetch else ():
             if (phase == "forward" or self.state.get(param) != S.HOLD_AFTER_BWD
                     or param in self.partial):

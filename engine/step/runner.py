@@ -24,6 +24,7 @@ from engine.chunks.chunk import Chunk, Slot
 from engine.chunks.manager import ChunkManager
 from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
+from engine.placement import rules
 from engine.placement.trace import Trace, TracePoint
 from engine.step.activation_checkpointing import is_checkpointing
 from engine.step.allocator_readings import AllocatorReadings
@@ -55,6 +56,9 @@ class StepRunner:
     # taken when it closes (`_bound_interval`). Its figures are the counted step's when
     # its fingerprint matches, else these upper bounds.
     _bounding = False
+    # The latest point's (chunks needed, chunks its gradients go to) while it is a backward
+    # one, which a module's backward may join (rules.joins_run); None otherwise.
+    _run: tuple[tuple[Chunk, ...], tuple[Chunk, ...]] | None = None
 
     def __init__(self, model: torch.nn.Module, chunks: list[Chunk], device: ComputeDevice, *,
                  borrowed: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
@@ -106,6 +110,17 @@ class StepRunner:
         self.module_chunks: dict[int, tuple[Chunk, ...]] = {
             k: tuple(dict.fromkeys(c for c, _ in pairs)) for k, pairs in self.module_slots.items()}
         self._keys = {id(m): k for k, m in enumerate(model.modules()) if k in owned}
+        # Backward runs (rules.joins_run), as a step that wrapped every module output saw
+        # them: the module calls (module key, its n-th call this forward) whose backward
+        # joined the point before it, and at each such point the modules that joined it.
+        # A later step of the trace's key wraps none of those calls (no identity node, no
+        # backward point to run) and marks their parameters in use at the run's point.
+        self._joined: set[tuple[int, int]] = set()
+        self._members: dict[int, list[int]] = {}
+        self._runs_for: tuple | None = None  # the step key they were seen for
+        self._calls: dict[int, int] = {}  # module key -> its calls so far this forward
+        self._skipping = False  # this forward leaves the joining calls unwrapped
+        self._polling = False  # joining calls prefetch and read ahead (payloads on disk)
         names = [name or type(model).__name__ for name, _ in model.named_modules()]
         self.module_names = {k: names[k] for k in owned}  # same order as install's keys
 
@@ -246,6 +261,7 @@ class StepRunner:
         """A module is about to run, with its chunks if `fetch` (engine.step.backward_reads):
         close the trace interval and open the next."""
         self._stop_if_interrupted(phase)
+        self._run = None  # _pre_backward opens a run at a backward point
         chunks = self.module_chunks[key] if fetch else ()
         if not self.device.simulated:
             self._sample()  # the allocator's peak since the last sample is the closing one's
@@ -364,14 +380,47 @@ class StepRunner:
             # borrowed from, if that one ran inside this one.
             if slot.state != S.HOLD_AFTER_FWD:
                 chunk.set_state(slot, S.HOLD_AFTER_FWD)
-        if torch.is_grad_enabled():
-            return wrap_outputs(output, lambda: self._pre_backward(key))
-        return output
+        if not torch.is_grad_enabled():
+            return output
+        call = None  # a recomputed forward's outputs: their backward is never run
+        if not self._in_backward:
+            call = (key, self._calls.get(key, 0))
+            self._calls[key] = call[1] + 1
+            if self._skipping and call in self._joined:
+                return output  # its backward joins a run: marked in use at the run's point
+        return wrap_outputs(output, lambda: self._pre_backward(key, call))
 
-    def _pre_backward(self, key: int) -> None:
+    def _pre_backward(self, key: int, call: tuple[int, int] | None = None) -> None:
         fetch = self.backward_reads.reads(key)
+        needed = self.module_chunks[key] if fetch else ()
+        run = self._run
+        if (run is not None and self.manager.sharding is None
+                and rules.joins_run(needed, self.module_chunks[key], *run)):
+            # No point of its own (rules.joins_run). Its chunks are there unless evicted
+            # since, for room the forecast did not keep: then brought in again.
+            self._stop_if_interrupted("backward")
+            if call is not None and not self._skipping:
+                self._joined.add(call)
+                members = self._members.setdefault(self.pos, [])
+                if key not in members:
+                    members.append(key)
+            if any(not c.on_device or c.stale for c in needed):
+                self.manager.prepare(needed, self.pos)
+            if self._polling:  # as at every module before: what the disk may read now
+                self.manager.prefetch(self.pos)
+                self.manager.read_ahead(self.pos)
+            self._computing(key, fetch)
+            return
         self._point(key, "backward", fetch)
-        self.manager.prepare(self.module_chunks[key] if fetch else (), self.pos, "backward")
+        self._run = (needed, self.module_chunks[key])
+        self.manager.prepare(needed, self.pos, "backward")
+        self._computing(key, fetch)
+        if self._skipping:  # the modules joining this run, wrapped in no identity node
+            for member in self._members.get(self.pos, ()):
+                self._computing(member, self.backward_reads.reads(member))
+
+    def _computing(self, key: int, fetch: bool) -> None:
+        """The parameters of module `key` are in use for its backward (if it reads them)."""
         for chunk, slot in self.module_slots[key] if fetch else ():
             if slot.state != S.HOLD_AFTER_BWD or self.tied.pending(slot.param):
                 chunk.set_state(slot, S.COMPUTE)
@@ -440,6 +489,17 @@ class StepRunner:
             self._forecast, self.manager.trace = self.manager.trace, None
         self.manager.begin_step(tracing=tracing)
         self.pos = -1
+        self._run = None
+        self._calls = {}
+        if tracing or self._runs_for != key:
+            self._joined.clear()  # seen again by this step, which wraps every output
+            self._members.clear()
+            self._runs_for = None
+        # With payloads on disk, the joining modules still start the reads ahead and the
+        # fetches that the disk's pace makes possible mid-run: their outputs stay wrapped.
+        self._polling = any(c.payload_on_disk for c in self.chunks)
+        self._skipping = self._runs_for == key and not self._polling
+        self._key = key
         self.timeline = []
         self.peak = self.manager.device_bytes
         self.non_model_peak = 0
@@ -483,6 +543,8 @@ class StepRunner:
             self._finish_backward()
             self._close_interval()
             self._finish_count()
+            if not (self._skipping or self.manager.quiet):  # every output was wrapped
+                self._runs_for = self._key
             x2 = m.transfer_seconds
         except BaseException:
             self._abort()

@@ -1,0 +1,93 @@
+"""Backward runs (engine.placement.rules.joins_run): a module whose backward needs only what
+the backward point before it brought in joins that point. The trace has one backward point
+per run (a layer's modules share a chunk), the planner's replay records the same points, and
+once a step has seen the runs the next ones wrap no joining module's output (no identity
+node, no hook to run in backward), marking its parameters in use at the run's point
+instead. Training is the plain reference's either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.models.zoo import build_model
+from engine.placement import rules
+from engine.planning.planner import plan
+from engine.planning.replay import StepReplay
+from engine.step import hooks
+from tests.engine.conftest import build, make_batches
+from tests.engine.references import max_relative_difference, reference_run
+
+BATCHES = make_batches(6)
+
+
+def _wraps(monkeypatch) -> list[int]:
+    """How many module outputs each step wraps from now on, appended per call."""
+    calls = [0]
+    apply = hooks._PreBackward.apply
+
+    def counted(*args):
+        calls[0] += 1
+        return apply(*args)
+
+    monkeypatch.setattr(hooks._PreBackward, "apply", counted)
+    return calls
+
+
+def _backward_points(trace) -> list:
+    return [p for p in trace.points if p.phase == "backward"]
+
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_a_layer_has_one_backward_point_and_settled_steps_wrap_only_the_runs(
+        policy, monkeypatch):
+    model = build("opt", layers=3)
+    ref_losses, ref_state = reference_run(model, BATCHES)
+    eng = Engine(model, EngineConfig(policy=policy, precision="fp32",
+                                     device_budget="3MiB" if policy == "auto" else "64MiB",
+                                     simulate=True))
+    calls = _wraps(monkeypatch)
+    per_step, losses = [], []
+    for batch in BATCHES:
+        before = calls[0]
+        losses.append(eng.step(batch).loss)
+        per_step.append(calls[0] - before)
+    forward = [p for p in eng.trace.points if p.phase == "forward"]
+    backward = _backward_points(eng.trace)
+    assert len(backward) < len(forward)  # a point per run, not per module
+    for earlier, later in zip(backward, backward[1:], strict=False):
+        assert not rules.joins_run(later.chunks, later.grad_chunks, earlier.chunks,
+                                   earlier.grad_chunks)
+    # The traced step wraps every module's output; once the runs are seen, only the
+    # modules whose backward opens a run are wrapped.
+    assert per_step[0] == len(forward)
+    assert per_step[2:] == [len(backward)] * (len(BATCHES) - 2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert max_relative_difference(eng.model_state_dict(), ref_state) <= 1e-5
+
+
+def test_the_planner_records_the_engines_backward_points(monkeypatch):
+    """The warm-up step the planner replays records the points the engine's traced step
+    does, backward runs included: the same chunks at the same positions."""
+    recorded = []
+    trace_of = StepReplay.trace_of
+
+    def keep(self):
+        trace = trace_of(self)
+        recorded.append(trace)
+        return trace
+
+    monkeypatch.setattr(StepReplay, "trace_of", keep)
+    shape = {"batch_size": 2, "seq_len": 64}
+    plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="fp32", simulated=True,
+         **shape)
+    eng = Engine(build_model("tiny"), EngineConfig(policy="cpu", precision="fp32",
+                                                   device_budget="6GiB", simulate=True))
+    ids = torch.randint(0, eng.model.config.vocab_size, (2, 64),
+                        generator=torch.Generator().manual_seed(0))
+    eng.step({"input_ids": ids, "labels": ids})
+    engine_points = [(p.chunks, p.phase, p.grad_chunks) for p in eng.trace.points]
+    assert len(_backward_points(eng.trace)) < len(eng.trace.points) // 2
+    assert any([(p.chunks, p.phase, p.grad_chunks) for p in trace.points] == engine_points
+               for trace in recorded)
