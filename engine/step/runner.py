@@ -1,9 +1,12 @@
 """StepRunner: the hook state machine that drives chunk movement while one step runs.
 
 Forward pre-hooks fetch a module's chunks, forward hooks wrap its outputs so that backward
-fetches them again, gradient hooks move each finished gradient into its chunk. Between two
-such module boundaries (a trace *point*) it samples the device's bytes: on the warm-up step
-that becomes the trace the placement rules forecast from. In a quiet micro-batch (nothing
+fetches them again, gradient hooks move each finished gradient into its chunk. In backward,
+a module that needs only what the backward point before it brought in joins that point (a
+backward run, rules.joins_run): once a step has seen the runs, the next ones leave those
+modules' outputs unwrapped. Between two such module boundaries (a trace *point*) it
+samples the device's bytes: on the warm-up step that becomes the trace the placement rules
+forecast from. In a quiet micro-batch (nothing
 counted, every chunk's device copy its home: engine.step.counting) the hooks only watch for
 an interrupt and give tied weights their aliases, and the micro-batch reports the last
 counted one's peaks and timeline.
