@@ -220,6 +220,18 @@ def joins_run(needed: Collection, grads_to: Collection, run_needed: Collection,
     return all(c in run_needed for c in needed) and all(c in run_grads_to for c in grads_to)
 
 
+def runs_poll(*, simulated: bool, spare_core: bool, payloads_on_disk: bool) -> bool:
+    """Whether a module that joins a backward run still tries the fetches and reads ahead
+    its own point would have (and so keeps its identity node). Where a copy runs beside
+    the step (CUDA's copy stream; the simulated device's copy thread, where torch leaves a
+    core spare: engine.devices.streams.spare_core; reads from disk), room freed mid-run
+    (in backward the activations go as it runs) lets a fetch ahead start sooner. Where
+    every copy is in line, a fetch ahead costs the same at the next run's point, and the
+    node and its hook are what a module costs: 2 points of a small OPT's step under cpu at
+    two threads (benchmarks/README.md)."""
+    return not simulated or spare_core or payloads_on_disk
+
+
 # How many modules ahead a prefetch looks for a chunk to bring in.
 PREFETCH_HORIZON = 24
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from engine.chunks.state import TensorState
 from engine.config import format_size
 from engine.devices.buffer_pool import HeldBytes
+from engine.devices.streams import spare_core
 from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace, TracePoint
@@ -329,7 +330,8 @@ class StepReplay:
                     self._release(chunk)
                 for chunk in chunks:
                     self._materialise(chunk, chunks)
-            if self.disk.chunks:  # StepRunner._polling
+            if rules.runs_poll(simulated=self.simulated, spare_core=spare_core(),
+                               payloads_on_disk=bool(self.disk.chunks)):
                 self._prefetch()
                 self._read_ahead()
             self._computing(module, phase, fetch)

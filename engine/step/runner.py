@@ -27,6 +27,7 @@ from engine.chunks.chunk import Chunk, Slot
 from engine.chunks.manager import ChunkManager
 from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
+from engine.devices.streams import spare_core
 from engine.placement import rules
 from engine.placement.trace import Trace, TracePoint
 from engine.step.activation_checkpointing import is_checkpointing
@@ -123,7 +124,7 @@ class StepRunner:
         self._runs_for: tuple | None = None  # the step key they were seen for
         self._calls: dict[int, int] = {}  # module key -> its calls so far this forward
         self._skipping = False  # this forward leaves the joining calls unwrapped
-        self._polling = False  # joining calls prefetch and read ahead (payloads on disk)
+        self._polling = False  # joining calls prefetch and read ahead (rules.runs_poll)
         names = [name or type(model).__name__ for name, _ in model.named_modules()]
         self.module_names = {k: names[k] for k in owned}  # same order as install's keys
 
@@ -498,9 +499,9 @@ class StepRunner:
             self._joined.clear()  # seen again by this step, which wraps every output
             self._members.clear()
             self._runs_for = None
-        # With payloads on disk, the joining modules still start the reads ahead and the
-        # fetches that the disk's pace makes possible mid-run: their outputs stay wrapped.
-        self._polling = any(c.payload_on_disk for c in self.chunks)
+        self._polling = rules.runs_poll(
+            simulated=self.device.simulated, spare_core=spare_core(),
+            payloads_on_disk=any(c.payload_on_disk for c in self.chunks))
         self._skipping = self._runs_for == key and not self._polling
         self._key = key
         self.timeline = []

@@ -16,6 +16,7 @@ from engine.placement import rules
 from engine.planning.planner import plan
 from engine.planning.replay import StepReplay
 from engine.step import hooks
+from engine.step import runner as runner_module
 from tests.engine.conftest import build, make_batches
 from tests.engine.references import max_relative_difference, reference_run
 
@@ -39,9 +40,14 @@ def _backward_points(trace) -> list:
     return [p for p in trace.points if p.phase == "backward"]
 
 
+@pytest.mark.parametrize("spare", [False, True], ids=["copies-in-line", "copy-thread"])
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
 def test_a_layer_has_one_backward_point_and_settled_steps_wrap_only_the_runs(
-        policy, monkeypatch):
+        policy, spare, monkeypatch):
+    # Without a core for the copy thread (torch on every core) a fetch ahead is a copy in
+    # line anyway: joining modules go unwrapped. With one, they keep trying the fetches
+    # ahead their own points did (rules.runs_poll).
+    monkeypatch.setattr(runner_module, "spare_core", lambda: spare)
     model = build("opt", layers=3)
     ref_losses, ref_state = reference_run(model, BATCHES)
     eng = Engine(model, EngineConfig(policy=policy, precision="fp32",
@@ -60,9 +66,10 @@ def test_a_layer_has_one_backward_point_and_settled_steps_wrap_only_the_runs(
         assert not rules.joins_run(later.chunks, later.grad_chunks, earlier.chunks,
                                    earlier.grad_chunks)
     # The traced step wraps every module's output; once the runs are seen, only the
-    # modules whose backward opens a run are wrapped.
+    # modules whose backward opens a run are wrapped, where copies are in line.
     assert per_step[0] == len(forward)
-    assert per_step[2:] == [len(backward)] * (len(BATCHES) - 2)
+    settled = len(forward) if spare else len(backward)
+    assert per_step[2:] == [settled] * (len(BATCHES) - 2)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert max_relative_difference(eng.model_state_dict(), ref_state) <= 1e-5
 
