@@ -97,6 +97,10 @@ class StepReplay:
         # made so far this step, and the two figures above with them.
         self.grads_land_in_step = grads_land_in_step
         self.simulated = simulated  # the device the step runs on (rules.keeps_grad)
+        # Whether a module joining a backward run tries the fetches and reads ahead
+        # (StepRunner._polling).
+        self.runs_poll = rules.runs_poll(simulated=simulated, spare_core=spare_core(),
+                                         payloads_on_disk=bool(self.disk.chunks))
         self.landed = self.beside_landed = self.footprint_landed = 0
         self.grads: set[int] = set()
         self.grad_bytes = 0
@@ -325,13 +329,10 @@ class StepReplay:
             # StepRunner._pre_backward: no point of its own; a chunk evicted since is
             # brought in again (DeviceCopies.prepare without a phase).
             if any(c not in self.on_device or c in self.stale for c in chunks):
-                for chunk in self.rules.release_before_use(sorted(self.on_device), chunks,
-                                                           self.fetched_ahead):
-                    self._release(chunk)
+                self._release_before_use(chunks)
                 for chunk in chunks:
                     self._materialise(chunk, chunks)
-            if rules.runs_poll(simulated=self.simulated, spare_core=spare_core(),
-                               payloads_on_disk=bool(self.disk.chunks)):
+            if self.runs_poll:
                 self._prefetch()
                 self._read_ahead()
             self._computing(module, phase, fetch)
@@ -347,9 +348,7 @@ class StepReplay:
         if self.trace is not None:
             self.trace.arrived_at(self.pos, 0)
         self._keep_room(tuple(self.busy.union(chunks)))
-        for chunk in self.rules.release_before_use(sorted(self.on_device), chunks,
-                                                   self.fetched_ahead):
-            self._release(chunk)
+        self._release_before_use(chunks)
         if self.sharding is not None:
             offer = self._gather_offer(chunks, "backward" if self.in_backward else phase)
             gather, ahead = self.sharding.boundary(chunks, offer)
@@ -363,6 +362,11 @@ class StepReplay:
             self._prefetch()
             self._read_ahead()
         self._computing(module, phase, fetch)
+
+    def _release_before_use(self, chunks: tuple[int, ...]) -> None:
+        for chunk in self.rules.release_before_use(sorted(self.on_device), chunks,
+                                                   self.fetched_ahead):
+            self._release(chunk)
 
     def _computing(self, module: str, phase: str, fetch: bool) -> None:
         for param in self.lay.module_params[module] if fetch else ():

@@ -410,7 +410,7 @@ class StepRunner:
                     members.append(key)
             if any(not c.on_device or c.stale for c in needed):
                 self.manager.prepare(needed, self.pos)
-            if self._polling:  # as at every module before: what the disk may read now
+            if self._polling:  # a copy beside the step may start in room freed mid-run
                 self.manager.prefetch(self.pos)
                 self.manager.read_ahead(self.pos)
             self._computing(key, fetch)
