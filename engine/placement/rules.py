@@ -209,20 +209,20 @@ def grads_land_per_step(*, aliased: bool, sharded: bool, disk_tier: bool) -> boo
 
 def joins_run(needed: Collection, grads_to: Collection, run_needed: Collection,
               run_grads_to: Collection) -> bool:
-    """Whether a module's backward joins the backward point just before it rather than
-    having one of its own: the chunks it needs are among those that point brought in
-    (`run_needed`), and those its gradients go to among that point's (`run_grads_to`). So
-    the modules of a layer, whose parameters share a chunk, have one backward point, the
-    first of them to run its backward. What a point of its own would do is done already:
-    the chunks are in, and the room kept at the point is for the peak of the interval,
-    which the trace measured over the whole run. Not where chunks are sharded: the ranks
-    agree on gathers at every point."""
+    """Whether a module joins the point just before it, of its own phase, rather than
+    having one of its own (a *run*): the chunks it needs are among those that point brought
+    in (`run_needed`), and, in backward, those its gradients go to among that point's
+    (`run_grads_to`; a forward module's are empty). So the modules of a layer, whose
+    parameters share a chunk, have one forward and one backward point, the first of them to
+    run. What a point of its own would do is done already: the chunks are in, and the room
+    kept at the point is for the peak of the interval, which the trace measured over the
+    whole run. Not where chunks are sharded: the ranks agree on gathers at every point."""
     return all(c in run_needed for c in needed) and all(c in run_grads_to for c in grads_to)
 
 
 def runs_poll(*, simulated: bool, spare_core: bool, payloads_on_disk: bool) -> bool:
-    """Whether a module that joins a backward run still tries the fetches and reads ahead
-    its own point would have (and so keeps its identity node). Where a copy runs beside
+    """Whether a module that joins a run still tries the fetches and reads ahead
+    its own point would have (and, in backward, keeps its identity node). Where a copy runs beside
     the step (CUDA's copy stream; the simulated device's copy thread, where torch leaves a
     core spare: engine.devices.streams.spare_core; reads from disk), room freed mid-run
     (in backward the activations go as it runs) lets a fetch ahead start sooner. Where

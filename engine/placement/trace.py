@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TracePoint:
-    chunks: tuple[int, ...]  # chunks the module about to run needs
+    chunks: tuple[int, ...]  # chunks the module about to run needs (a run's first)
     phase: str  # "forward" | "backward"
     non_model_peak: int = 0  # peak non-model bytes from this point to the next
     working_set: int = 0  # peak of pinned chunks + gradient buffers + non-model, same span

@@ -97,7 +97,7 @@ class StepReplay:
         # made so far this step, and the two figures above with them.
         self.grads_land_in_step = grads_land_in_step
         self.simulated = simulated  # the device the step runs on (rules.keeps_grad)
-        # Whether a module joining a backward run tries the fetches and reads ahead
+        # Whether a module joining a run tries the fetches and reads ahead
         # (StepRunner._polling).
         self.runs_poll = rules.runs_poll(simulated=simulated, spare_core=spare_core(),
                                          payloads_on_disk=bool(self.disk.chunks))
@@ -143,9 +143,10 @@ class StepReplay:
         # StepRunner._partial; engine.step.tied_uses).
         self.partial: set[str] = set()
         self.in_backward = False
-        # The latest point's (chunks, chunks its gradients go to) while it is a backward
-        # one, which a module's backward may join (rules.joins_run); None otherwise.
-        self.joining: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        # The latest point's phase, chunks and chunks its gradients go to (none in forward),
+        # which a module of that phase may join (rules.joins_run); None after a recomputing
+        # forward's point (StepRunner._run).
+        self.joining: tuple[str, tuple[int, ...], tuple[int, ...]] | None = None
         self.recorded = Trace()  # what the engine's warm-up would record from this step
         self.sharding = sharding(self) if sharding is not None else None
 
@@ -323,11 +324,13 @@ class StepReplay:
 
     def point(self, module: str, phase: str, fetch: bool = True) -> None:
         chunks = self.lay.module_chunks[module] if fetch else ()
-        grads_to = self.lay.module_chunks[module]
-        if (phase == "backward" and self.joining is not None and self.sharding is None
-                and rules.joins_run(chunks, grads_to, *self.joining)):
-            # StepRunner._pre_backward: no point of its own; a chunk evicted since is
-            # brought in again (DeviceCopies.prepare without a phase).
+        grads_to = self.lay.module_chunks[module] if phase == "backward" else ()
+        recompute = phase == "forward" and self.in_backward
+        run = self.joining
+        if (not recompute and run is not None and run[0] == phase and self.sharding is None
+                and rules.joins_run(chunks, grads_to, run[1], run[2])):
+            # StepRunner._join: no point of its own; a chunk evicted since is brought in
+            # again (DeviceCopies.prepare without a phase).
             if any(c not in self.on_device or c in self.stale for c in chunks):
                 self._release_before_use(chunks)
                 for chunk in chunks:
@@ -337,7 +340,7 @@ class StepReplay:
                 self._read_ahead()
             self._computing(module, phase, fetch)
             return
-        self.joining = (chunks, grads_to) if phase == "backward" else None
+        self.joining = None if recompute else (phase, chunks, grads_to)
         self._close_point()
         self.pos += 1
         self.recorded.points.append(TracePoint(

@@ -1,10 +1,11 @@
 """StepRunner: the hook state machine that drives chunk movement while one step runs.
 
 Forward pre-hooks fetch a module's chunks, forward hooks wrap its outputs so that backward
-fetches them again, gradient hooks move each finished gradient into its chunk. In backward,
-a module that needs only what the backward point before it brought in joins that point (a
-backward run, rules.joins_run): once a step has seen the runs, the next ones leave those
-modules' outputs unwrapped. Between two such module boundaries (a trace *point*) it
+fetches them again, gradient hooks move each finished gradient into its chunk. A module that
+needs only what the point before it, of its phase, brought in joins that point (a run,
+rules.joins_run): in forward it only marks its parameters in use; in backward, once a step
+has seen the runs, the next ones leave those modules' outputs unwrapped. Between two such
+module boundaries (a trace *point*) it
 samples the device's bytes: on the warm-up step that becomes the trace the placement rules
 forecast from. In a quiet micro-batch (nothing
 counted, every chunk's device copy its home: engine.step.counting) the hooks only watch for
@@ -60,9 +61,10 @@ class StepRunner:
     # taken when it closes (`_bound_interval`). Its figures are the counted step's when
     # its fingerprint matches, else these upper bounds.
     _bounding = False
-    # The latest point's (chunks needed, chunks its gradients go to) while it is a backward
-    # one, which a module's backward may join (rules.joins_run); None otherwise.
-    _run: tuple[tuple[Chunk, ...], tuple[Chunk, ...]] | None = None
+    # The latest point's phase, chunks needed and chunks its gradients go to (none in
+    # forward), which a module of that phase may join (rules.joins_run); None after a
+    # recomputing forward's point (activation checkpointing), which none joins.
+    _run: tuple[str, tuple[Chunk, ...], tuple[Chunk, ...]] | None = None
 
     def __init__(self, model: torch.nn.Module, chunks: list[Chunk], device: ComputeDevice, *,
                  borrowed: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
@@ -125,6 +127,10 @@ class StepRunner:
         self._calls: dict[int, int] = {}  # module key -> its calls so far this forward
         self._skipping = False  # this forward leaves the joining calls unwrapped
         self._polling = False  # joining calls prefetch and read ahead (rules.runs_poll)
+        # A traced step: each module's forward point (its own or its run's), by key; and
+        # whether a module borrowed a parameter in it (`_borrow`), so that the next traces.
+        self._forward_at: dict[int, int] = {}
+        self._retrace = False
         names = [name or type(model).__name__ for name, _ in model.named_modules()]
         self.module_names = {k: names[k] for k in owned}  # same order as install's keys
 
@@ -265,7 +271,7 @@ class StepRunner:
         """A module is about to run, with its chunks if `fetch` (engine.step.backward_reads):
         close the trace interval and open the next."""
         self._stop_if_interrupted(phase)
-        self._run = None  # _pre_backward opens a run at a backward point
+        self._run = None  # the hook that called opens a run at its point
         chunks = self.module_chunks[key] if fetch else ()
         if not self.device.simulated:
             self._sample()  # the allocator's peak since the last sample is the closing one's
@@ -355,13 +361,23 @@ class StepRunner:
             # use's gradient until the last use's arrived, and sum them in another order.
             self._stop_if_interrupted("forward")
         else:
-            self._point(key, "forward")
-            # A forward inside backward is activation checkpointing's recompute: gradients
-            # may arrive before the next module, and prefetching must leave them room.
-            phase = "backward" if self._in_backward else "forward"
-            self.manager.prepare(self.module_chunks[key], self.pos, phase)
+            needed = self.module_chunks[key]
+            if not self._in_backward and self._joins("forward", needed, ()):
+                self._stop_if_interrupted("forward")
+                self._join(needed)
+            else:
+                self._point(key, "forward")
+                # A forward inside backward is activation checkpointing's recompute:
+                # gradients may arrive before the next module, and prefetching must leave
+                # them room.
+                phase = "backward" if self._in_backward else "forward"
+                self.manager.prepare(needed, self.pos, phase)
+                if not self._in_backward:
+                    self._run = ("forward", needed, ())
             for chunk, slot in self.module_slots[key]:
                 chunk.set_state(slot, S.COMPUTE)
+            if self._tracing is not None and not self._in_backward:
+                self._forward_at[key] = self.pos
         if not self._in_backward and self.tied.any:
             self.tied.enter(self._modules[key])
         if self._tracing is not None and not self._in_backward:
@@ -397,31 +413,39 @@ class StepRunner:
     def _pre_backward(self, key: int, call: tuple[int, int] | None = None) -> None:
         fetch = self.backward_reads.reads(key)
         needed = self.module_chunks[key] if fetch else ()
-        run = self._run
-        if (run is not None and self.manager.sharding is None
-                and rules.joins_run(needed, self.module_chunks[key], *run)):
-            # No point of its own (rules.joins_run). Its chunks are there unless evicted
-            # since, for room the forecast did not keep: then brought in again.
+        if self._joins("backward", needed, self.module_chunks[key]):
             self._stop_if_interrupted("backward")
             if call is not None and not self._skipping:
                 self._joined.add(call)
                 members = self._members.setdefault(self.pos, [])
                 if key not in members:
                     members.append(key)
-            if any(not c.on_device or c.stale for c in needed):
-                self.manager.prepare(needed, self.pos)
-            if self._polling:  # a copy beside the step may start in room freed mid-run
-                self.manager.prefetch(self.pos)
-                self.manager.read_ahead(self.pos)
+            self._join(needed)
             self._computing(key, fetch)
             return
         self._point(key, "backward", fetch)
-        self._run = (needed, self.module_chunks[key])
+        self._run = ("backward", needed, self.module_chunks[key])
         self.manager.prepare(needed, self.pos, "backward")
         self._computing(key, fetch)
         if self._skipping:  # the modules joining this run, wrapped in no identity node
             for member in self._members.get(self.pos, ()):
                 self._computing(member, self.backward_reads.reads(member))
+
+    def _joins(self, phase: str, needed: tuple[Chunk, ...], grads_to: tuple[Chunk, ...]
+               ) -> bool:
+        """Whether a module of `phase` joins the latest point's run (rules.joins_run)."""
+        run = self._run
+        return (run is not None and run[0] == phase and self.manager.sharding is None
+                and rules.joins_run(needed, grads_to, run[1], run[2]))
+
+    def _join(self, needed: tuple[Chunk, ...]) -> None:
+        """A module joins the run: no point of its own. Its chunks are there unless evicted
+        since, for room the forecast did not keep: then brought in again."""
+        if any(not c.on_device or c.stale for c in needed):
+            self.manager.prepare(needed, self.pos)
+        if self._polling:  # a copy beside the step may start in room freed mid-run
+            self.manager.prefetch(self.pos)
+            self.manager.read_ahead(self.pos)
 
     def _computing(self, key: int, fetch: bool) -> None:
         """The parameters of module `key` are in use for its backward (if it reads them)."""
@@ -449,12 +473,12 @@ class StepRunner:
         self.module_chunks[key] = tuple(dict.fromkeys((*self.module_chunks[key], chunk)))
         self.manager.prepare(self.module_chunks[key], self.pos)
         chunk.set_state(slot, S.COMPUTE)
-        # The module's point in the trace (its latest forward one) needs the chunk too.
-        name = self.module_names[key]
-        at = max(i for i, t in enumerate(self.timeline)
-                 if t.module == name and t.phase == "forward")
-        point = self._tracing.points[at]
+        # The module's point in the trace (its latest forward one, or the one whose run it
+        # joined) needs the chunk too. Which modules join which runs (rules.joins_run) may
+        # differ now that the chunk is the module's own: the next step traces again.
+        point = self._tracing.points[self._forward_at[key]]
         point.chunks = tuple(dict.fromkeys((*point.chunks, chunk.index)))
+        self._retrace = True
 
     # --- one forward and backward ---------------------------------------------------------
 
@@ -484,7 +508,8 @@ class StepRunner:
         hook_gradients((s.param for c in self.chunks for s in c.slots), self.arrivals.on_grad,
                        self._grad_hooks)
         key = self.step_key(shape, checkpointing)
-        tracing = self.trace is None or self.trace.key != key
+        tracing = self.trace is None or self.trace.key != key or self._retrace
+        self._retrace = False
         self._tracing = Trace(shape, key=key) if tracing else None
         self.arrivals.reset()
         if tracing:
@@ -495,6 +520,7 @@ class StepRunner:
         self.pos = -1
         self._run = None
         self._calls = {}
+        self._forward_at = {}
         if tracing or self._runs_for != key:
             self._joined.clear()  # seen again by this step, which wraps every output
             self._members.clear()

@@ -1,6 +1,7 @@
 """StepTimeline: the last step's device memory across its module boundaries.
 
-Forward then backward, one column per interval between module boundaries (or several
+Forward then backward, one column per interval between the engine's points (a point opens
+each run of modules that share their chunks, engine.placement.rules.joins_run; several
 intervals per column when they outnumber the columns): chunk bytes at the bottom, everything
 else stacked on them, the budget as a line across, and under the chart where chunks were
 copied in (▲, host to device) and out (▼). Drawn with block characters, each cell split in

@@ -1,9 +1,9 @@
-"""Backward runs (engine.placement.rules.joins_run): a module whose backward needs only what
-the backward point before it brought in joins that point. The trace has one backward point
+"""Runs (engine.placement.rules.joins_run): a module that needs only what the point before it,
+of its phase, brought in joins that point. The trace has one forward and one backward point
 per run (a layer's modules share a chunk), the planner's replay records the same points, and
-once a step has seen the runs the next ones wrap no joining module's output (no identity
-node, no hook to run in backward), marking its parameters in use at the run's point
-instead. Training is the plain reference's either way."""
+once a step has seen the backward runs the next ones wrap no joining module's output (no
+identity node, no hook to run in backward), marking its parameters in use at the run's
+point instead. Training is the plain reference's either way."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from engine.step import hooks
 from engine.step import runner as runner_module
 from tests.engine.conftest import build, make_batches
 from tests.engine.references import max_relative_difference, reference_run
+from tests.engine.test_adamw_corners import EncoderStackNeedsLabels
 
 BATCHES = make_batches(6)
 
@@ -36,13 +37,13 @@ def _wraps(monkeypatch) -> list[int]:
     return calls
 
 
-def _backward_points(trace) -> list:
-    return [p for p in trace.points if p.phase == "backward"]
+def _points(trace, phase: str) -> list:
+    return [p for p in trace.points if p.phase == phase]
 
 
 @pytest.mark.parametrize("spare", [False, True], ids=["copies-in-line", "copy-thread"])
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
-def test_a_layer_has_one_backward_point_and_settled_steps_wrap_only_the_runs(
+def test_a_layer_has_one_point_each_way_and_settled_steps_wrap_only_the_runs(
         policy, spare, monkeypatch):
     # Without a core for the copy thread (torch on every core) a fetch ahead is a copy in
     # line anyway: joining modules go unwrapped. With one, they keep trying the fetches
@@ -59,24 +60,27 @@ def test_a_layer_has_one_backward_point_and_settled_steps_wrap_only_the_runs(
         before = calls[0]
         losses.append(eng.step(batch).loss)
         per_step.append(calls[0] - before)
-    forward = [p for p in eng.trace.points if p.phase == "forward"]
-    backward = _backward_points(eng.trace)
-    assert len(backward) < len(forward)  # a point per run, not per module
+    modules = len(eng.runner.module_slots)  # each runs once a forward
+    forward, backward = _points(eng.trace, "forward"), _points(eng.trace, "backward")
+    # A point per run, not per module: a layer's modules share a chunk.
+    assert len(forward) < modules // 2 and len(backward) < modules // 2
+    for earlier, later in zip(forward, forward[1:], strict=False):
+        assert not rules.joins_run(later.chunks, (), earlier.chunks, ())
     for earlier, later in zip(backward, backward[1:], strict=False):
         assert not rules.joins_run(later.chunks, later.grad_chunks, earlier.chunks,
                                    earlier.grad_chunks)
     # The traced step wraps every module's output; once the runs are seen, only the
     # modules whose backward opens a run are wrapped, where copies are in line.
-    assert per_step[0] == len(forward)
-    settled = len(forward) if spare else len(backward)
+    assert per_step[0] == modules
+    settled = modules if spare else len(backward)
     assert per_step[2:] == [settled] * (len(BATCHES) - 2)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert max_relative_difference(eng.model_state_dict(), ref_state) <= 1e-5
 
 
-def test_the_planner_records_the_engines_backward_points(monkeypatch):
+def test_the_planner_records_the_engines_points(monkeypatch):
     """The warm-up step the planner replays records the points the engine's traced step
-    does, backward runs included: the same chunks at the same positions."""
+    does, runs included: the same chunks at the same positions."""
     recorded = []
     trace_of = StepReplay.trace_of
 
@@ -95,6 +99,33 @@ def test_the_planner_records_the_engines_backward_points(monkeypatch):
                         generator=torch.Generator().manual_seed(0))
     eng.step({"input_ids": ids, "labels": ids})
     engine_points = [(p.chunks, p.phase, p.grad_chunks) for p in eng.trace.points]
-    assert len(_backward_points(eng.trace)) < len(eng.trace.points) // 2
+    assert len(eng.trace.points) < len(eng.runner.module_slots)
     assert any([(p.chunks, p.phase, p.grad_chunks) for p in trace.points] == engine_points
                for trace in recorded)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4096])
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_a_parameter_found_borrowed_while_tracing_traces_the_next_step_again(
+        policy, chunk_size):
+    """A module found reading another's parameter on the traced step (a model that needs
+    its labels: engine.step.borrowing) fetches it from then on, which can change the runs:
+    the next step traces again, and the steps after it run the points of that trace."""
+    model = EncoderStackNeedsLabels()
+    ref_losses, ref_state = reference_run(model, BATCHES[:4])
+    eng = Engine(model, EngineConfig(policy=policy, precision="fp32", chunk_size=chunk_size,
+                                     device_budget="64MiB" if policy == "cpu" else "1MiB",
+                                     simulate=True))
+    losses, traces = [], []
+    for batch in BATCHES[:4]:
+        losses.append(eng.step(batch).loss)
+        traces.append(eng.trace)
+        # Every step ran the points of the trace it ends with.
+        assert eng.runner.pos == len(eng.trace.points) - 1
+    assert traces[1] is not traces[0]
+    assert traces[3] is traces[2] is traces[1]
+    forward = _points(traces[1], "forward")
+    for earlier, later in zip(forward, forward[1:], strict=False):
+        assert not rules.joins_run(later.chunks, (), earlier.chunks, ())
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert max_relative_difference(eng.model_state_dict(), ref_state) <= 1e-5
