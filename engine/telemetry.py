@@ -38,7 +38,8 @@ class MemorySnapshot:
 
 @dataclass
 class TimelinePoint:
-    """One interval of a step, from a module boundary to the next, as the device saw it.
+    """One interval of a step, from a module boundary to the next, as the device saw it;
+    a run of modules that share their chunks (engine.placement.rules.joins_run) is one.
 
     The same per-interval measurement the warm-up trace records, so a view built from these
     shows where in the step the peak was (forward then backward, module by module)."""
