@@ -210,14 +210,17 @@ def grads_land_per_step(*, aliased: bool, sharded: bool, disk_tier: bool) -> boo
 def joins_run(needed: Collection, grads_to: Collection, run_needed: Collection,
               run_grads_to: Collection) -> bool:
     """Whether a module joins the point just before it, of its own phase, rather than
-    having one of its own (a *run*): the chunks it needs are among those that point brought
-    in (`run_needed`), and, in backward, those its gradients go to among that point's
-    (`run_grads_to`; a forward module's are empty). So the modules of a layer, whose
-    parameters share a chunk, have one forward and one backward point, the first of them to
-    run. What a point of its own would do is done already: the chunks are in, and the room
-    kept at the point is for the peak of the interval, which the trace measured over the
-    whole run. Not where chunks are sharded: the ranks agree on gathers at every point."""
-    return all(c in run_needed for c in needed) and all(c in run_grads_to for c in grads_to)
+    having one of its own (a *run*): it needs the chunks that point brought in
+    (`run_needed`), no more and no fewer, and, in backward, those its gradients go to are
+    among that point's (`run_grads_to`; a forward module's are empty). So the modules of a
+    layer, whose parameters share a chunk, have one forward and one backward point, the
+    first of them to run. What a point of its own would do is done already: the chunks are
+    in, and the room kept at the point is for the peak of the interval, which the trace
+    measured over the whole run. A module that needs fewer has its point: there the cpu
+    policy lets the others go (CpuRules.release_before_use), which a run would keep to its
+    end. Not where chunks are sharded: the ranks agree on gathers at every point."""
+    return (len(needed) == len(run_needed) and all(c in run_needed for c in needed)
+            and all(c in run_grads_to for c in grads_to))
 
 
 def runs_poll(*, simulated: bool, spare_core: bool, payloads_on_disk: bool) -> bool:

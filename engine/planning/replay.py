@@ -330,8 +330,10 @@ class StepReplay:
         if (not recompute and run is not None and run[0] == phase and self.sharding is None
                 and rules.joins_run(chunks, grads_to, run[1], run[2])):
             # StepRunner._join: no point of its own; a chunk evicted since is brought in
-            # again (DeviceCopies.prepare without a phase).
-            if any(c not in self.on_device or c in self.stale for c in chunks):
+            # again, or waited for where fetched ahead again since (DeviceCopies.prepare
+            # without a phase).
+            if any(c not in self.on_device or c in self.stale or c in self.fetched_ahead
+                   for c in chunks):
                 self._release_before_use(chunks)
                 for chunk in chunks:
                     self._materialise(chunk, chunks)

@@ -440,9 +440,11 @@ class StepRunner:
 
     def _join(self, needed: tuple[Chunk, ...]) -> None:
         """A module joins the run: no point of its own. Its chunks are there unless evicted
-        since, for room the forecast did not keep: then brought in again."""
-        if any(not c.on_device or c.stale for c in needed):
-            self.manager.prepare(needed, self.pos)
+        since, for room the forecast did not keep: then brought in again, or waited for
+        where a fetch ahead brought one in again since (its copy may still be on its way)."""
+        m = self.manager
+        if any(not c.on_device or c.stale or c.index in m.fetched_ahead for c in needed):
+            m.prepare(needed, self.pos)
         if self._polling:  # a copy beside the step may start in room freed mid-run
             self.manager.prefetch(self.pos)
             self.manager.read_ahead(self.pos)
@@ -632,6 +634,7 @@ class StepRunner:
         self.manager.release_all()
         if self._tracing is not None:
             self.manager.trace = self._forecast
+            self._retrace = True  # the trace this step was to record is still owed
         self._tracing = None
         self.counter.reset()
         self.counts.abort()

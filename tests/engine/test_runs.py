@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from engine import Engine, EngineConfig
 from engine.models.zoo import build_model
@@ -17,9 +18,10 @@ from engine.planning.planner import plan
 from engine.planning.replay import StepReplay
 from engine.step import hooks
 from engine.step import runner as runner_module
+from engine.step.runner import StepInterrupted
 from tests.engine.conftest import build, make_batches
-from tests.engine.references import max_relative_difference, reference_run
-from tests.engine.test_adamw_corners import EncoderStackNeedsLabels
+from tests.engine.references import VOCAB, max_relative_difference, reference_run
+from tests.engine.test_adamw_corners import Output
 
 BATCHES = make_batches(6)
 
@@ -78,9 +80,12 @@ def test_a_layer_has_one_point_each_way_and_settled_steps_wrap_only_the_runs(
     assert max_relative_difference(eng.model_state_dict(), ref_state) <= 1e-5
 
 
-def test_the_planner_records_the_engines_points(monkeypatch):
+# auto at 15 MiB (the minimum working set is 14.8) evicts and fetches again in the step.
+@pytest.mark.parametrize(("policy", "budget"), [("cpu", "6GiB"), ("auto", "15MiB")])
+def test_the_planner_records_the_engines_points(policy, budget, monkeypatch):
     """The warm-up step the planner replays records the points the engine's traced step
-    does, runs included: the same chunks at the same positions."""
+    does, runs included: the same chunks at the same positions; and its forecast of the
+    settled step is the engine's, to the byte."""
     recorded = []
     trace_of = StepReplay.trace_of
 
@@ -91,39 +96,82 @@ def test_the_planner_records_the_engines_points(monkeypatch):
 
     monkeypatch.setattr(StepReplay, "trace_of", keep)
     shape = {"batch_size": 2, "seq_len": 64}
-    plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="fp32", simulated=True,
-         **shape)
-    eng = Engine(build_model("tiny"), EngineConfig(policy="cpu", precision="fp32",
-                                                   device_budget="6GiB", simulate=True))
+    report = plan("tiny", device_mem=budget, host_mem="64GiB", precision="fp32",
+                  simulated=True, **shape)
+    eng = Engine(build_model("tiny"), EngineConfig(policy=policy, precision="fp32",
+                                                   device_budget=budget, simulate=True))
     ids = torch.randint(0, eng.model.config.vocab_size, (2, 64),
                         generator=torch.Generator().manual_seed(0))
-    eng.step({"input_ids": ids, "labels": ids})
+    for _ in range(3):
+        stats = eng.step({"input_ids": ids, "labels": ids})
     engine_points = [(p.chunks, p.phase, p.grad_chunks) for p in eng.trace.points]
-    assert len(eng.trace.points) < len(eng.runner.module_slots)
+    points, modules = len(engine_points), len(eng.runner.module_slots)
+    assert points < modules
     assert any([(p.chunks, p.phase, p.grad_chunks) for p in trace.points] == engine_points
                for trace in recorded)
+    row = report.policies[policy]
+    assert row.copied == stats.bytes_h2d + stats.bytes_d2h
+    assert row.device_peak == stats.memory.device_peak
 
 
-@pytest.mark.parametrize("chunk_size", [None, 4096])
+class Borrower(nn.Module):
+    """Reads `far`'s parameters itself (far's forward never runs): in a model that needs its
+    labels, found only on the traced step (engine.step.borrowing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(32))
+        self.far = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x * self.scale, self.far.weight, self.far.bias)
+
+
+class BorrowsAcrossChunks(nn.Module):
+    """With chunks of 1100 elements, `pre` and `borrower.scale` share one, `far` is in the
+    next: `borrower` joins `pre`'s forward run on the traced step, and once `far.weight`
+    is its own it needs a chunk that run never brought in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.pre = nn.Linear(32, 32)
+        self.borrower = Borrower()
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Output:
+        x = self.borrower(torch.relu(self.pre(self.embed(input_ids))))
+        return Output(nn.functional.cross_entropy(self.head(x).reshape(-1, VOCAB),
+                                                  labels.reshape(-1)))
+
+
+@pytest.mark.parametrize("interrupted", [False, True], ids=["", "retrace-interrupted"])
 @pytest.mark.parametrize("policy", ["cpu", "auto"])
 def test_a_parameter_found_borrowed_while_tracing_traces_the_next_step_again(
-        policy, chunk_size):
-    """A module found reading another's parameter on the traced step (a model that needs
-    its labels: engine.step.borrowing) fetches it from then on, which can change the runs:
-    the next step traces again, and the steps after it run the points of that trace."""
-    model = EncoderStackNeedsLabels()
-    ref_losses, ref_state = reference_run(model, BATCHES[:4])
-    eng = Engine(model, EngineConfig(policy=policy, precision="fp32", chunk_size=chunk_size,
-                                     device_budget="64MiB" if policy == "cpu" else "1MiB",
+        policy, interrupted):
+    """A module found reading another's parameter on the traced step fetches it from then
+    on, which changes the runs: the next step traces again (and the one after, if that one
+    was interrupted), and every step runs the points of the trace it ends with."""
+    model = BorrowsAcrossChunks()
+    batches = make_batches(5)
+    ref_losses, ref_state = reference_run(model, batches)
+    eng = Engine(model, EngineConfig(policy=policy, precision="fp32", chunk_size=1100,
+                                     device_budget="64MiB" if policy == "cpu" else "200KiB",
                                      simulate=True))
     losses, traces = [], []
-    for batch in BATCHES[:4]:
+    for i, batch in enumerate(batches):
+        if interrupted and i == 1:
+            stop = eng.model.head.register_forward_pre_hook(lambda *_: eng.interrupt())
+            with pytest.raises(StepInterrupted):
+                eng.step(batch)
+            stop.remove()
         losses.append(eng.step(batch).loss)
         traces.append(eng.trace)
-        # Every step ran the points of the trace it ends with.
-        assert eng.runner.pos == len(eng.trace.points) - 1
+        ran, points = eng.runner.pos + 1, len(eng.trace.points)
+        assert ran == points
     assert traces[1] is not traces[0]
-    assert traces[3] is traces[2] is traces[1]
+    assert all(t is traces[1] for t in traces[2:])
     forward = _points(traces[1], "forward")
     for earlier, later in zip(forward, forward[1:], strict=False):
         assert not rules.joins_run(later.chunks, (), earlier.chunks, ())
