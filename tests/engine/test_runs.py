@@ -177,3 +177,52 @@ def test_a_parameter_found_borrowed_while_tracing_traces_the_next_step_again(
         assert not rules.joins_run(later.chunks, (), earlier.chunks, ())
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert max_relative_difference(eng.model_state_dict(), ref_state) <= 1e-5
+
+
+class Widen(nn.Module):
+    """A large temporary in forward, little saved for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.s).unsqueeze(-1).expand(*x.shape, 512).contiguous().sum(-1) / 512
+
+
+class Straddles(nn.Module):
+    """With chunks of 4096 elements, `m1.weight` fills one and `m1.bias` opens the next,
+    which `m2` shares: m1 needs two chunks, m2 one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.m1 = nn.Linear(64, 64)
+        self.m2 = Widen()
+        self.head = nn.Linear(64, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Output:
+        logits = self.head(self.m2(self.m1(self.embed(input_ids))))
+        return Output(nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                  labels.reshape(-1)))
+
+
+def test_a_module_that_needs_fewer_chunks_than_the_run_has_a_point_of_its_own():
+    """cpu lets a chunk go at the next point that does not need it: m2, needing one of
+    m1's two chunks, is a point of its own, so m1.weight's chunk is not held through m2's
+    large temporary (a run would keep it to its end, and the working set with it)."""
+    eng = Engine(Straddles(), EngineConfig(policy="cpu", precision="fp32", chunk_size=4096,
+                                           device_budget="64MiB", simulate=True))
+    for batch in make_batches(3):
+        eng.step(batch)
+    m1, m2 = (tuple(c.index for c in eng.runner.module_chunks[key])
+              for key, name in eng.runner.module_names.items() if name in ("m1", "m2"))
+    assert len(m1) == 2 and m2 == m1[1:]
+    forward = [p.chunks for p in _points(eng.trace, "forward")]
+    assert forward[forward.index(m1) + 1] == m2
+    points = _points(eng.trace, "forward")
+    at_m2 = points[forward.index(m2)]
+    weight = eng.chunks[m1[0]].nbytes
+    # m2's interval holds its own chunk beside its temporary, not m1.weight's.
+    assert at_m2.working_set - at_m2.non_model_peak < weight
