@@ -7,6 +7,8 @@ point instead. Training is the plain reference's either way."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
@@ -127,23 +129,29 @@ class Borrower(nn.Module):
         return nn.functional.linear(x * self.scale, self.far.weight, self.far.bias)
 
 
-class BorrowsAcrossChunks(nn.Module):
+class Between(nn.Module):
+    """An embedding, `body` (its modules named as given), and an LM head: a model whose
+    forward needs its labels."""
+
+    def __init__(self, width: int, **body: nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.body = nn.Sequential(OrderedDict(body))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Output:
+        logits = self.head(self.body(self.embed(input_ids)))
+        return Output(nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                  labels.reshape(-1)))
+
+
+def borrows_across_chunks() -> Between:
     """With chunks of 1100 elements, `pre` and `borrower.scale` share one, `far` is in the
     next: `borrower` joins `pre`'s forward run on the traced step, and once `far.weight`
     is its own it needs a chunk that run never brought in."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, 32)
-        self.pre = nn.Linear(32, 32)
-        self.borrower = Borrower()
-        self.head = nn.Linear(32, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Output:
-        x = self.borrower(torch.relu(self.pre(self.embed(input_ids))))
-        return Output(nn.functional.cross_entropy(self.head(x).reshape(-1, VOCAB),
-                                                  labels.reshape(-1)))
+    torch.manual_seed(0)
+    return Between(32, pre=nn.Linear(32, 32), act=nn.ReLU(), borrower=Borrower())
 
 
 @pytest.mark.parametrize("interrupted", [False, True], ids=["", "retrace-interrupted"])
@@ -153,7 +161,7 @@ def test_a_parameter_found_borrowed_while_tracing_traces_the_next_step_again(
     """A module found reading another's parameter on the traced step fetches it from then
     on, which changes the runs: the next step traces again (and the one after, if that one
     was interrupted), and every step runs the points of the trace it ends with."""
-    model = BorrowsAcrossChunks()
+    model = borrows_across_chunks()
     batches = make_batches(5)
     ref_losses, ref_state = reference_run(model, batches)
     eng = Engine(model, EngineConfig(policy=policy, precision="fp32", chunk_size=1100,
@@ -190,34 +198,23 @@ class Widen(nn.Module):
         return (x * self.s).unsqueeze(-1).expand(*x.shape, 512).contiguous().sum(-1) / 512
 
 
-class Straddles(nn.Module):
+def straddles() -> Between:
     """With chunks of 4096 elements, `m1.weight` fills one and `m1.bias` opens the next,
     which `m2` shares: m1 needs two chunks, m2 one of them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, 64)
-        self.m1 = nn.Linear(64, 64)
-        self.m2 = Widen()
-        self.head = nn.Linear(64, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Output:
-        logits = self.head(self.m2(self.m1(self.embed(input_ids))))
-        return Output(nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                                  labels.reshape(-1)))
+    torch.manual_seed(0)
+    return Between(64, m1=nn.Linear(64, 64), m2=Widen())
 
 
 def test_a_module_that_needs_fewer_chunks_than_the_run_has_a_point_of_its_own():
     """cpu lets a chunk go at the next point that does not need it: m2, needing one of
     m1's two chunks, is a point of its own, so m1.weight's chunk is not held through m2's
     large temporary (a run would keep it to its end, and the working set with it)."""
-    eng = Engine(Straddles(), EngineConfig(policy="cpu", precision="fp32", chunk_size=4096,
+    eng = Engine(straddles(), EngineConfig(policy="cpu", precision="fp32", chunk_size=4096,
                                            device_budget="64MiB", simulate=True))
     for batch in make_batches(3):
         eng.step(batch)
     m1, m2 = (tuple(c.index for c in eng.runner.module_chunks[key])
-              for key, name in eng.runner.module_names.items() if name in ("m1", "m2"))
+              for key, name in eng.runner.module_names.items() if name in ("body.m1", "body.m2"))
     assert len(m1) == 2 and m2 == m1[1:]
     forward = [p.chunks for p in _points(eng.trace, "forward")]
     assert forward[forward.index(m1) + 1] == m2
