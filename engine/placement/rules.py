@@ -224,8 +224,8 @@ def joins_run(needed: Collection, grads_to: Collection, run_needed: Collection,
 
 
 def runs_poll(*, simulated: bool, spare_core: bool, payloads_on_disk: bool) -> bool:
-    """Whether a module that joins a run still tries the fetches and reads ahead
-    its own point would have (and, in backward, keeps its identity node). Where a copy runs beside
+    """Whether a module that joins a run still tries the fetches and reads ahead its own
+    point would have (and, in backward, keeps its identity node). Where a copy runs beside
     the step (CUDA's copy stream; the simulated device's copy thread, where torch leaves a
     core spare: engine.devices.streams.spare_core; reads from disk), room freed mid-run
     (in backward the activations go as it runs) lets a fetch ahead start sooner. Where

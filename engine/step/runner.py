@@ -2,12 +2,11 @@
 
 Forward pre-hooks fetch a module's chunks, forward hooks wrap its outputs so that backward
 fetches them again, gradient hooks move each finished gradient into its chunk. A module that
-needs only what the point before it, of its phase, brought in joins that point (a run,
+needs the chunks the point before it, of its phase, brought in joins that point (a run,
 rules.joins_run): in forward it only marks its parameters in use; in backward, once a step
 has seen the runs, the next ones leave those modules' outputs unwrapped. Between two such
-module boundaries (a trace *point*) it
-samples the device's bytes: on the warm-up step that becomes the trace the placement rules
-forecast from. In a quiet micro-batch (nothing
+module boundaries (a trace *point*) it samples the device's bytes: on the warm-up step that
+becomes the trace the placement rules forecast from. In a quiet micro-batch (nothing
 counted, every chunk's device copy its home: engine.step.counting) the hooks only watch for
 an interrupt and give tied weights their aliases, and the micro-batch reports the last
 counted one's peaks and timeline.
@@ -446,8 +445,8 @@ class StepRunner:
         if any(not c.on_device or c.stale or c.index in m.fetched_ahead for c in needed):
             m.prepare(needed, self.pos)
         if self._polling:  # a copy beside the step may start in room freed mid-run
-            self.manager.prefetch(self.pos)
-            self.manager.read_ahead(self.pos)
+            m.prefetch(self.pos)
+            m.read_ahead(self.pos)
 
     def _computing(self, key: int, fetch: bool) -> None:
         """The parameters of module `key` are in use for its backward (if it reads them)."""
