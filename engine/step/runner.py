@@ -375,11 +375,10 @@ class StepRunner:
                     self._run = ("forward", needed, ())
             for chunk, slot in self.module_slots[key]:
                 chunk.set_state(slot, S.COMPUTE)
-            if self._tracing is not None and not self._in_backward:
-                self._forward_at[key] = self.pos
         if not self._in_backward and self.tied.any:
             self.tied.enter(self._modules[key])
-        if self._tracing is not None and not self._in_backward:
+        if self._tracing is not None and not self._in_backward:  # never quiet
+            self._forward_at[key] = self.pos
             self.backward_reads.enter(key)
 
     def _post_forward(self, key: int, output: object) -> object:
