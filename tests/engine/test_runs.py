@@ -223,3 +223,50 @@ def test_a_module_that_needs_fewer_chunks_than_the_run_has_a_point_of_its_own():
     weight = eng.chunks[m1[0]].nbytes
     # m2's interval holds its own chunk beside its temporary, not m1.weight's.
     assert at_m2.working_set - at_m2.non_model_peak < weight
+
+
+class Spread(nn.Module):
+    """No parameters; in a step where `wide`, a temporary the traced step never had."""
+
+    wide = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.wide:
+            return x
+        return x.unsqueeze(-1).expand(*x.shape, 24).contiguous().sum(-1) / 24
+
+
+@pytest.mark.parametrize("spare", [False, True], ids=["copies-in-line", "copy-thread"])
+def test_a_run_member_whose_chunk_was_evicted_inside_the_run_fetches_it_again(
+        spare, monkeypatch):
+    """Between `a` and `b`, which share a chunk (a run), a temporary the trace did not
+    forecast takes every idle chunk's room, the run's included: `b` joins the run and
+    fetches it again. Training is the reference's."""
+    monkeypatch.setattr(runner_module, "spare_core", lambda: spare)
+    torch.manual_seed(0)
+    model = Between(64, a=nn.Linear(64, 64), spread=Spread(), b=nn.Linear(64, 64))
+    batches = make_batches(4)
+    ref_losses, ref_state = reference_run(model, batches)
+    eng = Engine(model, EngineConfig(policy="auto", precision="fp32", chunk_size=8320,
+                                     device_budget="300KiB", simulate=True))
+    spread = eng.model.body.spread
+    chunks = {eng.runner.module_names[k]: v for k, v in eng.runner.module_chunks.items()}
+    assert chunks["body.a"] == chunks["body.b"]
+    run = chunks["body.a"][0]
+    fetched_again = []
+    join = runner_module.StepRunner._join
+
+    def watched(self, needed):
+        if run in needed and not run.on_device:
+            fetched_again.append(self.pos)
+        join(self, needed)
+
+    monkeypatch.setattr(runner_module.StepRunner, "_join", watched)
+    losses = []
+    for i, batch in enumerate(batches):
+        spread.wide = i == 1  # the second step counts every byte (engine.step.counting)
+        losses.append(eng.step(batch).loss)
+        assert bool(fetched_again) == (i >= 1)
+    assert len(fetched_again) == 1
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert max_relative_difference(eng.model_state_dict(), ref_state) <= 1e-5
