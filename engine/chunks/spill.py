@@ -14,9 +14,9 @@ them under the host budget; the ChunkManager asks this class to carry them out):
   them back with the state.
 
 Each chunk has one file with regions "state", "payload" and (fp32) "grad", each cut into
-pieces of one size, at most rules.DISK_PIECE elements (rules.piece_elements), which is what
-is read and written: an I/O buffer holds one piece, whatever the chunk's size. In a state
-piece the parts sit at block-aligned offsets: [master,] exp_avg, exp_avg_sq.
+pieces of one size, at most disk_rules.DISK_PIECE elements (rules.piece_elements), which is
+what is read and written: an I/O buffer holds one piece, whatever the chunk's size. In a
+state piece the parts sit at block-aligned offsets: [master,] exp_avg, exp_avg_sq.
 
 The I/O buffers are the tier's (a few, allocated once, counted apart from the chunk bytes);
 the chunk's host tensors are allocated and freed through the manager's accounting (`alloc`,
@@ -64,7 +64,7 @@ class Spill:
     Args:
         chunks: every chunk of the engine.
         tier: the scratch folder, its I/O buffers and threads.
-        piece: elements per piece (rules.DISK_PIECE).
+        piece: elements per piece (disk_rules.DISK_PIECE).
         flight: the update that may still be running (what undoes a step waits for it).
         alloc: a host tensor of (numel, dtype), counted in the manager's host bytes.
         free: uncount (and drop) a host tensor made by `alloc`.

@@ -18,7 +18,7 @@ from engine.chunks.data_parallel import DataParallel
 from engine.chunks.flight import UpdateInFlight
 from engine.chunks.state import TensorState
 from engine.devices.device import ComputeDevice
-from engine.placement import rules
+from engine.placement import disk_rules, rules
 from engine.placement.policy import Policy
 from engine.placement.trace import Trace
 
@@ -52,7 +52,7 @@ class ChunkTiers:
         self._last_use: dict[int, int] = {}  # chunk -> position of its latest use (LRU)
         self.fetched_ahead: set[int] = set()  # copies prefetched, not used yet
         self.host_budget: int | None = None  # chunk bytes + I/O buffers on the host
-        self.disk_piece = rules.DISK_PIECE  # elements per piece of disk I/O
+        self.disk_piece = disk_rules.DISK_PIECE  # elements per piece of disk I/O
         self.spill: disk.Spill | None = None  # the disk tier, when the host budget needs it
         self._disk_base = (0, 0, 0.0)  # the tier's counters when a step last reported
         self.flight = UpdateInFlight()  # the last step's update, while the next forward runs

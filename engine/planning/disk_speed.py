@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from engine.placement import rules
+from engine.placement import disk_rules
 
 # engine.planning.calibration.Calibration, which imports this module's probe.
 Calibration = TypeVar("Calibration")
@@ -35,7 +35,7 @@ __all__ = ["DISK_PROBE", "DISK_NOW_SECONDS", "disk_now", "fused_adamw", "probe"]
 # (DISK_PROBE_PIECE). At 64 MiB, six probes in a row here read 1.3-1.6 GiB/s; at 512 MiB,
 # 1.6-2.1: a step moves a GiB or more, and the first reads of a probe are its slowest.
 DISK_PROBE = 256 * 2**20
-DISK_PROBE_PIECE = 8 * rules.DISK_PIECE  # a piece of fp32 state: both moments
+DISK_PROBE_PIECE = 8 * disk_rules.DISK_PIECE  # a piece of fp32 state: both moments
 # How long one probe of a folder's disk stands for in this process (a tune forecasts many
 # settings; a plan, a few rows): longer than a forecast takes, shorter than the spells the
 # disk here kept a speed for (minutes).

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from engine import Engine, EngineConfig
 from engine.models.initial_weights import ModelInit
 from engine.models.zoo import BadCheckpoint, build_model, meta_build
-from engine.placement import rules
+from engine.placement import disk_rules
 
 
 def engine_for(built, *, policy: str = "cpu", host_budget: int | None = None,
@@ -34,7 +34,7 @@ def assert_same_weights(expected: dict, got: dict) -> None:
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     # tiny's chunks are small: pieces of 2**14 elements let a 4 MiB host budget send most
     # of its state to disk (at the default size the I/O buffers alone outweigh tiny).
-    monkeypatch.setattr(rules, "DISK_PIECE", 2**14)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", 2**14)
 
 
 @pytest.mark.parametrize(("policy", "budgeted"),

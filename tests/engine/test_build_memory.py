@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from transformers import OPTConfig
 
-from engine.placement import rules
+from engine.placement import disk_rules
 from engine.planning.host_memory import RUNTIME_BYTES
 from engine.planning.planner import plan
 from tests.forked import run_script
@@ -26,8 +26,8 @@ SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import torch
     from safetensors.torch import save_file
-    from engine.placement import rules
-    rules.DISK_PIECE = %d
+    from engine.placement import disk_rules
+    disk_rules.DISK_PIECE = %d
     from engine import Engine, EngineConfig
     from engine.devices.host_memory import release_free_host_memory, steady_heap
     from engine.models.initial_weights import ModelInit
@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_building_saving_and_loading_hold_the_host_budget_one_chunk_and_one_tensor(
         tmp_path, monkeypatch):
-    monkeypatch.setattr(rules, "DISK_PIECE", PIECE)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", PIECE)
     folder = tmp_path / "opt-26m"  # 26M parameters: 420 MB of fp32 training state
     OPTConfig(vocab_size=2048, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
               ffn_dim=2048, max_position_embeddings=128, word_embed_proj_dim=512,

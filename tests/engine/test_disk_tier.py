@@ -34,7 +34,7 @@ from engine.devices.disk import (
     files,
     remove_stale,
 )
-from engine.placement import rules
+from engine.placement import disk_rules, rules
 
 STEPS = 4
 TOL = 1e-5
@@ -360,7 +360,7 @@ def test_a_placement_with_smaller_pieces_gets_smaller_io_buffers(disk_dir):
 @pytest.mark.parametrize("host", ["state", "payload"])
 def test_chunks_larger_than_a_piece_go_piece_by_piece_and_match_adamw(disk_dir, monkeypatch,
                                                                       policy, host):
-    monkeypatch.setattr(rules, "DISK_PIECE", SMALL_PIECE)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", SMALL_PIECE)
     eng = engine(disk_dir, policy=policy, host=host)
     assert all(len(eng.manager.spill.spans(c)) > 1 for c in eng.chunks if c.disk_level)
     assert eng.manager.spill.placement.state_buffer <= 3 * 4 * SMALL_PIECE + 4096
@@ -376,7 +376,7 @@ def test_chunks_larger_than_a_piece_go_piece_by_piece_and_match_adamw(disk_dir, 
 @pytest.mark.parametrize("host", ["state", "payload"])
 def test_bf16_piece_by_piece_gives_the_same_bits_as_without_the_disk(disk_dir, monkeypatch,
                                                                      host):
-    monkeypatch.setattr(rules, "DISK_PIECE", SMALL_PIECE)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", SMALL_PIECE)
     plain_losses, theirs = plain_run(precision="bf16", max_grad_norm=0.5)
     budget = int(host_state("bf16") * (0.8 if host == "state" else 0.2))
     eng = engine(disk_dir, precision="bf16", host_budget=budget, max_grad_norm=0.5)

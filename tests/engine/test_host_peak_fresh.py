@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 from transformers import LlamaConfig, OPTConfig
 
-from engine.placement import rules
+from engine.placement import disk_rules
 from engine.planning.planner import plan
 from tests.forked import start_script
 
@@ -173,8 +173,8 @@ torch.set_num_threads(1)  # four side by side: see Fresh
 from engine.devices.host_memory import steady_heap
 assert steady_heap()
 from transformers import OPTConfig, OPTForCausalLM
-from engine.placement import rules
-rules.DISK_PIECE = 2**18
+from engine.placement import disk_rules
+disk_rules.DISK_PIECE = 2**18
 from engine import Engine, EngineConfig
 folder, budget, scratch = sys.argv[1], sys.argv[2], sys.argv[3]
 from engine.models.initial_weights import ModelInit
@@ -192,7 +192,7 @@ def test_a_host_budget_lowers_the_peak_resident_memory_by_what_the_plan_says(tmp
     """Chunk by chunk filling, the parts kept on the host and the I/O buffers: what the disk
     tier takes off a real process's peak is what the plan takes off its forecast. (The
     runtime beside them is the other tests'.)"""
-    monkeypatch.setattr(rules, "DISK_PIECE", 2**18)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", 2**18)
     folder = tmp_path / "opt-30m"  # ~450 MiB of fp32 training state
     OPTConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
               ffn_dim=2048, max_position_embeddings=128, word_embed_proj_dim=512,

@@ -18,9 +18,9 @@ MiB = 2**20
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
     """Pieces of disk I/O small enough that the tiny model's chunks go in several."""
-    from engine.placement import rules
+    from engine.placement import disk_rules
 
-    monkeypatch.setattr(rules, "DISK_PIECE", TINY_PIECE)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", TINY_PIECE)
     return TINY_PIECE
 LORA = Lora(rank=4)
 

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 from engine import Engine, EngineConfig, StepStats, format_size
 from engine.chunks.spill import ScratchTooSmall
 from engine.models.zoo import BadCheckpoint, UnknownModel, build_model
-from engine.placement import rules
+from engine.placement import disk_rules, rules
 from engine.planning import planner as planner_module
 from engine.planning.host_memory import RUNTIME_BYTES
 from engine.planning.planner import plan
@@ -351,7 +351,7 @@ TINY_PIECE = 2**14
 
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
-    monkeypatch.setattr(rules, "DISK_PIECE", TINY_PIECE)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", TINY_PIECE)
     return TINY_PIECE
 
 

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, OPTConfig, OPTForCausalLM
 
 from engine import Engine, EngineConfig
 from engine.data.corpus import TokenBatches
-from engine.placement import rules
+from engine.placement import disk_rules
 from tuitrain import checkpoint, shard_files
 from tuitrain.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
 from tuitrain.settings import Settings
@@ -78,7 +78,7 @@ class Run:
 @pytest.fixture(autouse=True, scope="module")
 def small_pieces() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rules, "DISK_PIECE", SMALL_PIECE)
+        patch.setattr(disk_rules, "DISK_PIECE", SMALL_PIECE)
         yield
 
 

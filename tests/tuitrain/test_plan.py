@@ -16,7 +16,7 @@ import pytest
 
 from engine.config import format_size
 from engine.devices import device
-from engine.placement import rules
+from engine.placement import disk_rules
 from engine.planning.planner import plan
 from tuitrain.cli import main
 from tuitrain.errors import UsageError
@@ -194,7 +194,7 @@ def test_opt_30b_answers_quickly_with_plausible_figures_and_little_memory(tmp_pa
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of disk I/O small enough that tiny's I/O buffers leave room for a host budget
     below its chunks."""
-    monkeypatch.setattr(rules, "DISK_PIECE", 2**14)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", 2**14)
 
 
 def tiny_state() -> int:

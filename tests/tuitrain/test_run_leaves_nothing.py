@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.placement import rules
+from engine.placement import disk_rules
 from engine.step.engine import Engine
 from tuitrain.events import Failed, Finished, Started, Step
 from tuitrain.settings import Settings
@@ -31,7 +31,7 @@ class Sink(list):
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process runs: pieces of disk I/O small enough for tiny whatever the sizing."""
-    monkeypatch.setattr(rules, "DISK_PIECE", 2**14)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", 2**14)
 
 
 def settings(disk: Path, steps: int = 2) -> Settings:

@@ -31,7 +31,7 @@ from dp_harness import (
 )
 
 from engine.devices.disk import ALIGN
-from engine.placement import rules
+from engine.placement import disk_rules, rules
 from engine.planning.planner import plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -72,7 +72,7 @@ def exact(rank: int, world: int, *, scratch: str) -> dict:
     and written on disk, the rank's scratch folder and, from rank 0, the final weights."""
     from dp_scenarios import _budgets, _engine
 
-    rules.DISK_PIECE = TINY_PIECE
+    disk_rules.DISK_PIECE = TINY_PIECE
     model = build()
     batches = [rank_slice(b, rank, world)
                for b in make_batches(STEPS, batch_size=PER_RANK * world)]
@@ -112,7 +112,7 @@ def planned(rank: int, world: int, *, scratch: str, precision: str,
     from engine import Engine, EngineConfig
     from engine.models.zoo import build_model
 
-    rules.DISK_PIECE = TINY_PIECE
+    disk_rules.DISK_PIECE = TINY_PIECE
     batches = [rank_slice(b, rank, world) for b in make_batches(
         PLAN_STEPS, batch_size=PER_RANK * world, seq_len=SEQ_LEN, vocab=TINY_VOCAB)]
     out = []
@@ -148,7 +148,7 @@ def unused(rank: int, world: int, *, scratch: str) -> dict:
     from dp_scenarios import _engine, _run
     from test_data_parallel import GATES
 
-    rules.DISK_PIECE = GATED_PIECE
+    disk_rules.DISK_PIECE = GATED_PIECE
     model = GatedLM()
     batches = []
     for i, b in enumerate(make_batches(len(GATES), batch_size=PER_RANK * world)):
@@ -207,7 +207,7 @@ def launch(request, tmp_path_factory):
     world = request.param
     tmp = tmp_path_factory.mktemp(f"ranks{world}")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rules, "DISK_PIECE", TINY_PIECE)
+        mp.setattr(disk_rules, "DISK_PIECE", TINY_PIECE)
         scenarios = _scenarios(world)
         forecasts = [_plan(world, device_mem=sc["budget"], margin_ratio=sc["margin"],
                            host_budget=sc["host_budget"], disk_dir=tmp / "scratch")
@@ -293,7 +293,7 @@ def test_each_rank_measures_the_disk_tier_the_plan_for_its_ranks_forecasts(launc
 def test_a_host_budget_with_ranks_is_each_ranks_own(monkeypatch, tmp_path):
     """The plan's disk figures are one rank's: each of N ranks holds its shards' share, in
     a folder of its own on the machine's disk."""
-    monkeypatch.setattr(rules, "DISK_PIECE", TINY_PIECE)
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", TINY_PIECE)
     shape = {"device_mem": "6GiB", "host_mem": "64GiB", "precision": "fp32",
              "simulated": True, "batch_size": 4, "seq_len": SEQ_LEN, "host_budget": "2MiB",
              "disk_dir": tmp_path}
