@@ -20,14 +20,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from engine.placement import disk_rules
-
-# engine.planning.calibration.Calibration, which imports this module's probe.
-Calibration = TypeVar("Calibration")
+from engine.planning.speeds import Calibration
 
 __all__ = ["DISK_PROBE", "DISK_NOW_SECONDS", "disk_now", "fused_adamw", "probe"]
 

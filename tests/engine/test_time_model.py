@@ -17,6 +17,10 @@ from engine.devices.device import host_has_bf16
 from engine.models.lora import Lora
 from engine.models.zoo import count_parameters, model_config
 from engine.planning import calibration as calibration_module
+from engine.planning import clock as clock_module
+from engine.planning import measurement as measurement_module
+from engine.planning import probes as probes_module
+from engine.planning import reference_decoder as reference_module
 from engine.planning.calibration import (
     CORRECTION_BOUNDS,
     LEARNED_RUNS,
@@ -515,11 +519,11 @@ def test_figures_measured_on_busy_cores_are_measured_again_once_they_are_quiet(
 
 
 def test_a_real_measurement_records_the_load_it_was_taken_under(empty_cache, monkeypatch):
-    monkeypatch.setattr(calibration_module, "load_average", lambda: 3.25)
+    monkeypatch.setattr(measurement_module, "load_average", lambda: 3.25)
     assert measure(simulate=True, limit=0.5, scale=0.01).extra["load"] == 3.25
     # Too short for the average to move: the higher of its start's and its end's.
     loads = iter([0.4, 1.7])
-    monkeypatch.setattr(calibration_module, "load_average", lambda: next(loads))
+    monkeypatch.setattr(measurement_module, "load_average", lambda: next(loads))
     assert measure(simulate=True, limit=0.5, scale=0.01).extra["load"] == 1.7
 
 
@@ -566,7 +570,7 @@ def test_a_cpu_with_other_vector_instructions_is_another_machine(monkeypatch):
 
 
 def test_the_compute_factor_takes_new_memory_off_but_never_all_of_the_run():
-    factor = calibration_module._factor
+    factor = reference_module._factor
     assert factor(run=1.0, fresh=0.2, kernels=0.5) == pytest.approx(1.6)
     # A new-memory probe slower than the whole run: half the run stays the kernels'.
     assert factor(run=1.0, fresh=3.0, kernels=0.5) == pytest.approx(1.0)
@@ -603,7 +607,7 @@ def test_a_cpu_without_bf16_units_is_not_timed_in_bf16(empty_cache, monkeypatch)
 
 
 def test_new_memory_costs_more_than_writing_memory_already_resident():
-    rate = calibration_module._fresh_pages_rate(calibration_module._Clock(0.5, 1), 16 * 2**20)
+    rate = probes_module._fresh_pages_rate(clock_module._Clock(0.5, 1), 16 * 2**20)
     assert 0 < rate < math.inf
 
 
@@ -615,9 +619,9 @@ def test_a_kernel_is_timed_at_its_best_and_the_reference_decoder_at_its_median()
         now[0] += next(durations)
 
     # A minute's limit shared so finely that each measurement's share is spent at once.
-    clock = calibration_module._Clock(60.0, 10**9, timer=lambda: now[0])
+    clock = clock_module._Clock(60.0, 10**9, timer=lambda: now[0])
     assert clock.rate(10.0, run, lambda: None) == pytest.approx(10.0 / 1.0)  # 1, 5, 2
-    clock = calibration_module._Clock(60.0, 10**9, timer=lambda: now[0])
+    clock = clock_module._Clock(60.0, 10**9, timer=lambda: now[0])
     durations = iter([9.0, 1.0, 5.0, 2.0, 4.0, 3.0, 8.0])
     # At least five runs whatever the share: 1, 5, 2, 4, 3, whose median is 3.
     assert clock.rate(6.0, run, lambda: None, typical=True, runs=5) == pytest.approx(2.0)
@@ -637,7 +641,7 @@ def test_memorys_rates_are_medians_in_two_windows_and_the_slower_window_counts()
 
     simulated = device.make_device(2**30, simulate=True)
     try:
-        memory = calibration_module._MemorySpeeds(Clock(), simulated, lambda: None, 0.001)
+        memory = probes_module._MemorySpeeds(Clock(), simulated, lambda: None, 0.001)
         memory.time()
         memory.time()
     finally:
@@ -659,11 +663,11 @@ def test_a_run_the_threads_clock_did_not_see_whole_is_not_the_fastest():
         clocks["thread"] += next(thread)
         clocks["wall"] += next(wall)
 
-    clock = calibration_module._Clock(60.0, 10**9, timer=lambda: clocks["thread"],
-                                      wall=lambda: clocks["wall"])
+    clock = clock_module._Clock(60.0, 10**9, timer=lambda: clocks["thread"],
+                                wall=lambda: clocks["wall"])
     assert clock.rate(10.0, run, lambda: None, runs=4) == pytest.approx(10.0 / 2.0)
-    assert calibration_module.whole_runs([1.0, 2.0], [3.0, 4.0]) == [1.0, 2.0]
-    assert calibration_module.whole_runs([1.0, 2.0], [1.0, 4.0]) == [1.0]
+    assert clock_module.whole_runs([1.0, 2.0], [3.0, 4.0]) == [1.0, 2.0]
+    assert clock_module.whole_runs([1.0, 2.0], [1.0, 4.0]) == [1.0]
 
 
 def test_the_reference_decoder_is_timed_at_two_depths_in_turn_in_two_windows():
@@ -673,10 +677,10 @@ def test_the_reference_decoder_is_timed_at_two_depths_in_turn_in_two_windows():
     durations = iter([9.0, 9.0, 1.0, 4.0, 1.0, 4.0, 1.0, 4.0,   # a slow spell's window...
                       9.0, 9.0, 2.0, 5.0, 2.0, 5.0, 2.0, 5.0])  # ...and a quiet one
     now = [0.0]
-    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
+    reference = reference_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
     assert [c.num_hidden_layers for c in reference.configs] == [1, 6]
     reference._run = lambda model: now.__setitem__(0, now[0] + next(durations))
-    clock = calibration_module._Clock(60.0, 10**9, timer=lambda: now[0])
+    clock = clock_module._Clock(60.0, 10**9, timer=lambda: now[0])
     reference.time(clock)
     reference.time(clock)
     assert reference.runs == ([1.0, 1.0, 1.0, 2.0, 2.0, 2.0], [4.0, 4.0, 4.0, 5.0, 5.0, 5.0])
@@ -695,19 +699,19 @@ class _Kept:
 def test_the_kept_decoder_runs_beside_each_round_and_each_window_keeps_its_pairs():
     durations = iter([9.0, 9.0, 5.0, 8.0, 5.0, 7.0, 5.0, 6.0])
     now = [0.0]
-    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01,
-                                              kept=_Kept([[9.0, 9.0], [1.0, 4.0], [1.0, 4.5],
-                                                          [1.0, 4.0]]))
-    assert reference.shares == 2 * calibration_module.REFERENCE_SHARES  # two runs a round
+    reference = reference_module._Reference(torch.device("cpu"), lambda: None, scale=0.01,
+                                            kept=_Kept([[9.0, 9.0], [1.0, 4.0], [1.0, 4.5],
+                                                        [1.0, 4.0]]))
+    assert reference.shares == 2 * reference_module.REFERENCE_SHARES  # two runs a round
     reference._run = lambda model: now.__setitem__(0, now[0] + next(durations))
-    reference.time(calibration_module._Clock(60.0, 10**9, timer=lambda: now[0]))
+    reference.time(clock_module._Clock(60.0, 10**9, timer=lambda: now[0]))
     assert reference.runs == ([5.0, 5.0, 5.0], [8.0, 7.0, 6.0])
     assert reference.kept == ([1.0, 1.0, 1.0], [4.0, 4.5, 4.0])
     assert reference.beyond == [[4.0, 2.5, 2.0]]
     # A kept decoder that fails: this process's runs are fitted alone from then on.
     durations = iter([9.0] * 8)
     reference.kept_decoder = _Kept([None])
-    reference.time(calibration_module._Clock(60.0, 10**9, timer=lambda: now[0]))
+    reference.time(clock_module._Clock(60.0, 10**9, timer=lambda: now[0]))
     assert reference.kept == ([], []) and reference.beyond == []
     assert reference.kept_decoder is None and reference.shares > 0
 
@@ -716,14 +720,14 @@ def test_the_activations_price_is_the_last_windows_pairs_within_bounds_of_the_pr
         monkeypatch):
     """In the first window, seconds after the models were built, this process's runs took
     up to twice what they took later: the last window's pairs set the price."""
-    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
+    reference = reference_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
     work = dataclasses.replace(WORK, forward_fresh=3e8, backward_fresh=1e8)
     monkeypatch.setattr(reference, "_works", lambda: [WORK, work])
     cal = fixed_calibration()  # the probe: 2.5e8 bytes a second
     assert reference.activation_pages(cal) == 0.0  # no kept decoder ran: the probe's
     reference.beyond = [[9.0, 9.0], [0.8, 1.0, 1.2]]
     assert reference.activation_pages(cal) == pytest.approx(4e8 / 1.0)
-    low, high = calibration_module.ACTIVATION_BOUNDS
+    low, high = reference_module.ACTIVATION_BOUNDS
     reference.beyond = [[0.8], [-0.1, 0.0]]  # a slow spell on a kept run
     assert reference.activation_pages(cal) == pytest.approx(high * 2.5e8)
     reference.beyond = [[0.8], [10.0]]
@@ -733,18 +737,18 @@ def test_the_activations_price_is_the_last_windows_pairs_within_bounds_of_the_pr
 def test_beside_a_kept_decoder_the_factor_is_fitted_on_its_runs_alone(monkeypatch):
     """The kept decoder's runs take no new memory: the factor and offset are its kernels',
     whatever this process's runs (their new memory) took."""
-    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
+    reference = reference_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
     reference.runs = ([9.0], [9.0])
     reference.kept = ([1.5, 1.0, 2.0], [4.0, 4.5, 5.0])
     given = iter([1.0, 2.5])
-    monkeypatch.setattr(calibration_module, "_kernels", lambda *_: next(given))
+    monkeypatch.setattr(reference_module, "_kernels", lambda *_: next(given))
     factor, offset = reference.fit(fixed_calibration())
     assert factor == pytest.approx((4.5 - 1.5) / (2.5 - 1.0))
     assert offset == pytest.approx(1.5 - factor * 1.0)
 
 
 def test_the_kept_decoder_is_a_process_of_its_own_that_maps_nothing_afresh(monkeypatch):
-    kept = calibration_module._KeptDecoder.start(calibration_module.REFERENCE, 0.01)
+    kept = reference_module._KeptDecoder.start(reference_module.REFERENCE, 0.01)
     assert kept is not None
     try:
         assert kept.ready(time.perf_counter() + 120) is kept
@@ -755,18 +759,18 @@ def test_the_kept_decoder_is_a_process_of_its_own_that_maps_nothing_afresh(monke
         kept.close()
     assert kept.process.returncode == 0
     # A process that keeps its heap itself has nothing to compare the kept decoder with.
-    monkeypatch.setattr(calibration_module, "mapped_from", lambda: None)
-    assert calibration_module._KeptDecoder.start(calibration_module.REFERENCE, 0.01) is None
+    monkeypatch.setattr(reference_module, "mapped_from", lambda: None)
+    assert reference_module._KeptDecoder.start(reference_module.REFERENCE, 0.01) is None
 
 
 def _fitted(monkeypatch, runs, kernels, fresh=(0.0, 0.0)):
     """The reference's fit to `runs` (shallow, deep), its depths' kernels forecast at
     `kernels` seconds and their new memory at `fresh`."""
-    reference = calibration_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
+    reference = reference_module._Reference(torch.device("cpu"), lambda: None, scale=0.01)
     reference.runs = runs
     given = {"kernels": iter(kernels), "fresh": iter(fresh)}
-    monkeypatch.setattr(calibration_module, "_kernels", lambda *_: next(given["kernels"]))
-    monkeypatch.setattr(calibration_module, "_fresh", lambda *_: next(given["fresh"]))
+    monkeypatch.setattr(reference_module, "_kernels", lambda *_: next(given["kernels"]))
+    monkeypatch.setattr(reference_module, "_fresh", lambda *_: next(given["fresh"]))
     return reference.fit(fixed_calibration())
 
 
@@ -790,7 +794,7 @@ def test_a_slope_from_a_slow_spell_stays_within_bounds_of_the_deep_decoders_own(
     """Depths that ran alike (a slow spell on the shallow one) would make a layer cost
     nothing: the factor keeps at least half the deep decoder's own, and the offset is
     what the shallow run then leaves."""
-    low, high = calibration_module.SLOPE_BOUNDS
+    low, high = reference_module.SLOPE_BOUNDS
     factor, offset = _fitted(monkeypatch, ([4.0], [4.5]), (1.0, 2.5))
     assert factor == pytest.approx(low * 4.5 / 2.5)
     assert offset == pytest.approx(4.0 - factor * 1.0)
