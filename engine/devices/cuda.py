@@ -38,7 +38,7 @@ DEFAULT_STAGING = Staging()
 # cap as small as the budget fails allocations the engine's byte count admits (the test
 # suite's budgets of a few MiB). Larger budgets are capped exactly.
 MIN_HARD_CAP = 256 * 2**20
-# Share of the cap the engine's count leaves to the allocator (the planner's ALLOCATOR_SLACK
+# Share of the cap the engine's count leaves to the allocator (policy_plans.ALLOCATOR_SLACK
 # is another figure, of the simulated device's host heap): its reserved bytes exceed
 # its allocated ones by what rounding and split blocks waste. Measured on an H200 with
 # expandable segments: 2.3% (opt-350m, 6 GiB, auto at margin 0.9) and 2.8% (opt-1.3b, 2 GiB,

@@ -15,8 +15,8 @@ from transformers import OPTConfig, OPTForCausalLM
 from engine import Engine, EngineConfig
 from engine.devices.buffer_pool import BufferPool, HeldBytes
 from engine.models.zoo import build_model
-from engine.planning import planner
 from engine.planning.planner import plan
+from engine.planning.policy_plans import PolicyPlans
 from tests.forked import run_script
 
 KiB, MiB = 2**10, 2**20
@@ -184,7 +184,7 @@ def test_the_plan_never_puts_more_of_the_device_in_host_memory_than_its_budget(m
     up. An 8B LoRA run under auto was planned at 14.5 GiB of host memory this way and
     peaked at 12.6 GiB."""
     seen = {}
-    policy_plan = planner._Planner.policy_plan
+    policy_plan = PolicyPlans.policy_plan
 
     def spy(self, policy, margin_ratio):
         row, outcome = policy_plan(self, policy, margin_ratio)
@@ -193,7 +193,7 @@ def test_the_plan_never_puts_more_of_the_device_in_host_memory_than_its_budget(m
                               self.capacity)
         return row, outcome
 
-    monkeypatch.setattr(planner._Planner, "policy_plan", spy)
+    monkeypatch.setattr(PolicyPlans, "policy_plan", spy)
     plan("opt-125m", device_mem="1GiB", host_mem="64GiB", precision="fp32", simulated=True,
          batch_size=4, seq_len=128, margin_ratio=0.0)
     assert seen["auto"][0] and seen["cpu"][0]
