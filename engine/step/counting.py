@@ -25,7 +25,7 @@ checkpointing still took 0.44 s there against 0.20 s):
   the same chunks at the same points reach the same bytes); otherwise each interval
   reports the most chunk bytes it held beside its traced non-model peak, an upper bound,
   and the next step counts again. So between two points such a step only tracks the
-  chunk bytes, where a counted one samples everything (engine.step.runner).
+  chunk bytes, where a counted one samples everything (engine.step.measuring).
 
 A step that does not count and whose chunks are all resident (their device copies are
 their homes: nothing can move, so its fingerprint is the counted one's by construction) is

@@ -25,14 +25,13 @@ import torch
 from engine.chunks import weights
 from engine.chunks.packing import build_chunks, fill, first_use_order, first_uses, move_buffers
 from engine.chunks.sharding import ShardedChunks
-from engine.config import EngineConfig, LiveSettings, describe_setting
+from engine.config import EngineConfig, LiveSettings
 from engine.devices.device import ComputeDevice, make_device
 from engine.devices.disk import DiskTierError, default_disk_dir, rank_folder
 from engine.devices.host_memory import PeakResident, release_free_host_memory
 from engine.distributed import join
 from engine.models.training import drops_out, prepare_for_training
 from engine.models.weight_source import WeightSource
-from engine.placement import rules
 from engine.placement.policy import Policy
 from engine.placement.rules import BudgetTooSmall
 from engine.placement.trace import Trace
@@ -40,11 +39,11 @@ from engine.step import activation_checkpointing as checkpointing
 from engine.step import checkpoint_state
 from engine.step.dropout import WholeBatchDropout
 from engine.step.evaluation import evaluate_loss
-from engine.step.micro_batches import check_split, split_batch
+from engine.step.micro_batches import split_batch
 from engine.step.optimizer import ChunkAdamW
-from engine.step.overrun import overrun_error
 from engine.step.rank_zero import agree_step, follow_rank_zero
 from engine.step.runner import StepInterrupted, StepRunner
+from engine.step.setting_changes import SettingChanges
 from engine.step.snapshot import memory_snapshot
 from engine.telemetry import MemorySnapshot, StepStats
 
@@ -53,12 +52,13 @@ __all__ = ["BudgetTooSmall", "Engine", "StepInterrupted", "first_use_order"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine:
+class Engine(SettingChanges):
     """The offload engine. See the module docstring and DESIGN.md ("The engine").
 
-    The facade: settings, the optimizer, telemetry and state. What happens inside forward
-    and backward is the StepRunner's (engine.step.runner); which chunk goes where is the
-    placement rules' (engine.placement.rules), carried out by the ChunkManager.
+    The facade: settings, the optimizer, telemetry and state. How the settings change
+    between steps is its SettingChanges part's (engine.step.setting_changes). What happens
+    inside forward and backward is the StepRunner's (engine.step.runner); which chunk goes
+    where is the placement rules' (engine.placement.rules), carried out by the ChunkManager.
 
     Data parallel (ZeRO-3 style): when torch.distributed is initialized with more than one
     rank (or `data_parallel=True`), each rank keeps one shard of every chunk (payload,
@@ -134,94 +134,6 @@ class Engine:
         # Packing freed the model's own storages parameter by parameter: hand the holes
         # back once, or they stay resident for the whole run (~30% of it, measured).
         release_free_host_memory()
-
-    # --- settings (applied at the next step boundary) -----------------------------------------
-
-    def set_policy(self, policy: str | Policy) -> str:
-        """Switch placement at the next step. Raises ValueError if it cannot fit.
-
-        Returns the change as the engine words it when it applies it ("policy cpu")."""
-        return self._stage("policy", policy)
-
-    def set_margin(self, ratio: float) -> str:
-        """Share (0..1) of the spare device memory that keeps optimizer state there."""
-        return self._stage("margin_ratio", ratio)
-
-    def set_budget(self, budget: int | str) -> str:
-        """Change the device budget at the next step. Raises ValueError if it is too small."""
-        return self._stage("device_budget", budget)
-
-    def set_grad_accum(self, grad_accum: int) -> str:
-        """Micro-batches per step from the next step (the same sequences and update); a
-        ValueError if the latest batch does not split so. Traced anew at its first step, which
-        checks the budget: BudgetTooSmall if it overruns; restore_settings(before) goes back."""
-        return self._stage("grad_accum", grad_accum)
-
-    def set_checkpointing(self, on: bool) -> str:
-        """Recompute the layers' activations in backward (True) from the next step, or not."""
-        return self._stage("activation_checkpointing", on)
-
-    @property
-    def staged(self) -> LiveSettings:
-        """The settings the next step runs with: the live ones and what is staged."""
-        return self._pending or self.settings
-
-    def restore_settings(self, settings: LiveSettings) -> None:
-        self._pending = settings
-
-    def _stage(self, field: str, value: object) -> str:
-        self.settings = checkpointing.as_the_model_has_it(self.settings, self.model)
-        wanted = self.staged.replace(**{field: value})
-        check_split(self._rows, wanted.grad_accum)
-        if wanted.shape == self.settings.shape:  # else the trace is another shape's
-            self._check_budget(wanted.device_budget, wanted.policy)
-        self._pending = wanted
-        return describe_setting(field, getattr(wanted, field))
-
-    def _check_settled_peak(self, allocator_peak: int, counted: bool) -> None:
-        """CUDA: a step that did not count reported its counted twin's figures and placed
-        its chunks on the trace's forecast; if the allocator saw more than that twin did
-        (data-dependent work, say), the next step counts again (engine.step.counting)."""
-        if counted:
-            self._counted_allocator_peak = allocator_peak
-        elif allocator_peak > self._counted_allocator_peak:
-            self.runner.counts.forget()
-
-    def _check_budget(self, budget: int, policy: Policy) -> None:
-        budget = self.device.capacity(budget)  # on a GPU, what it leaves the engine
-        costs = [self.manager.resident_cost(c) for c in self.chunks]
-        rules.check_budget(budget, policy, trace=self.runner.trace,
-                           module_bytes=self._module_bytes(), resident_costs=costs,
-                           sharded=self.collectives is not None)
-
-    def _module_bytes(self) -> list[int]:
-        return [sum(c.nbytes for c in cs) for cs in self.runner.module_chunks.values()]
-
-    def min_working_set(self) -> int:
-        """Least device bytes a step needs under any placement."""
-        return rules.minimum_working_set(self.runner.trace, self._module_bytes())
-
-    def _apply_pending(self) -> list[str]:
-        if self._pending is None:
-            return []
-        wanted, self._pending = self._pending, None
-        applied = wanted.changes_from(self.settings)
-        self.settings = wanted
-        self.device.set_budget(wanted.device_budget)
-        self.manager.set_policy(wanted.policy)
-        checkpointing.set_checkpointing(self.model, wanted.activation_checkpointing)  # traced anew
-        if applied:
-            self._place()
-            self.runner.counts.forget()
-        return applied
-
-    def _place(self, *, margin: bool = True) -> None:
-        """Make resident what the policy and the margin ask for (rules.resident_chunks)."""
-        want = rules.resident_chunks(
-            self.settings.policy, [self.manager.resident_cost(c) for c in self.chunks],
-            trace=self.runner.trace, capacity=self.device.capacity(),
-            margin_ratio=self.settings.margin_ratio if margin else 0.0)
-        self.manager.apply_residency(want)
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -345,6 +257,15 @@ class Engine:
             bytes_reduce_scattered=(self.collectives.bytes_reduce_scattered
                                     if self.collectives else 0))
 
+    def _check_settled_peak(self, allocator_peak: int, counted: bool) -> None:
+        """CUDA: a step that did not count reported its counted twin's figures and placed
+        its chunks on the trace's forecast; if the allocator saw more than that twin did
+        (data-dependent work, say), the next step counts again (engine.step.counting)."""
+        if counted:
+            self._counted_allocator_peak = allocator_peak
+        elif allocator_peak > self._counted_allocator_peak:
+            self.runner.counts.forget()
+
     def finish_update(self) -> tuple[int, int, float]:
         """Wait for the last step's update if it still runs (state on disk: it overlaps the
         next step, engine.chunks.flight) and for every write it issued to land; returns the
@@ -383,19 +304,6 @@ class Engine:
         if self.closed:
             raise RuntimeError("this engine is closed")
         return evaluate_loss(self.model, self.manager, self.device, batch)
-
-    def _end_trace(self) -> bool:
-        """Close this step's trace, if it recorded one; refuse a budget it overran."""
-        trace = self.runner.end_trace()
-        overrun = self.manager.overrun  # data parallel: every rank's, once the trace is
-        if trace is None:
-            return False
-        if overrun > 0 or trace.working_set > self.device.capacity():
-            for chunk in self.chunks:
-                self.optimizer.discard(chunk)
-            self._place()
-            raise overrun_error(trace, self.device.capacity(), overrun, self.policy)
-        return True
 
     # --- the end ------------------------------------------------------------------------------
 
