@@ -14,7 +14,7 @@ import pytest
 from engine.devices.device import SIMULATE_ENV
 from tests.tuitrain.forked_workers import ForkedContext
 from tuitrain import worker
-from tuitrain.presets import CONFIG_ENV
+from tuitrain.preset_folders import CONFIG_ENV
 from tuitrain.runs import ENV_FOLDER
 
 

@@ -187,7 +187,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from tuitrain.presets import PresetError, find_preset, preset_listing
+    from tuitrain.preset_folders import find_preset, preset_listing
+    from tuitrain.presets import PresetError
 
     if args.action == "show":
         try:

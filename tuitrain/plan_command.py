@@ -54,7 +54,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_base(preset: str | None) -> Settings:
     """The settings `tuitrain plan` starts from: the preset's, or the built-in defaults."""
-    from tuitrain.presets import PresetError, find_preset, load_preset
+    from tuitrain.preset_folders import find_preset
+    from tuitrain.presets import PresetError, load_preset
     from tuitrain.settings import Settings
 
     if preset is None:

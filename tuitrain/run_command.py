@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
     """The settings of `tuitrain run`: built-in defaults < the preset < the flags."""
-    from tuitrain.presets import PresetError, find_preset, load_preset
+    from tuitrain.preset_folders import find_preset
+    from tuitrain.presets import PresetError, load_preset
     from tuitrain.settings import Settings
 
     base = Settings()

@@ -160,7 +160,8 @@ def preset_pace(preset: str | None, *, err: TextIO) -> PresetPace | None:
     if preset is None:
         return None
     from engine.planning.calibration import fingerprint
-    from tuitrain.presets import PresetError, find_preset
+    from tuitrain.preset_folders import find_preset
+    from tuitrain.presets import PresetError
 
     try:
         path = find_preset(preset)

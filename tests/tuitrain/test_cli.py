@@ -24,7 +24,8 @@ from tests.tuitrain.test_presets import SHIPPED as SHIPPED_STORIES
 from tuitrain import __version__
 from tuitrain.cli import RUN_FLAGS, build_parser, main, resolve_settings
 from tuitrain.measured import measure_metrics
-from tuitrain.presets import SHIPPED_DIR, load_preset, merge
+from tuitrain.preset_folders import SHIPPED_DIR
+from tuitrain.presets import load_preset, merge
 from tuitrain.settings import LoraSettings, Settings
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,17 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tuitrain import presets
-from tuitrain.presets import (
-    SHIPPED_DIR,
-    PresetError,
-    dump_preset,
-    find_preset,
-    list_presets,
-    load_preset,
-    merge,
-    preset_listing,
-    save_preset,
-)
+from tuitrain.preset_folders import SHIPPED_DIR, find_preset, list_presets, preset_listing
+from tuitrain.presets import PresetError, dump_preset, load_preset, merge, save_preset
 from tuitrain.settings import (
     COLLECTIVE_TIMEOUT_MAX,
     InvalidSettings,

@@ -8,20 +8,18 @@ from pathlib import Path
 import pytest
 
 from tests.tuitrain.test_presets import SHIPPED  # the hardware stories, one file each
-from tuitrain.presets import (
+from tuitrain.preset_folders import (
     CONFIG_ENV,
     SHIPPED_DIR,
-    PresetError,
     config_dir,
     default_preset_name,
-    dump_preset,
     find_preset,
     list_presets,
     list_saved_presets,
     preset_listing,
-    save_preset,
     saved_dir,
 )
+from tuitrain.presets import PresetError, dump_preset, save_preset
 from tuitrain.settings import Settings
 
 

@@ -2,7 +2,7 @@
 
 The dialogs only ask; PresetSaving writes the file, and replaces an existing one only after
 the user said yes in ConfirmOverwrite. Presets go by default into the user's own folder
-(tuitrain.presets.saved_dir), where `--preset NAME` finds them, never among the shipped ones.
+(tuitrain.preset_folders.saved_dir), where `--preset NAME` finds them, never among the shipped ones.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from tuitrain.events import Started
-from tuitrain.presets import SUFFIX, default_preset_name, run_command, save_preset, saved_dir
+from tuitrain.preset_folders import default_preset_name, saved_dir
+from tuitrain.presets import SUFFIX, run_command, save_preset
 from tuitrain.settings import Settings
 from tuitrain.trials import Trial
 from tuitrain.tui.field import Field
@@ -39,7 +40,7 @@ def shown_path(path: Path) -> str:
 def default_preset_path(model: str, policy: str, margin_ratio: float = 0.0,
                         device_budget: object | None = None, *, batch_size: int = 1,
                         grad_accum: int = 1, checkpointing: bool = False) -> str:
-    """presets.default_preset_name in the user's saved presets folder."""
+    """preset_folders.default_preset_name in the user's saved presets folder."""
     return shown_path(saved_dir() / default_preset_name(
         model, policy, margin_ratio, device_budget, batch_size=batch_size,
         grad_accum=grad_accum, checkpointing=checkpointing))

@@ -10,7 +10,8 @@ import pytest
 
 from tests.tuitrain.fakeworker import fake_run, fake_stats
 from tuitrain.events import Step
-from tuitrain.presets import find_preset, load_preset, saved_dir
+from tuitrain.preset_folders import find_preset, saved_dir
+from tuitrain.presets import load_preset
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.controls import Controls
 from tuitrain.tui.save_dialog import (

@@ -8,7 +8,8 @@ from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_stats, fol
 from tuitrain import tune
 from tuitrain.events import Failed, Step
 from tuitrain.formatting import format_seconds, format_size
-from tuitrain.presets import load_preset, saved_dir
+from tuitrain.preset_folders import saved_dir
+from tuitrain.presets import load_preset
 from tuitrain.settings import Settings
 from tuitrain.trials import BEST_MIN_SETTLED, Setting
 from tuitrain.tui.app import TuitrainApp

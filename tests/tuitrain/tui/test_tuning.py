@@ -10,7 +10,8 @@ import pytest
 from tests.tuitrain.fakeworker import FakeWorker, fake_run, fake_stats, follow_settings
 from tuitrain.events import SetMargin, SetPolicy
 from tuitrain.formatting import format_seconds
-from tuitrain.presets import load_preset, saved_dir
+from tuitrain.preset_folders import saved_dir
+from tuitrain.presets import load_preset
 from tuitrain.run_preset import PresetPace
 from tuitrain.settings import Settings
 from tuitrain.tui.app import TuitrainApp
