@@ -1,7 +1,9 @@
-"""The engine stands alone: it never imports the application or a UI.
+"""The house: the engine stands alone (it never imports the application or a UI), neither
+package imports itself round a circle, and no module grows past what one reads at a sitting.
 
-Checked twice, statically by import-linter's contract in pyproject.toml, and at run time by
-importing every engine module in a fresh process and looking at what got loaded.
+The engine's independence is checked twice, statically by import-linter's contract in
+pyproject.toml, and at run time by importing every engine module in a fresh process and
+looking at what got loaded.
 """
 
 from __future__ import annotations
@@ -139,3 +141,17 @@ def test_the_application_contracts_are_kept(lint_imports):
     done = lint_imports
     for contract in APPLICATION_CONTRACTS:
         assert f"{contract} KEPT" in done.stdout, done.stdout + done.stderr
+
+
+# --- no module over 500 lines --------------------------------------------------------------
+
+MOST_LINES = 500
+
+
+def test_no_module_of_the_engine_or_the_application_is_over_500_lines():
+    """Past 500 lines a module holds more than one concept: split it where they part."""
+    long = {str(path.relative_to(REPO)): lines
+            for package in ("engine", "tuitrain")
+            for path in sorted((REPO / package).rglob("*.py"))
+            if (lines := len(path.read_text().splitlines())) > MOST_LINES}
+    assert long == {}, f"modules over {MOST_LINES} lines: {long}"
