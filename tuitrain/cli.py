@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tuitrain import __version__
 from tuitrain.closed_pipe import quiet_on_closed_pipe
@@ -24,8 +25,16 @@ from tuitrain.run_command import cmd_run, resolve_settings
 __all__ = ["PROG", "RUN_FLAGS", "build_parser", "main", "resolve_settings"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with a mistake said in one line: argparse prints the command's usage
+    above it (15 lines for `run`), which buries the line that matters; `--help` shows it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(  # its subcommands' parsers are of its class (argparse's default)
         prog=PROG,
         description="Train language models bigger than your GPU, and tune the offload live.",
     )

@@ -3,6 +3,7 @@ and the files and folders a run names. Each mistake is a UsageError, one line.""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -70,6 +71,25 @@ def check_writable(flag: str, path: str | os.PathLike, *, folder: bool = False) 
         raise UsageError(f"{flag}: cannot write in {here} ({why})")
 
 
+def _appendable_metrics(path: Path) -> bool:
+    """Whether a run may append to `path`: missing, empty, or a metrics file (JSON lines,
+    tuitrain.metrics). Anything else is the user's file, which appended lines would spoil
+    (a preset named by mistake would no longer load)."""
+    try:
+        with path.open("rb") as file:
+            first = file.readline(1 << 20).strip()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return True  # not readable: check_writable has said whether it can be written
+    if not first:
+        return True
+    try:
+        return isinstance(json.loads(first), dict)
+    except ValueError:  # not JSON, or not text at all
+        return False
+
+
 def check_runnable(settings: Settings) -> None:
     """Every check that needs no training: the model, the files and folders named."""
     check_model(settings.model, settings.training.seq_len)
@@ -88,6 +108,9 @@ def check_runnable(settings: Settings) -> None:
         if not metrics_path.parent.is_dir():
             raise UsageError(f"folder for the metrics file not found: {metrics_path.parent}")
         check_writable("--metrics", metrics_path)
+        if not _appendable_metrics(metrics_path):
+            raise UsageError(f"--metrics: {metrics} is not a metrics file (its first line is "
+                             f"no JSON record); runs append to one, so name a new file")
     if settings.engine.disk_dir is not None:
         from engine.devices.disk.scratch import ScratchFolder
 

@@ -54,7 +54,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tuitrain.run_preset import preset_pace, save_after_run, save_target
 
     settings = resolve_settings(args)
-    save_to = save_target(args)
+    save_to = save_target(args, settings.logging.metrics)
     try:
         ranks = from_environment()
     except ValueError as error:

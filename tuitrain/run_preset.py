@@ -22,8 +22,9 @@ from tuitrain.trials import BEST_MIN_SETTLED, Setting, TrialBook
 PROG = "tuitrain"
 
 
-def save_target(args: argparse.Namespace) -> Path | None:
-    """Where --save-preset will write, checked now so a long run is not wasted on it."""
+def save_target(args: argparse.Namespace, metrics: str | None = None) -> Path | None:
+    """Where --save-preset will write, checked now so a long run is not wasted on it;
+    `metrics`: the run's metrics file, which the preset may not be."""
     if args.save_preset is None:
         if args.force:
             raise UsageError("--force lets --save-preset replace a file; without --save-preset "
@@ -38,6 +39,9 @@ def save_target(args: argparse.Namespace) -> Path | None:
         raise UsageError(f"--save-preset: {path} exists; add --force to replace it")
     if not path.parent.is_dir():
         raise UsageError(f"--save-preset: folder not found: {path.parent}")
+    if metrics is not None and path.resolve() == Path(metrics).expanduser().resolve():
+        # The metrics file would be there when the run ends, and the preset not saved.
+        raise UsageError(f"--save-preset and --metrics name the same file: {path}")
     check_writable("--save-preset", path.parent, folder=True)  # written beside, then renamed
     return path
 

@@ -5,8 +5,9 @@ Precedence: built-in defaults < preset file < command-line flags.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import (
@@ -15,6 +16,7 @@ from pydantic import (
     Field,
     GetCoreSchemaHandler,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -36,6 +38,8 @@ EVAL_FRACTION_MAX = 0.5
 COLLECTIVE_TIMEOUT_MAX = 7 * 24 * 3600
 # LoRA's point is a low rank; past this the adapters of the largest zoo layers outgrow them.
 LORA_RANK_MAX = 4096
+# A seed is a 64-bit whole number, as torch's generators take it.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class Size(str):
@@ -90,7 +94,29 @@ HardwareName = Literal[tuple(HARDWARE)]  # type: ignore[valid-type]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No infinity or nan for a number: `lr: .inf` would train to a nan loss from step 2.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_true_or_false_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML's true and false are Python's bools, which pydantic takes for 1 and 0:
+        # `batch_size: true` would train one sequence a batch.
+        if isinstance(value, bool):
+            kinds = _number_kinds(cls.model_fields[info.field_name].annotation)
+            if int in kinds:
+                raise ValueError(f"must be a whole number (got {_shown(value)})")
+            if float in kinds:
+                raise ValueError(f"must be a number (got {_shown(value)})")
+        return value
+
+
+def _number_kinds(annotation: object) -> set[type]:
+    """int and float among what `annotation` (a field's type, maybe `X | None`) takes, when
+    it takes no bool."""
+    kinds = set(get_args(annotation)) if get_origin(annotation) in (Union, types.UnionType) \
+        else {annotation}
+    return set() if bool in kinds else kinds & {int, float}
 
 
 class EngineSettings(_Strict):
@@ -179,6 +205,14 @@ class TrainingSettings(_Strict):
     # Data-parallel ranks on this machine (--nproc): a preset saved from N ranks runs on N.
     nproc: int = Field(1, gt=0)
     lora: LoraSettings | None = None  # None: every parameter trains
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, value: int) -> int:
+        if not SEED_MIN <= value <= SEED_MAX:
+            raise ValueError(f"must be a 64-bit whole number, within -2**63..2**63-1 "
+                             f"(got {value})")
+        return value
 
 
 class DataSettings(_Strict):
@@ -354,6 +388,8 @@ def describe_error(error: Mapping[str, Any]) -> str:
         problem = "must be a whole number"
     elif kind in ("float_parsing", "float_type"):
         problem = "must be a number"
+    elif kind == "finite_number":
+        problem = "must be a finite number"
     elif kind in ("bool_parsing", "bool_type"):
         problem = "must be true or false"
     elif kind == "string_type":
