@@ -414,11 +414,22 @@ def load_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
         opened.close()
         raise failure
     with opened:
-        engine.load_state_dict({"ranges": tensors, "meta": state["engine"]})
+        try:
+            engine.load_state_dict({"ranges": tensors, "meta": state["engine"]})
+        except ValueError as err:  # a tensor this model lacks, or of another size
+            raise CheckpointError(f"{folder} was saved by a run of {_trained(state['settings'])},"
+                                  f" not of {_trained(settings.model_dump())}: {err}") from None
     if state.get("data") is not None and hasattr(data, "load_state_dict"):
         data.load_state_dict(state["data"])
     set_rng_states(rng)
     return int(state["step"])
+
+
+def _trained(settings: dict) -> str:
+    """The model a run's settings (a model_dump) train, and its adapters: "tiny with LoRA
+    rank 8"."""
+    lora = (settings.get("training") or {}).get("lora")
+    return settings.get("model", "?") + (f" with LoRA rank {lora['rank']}" if lora else "")
 
 
 def _open_optimizer(folder: Path, state: dict) -> ShardedTensors | RankFiles:

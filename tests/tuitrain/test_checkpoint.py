@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import Engine, EngineConfig
 from engine.data.corpus import TokenBatches
+from engine.models.lora import apply_lora
 from engine.models.zoo import build_model
 from tests.tuitrain.forked_workers import worker_processes
 from tuitrain import checkpoint
@@ -131,6 +132,21 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_is_loaded(tmp_path, damage)
     after = fresh.engine.model_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert fresh.engine.step_count == 0
+
+
+def test_a_checkpoint_of_another_model_says_whose_it_is(tmp_path):
+    run = Run(tmp_path)
+    run.steps(1)
+    folder = run.save()
+    other = Settings(model="tiny", training={"lora": {"rank": 4}},
+                     checkpoint={"resume": str(folder)})
+    adapted = apply_lora(build_model("tiny", seed=0), other.training.lora.as_lora())
+    engine = Engine(adapted, EngineConfig(policy="auto", device_budget="64MiB",
+                                          precision="fp32"))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(engine, adapted, run.data, other)
+    assert str(err.value).startswith(
+        f"{folder} was saved by a run of tiny, not of tiny with LoRA rank 4: ")
 
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
