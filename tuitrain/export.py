@@ -112,17 +112,16 @@ def read_adapter(base: torch.nn.Module, folder: Path) -> torch.nn.Module:
     `folder`, their weights read from it onto the CPU; the base weights stay on the meta
     device. peft wraps the layers of `base` in place."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from safetensors import safe_open
 
-    from engine.models.lora import is_lora_parameter
+    from engine.models.lora import is_lora_parameter, peft_wrapped
     from tuitrain.adapter_folder import ADAPTER_WEIGHTS, peft_name
 
     config = LoraConfig.from_pretrained(folder)
     if config.use_dora:
         raise UsageError(f"{folder}: DoRA adapters cannot be merged a weight at a time")
-    with torch.random.fork_rng(devices=[]):  # peft draws adapters that are replaced below
-        adapted = get_peft_model(base, config)
+    adapted = peft_wrapped(base, config)  # the adapters it draws are replaced below
     with safe_open(folder / ADAPTER_WEIGHTS, framework="pt") as f:
         stored = set(f.keys())
         for name, param in adapted.named_parameters():

@@ -13,6 +13,7 @@ the weights a model wrapped whole in host memory gets.
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -114,6 +115,20 @@ class LoraWeights:
             start = end
 
 
+def peft_wrapped(model: torch.nn.Module, config: object) -> torch.nn.Module:
+    """peft's `get_peft_model(model, config)`, the caller's random state left as it was
+    (what peft draws for the adapters is replaced by its caller)."""
+    from peft import get_peft_model
+
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft reads the model's `is_gradient_checkpointing`, which transformers 5 answers
+        # with a FutureWarning on every LoRA command: peft's to change, not the user's, who
+        # would read it above every line the command says.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* deprecated",
+                                category=FutureWarning)
+        return get_peft_model(model, config)
+
+
 def apply_lora(model: torch.nn.Module, lora: Lora, *, seed: int = 0) -> torch.nn.Module:
     """`model` wrapped with LoRA adapters (a peft PeftModel), its base weights frozen.
 
@@ -129,7 +144,7 @@ def apply_lora(model: torch.nn.Module, lora: Lora, *, seed: int = 0) -> torch.nn
     Raises:
         NoTargets: `lora.targets` names no module of the model.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     targets = lora.targets if isinstance(lora.targets, str) else list(lora.targets)
     if not isinstance(targets, str):
@@ -141,8 +156,7 @@ def apply_lora(model: torch.nn.Module, lora: Lora, *, seed: int = 0) -> torch.nn
     config = LoraConfig(r=lora.rank, lora_alpha=lora.scale_alpha, lora_dropout=lora.dropout,
                         target_modules=targets, task_type="CAUSAL_LM", bias="none")
     try:
-        with torch.random.fork_rng(devices=[]):
-            wrapped = get_peft_model(model, config)
+        wrapped = peft_wrapped(model, config)
     except ValueError as error:
         if "not found in the base model" in str(error) or "No modules were targeted" in str(error):
             shown = targets if isinstance(targets, str) else ",".join(targets)
