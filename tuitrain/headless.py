@@ -29,10 +29,10 @@ from tuitrain.formatting import (
     plural,
 )
 from tuitrain.run_preset import PresetPace
-from tuitrain.run_summary import held_out, peaks_line
+from tuitrain.run_summary import held_out, peaks_line, record_summary
 from tuitrain.served import serve
 from tuitrain.settings import Settings
-from tuitrain.trials import TrialBook, append_summary, summary_lines
+from tuitrain.trials import TrialBook, summary_lines
 from tuitrain.worker import ProcessWorker
 from tuitrain.worker_log import default_log_path
 
@@ -333,10 +333,8 @@ class _Report:
         lines += summary_lines(self.trials.rows())
         if summary.get("metrics"):
             lines.append(f"  metrics  {summary['metrics']}")
-            try:
-                append_summary(summary["metrics"], summary, self.trials.rows())
-            except ValueError as error:
-                self.say_err(f"summary not added to the metrics: {error}")
+        if problem := record_summary(summary, self.trials.rows()):
+            self.say_err(problem)
         self.say("\n".join(lines))
 
     def failed(self, event: Failed) -> int:

@@ -272,7 +272,9 @@ def answer_for_others(event: Applied | Rejected, viewer: Viewer, command: Comman
 
 
 def ended_state(event: Event | None) -> str:
-    """The state a run's record keeps for the event that ended it."""
+    """The state a run's record keeps for the event that ended it: a run stopped before its
+    last step (Ctrl-C, `tuitrain attach --stop`), or that never said how it ended, was
+    interrupted."""
     if isinstance(event, Finished):
-        return "finished"
+        return "interrupted" if event.summary.get("stopped") else "finished"
     return "failed" if isinstance(event, Failed) else "interrupted"

@@ -2,13 +2,14 @@
 each setting it ran under achieved (tuitrain.trials), from the worker's Finished summary.
 
 The app ends a run with these lines; they use the trials' words for a pace ("median of N
-settled steps"), so no second definition of a rate appears beside it.
+settled steps"), so no second definition of a rate appears beside it. A run that writes
+metrics ends them with its summary (`record_summary`), whichever UI started it.
 """
 
 from __future__ import annotations
 
 from tuitrain.formatting import format_seconds, format_size
-from tuitrain.trials import Trial, summary_lines
+from tuitrain.trials import Trial, append_summary, summary_lines
 
 
 def ended_line(summary: dict) -> str:
@@ -43,6 +44,20 @@ def run_summary_lines(summary: dict, rows: list[Trial]) -> list[str]:
     if summary.get("metrics"):
         lines.append(f"  metrics  {summary['metrics']}")
     return lines
+
+
+def record_summary(summary: dict, rows: list[Trial]) -> str | None:
+    """Append the run's summary and its trials to its metrics file, the file's last line,
+    when the run writes one: the headless runner and the app end a run alike, so
+    `tuitrain attach FILE` shows it as it ended. Returns the line to show when the file
+    cannot be written (the run itself went well), else None."""
+    if not summary.get("metrics"):
+        return None
+    try:
+        append_summary(summary["metrics"], summary, rows)
+    except ValueError as error:
+        return f"summary not added to the metrics: {error}"
+    return None
 
 
 def held_out(summary: dict) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 import time
 from dataclasses import asdict, dataclass, replace
@@ -22,6 +23,13 @@ import platformdirs
 LIVE = "running"
 KEPT_ENDED_RUNS = 50  # the newest ended runs stay listed; older records are removed
 ENV_FOLDER = "TUITRAIN_RUNTIME_DIR"
+# How much of a metrics file's end is read for the latest step it records: a step line is a
+# few KiB for `tiny`, tens of KiB for the largest models (their memory and timeline).
+METRICS_TAIL_BYTES = 1024 * 1024
+# The start of a step line (`dataclasses.asdict(StepStats)`, "step" its first key) and of a
+# run's settings line (tuitrain.metrics); an evaluation's nested "step" follows no newline.
+_STEP_LINE = re.compile(rb'\n\{"step": (\d+)')
+_SETTINGS_LINE = re.compile(rb'\n\{"settings": ')
 
 
 class RuntimeFolderError(ValueError):
@@ -114,9 +122,11 @@ def list_runs(folder: Path) -> list[RunRecord]:
         if record.live and not (_alive(record.pid) and Path(record.socket).exists()):
             with contextlib.suppress(OSError):
                 os.unlink(record.socket)
-            record = replace(record, state="gone", socket="")
+            record = replace(record, state="gone", socket="", step=_reached(record))
             with contextlib.suppress(OSError):
                 write_record(folder, record)
+        elif record.live:  # the run rewrites its record, now and then: not written here
+            record = replace(record, step=_reached(record))
         records.append(record)
     records.sort(key=lambda r: r.started)
     ended = [r for r in records if not r.live]
@@ -143,6 +153,36 @@ def find_run(folder: Path, name: str | None) -> RunRecord:
     if len({r.id for r in found}) > 1 and not exact:
         raise LookupError(f"{name!r} names {len(found)} runs: " + ", ".join(r.id for r in found))
     return found[-1]
+
+
+def _reached(record: RunRecord) -> int:
+    """The latest step a live or vanished run reached: its record's, or its metrics file's
+    when that is further on. A run rewrites its record at most every few seconds, and a run
+    killed with kill -9 never again, while its metrics have a line for every step."""
+    return max(record.step, _metrics_step(record.metrics, since=record.started))
+
+
+def _metrics_step(path: str, *, since: float) -> int:
+    """The last step of the latest run in the metrics file at `path`, read from its end; 0
+    when there is none, or the file was last written before `since` (a run killed before
+    its first line, whose file holds an earlier run's)."""
+    if not path:
+        return 0
+    try:
+        with open(path, "rb") as file:
+            if os.fstat(file.fileno()).st_mtime < since:
+                return 0
+            start = max(0, file.seek(0, os.SEEK_END) - METRICS_TAIL_BYTES)
+            file.seek(start)
+            # A line starts after a newline; the file's first line, after none.
+            tail = (b"" if start else b"\n") + file.read()
+    except OSError:
+        return 0
+    steps = list(_STEP_LINE.finditer(tail))
+    settings = list(_SETTINGS_LINE.finditer(tail))
+    if not steps or (settings and settings[-1].start() > steps[-1].start()):
+        return 0  # no step yet since the latest run started
+    return int(steps[-1].group(1))
 
 
 def _alive(pid: int) -> bool:

@@ -147,6 +147,10 @@ class TrainingRun:
         if backend:
             print(f"joined as {self.ranks.label()} ({backend})", flush=True)
         self.ranks.check_batch(s.training.batch_size)
+        # What runs is what its settings line and Started record: as many ranks as joined
+        # (each rank of `--nproc N` is started without the flag, so its settings say 1).
+        s = s.model_copy(update={"training": s.training.model_copy(
+            update={"nproc": self.ranks.world})})
         # Before anything is built or written: what the user left to the defaults is chosen
         # so that the plan says the run fits, and what they chose and cannot fit is refused.
         # Data parallel, every rank settles here on the same per-rank plan (one collective).

@@ -123,6 +123,21 @@ def test_a_change_made_on_rank_0_is_applied_by_both_ranks_at_the_step_its_answer
     assert sorted(p.name.split("-")[0] for p in tmp_path.glob("rank*.log")) == ["rank0", "rank1"]
 
 
+def test_the_run_records_the_ranks_it_ran_on_whatever_its_settings_said(tmp_path):
+    """Each rank of `tuitrain run --nproc N` is started without the flag, so its settings
+    say 1 rank: Started and the metrics' settings line say what ran."""
+    worker = DataParallelWorker(settings=settings(tmp_path), nproc=2, log_dir=tmp_path)
+    seen = Seen(worker)
+    worker.start()
+    try:
+        seen.until(lambda: seen.first(Started) is not None, START_SECONDS)
+    finally:
+        worker.stop(timeout=30.0)
+    assert seen.first(Started).settings["training"]["nproc"] == 2
+    header = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert header["settings"]["training"]["nproc"] == 2
+
+
 @pytest.mark.alone
 def test_a_rank_killed_from_outside_is_a_failure_naming_it_and_the_other_rank_is_ended(tmp_path):
     worker = DataParallelWorker(settings=settings(tmp_path), nproc=2, log_dir=tmp_path)

@@ -38,7 +38,7 @@ from tuitrain.events import (
 )
 from tuitrain.formatting import format_size
 from tuitrain.run_preset import PresetPace
-from tuitrain.run_summary import run_summary_lines
+from tuitrain.run_summary import record_summary, run_summary_lines
 from tuitrain.settings import Settings
 from tuitrain.trials import Trial, TrialBook
 from tuitrain.tui.changes import Value
@@ -230,7 +230,7 @@ class TuitrainApp(App[None]):
             # In the header's words: one value, one unit (and the field reads it back).
             self.steering.default_budget = format_size(event.device_budget)
             self.steering.show_targets()
-        self._show_waiting()
+        self.query_one(StepPanel).show_first_step(paused=self.run_state == "paused")
         where = f", log {event.log_path}" if event.log_path else ""
         self.add_log(f"started {event.model} on {event.device or 'N/A'} (pid {event.pid}{where})")
         if self.run_state == "starting":
@@ -267,7 +267,8 @@ class TuitrainApp(App[None]):
         self.failure = event
         self.steering.forget_pending()
         self.set_state("failed")
-        self.query_one(FailurePanel).show_failure(event, log_path=self.log_path)
+        self.query_one(FailurePanel).show_failure(event, log_path=self.log_path,
+                                                  restartable=self.can_run("restart"))
         self.query_one(LogPanel).shorten(True)  # the failure panel needs the rows
         where = "" if event.rank is None else f" on rank {event.rank}"
         self.add_log(f"failed{where}: {event.reason}", level="error")
@@ -280,6 +281,10 @@ class TuitrainApp(App[None]):
         self.set_state("stopped" if summary.get("stopped") else "finished")
         for line in run_summary_lines(summary, self.trial_book.rows()):
             self.add_log(line)
+        # The run's metrics end with its summary, as a headless run's do; an attached
+        # run's own process writes it.
+        if not self.attached and (problem := record_summary(summary, self.trial_book.rows())):
+            self.add_log(problem, level="error")
         if summary.get("eval_loss") is not None:  # beside the loss, not only in the log
             self.query_one(StepPanel).record_eval(summary["eval_step"], summary["eval_loss"])
         self.panels.mark_stale()
@@ -291,19 +296,8 @@ class TuitrainApp(App[None]):
         self.query_one(RunHeader).show(state=state)
         self.query_one(Controls).allow_changes(self.steerable, why=self._why_not_steerable())
         if self.started is not None:
-            self._show_waiting()
+            self.query_one(StepPanel).show_first_step(paused=self.run_state == "paused")
         self.refresh_bindings()
-
-    def _show_waiting(self) -> None:
-        """Before the first step, what the step panel says the run is doing."""
-        if self.run_state == "paused":
-            message = "paused before the first step: space resumes"
-        else:
-            message = (
-                "first step running: it also records the order the chunks are used in, "
-                "so it takes longer than the rest…"
-            )
-        self.query_one(StepPanel).show_waiting(message)  # a no-op once a step has come
 
     @property
     def log_path(self) -> str:
@@ -462,6 +456,8 @@ class TuitrainApp(App[None]):
             self.query_one(Controls).show_message(message)
             self.add_log(message)
         await asyncio.to_thread(self._stop_worker)
+        if not self.attached:
+            self.poll_worker()  # what came while stopping: how the run ended, its summary
         self.exit(return_code=exit_status(self.failure_at_quit))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:

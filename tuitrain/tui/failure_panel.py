@@ -12,8 +12,10 @@ from tuitrain.events import Failed
 LOG_TAIL_LINES = 5  # the worker's last words; the rest is in its log file
 
 
-def describe_failure(failed: Failed, *, log_path: str = "") -> Text:
+def describe_failure(failed: Failed, *, log_path: str = "", restartable: bool = True) -> Text:
     """The reason, what the user can do now, where the log is, then the log's last lines.
+    Only the keys that work are named: a run this app cannot restart (attached, or shown
+    again from its metrics) offers quitting alone.
 
     The panel's height is bounded, so whatever is cut off is the oldest log lines, never
     the reason or the keys. A mistake in the input (the worker's EXIT_BAD_INPUT) is told by
@@ -28,16 +30,9 @@ def describe_failure(failed: Failed, *, log_path: str = "") -> Text:
             title += f" on rank {failed.rank}"
         code = "" if failed.exitcode is None else f" (exit code {failed.exitcode})"
     lines = [Text.assemble((title, "bold red"), code, ": ", (failed.reason, "bold"))]
-    lines.append(
-        Text.assemble(
-            ("c + -", "bold"),
-            " or the fields above change what the restart uses   ",
-            ("r", "bold"),
-            " restart   ",
-            ("q", "bold"),
-            " quit",
-        )
-    )
+    restart = (("c + -", "bold"), " or the fields above change what the restart uses   ",
+               ("r", "bold"), " restart   ") if restartable else ()
+    lines.append(Text.assemble(*restart, ("q", "bold"), " quit"))
     if not bad_input:  # a mistake's log holds nothing more, and is not kept (worker.py)
         if log_path:
             lines.append(Text(f"full log: {log_path}", style="dim"))
@@ -85,9 +80,10 @@ class FailurePanel(Static):
         self.border_title = "Failed"
         self.failure: Failed | None = None
 
-    def show_failure(self, failed: Failed, *, log_path: str = "") -> None:
+    def show_failure(self, failed: Failed, *, log_path: str = "", restartable: bool = True
+                     ) -> None:
         self.failure = failed
-        self.update(describe_failure(failed, log_path=log_path))
+        self.update(describe_failure(failed, log_path=log_path, restartable=restartable))
         self.add_class("-shown")
 
     def hide(self) -> None:

@@ -187,6 +187,14 @@ class StepPanel(Horizontal):
         if self.latest is None:
             self.query_one("#step-times", Static).update(Text(message, style="dim"))
 
+    def show_first_step(self, *, paused: bool) -> None:
+        """Before the first step, what the run is doing (a no-op once a step has come)."""
+        self.show_waiting(
+            "paused before the first step: space resumes" if paused
+            else "first step running: it also records the order the chunks are used in, "
+            "so it takes longer than the rest…"
+        )
+
     def redraw_breakdown(self) -> None:
         """Draw the latest step's split; cheap."""
         held_out = self.evals[-1] if self.evals else None

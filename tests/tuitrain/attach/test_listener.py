@@ -16,6 +16,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.tuitrain.fakeworker import fake_stats
 from tuitrain import listener as listener_module
 from tuitrain.attach import open_run
@@ -188,6 +190,20 @@ def test_a_run_that_ends_while_attached_says_how_and_a_vanished_one_is_a_failure
     assert isinstance(seen[-1], Failed)
     assert "closed the connection without saying how it ended" in seen[-1].reason
     served.close()
+
+
+@pytest.mark.parametrize(("stopped", "state"), [(True, "interrupted"), (False, "finished")])
+def test_a_run_is_listed_as_it_ended_at_the_step_it_reached(
+        runtime_dir: Path, stopped: bool, state: str) -> None:
+    served, fake = served_fake(steps=5)
+    # Stopped early (Ctrl-C, `attach --stop`), or its last step run.
+    fake.emit(Finished(summary={"steps": 5, "last_step": 5, "planned_steps": 3000 if stopped
+                                else 5, "stopped": stopped}))
+    run: list = []
+    until(served, lambda: any(isinstance(e, Finished) for e in run), collect=run)
+    served.close()
+    [record] = list_runs(runtime_dir)
+    assert (record.state, record.step) == (state, 5)
 
 
 def test_a_command_over_the_limit_is_garbage() -> None:

@@ -8,20 +8,25 @@ import socket
 import stat
 import subprocess
 import sys
-from dataclasses import replace
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
+from tests.tuitrain.fakeworker import fake_stats
+from tuitrain import runs
 from tuitrain.attach import open_run, runs_listing
 from tuitrain.cli import main
 from tuitrain.errors import UsageError
+from tuitrain.metrics import MetricsWriter
 from tuitrain.runs import (
     ENV_FOLDER,
     RuntimeFolderError,
     find_run,
     list_runs,
     new_record,
+    record_path,
     runtime_folder,
     write_record,
 )
@@ -161,3 +166,53 @@ def test_attach_without_a_terminal_names_ssh_t_in_one_line_with_exit_2(
     assert main(["attach", str(metrics)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ssh -t HOST tuitrain attach" in err
+
+
+def write_steps(path: Path, steps: range, *, evaluated: bool = False) -> None:
+    """A run's metrics as the worker writes them: its settings line, then its steps."""
+    writer = MetricsWriter(path)
+    writer.write({"settings": Settings(model="tiny").model_dump(mode="json")})
+    for step in steps:
+        writer.write(asdict(fake_stats(step)))
+    if evaluated:  # its nested "step" is not a step line
+        writer.write({"eval": {"step": 999, "loss": 2.0}})
+    writer.close()
+
+
+def test_a_running_or_killed_run_is_listed_at_the_step_its_metrics_reached(
+        runtime_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    metrics = tmp_path / "m.jsonl"
+    # Its record is rewritten every few seconds at most, and a killed run's never again.
+    record = replace(new_record(model="tiny", metrics=str(metrics), steps=3000,
+                                folder=runtime_dir), step=1)
+    write_steps(metrics, range(1, 21), evaluated=True)
+    monkeypatch.setattr(runs, "METRICS_TAIL_BYTES", 3 * len(metrics.read_text()) // 20)
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(record.socket)  # this process lives and its socket is there: running
+    try:
+        write_record(runtime_dir, record)
+        [listed] = list_runs(runtime_dir)
+        assert listed.live and listed.step == 20
+        assert "20/3000" in runs_listing()[1]
+    finally:
+        listening.close()
+    write_record(runtime_dir, replace(record, pid=dead_pid()))  # kill -9
+    [listed] = list_runs(runtime_dir)
+    assert (listed.state, listed.step) == ("gone", 20)
+    assert json.loads(record_path(runtime_dir, record.id).read_text())["step"] == 20
+
+
+def test_a_metrics_file_written_before_the_run_started_gives_it_no_step(
+        runtime_dir: Path, tmp_path: Path) -> None:
+    earlier = tmp_path / "earlier.jsonl"
+    write_steps(earlier, range(1, 11))  # an earlier run's; this one was killed before a line
+    an_hour_ago = time.time() - 3600
+    os.utime(earlier, (an_hour_ago, an_hour_ago))
+    started = tmp_path / "started.jsonl"
+    write_steps(started, range(1, 11))
+    write_steps(started, range(0))  # this run wrote its settings, then was killed
+    for path in (earlier, started):
+        record = new_record(model="tiny", metrics=str(path), steps=30, folder=runtime_dir)
+        write_record(runtime_dir, replace(record, id=f"{record.id}-{path.stem}",
+                                          pid=dead_pid(), started=an_hour_ago + 1))
+    assert [(r.state, r.step) for r in list_runs(runtime_dir)] == [("gone", 0), ("gone", 0)]
