@@ -16,14 +16,15 @@
    most promising untried candidate is tried next, and the search stops when no untried
    candidate, so corrected and given the model's uncertainty (its accuracy target for a
    kind not yet measured), can beat the best by more than `ENOUGH`, when `time_limit` is
-   reached, or when `stop()` says so (the user's key).
+   reached, when the run has no room left for another trial (`steps_left`, for a run of
+   a set length), or when `stop()` says so (the user's key).
 5. Trials whose medians lie within the noise of their own steps of the best's (at least
    MIN_UNCERTAINTY) cannot be told apart by one trial each: the best and the closest
    `RUN_OFF` of them are measured again, in turn, and the median of all their settled
    steps decides. Those still within `ENOUGH` of the fastest on all their steps are a
    difference a shared machine does not resolve: of them the one the model forecasts
    fastest is kept, so two searches of the same run keep the same setting. The best is
-   then applied, and kept.
+   then applied, and kept (`keep_best`), where the run goes on after the search.
 
 No UI here: the CLI and the app show the trials (`on_trial`) as they like.
 """
@@ -37,11 +38,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tuitrain.formatting import plural
+from tuitrain.tune_candidates import Candidate, Forecast, Forecaster, candidates
 
 __all__ = [
     "Candidate",
+    "Ended",
     "Failed",
     "Forecast",
+    "Forecaster",
     "Refused",
     "StepResult",
     "Trial",
@@ -63,70 +67,12 @@ MIN_TRIAL_STEPS = 3
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """One setting of the run, at the run's global batch (batch_size x grad_accum)."""
-
-    policy: str
-    margin_ratio: float
-    batch_size: int  # sequences per micro-batch
-    grad_accum: int
-    activation_checkpointing: bool
-    device_budget: int
-    host_budget: int | None = None
-
-    def settings(self) -> dict[str, dict[str, object]]:
-        """The setting under the keys of a preset's `engine:` and `training:` sections."""
-        engine: dict[str, object] = {"policy": self.policy, "margin_ratio": self.margin_ratio,
-                                     "device_budget": self.device_budget}
-        if self.host_budget is not None:
-            engine["host_budget"] = self.host_budget
-        return {"engine": engine,
-                "training": {"batch_size": self.batch_size, "grad_accum": self.grad_accum,
-                             "activation_checkpointing": self.activation_checkpointing}}
-
-    def describe(self) -> str:
-        ckpt = ", checkpointing" if self.activation_checkpointing else ""
-        return (f"{self.policy} margin {self.margin_ratio:.2f}, {self.batch_size} x "
-                f"{self.grad_accum}{ckpt}")
-
-
-def candidates(*, global_batch: int, device_budgets: Iterable[int],
-               policies: Iterable[str] = ("cuda", "auto", "cpu"),
-               margins: Iterable[float] = (0.0, 0.5, 1.0),
-               checkpointing: Iterable[bool] = (False, True),
-               host_budget: int | None = None) -> list[Candidate]:
-    """The space: every policy, margin, split of the global batch into micro-batches,
-    activation checkpointing and device budget. cuda keeps every chunk on the device, so
-    its margin is moot: one candidate per other choice."""
-    splits = [(global_batch // accum, accum) for accum in range(1, global_batch + 1)
-              if global_batch % accum == 0]
-    out: list[Candidate] = []
-    for budget in device_budgets:
-        for policy in policies:
-            for margin in ((0.0,) if policy == "cuda" else tuple(margins)):
-                for micro, accum in splits:
-                    for ckpt in checkpointing:
-                        out.append(Candidate(policy, margin, micro, accum, ckpt, budget,
-                                             host_budget))
-    return out
-
-
-@dataclass(frozen=True)
-class Forecast:
-    fits: bool
-    seconds: float  # predicted seconds per step (meaningless when it does not fit)
-    reason: str = ""  # why it does not fit: which budget, by how much
-    over: str = ""  # the same in a few words: which budget and how much more it needs
-
-
-class Forecaster(Protocol):
-    def __call__(self, candidate: Candidate) -> Forecast: ...
-
-
-@dataclass(frozen=True)
 class StepResult:
     seconds: float
     retraced: bool = False  # the step recorded a new trace: not a settled step
+    # Steps the run made before this one that no trial took: under the setting before, while
+    # a change waited for the step boundary. Steps of the run the search took all the same.
+    earlier: int = 0
 
 
 class Refused(Exception):
@@ -137,14 +83,20 @@ class Failed(Exception):
     """A step under the setting failed (its reason is the message)."""
 
 
+class Ended(Failed):
+    """The run has made its last step: no trial gets another. The search ends there, as at
+    its step limit, keeping the best so far (a trainer's caller that knows only Failed
+    sees a step that could not be had)."""
+
+
 class Trainer(Protocol):
     """The running run: changes apply at the next step; every step is a step of the run."""
 
     def apply(self, candidate: Candidate) -> None:
-        """Raises Refused."""
+        """Raises Refused, or Ended when the run ended first."""
 
     def step(self) -> StepResult:
-        """Raises Failed."""
+        """Raises Failed, or Ended when the run has no step left."""
 
 
 # Trial.status values
@@ -176,7 +128,7 @@ class TuneResult:
     best: Trial | None
     trials: list[Trial]
     steps: int  # steps of the run the search took
-    stopped_by: str  # "converged", "time limit", "stopped", "exhausted"
+    stopped_by: str  # "converged", "time limit", "step limit", "stopped", "exhausted"
     log: list[str] = field(default_factory=list)
 
 
@@ -190,6 +142,8 @@ def search(
     stop: Callable[[], bool] = lambda: False,
     clock: Callable[[], float] = time.monotonic,
     on_trial: Callable[[Trial], None] = lambda trial: None,
+    steps_left: Callable[[], int | None] = lambda: None,
+    keep_best: bool = True,
 ) -> TuneResult:
     """Find the fastest candidate of `space` that fits; see the module's docstring.
 
@@ -199,6 +153,13 @@ def search(
             way when it passes is finished.
         stop: asked between steps; True ends the search at once, keeping the best so far.
         on_trial: told every time a trial changes (for a table, a progress line).
+        steps_left: steps the run will still make after a change asked for now; None (the
+            default): as many as asked for. A trial begins only when they hold its step
+            after the change and its `trial_steps`, and is measured again only then; else,
+            or when the run ends under a trial (the trainer's Ended), the search ends,
+            stopped by "step limit".
+        keep_best: apply the best at the end, for the rest of the run (the default); False
+            when the run ends with the search, which a change would only hold up.
     """
     trial_steps = max(MIN_TRIAL_STEPS, trial_steps)
     start = clock()
@@ -214,6 +175,12 @@ def search(
     steps = 0
     stopped_by = "exhausted"
     applied: Candidate | None = None
+    ended = False  # the run made its last step
+
+    def room(need: int) -> bool:
+        left = steps_left()
+        return left is None or left >= need
+
     while pending:
         trial = pending[0]
         if best is not None:
@@ -235,15 +202,30 @@ def search(
         if stop():
             stopped_by = "stopped"
             break
+        if not room(trial_steps + 1):
+            stopped_by = "step limit"
+            break
         pending.remove(trial)
-        ran, applied_now = _run_trial(trial, trainer, best, trial_steps, stop, on_trial, log)
+        try:
+            ran, applied_now = _run_trial(trial, trainer, best, trial_steps, stop, on_trial,
+                                          log)
+        except Ended:
+            ended, stopped_by = True, "step limit"
+            steps += _taken(trial)
+            if trial.status == MEASURING:
+                trial.status = NOT_REACHED
+                trial.reason = (f"the run ended after {len(trial.steps)} of "
+                                f"{plural(trial_steps, 'step')}")
+                on_trial(trial)
+            break
         steps += ran
         applied = applied_now or applied
         if trial.status == MEASURED and (best is None or trial.measured < best.measured):
             best = trial
     if best is not None and stopped_by in ("converged", "exhausted"):
         def over() -> bool:
-            return stop() or (time_limit is not None and clock() - start >= time_limit)
+            return (stop() or (time_limit is not None and clock() - start >= time_limit)
+                    or not room(trial_steps + 1))
 
         ran, applied_now, best = _run_off(best, trials, trainer, trial_steps, over,
                                           on_trial, log, applied)
@@ -258,9 +240,12 @@ def search(
         if rest.status == PENDING:
             rest.status, rest.reason = NOT_REACHED, stopped_by
             on_trial(rest)
-    if best is not None and applied != best.candidate:
-        trainer.apply(best.candidate)  # the best is kept for the rest of the run
-        log.append(f"applied the best: {best.candidate.describe()}")
+    if keep_best and best is not None and applied != best.candidate and not ended and room(1):
+        try:
+            trainer.apply(best.candidate)  # the best is kept for the rest of the run
+            log.append(f"applied the best: {best.candidate.describe()}")
+        except Ended:
+            log.append("the run ended before the best could be applied")
     return TuneResult(best, trials, steps, stopped_by, log)
 
 
@@ -345,6 +330,8 @@ def _run_off(best: Trial, trials: list[Trial], trainer: Trainer, trial_steps: in
         try:
             if changed:
                 trainer.apply(trial.candidate)
+        except Ended:
+            break
         except Refused as error:  # taken a moment ago: the run changed under it
             log.append(f"{trial.candidate.describe()}: refused: {error}")
             continue
@@ -352,9 +339,12 @@ def _run_off(best: Trial, trials: list[Trial], trainer: Trainer, trial_steps: in
         trial.status = MEASURING
         on_trial(trial)
         before = _taken(trial)
+        ended = False
         try:
             _settled_steps(trial, trainer, len(trial.steps) + trial_steps, stop, on_trial,
                            after_change=changed)
+        except Ended:  # as if stopped: the steps it had are all it gets
+            ended = True
         except Failed as error:
             ran += 1
             _fail(trial, error, log, on_trial)
@@ -366,6 +356,8 @@ def _run_off(best: Trial, trials: list[Trial], trainer: Trainer, trial_steps: in
         log.append(f"{trial.candidate.describe()}: {trial.measured:.3f} s/step over "
                    f"{len(trial.steps)} steps")
         on_trial(trial)
+        if ended:
+            break
     measured = [t for t in contest if t.status == MEASURED]
     if not measured:
         return ran, last, best
@@ -418,6 +410,7 @@ def _settled_steps(trial: Trial, trainer: Trainer, until: int, stop: Callable[[]
         if stop():
             break
         result = trainer.step()
+        trial.skipped += result.earlier
         if after_change or result.retraced:
             after_change = False
             trial.skipped += 1
@@ -447,6 +440,8 @@ def _run_trial(trial: Trial, trainer: Trainer, best: Trial | None, trial_steps: 
 
     try:
         _settled_steps(trial, trainer, trial_steps, stop, on_trial, clearly_slower)
+    except Ended:
+        raise  # not the setting's failure: the search ends (see search)
     except Failed as error:
         _fail(trial, error, log, on_trial)
         return _taken(trial) + 1, trial.candidate

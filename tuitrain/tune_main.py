@@ -2,14 +2,16 @@
 
 The run starts as `tuitrain run --headless` would, and the search measures its candidates on
 the run's own steps (tuitrain.tune_worker): a progress line per trial, a `{"trial": ...}`
-metrics record per candidate and a final `{"tuned": ...}` one, and, with --save-preset, the
-run's settings with the best setting, its header saying what was measured and how it was
-found. The run stops when the search is done.
+metrics record per candidate, a `{"tuned": ...}` one and the run's `{"summary": ...}` last,
+and, with --save-preset, the run's settings with the best setting, its header saying what
+was measured and how it was found. The run stops when the search is done, or, with --steps
+N, goes on with the best to step N (tuitrain.tune_run).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError
-from tuitrain.events import Event, Failed, Log
+from tuitrain.events import Event, Failed, Finished, Log
 from tuitrain.formatting import format_seconds
 from tuitrain.settings import Settings
 from tuitrain.tune import (
@@ -31,15 +33,15 @@ from tuitrain.tune import (
     TuneResult,
     search,
 )
+from tuitrain.tune_run import RunSteps, check_steps, run_length
 from tuitrain.tune_setup import learn_from, trial_line
 
 if TYPE_CHECKING:
     from engine.planning.calibration import Calibration
+    from tuitrain.tune_worker import WorkerTrainer
+    from tuitrain.worker import ProcessWorker
 
 PROG = "tuitrain"
-# Steps the run is given beyond the trials': the first step (which records the chunk order)
-# and the one after each change, which no trial measures.
-SPARE_STEPS = 2
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
 
 
@@ -69,6 +71,10 @@ def add_tune_parser(commands, run_flags) -> argparse.ArgumentParser:
     tune.add_argument("model", nargs="?", metavar="MODEL", help="as for `tuitrain run`")
     tune.add_argument("--preset", metavar="FILE", help="tune the preset's settings")
     for flag in run_flags:
+        if flag.name == "--steps":  # the run's length, as for `run`, but not its default
+            flag = dataclasses.replace(flag, help=(
+                "train N steps in all, the search's among them, then on with the best "
+                "(default: stop when the search ends)"))
         flag.add_to(tune)
     tune.add_argument("--trial-steps", metavar="N", type=int, default=MIN_TRIAL_STEPS,
                       help=f"settled steps each trial measures (default and least "
@@ -90,20 +96,27 @@ def tune_command(args: argparse.Namespace, settings: Settings, *, simulated: boo
     if args.trial_steps < MIN_TRIAL_STEPS:  # a median of fewer is one step's noise
         raise UsageError(f"--trial-steps: must be at least {MIN_TRIAL_STEPS} (got "
                          f"{args.trial_steps})")
+    # --steps N is the run's length, as for `tuitrain run`; a preset's steps are its run's.
+    steps = settings.training.steps if args.steps is not None else None
+    if steps is not None:
+        check_steps(steps, args.trial_steps)
     try:
         limit = parse_duration(args.time_limit) if args.time_limit is not None else None
     except ValueError as error:
         raise UsageError(f"--time-limit: {error}") from None
     args.headless = True  # a tune has no app: its preset is saved as a headless run's
-    save_to = save_target(args)
+    save_to = save_target(args, settings.logging.metrics)
     check_runnable(settings)
-    return tune_main(settings, trial_steps=args.trial_steps, time_limit=limit,
+    return tune_main(settings, trial_steps=args.trial_steps, time_limit=limit, steps=steps,
                      save_to=save_to, overwrite=args.force, simulated=simulated)
 
 
 def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
               save_to: Path | None, overwrite: bool, simulated: bool,
+              steps: int | None = None,
               out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Tune `settings`' run; `steps`: its length (--steps N, searched and then trained
+    with the best), None: it ends with the search."""
     out, err = out or sys.stdout, err or sys.stderr
     from tuitrain.tune_setup import run_budget, tune_forecaster, tune_space
 
@@ -115,7 +128,8 @@ def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
     if not fitting:
         reasons = sorted({forecast(c).reason for c in space})
         raise UsageError(f"no setting of {settings.model} fits: {'; '.join(reasons)}")
-    steps = len(fitting) * (trial_steps + SPARE_STEPS) + SPARE_STEPS
+    last = run_length(steps, settings_steps=settings.training.steps, fitting=len(fitting),
+                      trial_steps=trial_steps)
     from tuitrain.presets import merge
     from tuitrain.tune_setup import start_fitting
 
@@ -124,24 +138,27 @@ def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
         t = settings.training
         print(f"{t.batch_size} x {t.grad_accum} does not fit; the run starts at "
               f"{moved.describe()}, the fastest forecast that fits", file=err, flush=True)
-    run = merge(start, {"training.steps": max(steps, settings.training.steps)})
+    run = merge(start, {"training.steps": last})
     return _tune(run, settings, space, forecast, budget=budget, trial_steps=trial_steps,
-                 time_limit=time_limit, save_to=save_to, overwrite=overwrite,
-                 cal=cal, out=out, err=err)
+                 time_limit=time_limit, goes_on=steps is not None, save_to=save_to,
+                 overwrite=overwrite, cal=cal, out=out, err=err)
 
 
 def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
-          *, budget: int, trial_steps: int, time_limit: float | None,
+          *, budget: int, trial_steps: int, time_limit: float | None, goes_on: bool,
           save_to: Path | None, overwrite: bool, cal: Calibration,
           out: TextIO, err: TextIO) -> int:
+    """The search on `run`; `goes_on`: the run trains on with the best to its last step
+    (--steps N), else it is stopped when the search ends."""
     from tuitrain.metrics import MetricsWriter
     from tuitrain.worker import ProcessWorker
 
     worker = ProcessWorker(settings=run)
     failure: list[Failed] = []
-    fingerprint = cal.fingerprint
+    seen = RunSteps()
 
     def on_event(event: Event) -> None:
+        seen.see(event)
         if isinstance(event, Failed):
             failure.append(event)
         elif isinstance(event, Log) and event.level != "info":
@@ -150,42 +167,87 @@ def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
     metrics = MetricsWriter(run.logging.metrics) if run.logging.metrics else None
     tokens = run.training.batch_size * run.training.grad_accum * run.training.seq_len
     on_trial = TrialReports(len(space), tokens, out, metrics.write if metrics else None)
+    result: TuneResult | None = None
+    record: dict | None = None
 
     worker.start()
     try:
-        result = _search(worker, run, space, forecast, budget=budget, trial_steps=trial_steps,
-                         time_limit=time_limit, on_event=on_event, on_trial=on_trial, out=out)
-        if result is not None and result.best is not None and metrics is not None:
-            metrics.write({"tuned": tuned_record(result, tokens, fingerprint)})
+        result, trainer = _search(worker, run, space, forecast, budget=budget,
+                                  trial_steps=trial_steps, time_limit=time_limit,
+                                  goes_on=goes_on, on_event=on_event, on_trial=on_trial,
+                                  out=out)
+        if result is not None and result.best is not None:
+            assert trainer is not None
+            # The run goes on with the best where it has steps left after the search took
+            # it; those before it are the search's. Else all the run made, once it ended.
+            last = run.training.steps
+            held = (goes_on and trainer.holds(result.best.candidate)
+                    and trainer.free_from <= last)
+            if not held:
+                _end(worker, on_event, stop=not goes_on)
+            searched = seen.before(trainer.free_from) if held else seen.total
+            record = tuned_record(result, tokens, cal.fingerprint, steps=searched)
+            if metrics is not None:
+                metrics.write({"tuned": record})
+            _say_tuned(result, searched, cal, out)
+            if held:
+                print(f"training on with it to step {last}", file=out, flush=True)
+                _end(worker, on_event, stop=False)
+                if isinstance(seen.end, Finished):
+                    print(f"done: {seen.total} steps, the last {seen.total - searched} "
+                          f"with it", file=out, flush=True)
     finally:
-        worker.stop()
+        _end(worker, on_event, stop=True)
         if metrics is not None:
             metrics.close()
+        if problem := seen.append_summary():
+            print(f"{PROG}: {problem}", file=err)
     if result is None or result.best is None:
         if failure or result is None:
             return _failed(failure, worker, err)
         print(f"{PROG}: no setting could be measured ({result.stopped_by})", file=err)
         return EXIT_FAILED
-    record = tuned_record(result, tokens, fingerprint)
-    best = result.best
-    if learned := learn_from(result, cal):
-        print(f"time model: {learned}", file=out, flush=True)
-    print(f"tuned in {result.steps} steps ({result.stopped_by}): {best.candidate.describe()}, "
-          f"{format_seconds(best.measured)}/step, forecast "
-          f"{format_seconds(best.forecast.seconds)}", file=out, flush=True)
-    if save_to is not None:
+    if goes_on and isinstance(seen.end, Failed):  # it failed after the search
+        return _failed(failure, worker, err)
+    if save_to is not None and record is not None:
         return _save(settings, save_to, record, overwrite=overwrite, out=out, err=err)
     return EXIT_OK
 
 
-def _search(worker, run: Settings, space: list[Candidate], forecast, *, budget: int,
-            trial_steps: int, time_limit: float | None, on_event, on_trial,
-            out: TextIO) -> TuneResult | None:
-    """The search on the started worker's run; None when the run ended before it began."""
+def _end(worker: ProcessWorker, on_event: Callable[[Event], None], *, stop: bool) -> None:
+    """The run's end, and every event until it: `stop` it now, or wait for its last step."""
+    from tuitrain.tune_worker import wait_for_end
+
+    if stop:
+        worker.stop()
+        for event in worker.poll():  # what came while stopping: the summary, or why not
+            # The step the stop cut short is a warning, no news to the tune that stopped it.
+            if not (isinstance(event, Log) and event.level == "warning"):
+                on_event(event)
+    else:
+        wait_for_end(worker, on_event)
+
+
+def _say_tuned(result: TuneResult, searched: int, cal: Calibration, out: TextIO) -> None:
+    best = result.best
+    assert best is not None and best.measured is not None
+    if learned := learn_from(result, cal):
+        print(f"time model: {learned}", file=out, flush=True)
+    print(f"tuned in {searched} steps ({result.stopped_by}): {best.candidate.describe()}, "
+          f"{format_seconds(best.measured)}/step, forecast "
+          f"{format_seconds(best.forecast.seconds)}", file=out, flush=True)
+
+
+def _search(worker: ProcessWorker, run: Settings, space: list[Candidate], forecast, *,
+            budget: int, trial_steps: int, time_limit: float | None, goes_on: bool,
+            on_event, on_trial,
+            out: TextIO) -> tuple[TuneResult | None, WorkerTrainer | None]:
+    """The search on the started worker's run, and its trainer; (None, None) when the run
+    ended before it began."""
     from tuitrain.tune_worker import WorkerTrainer, client_events, wait_for_start
 
     if not wait_for_start(worker, on_event) or worker.started is None:
-        return None
+        return None, None
     used = worker.started.settings.get("engine", {})
     trainer = WorkerTrainer(
         worker.send, client_events(worker), batch_size=run.training.batch_size,
@@ -193,12 +255,14 @@ def _search(worker, run: Settings, space: list[Candidate], forecast, *, budget: 
         checkpointing=run.training.activation_checkpointing,
         policy=used.get("policy", run.engine.policy),
         margin_ratio=used.get("margin_ratio", run.engine.margin_ratio),
-        device_budget=budget, on_event=on_event)
+        device_budget=budget, on_event=on_event, last_step=run.training.steps)
     print(f"tuning {run.model}: {len(space)} settings, {trial_steps} measured steps a trial"
-          + (f", at most {format_seconds(time_limit)}" if time_limit else ""),
+          + (f", at most {format_seconds(time_limit)}" if time_limit else "")
+          + (f", within {run.training.steps} steps" if goes_on else ""),
           file=out, flush=True)
-    return search(space, forecast, trainer, trial_steps=trial_steps, time_limit=time_limit,
-                  on_trial=on_trial)
+    result = search(space, forecast, trainer, trial_steps=trial_steps, time_limit=time_limit,
+                    on_trial=on_trial, steps_left=trainer.steps_left, keep_best=goes_on)
+    return result, trainer
 
 
 class TrialReports:
@@ -249,14 +313,15 @@ def trial_record(trial: Trial, tokens: int) -> dict:
     return record
 
 
-def tuned_record(result: TuneResult, tokens: int, fingerprint: str) -> dict:
+def tuned_record(result: TuneResult, tokens: int, fingerprint: str, *, steps: int) -> dict:
+    """The search's result as the metrics file holds it; `steps`: the run's steps it took."""
     best = result.best
     assert best is not None and best.measured is not None
     tried = sum(t.tried for t in result.trials)
     return {"settings": best.candidate.settings(), "measured_seconds": best.measured,
             "tokens_per_second": tokens / best.measured if best.measured > 0 else None,
             "settled_steps": len(best.steps), "forecast_seconds": best.forecast.seconds,
-            "steps": result.steps, "candidates": len(result.trials), "tried": tried,
+            "steps": steps, "candidates": len(result.trials), "tried": tried,
             "does_not_fit": sum(t.status == DOES_NOT_FIT for t in result.trials),
             "stopped_by": result.stopped_by, "machine": fingerprint, "log": result.log}
 

@@ -2,7 +2,8 @@
 (SetShape for its micro-batch, accumulation and activation checkpointing; SetBudget,
 SetMargin, SetPolicy), all applied at the same step boundary, and a trial step is the next
 step the run reports under it. No restart, no reload: the run goes on at its global batch,
-and every trial step is one of its steps.
+and every trial step is one of its steps. A run of a known length (`last_step`) ends the
+search when its steps run out (tuitrain.tune.Ended), not a trial.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tuitrain.events import (
     SetShape,
     Step,
 )
-from tuitrain.tune import Candidate, Refused, StepResult
+from tuitrain.tune import Candidate, Ended, Refused, StepResult
 from tuitrain.tune import Failed as TrialFailed
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class WorkerTrainer:
             run's setting now (what it started with).
         on_event: every event read while waiting, so the caller still shows the run.
         stopped: asked while waiting; True makes the wait end as a failed step.
+        last_step: the number of the run's last step (its training.steps); None: a run
+            that is not counted on to end (the trainer learns of its end when it comes).
     """
 
     def __init__(self, send: Callable[[Command], int], events: Callable[[], list[Event]], *,
@@ -50,7 +53,8 @@ class WorkerTrainer:
                  checkpointing: bool, policy: str, margin_ratio: float,
                  device_budget: int | None,
                  on_event: Callable[[Event], None] = lambda event: None,
-                 stopped: Callable[[], bool] = lambda: False) -> None:
+                 stopped: Callable[[], bool] = lambda: False,
+                 last_step: int | None = None) -> None:
         self.send = send
         self.events = events
         self.current: dict[str, object] = {
@@ -59,9 +63,13 @@ class WorkerTrainer:
         self.on_event = on_event
         self.stopped = stopped
         self.first_step = 0  # the first step of the run under the setting applied last
+        self.last_step = last_step
+        self.newest = 0  # the number of the latest step read
+        self.taken = 0  # the number of the latest step handed out, or passed over
         self.answers: dict[int, Applied | Rejected] = {}
         self.steps: list[Step] = []
         self.ended: str | None = None  # why the run will give no more steps
+        self.finished = False  # it ended as runs end, not failed
 
     def apply(self, candidate: Candidate) -> None:
         c = candidate
@@ -89,17 +97,51 @@ class WorkerTrainer:
             self.current[key] = wanted[key]
             self.first_step = max(self.first_step, answer.step)
         if refused is not None:
+            if self._at_end():  # the commands came after the last step
+                raise Ended(f"the run ended before the change: {refused}")
             raise Refused(refused)
 
     def step(self) -> StepResult:
+        passed = 0  # steps that ran before the change took effect
         while True:
             while self.steps:
                 step = self.steps.pop(0)
+                self.taken = step.stats.step
                 if step.stats.step >= self.first_step:
-                    return StepResult(step.stats.seconds)
+                    return StepResult(step.stats.seconds, earlier=passed)
+                passed += 1
+            if self.last_step is not None and self.taken >= self.last_step:
+                raise Ended("the run made its last step")
             if self.stopped():  # not for a step that may take long; answers come at once
                 raise TrialFailed("stopped")
             self._read()
+
+    def steps_left(self) -> int | None:
+        """Steps the run will still make after a change asked for now: those after the one
+        under way (the change waits for its end); None when the run's length is not known."""
+        if self.finished:
+            return 0
+        if self.last_step is None:
+            return None
+        return max(0, self.last_step - self.newest - 1)
+
+    def holds(self, candidate: Candidate) -> bool:
+        """Whether the run's setting now is `candidate`."""
+        c = candidate
+        return self.current == {
+            "shape": (c.batch_size, c.grad_accum, c.activation_checkpointing),
+            "policy": c.policy, "margin_ratio": c.margin_ratio,
+            "device_budget": c.device_budget}
+
+    @property
+    def free_from(self) -> int:
+        """The first step of the run under the setting now that no trial took: where the
+        run goes on with it once the search is over."""
+        return max(self.first_step, self.taken + 1)
+
+    def _at_end(self) -> bool:
+        """Whether the run has made its last step, by its number or by its Finished."""
+        return self.finished or (self.last_step is not None and self.newest >= self.last_step)
 
     def _answer(self, command_id: int) -> Applied | Rejected:
         while command_id not in self.answers:
@@ -107,21 +149,23 @@ class WorkerTrainer:
         return self.answers.pop(command_id)
 
     def _read(self) -> None:
-        """Wait for the worker's next events; TrialFailed when the run gives no more."""
+        """Wait for the worker's next events; Ended when the run finished, TrialFailed when
+        it failed."""
         if self.ended is not None:
-            raise TrialFailed(self.ended)
+            raise Ended(self.ended) if self.finished else TrialFailed(self.ended)
         for event in self.events():
             self.on_event(event)
             if isinstance(event, (Applied, Rejected)):
                 self.answers[event.id] = event
             elif isinstance(event, Step):
                 self.steps.append(event)
+                self.newest = max(self.newest, event.stats.step)
             elif isinstance(event, Failed):
                 self.ended = f"the run failed: {event.reason}"
             elif isinstance(event, Finished):
-                self.ended = "the run ended before the trial did"
+                self.ended, self.finished = "the run ended before the trial did", True
         if self.ended is not None and not self.steps and not self.answers:
-            raise TrialFailed(self.ended)
+            raise Ended(self.ended) if self.finished else TrialFailed(self.ended)
 
 
 def client_events(client: ProcessWorker) -> Callable[[], list[Event]]:
@@ -145,3 +189,12 @@ def wait_for_start(client: ProcessWorker, on_event: Callable[[Event], None],
         for event in client.poll():
             on_event(event)
     return True
+
+
+def wait_for_end(client: ProcessWorker, on_event: Callable[[Event], None]) -> None:
+    """Relay events until the run has ended (Finished or Failed): a run of --steps N
+    that goes on after the search."""
+    while client.result is None:
+        client.wait(WAIT_SECONDS)
+        for event in client.poll():
+            on_event(event)

@@ -11,7 +11,7 @@ from engine.planning.calibration import load_calibration
 from tests.tuitrain.fakeworker import fake_stats
 from tuitrain.cli import main
 from tuitrain.events import Applied, Finished, Rejected, SetMargin, SetPolicy, SetShape, Step
-from tuitrain.tune import Candidate, Failed, Refused
+from tuitrain.tune import Candidate, Ended, Failed, Refused
 from tuitrain.tune_main import parse_duration
 from tuitrain.tune_worker import WorkerTrainer
 
@@ -97,6 +97,78 @@ def test_a_real_tune_records_every_candidate_saves_the_best_and_keeps_the_losses
     untuned = [r["loss"] for r in map(json.loads, plain.read_text().splitlines())
                if "step" in r and "loss" in r]
     assert [s["loss"] for s in steps] == pytest.approx(untuned, rel=1e-5)
+
+
+def records_of(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_tune_says_the_steps_its_run_made_and_its_metrics_end_with_the_summary(
+        tmp_path, capsys):
+    """Without --steps the run ends with the search: every step it made is the tune's, one
+    step line each, and the count said, the `tuned` record's and the summary's are that
+    many. The file ends as a headless run's does, with the run's summary."""
+    metrics = tmp_path / "m.jsonl"
+    status = main(["tune", "tiny", "--seq-len", "32", "--precision", "fp32", "--trial-steps",
+                   "3", "--time-limit", "1s", "--metrics", str(metrics)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    records = records_of(metrics)
+    steps = [r["step"] for r in records if "step" in r and "loss" in r]
+    assert steps == list(range(1, len(steps) + 1))
+    assert [next(iter(r)) for r in records[-2:]] == ["tuned", "summary"]
+    tuned, summary = records[-2]["tuned"], records[-1]["summary"]
+    assert tuned["steps"] == summary["steps"] == len(steps)
+    assert f"tuned in {len(steps)} steps ({tuned['stopped_by']}): " in captured.out
+    # its trials are the settings its steps ran under, as a headless run's summary has them
+    assert sum(t["steps"] for t in summary["trials"]) == len(steps)
+    # the step the tune's own stop cut short is no news
+    assert "interrupted" not in captured.err
+
+
+def test_a_tune_of_n_steps_trains_n_steps_in_all_and_the_last_with_the_best(tmp_path, capsys):
+    """--steps N is the run's length, as for `tuitrain run`: the search takes its steps
+    from it (ending when no trial fits in what is left) and the run goes on with the best
+    to step N. The search's steps said are the first step lines; the rest ran with the
+    best."""
+    metrics = tmp_path / "m.jsonl"
+    status = main(["tune", "tiny", "--seq-len", "32", "--precision", "fp32", "--trial-steps",
+                   "3", "--steps", "14", "--metrics", str(metrics)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    records = records_of(metrics)
+    steps = [r for r in records if "step" in r and "loss" in r]
+    assert [s["step"] for s in steps] == list(range(1, 15))
+    (tuned,) = [r["tuned"] for r in records if "tuned" in r]
+    summary = records[-1]["summary"]
+    assert (summary["steps"], summary["planned_steps"], summary["stopped"]) == (14, 14, False)
+    searched = tuned["steps"]
+    assert f"tuned in {searched} steps ({tuned['stopped_by']}): " in out
+    assert any(r["trial"]["status"] == "measured" for r in records if "trial" in r)
+    best = tuned["settings"]
+    with_best = (best["engine"]["policy"], best["engine"]["margin_ratio"],
+                 best["training"]["grad_accum"], best["training"]["activation_checkpointing"])
+    after = steps[searched:]
+    assert [(s["policy"], s["margin_ratio"], s["micro_batches"], s["activation_checkpointing"])
+            for s in after] == [with_best] * len(after)
+    if after:
+        assert f"done: 14 steps, the last {len(after)} with it" in out
+    # what the search had no steps left for says so
+    not_tried = [r["trial"]["reason"] for r in records
+                 if r.get("trial", {}).get("status") == "not tried"]
+    assert all(reason == "step limit" or reason.startswith("the run ended after ")
+               for reason in not_tried), not_tried
+
+
+@pytest.mark.parametrize(("flags", "least"), [(["--steps", "4"], 5),
+                                              (["--steps", "6", "--trial-steps", "5"], 7)])
+def test_steps_too_few_for_one_trial_are_refused_in_one_line(flags, least, capsys):
+    assert main(["tune", "tiny", *flags]) == 2
+    trial_steps = flags[-1] if "--trial-steps" in flags else "3"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"tuitrain: error: --steps: a tune measures a setting in {least} steps at the least "
+        f"(--trial-steps {trial_steps}, the step under way when it is applied and the one "
+        f"after; got {flags[1]})"]
 
 
 @pytest.mark.parametrize(("flags", "line"), [
@@ -205,6 +277,40 @@ def test_a_setting_goes_as_commands_and_its_steps_start_where_it_was_applied():
     assert len(worker.sent) == 2
     with pytest.raises(Failed, match="ended"):
         t.step()
+
+
+def test_steps_the_run_made_while_a_change_waited_are_counted_with_the_trials():
+    worker = Scripted([step(3, 9.0), step(4, 1.0)], {SetPolicy: 4, SetMargin: 4})
+    t = trainer(worker)
+    t.apply(Candidate("cuda", 0.5, 2, 1, False, GIB))
+    result = t.step()
+    assert (result.seconds, result.earlier) == (1.0, 1)  # step 3 ran before the change
+
+
+def test_a_run_of_known_length_says_what_is_left_and_ends_the_search_at_its_last_step():
+    worker = Scripted([step(1, 1.0), step(2, 1.0), step(3, 1.0)],
+                      {SetPolicy: 1, SetMargin: 1})
+    t = trainer(worker, last_step=3)
+    best = Candidate("cuda", 0.5, 2, 1, False, GIB)
+    assert t.steps_left() == 2  # the first step may be under way: a change waits for it
+    t.apply(best)
+    assert t.step().seconds == 1.0 and t.steps_left() == 1
+    assert t.holds(best) and t.free_from == 2
+    t.step(), t.step()
+    assert t.steps_left() == 0 and t.free_from == 4
+    with pytest.raises(Ended):
+        t.step()
+    # a change the run could only refuse, having made its last step
+    worker.answers[SetPolicy] = "training has finished"
+    with pytest.raises(Ended):
+        t.apply(Candidate("cpu", 0.5, 2, 1, False, GIB))
+
+
+def test_a_run_that_finishes_ends_the_trial_as_the_run_s_end_not_as_a_failure():
+    t = trainer(Scripted([], {}))
+    with pytest.raises(Ended, match="ended"):
+        t.step()
+    assert t.steps_left() == 0
 
 
 def test_a_refused_command_refuses_the_setting():

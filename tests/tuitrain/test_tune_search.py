@@ -11,6 +11,7 @@ import pytest
 
 from tuitrain.tune import (
     Candidate,
+    Ended,
     Failed,
     Forecast,
     Refused,
@@ -220,6 +221,71 @@ def test_every_trial_change_is_told():
            clock=clock, on_trial=lambda t: seen.append((t.candidate.policy, t.status)))
     assert seen[0] == ("cuda", "does not fit")
     assert ("auto", "measuring") in seen and seen[-1] == ("auto", "measured")
+
+
+class EndingEngine(ScriptedEngine):
+    """A run of `last` steps: a step past it, or a change asked for after it, is Ended."""
+
+    def __init__(self, clock: FakeClock, seconds: dict[Candidate, float], *, last: int) -> None:
+        super().__init__(clock, seconds)
+        self.last = last
+
+    def apply(self, candidate: Candidate) -> None:
+        if self.steps >= self.last:
+            raise Ended("the run ended")
+        super().apply(candidate)
+
+    def step(self) -> StepResult:
+        if self.steps >= self.last:
+            raise Ended("the run made its last step")
+        return super().step()
+
+
+@pytest.mark.parametrize("keep_best", [True, False])
+def test_a_run_of_few_steps_ends_the_search_when_no_trial_fits_in_what_is_left(keep_best):
+    """A trial takes four steps here (the one after the change, three settled): two fit in
+    a run of 11, a third does not begin. The best goes back in for the steps left when the
+    run goes on after the search (keep_best), not when the run ends with it."""
+    clock = FakeClock()
+    engine = ScriptedEngine(clock, {B: 0.9, C: 1.0, D: 1.1})
+    result = search([B, C, D], forecaster({B: 1.0, C: 1.0, D: 1.0}), engine, clock=clock,
+                    steps_left=lambda: 11 - engine.steps, keep_best=keep_best)
+    by = {t.candidate: t for t in result.trials}
+    assert [by[c].status for c in (B, C, D)] == ["measured", "measured", "not tried"]
+    assert by[D].reason == "step limit" and result.stopped_by == "step limit"
+    assert result.best.candidate == B
+    assert result.steps == engine.steps == 8
+    assert engine.current == (B if keep_best else C)
+
+
+def test_a_run_that_ends_under_a_trial_ends_the_search_with_the_best_so_far():
+    """The run's last step comes during C's trial: C is left unfinished, not failed, D is
+    not tried, and no change is asked of a run that has ended."""
+    clock = FakeClock()
+    engine = EndingEngine(clock, {B: 1.0, C: 0.9, D: 0.8}, last=6)
+    result = search([B, C, D], forecaster({B: 1.0, C: 1.0, D: 1.0}), engine, clock=clock)
+    by = {t.candidate: t for t in result.trials}
+    assert by[B].status == "measured"
+    assert (by[C].status, by[C].reason) == ("not tried", "the run ended after 1 of 3 steps")
+    assert (by[D].status, by[D].reason) == ("not tried", "step limit")
+    assert result.stopped_by == "step limit" and result.best.candidate == B
+    assert result.steps == engine.steps == 6
+    assert engine.applied == [B, C]
+
+
+def test_a_run_that_ends_while_trials_are_measured_again_keeps_what_they_measured():
+    """A and B are too close to tell: B, in force, is measured again first, and the run
+    ends after two more of its steps; A, the faster on what was measured, is the best, but
+    the run has no step left to apply it."""
+    clock = FakeClock()
+    engine = EndingEngine(clock, {A: 1.0, B: 1.02}, last=10)
+    result = search([A, B], forecaster({A: 1.0, B: 1.02}), engine, clock=clock)
+    by = {t.candidate: t for t in result.trials}
+    assert len(by[A].steps) == 3 and len(by[B].steps) == 5
+    assert by[B].status == "measured" and by[B].measured == 1.02
+    assert result.best.candidate == A and engine.current == B
+    assert result.steps == engine.steps == 10
+    assert result.log[-1] == "the run ended before the best could be applied"
 
 
 @pytest.mark.parametrize("steps", [1, 3])

@@ -1,0 +1,82 @@
+"""The run a `tuitrain tune` trains: how many steps it is given, and the steps it made.
+
+Without --steps the run is the search's alone: it is given room for every trial and the
+measuring again, and stopped when the search ends, so each of its steps is one the tune
+took. With --steps N it trains as `tuitrain run --steps N` does, N steps in all, the
+search's among them: the search ends when no trial fits in what is left (its step limit),
+and the run goes on with the best to its last step. What the tune says of its steps is
+counted from the steps the run reported, one each, which are the metrics file's step lines;
+the file then ends with the run's summary, as a headless run's does.
+"""
+
+from __future__ import annotations
+
+from tuitrain.errors import UsageError
+from tuitrain.events import Event, Failed, Finished, Step
+from tuitrain.run_summary import record_summary
+from tuitrain.trials import TrialBook
+from tuitrain.tune import RUN_OFF
+
+# Steps a trial takes beyond its measured ones: the step under way when its change is asked
+# for (the change waits for a step boundary; the run's first step when the search begins),
+# and the step after the change, which re-places chunks and is not measured.
+SPARE_STEPS = 2
+
+
+def least_steps(trial_steps: int) -> int:
+    """The fewest steps in which a tune measures one setting."""
+    return trial_steps + SPARE_STEPS
+
+
+def check_steps(steps: int, trial_steps: int) -> None:
+    """Refuse a --steps that cannot hold one trial (UsageError)."""
+    least = least_steps(trial_steps)
+    if steps < least:
+        raise UsageError(f"--steps: a tune measures a setting in {least} steps at the "
+                         f"least (--trial-steps {trial_steps}, the step under way when it "
+                         f"is applied and the one after; got {steps})")
+
+
+def run_length(steps: int | None, *, settings_steps: int, fitting: int,
+               trial_steps: int) -> int:
+    """The run's last step: `steps` (--steps N) when given; else room for a trial of each
+    of the `fitting` candidates and for the measuring again (the run is stopped when the
+    search ends, so `settings_steps`, the preset's or the default, only adds room)."""
+    if steps is not None:
+        return steps
+    room = (fitting + RUN_OFF + 1) * least_steps(trial_steps) + SPARE_STEPS
+    return max(room, settings_steps)
+
+
+class RunSteps:
+    """The tune's run as its events tell it: the steps it made, by number; its trials
+    (tuitrain.trials), for its summary; and how it ended."""
+
+    def __init__(self) -> None:
+        self.numbers: list[int] = []
+        self.book = TrialBook()
+        self.end: Finished | Failed | None = None
+
+    def see(self, event: Event) -> None:
+        if isinstance(event, Step):
+            self.numbers.append(event.stats.step)
+            self.book.record(event.stats)
+        elif isinstance(event, (Finished, Failed)):
+            self.end = event
+
+    @property
+    def total(self) -> int:
+        """Steps the run made so far."""
+        return len(self.numbers)
+
+    def before(self, step: int) -> int:
+        """Steps the run made before step number `step`."""
+        return sum(n < step for n in self.numbers)
+
+    def append_summary(self) -> str | None:
+        """A finished run's summary and its trials as the last line of its metrics file,
+        as a headless run's (tuitrain.run_summary.record_summary); returns the line to say
+        when it cannot be written, else None."""
+        if not isinstance(self.end, Finished):
+            return None
+        return record_summary(self.end.summary, self.book.rows())
