@@ -174,8 +174,13 @@ class TrainingRun:
         torch.manual_seed(s.training.seed)
         self.eval_data = built.eval_data
         if resume is not None:
-            self.next_step = int(resume(self.engine, self.model, self.data, s)) + 1
-            self.say(f"resumed from {s.checkpoint.resume} after step {self.next_step - 1}")
+            done = int(resume(self.engine, self.model, self.data, s))
+            if done >= s.training.steps:  # a mistake in the input: not a run of no steps
+                raise ValueError(f"the checkpoint in {s.checkpoint.resume} is after step "
+                                 f"{done}, and the run's last step is {s.training.steps}: "
+                                 f"nothing left to train (give --steps more than {done})")
+            self.next_step = done + 1
+            self.say(f"resumed from {s.checkpoint.resume} after step {done}")
 
         device, used = built.device, built.settings.model_dump(mode="json")
         if self.ranks.parallel:

@@ -236,3 +236,15 @@ def test_kill_9_of_the_worker_mid_run_then_resume_continues_exactly(tmp_path, mo
     got = _losses(tmp_path / "resumed.jsonl")
     assert sorted(got) == list(range(done + 1, 9))
     assert all(got[step] == want[step] for step in got)
+
+
+def test_resuming_a_checkpoint_at_or_past_the_last_step_is_refused_in_one_line(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert _run("--steps", "2", "--checkpoint-dir", "ck", "--checkpoint-every", "2") == 0, \
+        capsys.readouterr()
+    capsys.readouterr()
+    assert _run("--steps", "2", "--resume", "ck") == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "tuitrain: error: the checkpoint in ck is after step 2, and the run's last step is 2: "
+        "nothing left to train (give --steps more than 2)"]
