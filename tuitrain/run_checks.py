@@ -90,6 +90,29 @@ def _appendable_metrics(path: Path) -> bool:
         return False
 
 
+def _check_earlier_checkpoints(folder: Path, resume: str | None) -> None:
+    """A UsageError if `folder` holds complete checkpoints of a run this one does not
+    continue (`resume` names neither the folder nor a checkpoint in it): the new run's
+    checkpoints would replace those of the same steps and sit beside the others, so that
+    `--resume` would pick the newest of the two runs', and the earlier run's are the
+    user's."""
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    from tuitrain.checkpoint import CheckpointError, find_checkpoint  # torch: only here
+
+    try:
+        newest = find_checkpoint(folder)
+    except CheckpointError:
+        return  # nothing complete in it
+    if resume is not None:
+        resumed = Path(resume).expanduser().resolve()
+        if folder.resolve() in (resumed, resumed.parent):
+            return
+    raise UsageError(f"--checkpoint-dir: {folder} holds an earlier run's checkpoints (the "
+                     f"newest {newest.name}); continue that run with --resume {folder}, or "
+                     f"name another folder")
+
+
 def check_runnable(settings: Settings) -> None:
     """Every check that needs no training: the model, the files and folders named."""
     check_model(settings.model, settings.training.seq_len)
@@ -127,3 +150,5 @@ def check_runnable(settings: Settings) -> None:
         check_writable("--checkpoint-dir", checkpoint.dir, folder=True)
     if checkpoint.resume is not None and not Path(checkpoint.resume).expanduser().is_dir():
         raise UsageError(f"checkpoint to resume from not found: {checkpoint.resume}")
+    if checkpoint.dir is not None:
+        _check_earlier_checkpoints(Path(checkpoint.dir).expanduser(), checkpoint.resume)

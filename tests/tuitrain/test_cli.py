@@ -288,6 +288,28 @@ def test_save_preset_and_metrics_may_not_be_one_file(capsys, tmp_path):
     assert not (tmp_path / "same.out").exists()
 
 
+def test_a_checkpoint_folder_with_an_earlier_runs_checkpoints_is_for_continuing_it(
+        capsys, tmp_path):
+    """A new run would replace the earlier run's checkpoints of its steps and leave the
+    rest, which --resume would then pick: refused, unless the run continues that one."""
+    ck = tmp_path / "ck"
+    (ck / "step-000008").mkdir(parents=True)
+    (ck / "step-000008" / "manifest.json").write_text("{}")
+    line = refused(capsys, ["run", "tiny", "--headless", "--checkpoint-dir", str(ck)])
+    assert line == (f"tuitrain: error: --checkpoint-dir: {ck} holds an earlier run's "
+                    f"checkpoints (the newest step-000008); continue that run with --resume "
+                    f"{ck}, or name another folder")
+    assert (ck / "step-000008" / "manifest.json").read_text() == "{}"
+    from tuitrain.run_checks import check_runnable
+
+    for resume in (ck, ck / "step-000008"):
+        check_runnable(resolve_settings(build_parser().parse_args(
+            ["run", "tiny", "--headless", "--checkpoint-dir", str(ck), "--resume", str(resume)])))
+    (tmp_path / "unfinished" / "step-000003").mkdir(parents=True)  # no manifest: not complete
+    check_runnable(resolve_settings(build_parser().parse_args(
+        ["run", "tiny", "--headless", "--checkpoint-dir", str(tmp_path / "unfinished")])))
+
+
 def test_no_model_and_no_preset_naming_one(capsys, tmp_path):
     assert "no model given" in refused(capsys, ["run", "--headless"])
     preset = write(tmp_path, "version: 1\nengine:\n  policy: cpu\n")
