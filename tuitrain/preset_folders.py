@@ -58,6 +58,28 @@ def saved_dir() -> Path:
     return config_dir() / "presets"
 
 
+def in_saved_dir(path: Path) -> bool:
+    """Whether `path` is a file of the user's saved presets folder (saved_dir)."""
+    try:
+        return path.expanduser().resolve().parent == saved_dir().resolve()
+    except OSError:
+        return False
+
+
+def saved_preset_path(typed: str) -> Path:
+    """Where the app saves a preset the user named `typed`: a name with no folder part
+    (`mine`, `mine.yaml`) is a saved preset's name, the file `mine.yaml` in saved_dir, which
+    `tuitrain presets` lists and `--preset mine` finds (find_preset); a path is where it
+    says (`~` expanded), with `.yaml` added in saved_dir, where only such files are presets."""
+    if os.sep in typed or "/" in typed:
+        path = Path(typed).expanduser()
+    else:
+        path = saved_dir() / typed
+    if in_saved_dir(path) and not path.name.endswith(SUFFIX):
+        path = path.with_name(path.name + SUFFIX)
+    return path
+
+
 # --- listing and finding presets ---------------------------------------------------------
 
 

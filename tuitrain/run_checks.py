@@ -54,7 +54,8 @@ def check_lora(settings: Settings) -> None:
 
 def check_writable(flag: str, path: str | os.PathLike, *, folder: bool = False) -> None:
     """A UsageError naming `flag` unless the run can write `path`: a file, written anew in
-    its folder or appended to, or with `folder` a folder, made with its parents if missing.
+    its folder or appended to, or with `folder` a folder, made if missing (in a folder that
+    exists: check_parent).
 
     Checked before the run starts, so that a long run is not wasted on a file it cannot
     write at its end (a preset) or along the way (metrics, checkpoints)."""
@@ -69,6 +70,34 @@ def check_writable(flag: str, path: str | os.PathLike, *, folder: bool = False) 
         read_only = os.statvfs(here).f_flag & os.ST_RDONLY
         why = "read-only file system" if read_only else "permission denied"
         raise UsageError(f"{flag}: cannot write in {here} ({why})")
+
+
+def check_parent(flag: str, path: str | os.PathLike) -> None:
+    """A UsageError naming `flag` unless the folder that holds `path` exists. A run makes
+    the folder it is given (--checkpoint-dir, --disk) but none above it, as it writes a
+    file (--metrics, --save-preset) only in a folder that exists: a mistyped path is
+    refused before the run, not made somewhere the user did not mean."""
+    parent = Path(path).expanduser().parent
+    if not parent.exists():
+        raise UsageError(f"{flag}: folder not found: {parent}")
+
+
+def _check_disk(folder: Path) -> None:
+    """--disk: a folder the engine can make its scratch in, checked without leaving
+    anything behind. One that is missing is not made here (the engine makes it when the
+    run puts something on disk); the folder that would hold it must exist (check_parent)."""
+    from engine.devices.disk.scratch import ScratchFolder
+    from engine.planning.disk import folder_problem
+
+    if not folder.exists():
+        if problem := folder_problem(folder):
+            raise UsageError(f"--disk: {problem}")
+        check_parent("--disk", folder)
+        return
+    try:  # made and removed at once: the run's own is made when its engine starts
+        ScratchFolder(folder).remove()
+    except ValueError as error:
+        raise UsageError(f"--disk: {error}") from None
 
 
 def _appendable_metrics(path: Path) -> bool:
@@ -135,18 +164,14 @@ def check_runnable(settings: Settings) -> None:
             raise UsageError(f"--metrics: {metrics} is not a metrics file (its first line is "
                              f"no JSON record); runs append to one, so name a new file")
     if settings.engine.disk_dir is not None:
-        from engine.devices.disk.scratch import ScratchFolder
-
-        try:  # made and removed at once: the run's own is made when its engine starts
-            ScratchFolder(settings.engine.disk_dir).remove()
-        except ValueError as error:
-            raise UsageError(f"--disk: {error}") from None
+        _check_disk(Path(settings.engine.disk_dir).expanduser())
     checkpoint = settings.checkpoint
     if checkpoint.every is not None and checkpoint.dir is None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if checkpoint.dir is not None and Path(checkpoint.dir).expanduser().is_file():
         raise UsageError(f"checkpoint folder is a file: {checkpoint.dir}")
     if checkpoint.dir is not None:
+        check_parent("--checkpoint-dir", checkpoint.dir)
         check_writable("--checkpoint-dir", checkpoint.dir, folder=True)
     if checkpoint.resume is not None and not Path(checkpoint.resume).expanduser().is_dir():
         raise UsageError(f"checkpoint to resume from not found: {checkpoint.resume}")

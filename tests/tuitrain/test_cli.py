@@ -656,6 +656,34 @@ def test_a_disk_folder_that_cannot_be_made_is_one_line_before_anything_runs(caps
     assert sorted(os.listdir(tmp_path)) == ["f.txt"]
 
 
+def test_a_disk_folder_is_made_only_by_a_run_that_puts_something_there(capsys, tmp_path):
+    """--disk names where the scratch would go: a run that needs none (no host budget)
+    leaves no folder there; a missing folder above it is a mistyped path, refused before
+    anything runs as a missing folder of --metrics or --save-preset is, nothing made."""
+    line = refused(capsys, ["run", "tiny", "--headless", "--steps", "1",
+                            "--disk", str(tmp_path / "nodisk" / "sub")])
+    assert line == f"tuitrain: error: --disk: folder not found: {tmp_path / 'nodisk'}"
+    assert os.listdir(tmp_path) == []
+    assert main(["run", "tiny", "--headless", "--steps", "2", "--policy", "cuda",
+                 "--disk", str(tmp_path / "sub")]) == 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_folder_is_the_runs_to_make_but_not_the_folders_above_it(
+    capsys, monkeypatch, tmp_path
+):
+    from tuitrain import headless
+
+    started = []
+    monkeypatch.setattr(headless, "run_headless", lambda *a, **kw: started.append(a) or 0)
+    missing = tmp_path / "no" / "such"
+    line = refused(capsys, ["run", "tiny", "--headless", "--checkpoint-dir", str(missing / "ck")])
+    assert line == f"tuitrain: error: --checkpoint-dir: folder not found: {missing}"
+    assert started == [] and os.listdir(tmp_path) == []
+    assert main(["run", "tiny", "--headless", "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    assert len(started) == 1
+
+
 @pytest.mark.slow
 def test_a_run_refused_by_the_engine_saves_no_preset_and_says_one_line(capsys, tmp_path):
     saved = tmp_path / "p.yaml"

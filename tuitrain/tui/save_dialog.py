@@ -2,7 +2,9 @@
 
 The dialogs only ask; PresetSaving writes the file, and replaces an existing one only after
 the user said yes in ConfirmOverwrite. Presets go by default into the user's own folder
-(tuitrain.preset_folders.saved_dir), where `--preset NAME` finds them, never among the shipped ones.
+(tuitrain.preset_folders.saved_dir), where `--preset NAME` finds them, never among the shipped ones;
+a name typed alone goes there too (saved_preset_path). Like `--save-preset`, the dialog makes
+no folder but that one: a path in a folder that does not exist is refused in the dialog.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from tuitrain.events import Started
-from tuitrain.preset_folders import default_preset_name, saved_dir
+from tuitrain.preset_folders import (
+    default_preset_name,
+    in_saved_dir,
+    saved_dir,
+    saved_preset_path,
+)
 from tuitrain.presets import SUFFIX, run_command, save_preset
 from tuitrain.settings import Settings
 from tuitrain.trials import Trial
@@ -51,11 +58,7 @@ def reproducing_command(preset_path: str, nproc: int = 1) -> str:
     and every setting are in the file): by its name when it is in the saved folder, on as
     many ranks as the run it was saved from (`nproc`)."""
     path = Path(preset_path).expanduser()
-    try:
-        in_saved = path.resolve().parent == saved_dir().resolve()
-    except OSError:
-        in_saved = False
-    preset = path.stem if in_saved and path.suffix == SUFFIX else preset_path
+    preset = path.stem if in_saved_dir(path) and path.suffix == SUFFIX else preset_path
     return run_command(preset, headless=False, nproc=nproc)
 
 
@@ -83,9 +86,18 @@ _DIALOG_CSS = """
 
 
 class SaveDialog(ModalScreen[str | None]):
-    """Asks where to save the preset; dismisses with the path, or None when cancelled."""
+    """Asks where to save the preset; dismisses with the path, or None when cancelled.
 
-    DEFAULT_CSS = _DIALOG_CSS.format(name="SaveDialog")
+    A name alone is dismissed as its file among the saved presets (saved_preset_path); a
+    path whose folder does not exist (and is not the saved presets folder, which the save
+    makes) keeps the dialog open, saying so."""
+
+    DEFAULT_CSS = _DIALOG_CSS.format(name="SaveDialog") + """
+SaveDialog #preset-error {
+    display: none;
+    color: $text-error;
+}
+"""
     AUTO_FOCUS = "#preset-path"
     BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
 
@@ -99,8 +111,9 @@ class SaveDialog(ModalScreen[str | None]):
             box.border_title = "Save preset"
             if self.summary:
                 yield Static(self.summary, id="preset-summary")
-            yield Label("File (YAML):")
+            yield Label("Preset name, or a file path (YAML):")
             yield Field(self.path, id="preset-path", select_on_focus=False)
+            yield Static(id="preset-error")
             with Horizontal():
                 yield Button("Cancel", id="cancel")
                 yield Button("Save", id="save", variant="primary")
@@ -108,11 +121,26 @@ class SaveDialog(ModalScreen[str | None]):
     @on(Input.Submitted, "#preset-path")
     @on(Button.Pressed, "#save")
     def _save(self) -> None:
-        path = self.query_one("#preset-path", Input).value.strip()
-        if not path:
-            self.notify("give a file name for the preset", severity="error")
+        typed = self.query_one("#preset-path", Input).value.strip()
+        if not typed:
+            self._refuse("give a preset name or a file path")
             return
-        self.dismiss(path)
+        target = saved_preset_path(typed)
+        if in_saved_dir(target):
+            self.dismiss(shown_path(target))
+        elif not target.parent.exists():
+            self._refuse(f"folder not found: {shown_path(target.parent)}")
+        else:
+            self.dismiss(typed)
+
+    def _refuse(self, message: str) -> None:
+        error = self.query_one("#preset-error", Static)
+        error.update(message)
+        error.display = True
+
+    @on(Input.Changed, "#preset-path")
+    def _edited(self) -> None:
+        self.query_one("#preset-error", Static).display = False
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
@@ -198,12 +226,14 @@ class PresetSaving:
     def write(
         self, settings: Settings, measured: Measured | None, path: str, *, overwrite: bool
     ) -> bool:
-        """Write the preset; an existing file makes it ask first. True when written."""
+        """Write the preset; an existing file makes it ask first. True when written. Of the
+        folders, only the saved presets folder is made (SaveDialog refuses a missing other)."""
         target = Path(path).expanduser()
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            return self._failed(path, exc)
+        if in_saved_dir(target):
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                return self._failed(path, exc)
         try:
             save_preset(
                 settings,

@@ -7,10 +7,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from textual.widgets import Static
 
 from tests.tuitrain.fakeworker import fake_run, fake_stats
 from tuitrain.events import Step
-from tuitrain.preset_folders import find_preset, saved_dir
+from tuitrain.preset_folders import find_preset, list_saved_presets, saved_dir
 from tuitrain.presets import load_preset
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.controls import Controls
@@ -156,7 +157,8 @@ async def test_typing_in_the_path_field_does_not_trigger_the_app_keys():
         await pilot.press("ctrl+a", "ctrl+k", *"my cpu+run.yaml", "enter")
         await pilot.pause()
     assert fake.commands == []
-    assert load_preset("my cpu+run.yaml").engine.policy == "auto"
+    # A name alone: a saved preset's (test_a_name_alone_is_a_saved_preset_...).
+    assert load_preset(saved_dir() / "my cpu+run.yaml").engine.policy == "auto"
 
 
 async def test_a_path_that_cannot_be_written_is_reported_and_the_app_stays_open(in_tmp_path):
@@ -190,3 +192,59 @@ async def test_rows_that_differ_in_checkpointing_or_split_are_offered_different_
     assert len(set(offered)) == 3, offered
     assert offered[0] == "opt-125m-auto.yaml"
     assert "checkpointing" in offered[2] and "checkpointing" not in offered[1]
+
+
+async def test_a_path_in_a_folder_that_does_not_exist_is_refused_in_the_dialog(in_tmp_path):
+    """As `--save-preset` refuses it: nothing is made, the dialog stays open to fix it."""
+    missing = in_tmp_path / "no" / "such"
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        dialog = await open_dialog(app, pilot)
+        dialog.query_one("#preset-path").value = str(missing / "x.yaml")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is dialog
+        error = dialog.query_one("#preset-error", Static)
+        assert error.display and str(error.render()) == f"folder not found: {missing}"
+        assert not (in_tmp_path / "no").exists()
+        dialog.query_one("#preset-path").value = str(in_tmp_path / "x.yaml")
+        await pilot.pause()
+        assert not error.display  # the message goes as the path is changed
+        await pilot.press("enter")
+        await pilot.pause()
+        assert not isinstance(app.screen, SaveDialog)
+    assert load_preset(in_tmp_path / "x.yaml").model == "opt-125m"
+    assert not (in_tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("typed", ["mine", "mine.yaml", "{saved}/mine"])
+async def test_a_name_alone_is_a_saved_preset_that_the_listing_and_preset_name_find(typed):
+    """A name with no folder part saves `<name>.yaml` among the user's presets, as the path
+    the dialog offers does; so does a name without `.yaml` in that folder."""
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        dialog = await open_dialog(app, pilot)
+        dialog.query_one("#preset-path").value = typed.format(saved=saved_dir())
+        await pilot.press("enter")
+        await pilot.pause()
+        assert not isinstance(app.screen, SaveDialog)
+        said = app.query_one(Controls).message.replace("\n", "")  # wrapped to its width
+        assert said == f"saved preset {saved_dir() / 'mine.yaml'}"
+    assert sorted(p.name for p in saved_dir().iterdir()) == ["mine.yaml"]
+    assert not Path("mine").exists() and not Path("mine.yaml").exists()
+    assert find_preset("mine") == saved_dir() / "mine.yaml"  # `--preset mine`
+    assert [name for name, _ in list_saved_presets()] == ["mine"]  # `tuitrain presets`
+    assert "# reproduce: tuitrain run --preset mine\n" in (saved_dir() / "mine.yaml").read_text()
+
+
+async def test_a_path_with_a_folder_part_is_saved_where_it_says(in_tmp_path):
+    app, _ = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        dialog = await open_dialog(app, pilot)
+        dialog.query_one("#preset-path").value = "./here.yaml"
+        await pilot.press("enter")
+        await pilot.pause()
+    assert load_preset(in_tmp_path / "here.yaml").model == "opt-125m"
+    assert "# reproduce: tuitrain run --preset ./here.yaml\n" in (
+        in_tmp_path / "here.yaml").read_text()
+    assert not saved_dir().exists()
