@@ -216,7 +216,8 @@ def find_preset(name_or_path: str | os.PathLike) -> Path:
     overridden by an update of tuitrain.
 
     Raises:
-        PresetError: neither a file nor a known name; the message lists the names.
+        PresetError: a folder or another file that is not a regular one (a device, a
+            pipe), or neither a file nor a known name; the message lists the names.
     """
     path = Path(name_or_path).expanduser()
     if path.is_file():
@@ -230,6 +231,8 @@ def find_preset(name_or_path: str | os.PathLike) -> Path:
                 return candidate
     if path.is_dir():
         raise PresetError(f"{path}: is a folder, not a preset file")
+    if path.exists():  # a device (/dev/null), a pipe: nothing a preset is read from
+        raise PresetError(f"{path}: is not a regular file, not a preset file")
     shipped = ", ".join(n for n, _ in list_presets()) or "none"
     saved = ", ".join(n for n, _ in list_saved_presets())
     known = f"shipped: {shipped}" + (f"; saved: {saved}" if saved else "")

@@ -310,6 +310,11 @@ def test_a_checkpoint_folder_with_an_earlier_runs_checkpoints_is_for_continuing_
         ["run", "tiny", "--headless", "--checkpoint-dir", str(tmp_path / "unfinished")])))
 
 
+def test_a_preset_that_is_a_device_is_refused_as_one(capsys):
+    line = refused(capsys, ["run", "--preset", os.devnull, "--headless", "--steps", "2"])
+    assert line == f"tuitrain: error: {os.devnull}: is not a regular file, not a preset file"
+
+
 def test_no_model_and_no_preset_naming_one(capsys, tmp_path):
     assert "no model given" in refused(capsys, ["run", "--headless"])
     preset = write(tmp_path, "version: 1\nengine:\n  policy: cpu\n")

@@ -225,6 +225,16 @@ def test_not_a_preset(tmp_path, text, needle):
     assert_one_line(caught.value, path, needle)
 
 
+def test_a_file_that_is_not_a_regular_one_is_named_so_not_missing(tmp_path):
+    pipe = tmp_path / "preset.yaml"
+    os.mkfifo(pipe)
+    for path in (Path(os.devnull), pipe):
+        with pytest.raises(PresetError) as caught:
+            find_preset(str(path))
+        assert_one_line(caught.value, path, "is not a regular file")
+        assert "no such preset" not in str(caught.value)
+
+
 def test_missing_file_and_folder(tmp_path):
     with pytest.raises(PresetError) as caught:
         load_preset(tmp_path / "nope.yaml")

@@ -211,18 +211,18 @@ class TuitrainApp(App[None]):
 
     def _on_started(self, event: Started) -> None:
         self.started = event
-        self.query_one(RunHeader).show(
-            model=event.model, parameters=event.parameters, device=event.device,
-            trainable=event.trainable,
-        )
+        simulated = event.device.startswith("simulated")
         self.query_one(ChunkMap).show(event.chunks)
         self.steering.started_with(event.settings.get("engine") or {})
-        self.query_one(MemoryChart).simulated = event.device.startswith("simulated")
+        self.query_one(RunHeader).show(
+            model=event.model, parameters=event.parameters, device=event.device,
+            trainable=event.trainable, device_size=event.device_budget if simulated else None,
+            policy=self.settings.engine.policy)  # known now: the plan's, or the one asked for
+        self.query_one(MemoryChart).simulated = simulated
         if event.ranks > 1:
             self.query_one(RanksTable).start(event.ranks)
         self.panels.show_ranks()
-        controls = self.query_one(Controls)
-        controls.allow_budget(event.device.startswith("simulated"))
+        self.query_one(Controls).allow_budget(simulated)
         # The worker picks the default budget (the whole GPU, or one sized for the simulated
         # device): show it now rather than after the first step, which can take a while.
         if event.device_budget is not None and self.settings.engine.device_budget is None:
@@ -335,7 +335,8 @@ class TuitrainApp(App[None]):
         value was checked where it entered, on the screen or by the worker."""
         engine = self.settings.engine.model_copy(update={setting: value})
         self.settings = self.settings.model_copy(update={"engine": engine})
-        self.query_one(RunHeader).show(**settings_fields(engine))
+        known = self.panels.policy_known
+        self.query_one(RunHeader).show(**settings_fields(engine, policy_known=known))
 
     # --- requests -------------------------------------------------------------------------
 
@@ -412,7 +413,9 @@ class TuitrainApp(App[None]):
         self.latest = self.failure = self.finished = self.started = None
         self.trial_book.reset()
         self.panels.reset()
-        self.add_log(f"restarting {self.settings.model} with policy {self.settings.engine.policy}")
+        self.steering.restarted()
+        policy = self.settings.engine.policy if self.panels.policy_known else "the plan's choice"
+        self.add_log(f"restarting {self.settings.model} with policy {policy}")
         self._start_worker()
 
     def action_tune(self) -> None:

@@ -57,11 +57,13 @@ class Change:
     step: int | None = None
     reason: str = ""
 
-    def describe(self) -> str:
+    def describe(self, *, paused_after: int | None = None) -> str:
         """One line: "policy: auto → cpu (pending)", "…, applied at step 43", "…, rejected: …".
 
-        A setting's step is the first step that ran with it; an action's (pause, resume,
-        checkpoint) is the step it came after, so those read "paused after step 42".
+        A setting's step is the first step that runs with it; an action's (pause, resume,
+        checkpoint) is the step it came after, so those read "paused after step 42". While
+        the run is paused after step `paused_after`, a setting whose step has not begun
+        reads "applies at step 43".
         """
         head = LABELS[self.setting]
         if self.setting in SETTINGS:
@@ -70,7 +72,9 @@ class Change:
             if self.setting in DONE:
                 after = f"after step {self.step}" if self.step else "before the first step"
                 return f"{DONE[self.setting]} {after}"
-            return f"{head}, applied at step {self.step}"
+            waiting = paused_after is not None and self.step is not None \
+                and self.step > paused_after
+            return f"{head}, {'applies' if waiting else 'applied'} at step {self.step}"
         if self.status == "rejected":
             return f"{head}, rejected: {self.reason}"
         return f"{head} (pending)"
@@ -110,6 +114,11 @@ class ChangeTracker:
     def clear(self) -> None:
         """Forget pending changes (their worker is gone); answered ones stay on screen."""
         self.pending.clear()
+
+    def forget_all(self) -> None:
+        """Forget every change, answered ones too: a new run has made none."""
+        self.pending.clear()
+        self.answered.clear()
 
     def lines(self) -> list[Change]:
         """What to show: every pending change, then the latest answered ones, newest first."""

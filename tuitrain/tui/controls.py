@@ -198,8 +198,10 @@ class Controls(Vertical):
             hint = FIELD_HINT if isinstance(self.screen.focused, Field) else HINT
         self.query_one("#control-hint", Static).update(hint)
 
-    def show_changes(self, changes: list[Change]) -> None:
-        lines = [Text(c.describe(), style=STATUS_STYLES[c.status]) for c in changes]
+    def show_changes(self, changes: list[Change], *, paused_after: int | None = None) -> None:
+        """The changes, newest first; `paused_after`: the step the run is paused after."""
+        lines = [Text(c.describe(paused_after=paused_after), style=STATUS_STYLES[c.status])
+                 for c in changes]
         self.query_one("#changes", Static).update(Text("\n").join(lines))
 
     def show_message(self, message: str, *, error: bool = False) -> None:

@@ -36,15 +36,20 @@ class HeaderInfo:
     step: int = 0
     total_steps: int | None = None
     tokens_per_s: float | None = None
-    policy: str = "auto"
+    policy: str | None = "auto"  # None: the plan's choice, not known until the run says
     margin_ratio: float = 0.0
     device_budget: int | None = None
+    # A simulated device is as big as its budget: the size its name gave at the start,
+    # which the name then follows (None: a GPU, whose size is its own).
+    device_size: int | None = None
     read_only: bool = False  # a viewer that watches and sends nothing (tuitrain attach)
 
 
-def settings_fields(engine: EngineSettings) -> dict[str, object]:
-    """The settings in force, as RunHeader.show takes them."""
-    fields: dict[str, object] = {"policy": engine.policy, "margin_ratio": engine.margin_ratio}
+def settings_fields(engine: EngineSettings, *, policy_known: bool = True) -> dict[str, object]:
+    """The settings in force, as RunHeader.show takes them; the policy None until known (a
+    policy left unset is the plan's choice, which the run makes as it starts)."""
+    fields: dict[str, object] = {"policy": engine.policy if policy_known else None,
+                                 "margin_ratio": engine.margin_ratio}
     if engine.device_budget is not None:
         fields["device_budget"] = engine.device_budget.nbytes
     return fields
@@ -65,6 +70,9 @@ def header_items(info: HeaderInfo) -> tuple[list[Item], list[Item]]:
             and info.trainable < info.parameters:
         params += f" ({format_count(info.trainable)} trainable)"
     device = unknown if info.device is None else (info.device or "N/A")
+    if info.device and info.device_size is not None and info.device_budget is not None:
+        device = info.device.replace(format_size(info.device_size),
+                                     format_size(info.device_budget), 1)
     total = "?" if info.total_steps is None else str(info.total_steps)
     rate = unknown if info.tokens_per_s is None else format_rate(info.tokens_per_s)
     budget = unknown if info.device_budget is None else format_size(info.device_budget)
@@ -80,7 +88,7 @@ def header_items(info: HeaderInfo) -> tuple[list[Item], list[Item]]:
         Item(((f"{rate} tok/s", ""),), rank=KEEP),
     ]
     second = [
-        Item((("policy ", ""), (info.policy, "bold")), rank=KEEP),
+        Item((("policy ", ""), (info.policy or unknown, "bold")), rank=KEEP),
         Item((("margin ", ""), (f"{info.margin_ratio:.2f}", "bold")), rank=KEEP),
         Item((("budget ", ""), (budget, "bold")), rank=KEEP),
         Item((("device ", ""), (device, "bold")), rank=2, shrink=True),

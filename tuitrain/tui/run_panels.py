@@ -104,6 +104,12 @@ class RunPanels:
         self.panels_stale = False  # a step arrived since the panels were drawn
         self.charts_stale = False
 
+    @property
+    def policy_known(self) -> bool:
+        """Whether the run's policy is known: the user gave it, or the run said which it
+        uses. One left unset is the plan's choice, made as the worker starts (tuitrain.fit)."""
+        return self.app.settings.policy_chosen or self.app.started is not None
+
     def mark_stale(self, *, panels: bool = True, charts: bool = True) -> None:
         """Something they show changed: redrawn at the timers' next tick."""
         self.panels_stale |= panels
@@ -117,7 +123,7 @@ class RunPanels:
             HeaderInfo(
                 model=self.app.settings.model,
                 total_steps=self.app.settings.training.steps,
-                policy=engine.policy,
+                policy=engine.policy if self.policy_known else None,
                 margin_ratio=engine.margin_ratio,
                 device_budget=engine.device_budget.nbytes if engine.device_budget else None,
             ),
@@ -193,7 +199,9 @@ class RunPanels:
         for panel in (MemoryChart, StepPanel, StepTimeline, TrialsTable):
             self.app.query_one(panel).reset()
         self.show_ranks()
-        self.app.query_one(RunHeader).show(step=0, tokens_per_s=None)
+        # A policy the plan chose is chosen again, maybe another.
+        in_force = settings_fields(self.app.settings.engine, policy_known=self.policy_known)
+        self.app.query_one(RunHeader).show(step=0, tokens_per_s=None, **in_force)
 
     # --- drawing --------------------------------------------------------------------------
 
@@ -215,7 +223,8 @@ class RunPanels:
             "tokens_per_s": self._pace(),
             "device_budget": stats.device_budget,
         }
-        self.app.query_one(RunHeader).show(**{**shown, **settings_fields(self.app.settings.engine)})
+        in_force = settings_fields(self.app.settings.engine, policy_known=self.policy_known)
+        self.app.query_one(RunHeader).show(**{**shown, **in_force})
         self.app.query_one(StatesTable).show(stats.memory)
         self.app.query_one(ChunkMap).show(stats.memory.chunks)
         step = self.app.query_one(StepPanel)

@@ -73,6 +73,9 @@ class Steering:
         self.in_force: dict[str, Value] = {name: getattr(engine, name) for name in SETTINGS}
         self.target: dict[str, Value] = dict(self.in_force)
         self.want_paused = False
+        # The step the run paused after, while it is paused: a change applied then applies
+        # at a step that has not begun.
+        self.paused_after: int | None = None
         self.default_budget: str | None = None  # the budget the worker chose, as shown
 
     # --- requests -------------------------------------------------------------------------
@@ -128,6 +131,8 @@ class Steering:
         """The run is now `state`: a pause or resume asked for has happened, or never will."""
         if state in ("running", "paused"):
             self.want_paused = state == "paused"
+        if state == "running":
+            self.paused_after = None
 
     # --- answers --------------------------------------------------------------------------
 
@@ -142,6 +147,7 @@ class Steering:
             self.in_force[change.setting] = change.value
             self.screen.use_setting(change.setting, change.value, from_step=event.step)
         elif change.setting == "pause":
+            self.paused_after = event.step
             self.screen.set_state("paused")
         elif change.setting == "resume":
             self.screen.set_state("running")
@@ -150,7 +156,8 @@ class Steering:
         # A setting's line is stamped with the step it applies at, which it names; a pause,
         # a resume or a checkpoint happened after the step it names, the latest.
         stamp = event.step if change.setting in SETTINGS else None
-        self.screen.add_log(change.describe() + detail, level="change", step=stamp)
+        self.screen.add_log(change.describe(paused_after=self.paused_after) + detail,
+                            level="change", step=stamp)
         self.show_changes()
 
     def _applied_elsewhere(self, event: Applied) -> None:
@@ -158,7 +165,9 @@ class Steering:
         (tuitrain.listener words it "<setting> <value> (by ...)"). It is in force now."""
         name, _, rest = event.what.partition(" ")
         if name in ("paused", "resumed"):
+            self.paused_after = event.step if name == "paused" else None
             self.screen.set_state("paused" if name == "paused" else "running")
+            self.show_changes()
         if name not in SETTINGS:
             return
         try:
@@ -208,10 +217,18 @@ class Steering:
         self.changes.clear()
         self.show_changes()
 
+    def restarted(self) -> None:
+        """A new run starts: the last one's changes and messages are not its own."""
+        self.changes.forget_all()
+        self.want_paused = False
+        self.paused_after = None
+        self.show_changes()
+        self.screen.controls.show_message("")
+
     # --- showing --------------------------------------------------------------------------
 
     def show_changes(self) -> None:
-        self.screen.controls.show_changes(self.changes.lines())
+        self.screen.controls.show_changes(self.changes.lines(), paused_after=self.paused_after)
 
     def shown(self, setting: str, value: Value) -> str:
         return shown(setting, value, default=self.default_budget)

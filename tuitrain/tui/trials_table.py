@@ -17,7 +17,7 @@ from textual import events
 from textual.widgets import DataTable
 
 from tuitrain import tune
-from tuitrain.formatting import format_rate, format_seconds, format_size
+from tuitrain.formatting import format_rate, format_seconds, format_size, plural
 from tuitrain.trials import BEST_MIN_SETTLED, Setting, Trial, best_trial, format_spread
 
 BEST = ("★", "bold yellow")
@@ -70,22 +70,28 @@ def _number(text: str, style: str = "") -> Text:
 
 
 def candidate_note(trial: tune.Trial) -> str:
-    """Why the tuner has not measured a candidate (or not to the end), in a few words."""
+    """Why the tuner has not measured a candidate (or not to the end), in a few words; for
+    one it measured, what the search decided by. That is its trial's own steps, while the
+    row's s/step is the median of every settled step the run made with the setting (before
+    the search, between its trials, after it), so the note names its figure."""
     status = trial.status
     if status == tune.DOES_NOT_FIT:
         return trial.forecast.over or f"{status}: {trial.reason}"
     if status == tune.SLOWER and trial.slower is not None:
         return f"fcst {trial.slower:+.0%} slower"
     if status == tune.STOPPED_EARLY and trial.slower is not None:
-        return f"stopped: {trial.slower:+.0%}"
+        # The search compares a stopped trial's fastest step with the best's median.
+        return (f"stopped: {trial.slower:+.0%}, fastest of its "
+                f"{plural(len(trial.steps), 'trial step')} {format_seconds(min(trial.steps))}")
     if status == tune.MEASURING:
         return f"measuring: {len(trial.steps)} steps"
     if status == tune.NOT_REACHED:
         return f"untried: {trial.reason}"
     if status == tune.PENDING:
         return "to try"
-    if status == tune.MEASURED:
-        return "measured"
+    if status == tune.MEASURED and trial.measured is not None:
+        return (f"tune: {format_seconds(trial.measured)}, median of its "
+                f"{plural(len(trial.steps), 'trial step')}")
     return f"{status}: {trial.reason}" if trial.reason else status
 
 
@@ -128,7 +134,7 @@ def trial_cells(trial: Trial | None, *, best: bool, in_force: bool,
             _number(waiting if measured_rate is None else format_rate(measured_rate), strong),
         ]
         note = measured_note(trial)
-        if candidate is not None and candidate.status not in (tune.MEASURED, tune.PENDING):
+        if candidate is not None and candidate.status != tune.PENDING:
             note = f"{candidate_note(candidate)}; {note}"
     peak_style = "bold red" if trial is not None and not trial.within_budget else ""
     return [

@@ -541,3 +541,84 @@ async def test_the_palettes_screenshot_is_saved_and_the_toast_says_where(tmp_pat
         assert "<svg" in saved.read_text()
         said = [n.message for n in app._notifications]
         assert any(saved.name in message for message in said), said
+
+
+# --- what the walkthrough found: one fact, one value ----------------------------------------
+
+
+async def test_a_simulated_device_is_named_with_the_budget_it_was_resized_to():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await type_into(pilot, "#budget", "100GiB")
+        await pilot.press("enter")
+        fake.emit(Step(fake_stats(4, device_budget=100 * GiB)))
+        await settle(app, pilot)
+        header = app.query_one(RunHeader).plain
+        assert "budget 100.0 GiB" in header
+        assert "device simulated, 100.0 GiB" in header and "6.0 GiB" not in header
+
+
+async def test_a_change_while_paused_applies_at_a_step_that_has_not_run():
+    app, fake = make_app(fake_run(3))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("space")
+        await settle(app, pilot)
+        await pilot.press("c")
+        (sent,) = commands_of(fake, SetPolicy)
+        fake._waiting.clear()  # the worker answers while paused, for the step after it
+        fake._answers.append(Applied(sent.id, 4, "policy cuda"))
+        await settle(app, pilot)
+        controls = app.query_one(Controls)
+        assert "policy: auto → cuda, applies at step 4" in controls.changes_text
+        assert "applied" not in controls.changes_text
+        assert "policy: auto → cuda, applies at step 4" in app.query_one(LogPanel).messages
+        await pilot.press("space")  # resumed: step 4 is under way
+        await settle(app, pilot)
+        assert "policy: auto → cuda, applied at step 4" in controls.changes_text
+
+
+async def test_a_restarted_run_shows_none_of_the_last_runs_changes_or_messages():
+    workers: list[FakeWorker] = []
+
+    def factory(settings: Settings) -> FakeWorker:
+        workers.append(FakeWorker(fake_run(2), steps_per_poll=100))
+        return workers[-1]
+
+    app = TuitrainApp(_settings(), worker_factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("space")
+        await settle(app, pilot)
+        await pilot.press("space")
+        await settle(app, pilot)
+        workers[0].emit(Failed("boom"))
+        await settle(app, pilot)
+        controls = app.query_one(Controls)
+        assert "resumed after step 2" in controls.changes_text
+        await pilot.press("minus")  # a message: margin is already 0.00
+        assert controls.message
+        await pilot.press("r")
+        await settle(app, pilot)
+        assert app.run_state == "running"
+        assert controls.changes_text == "" and controls.message == ""
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["failed before", "started"])
+async def test_a_policy_left_to_the_plan_shows_only_once_the_run_says_it(started):
+    planned = fake_started(settings={"engine": {"policy": "cuda"}})
+    script = [planned] if started else [Log("building opt-125m")]
+    app, _ = make_app([*script, Failed("boom")])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        header = app.query_one(RunHeader).plain
+        assert ("policy cuda" if started else "policy -") in header  # not the default, auto
+        assert "policy auto" not in header
+        await pilot.press("r")
+        await pilot.pause()
+        if not started:  # the new worker has said nothing yet: the header waits
+            assert "policy …" in app.query_one(RunHeader).plain
+        restart = app.query_one(LogPanel).messages[-1]
+        assert restart == ("restarting opt-125m with policy cuda" if started
+                           else "restarting opt-125m with policy the plan's choice")

@@ -50,3 +50,21 @@ def test_each_setting_has_its_command():
     assert command_for("device_budget", "4GiB") == SetBudget(device_budget="4GiB")
     with pytest.raises(ValueError, match="seq_len"):
         command_for("seq_len", 3)
+
+
+def test_a_setting_applied_while_paused_applies_at_a_step_not_begun():
+    change = Change(1, "policy", "cpu", "auto", "cpu", status="applied", step=289)
+    assert change.describe(paused_after=288) == "policy: auto → cpu, applies at step 289"
+    assert change.describe(paused_after=289) == "policy: auto → cpu, applied at step 289"
+    assert change.describe() == "policy: auto → cpu, applied at step 289"
+    paused = Change(2, "pause", status="applied", step=288)
+    assert paused.describe(paused_after=288) == "paused after step 288"
+
+
+def test_forget_all_leaves_nothing_to_show():
+    tracker = ChangeTracker()
+    tracker.sent(Change(1, "pause"))
+    tracker.sent(Change(2, "resume"))
+    tracker.applied(1, step=3)
+    tracker.forget_all()
+    assert tracker.lines() == []

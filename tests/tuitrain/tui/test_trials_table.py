@@ -235,3 +235,22 @@ async def test_the_tuners_candidates_are_rows_that_fit_the_small_screens(size):
         table.forget_candidates()
         table.show([*table.trials], table.in_force)
         assert table.row_count == 3 and table.cell_text(CPU, "mark") == ""
+
+
+async def test_a_tried_rows_note_names_the_figure_the_search_decided_by():
+    app, fake = tuning_app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        table = await try_three_settings(app, fake, pilot)
+        best = candidate(AUTO, tune.MEASURED)
+        best.steps, best.measured = [0.0325, 0.0330, 0.0320], 0.0325
+        stopped = candidate(CPU, tune.STOPPED_EARLY, slower=1.08)
+        stopped.steps, stopped.measured = [0.0676], 0.0676
+        table.show_candidate(best, tokens=256)
+        table.show_candidate(stopped, tokens=256)
+        await pilot.pause()
+        # The s/step column is the median of every settled step the run made with the
+        # setting; the note says what the search measured, and over which steps.
+        assert table.cell_text(AUTO, "note").startswith(
+            " tune: 32.5 ms, median of its 3 trial steps; peak ")
+        assert table.cell_text(CPU, "note").startswith(
+            " stopped: +108%, fastest of its 1 trial step 67.6 ms; peak ")
