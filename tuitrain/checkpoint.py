@@ -175,13 +175,23 @@ def _write_rest(folder: Path, engine: Any, data: Any, settings: Any, step: int,
     wrote them) as they are, the others hashed here."""
     save_file(rng_states(), folder / "rng.safetensors")
     record = {"format": FORMAT, "step": step, "engine": engine.state_meta(),
-              "settings": settings.model_dump(),
+              "settings": settings.model_dump(), "model_folder": model_folder(settings.model),
               "data": data.state_dict() if hasattr(data, "state_dict") else None, **record}
     (folder / "state.json").write_text(json.dumps(record, indent=2))
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     manifest = {name: written.get(name) or _entry(p)
                 for p in files if (name := str(p.relative_to(folder)))}
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": manifest}, indent=2))
+
+
+def model_folder(model: str) -> str | None:
+    """The absolute path of the run's model when it is a local folder, which its settings
+    keep as typed (a preset's `./my-llama` runs elsewhere too): what a checkpoint's adapters
+    were trained on, wherever the export runs. None for a zoo name."""
+    from engine.models.zoo import is_model_folder
+
+    path = Path(model).expanduser()
+    return str(path.resolve()) if is_model_folder(path) else None
 
 
 def _entry(path: Path) -> dict:
@@ -339,6 +349,8 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint folder")
     if (path / MANIFEST).exists() or STEP_DIR.match(path.name):
         return path
     steps = sorted((int(m.group(1)), p) for p in path.iterdir()

@@ -51,6 +51,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--merge: {out} exists; give a folder that does not")
     if not out.parent.is_dir():
         raise UsageError(f"--merge: no folder {out.parent} to write {out.name} in")
+    from tuitrain.run_checks import check_writable
+
+    check_writable("--merge", out.parent, folder=True)  # before a merge that takes minutes
     try:
         folder = find_checkpoint(args.checkpoint)
         verify(folder)
@@ -64,6 +67,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         else:
             merge_adapter(folder, tmp)
         tmp.rename(out)
+    except OSError as error:  # a folder it may not write in, a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UsageError(f"--merge: cannot write {out}: {error.strerror or error}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -90,7 +96,16 @@ def merge_adapter(checkpoint: Path, out: Path) -> None:
 
     state = json.loads((checkpoint / "state.json").read_text())
     settings = validate_settings(state["settings"])
-    built = meta_build(settings.model, seed=settings.training.seed)
+    # The model folder the run trained on, as it found it; older checkpoints kept the path
+    # as typed, read from here.
+    model = state.get("model_folder") or settings.model
+    if state.get("model_folder") and not is_model_folder(model):
+        raise UsageError(f"{checkpoint}: the model folder its adapters were trained on, "
+                         f"{model}, is gone; the merge needs its base weights")
+    try:
+        built = meta_build(model, seed=settings.training.seed)
+    except ValueError as error:  # a folder that is no model (any more), a name not known
+        raise UsageError(f"{checkpoint}: its base model {model}: {error}") from None
     base = built.model
     left_out = tied_copies(base)  # by the names it saves under, before peft renames them
     entries = [(name, t) for name, t in base.state_dict(keep_vars=True).items()
@@ -100,8 +115,8 @@ def merge_adapter(checkpoint: Path, out: Path) -> None:
     shard_bytes = SHARD_BYTES if budget is None else min(SHARD_BYTES, budget.nbytes // 2)
     write_model_folder(out, base, None, merged_tensors(entries, built.weights, adapted),
                        shard_bytes)
-    if is_model_folder(settings.model):
-        folder = Path(settings.model).expanduser()
+    if is_model_folder(model):
+        folder = Path(model).expanduser()
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
                 shutil.copy2(folder / name, out / name)

@@ -126,6 +126,9 @@ def peft_wrapped(model: torch.nn.Module, config: object) -> torch.nn.Module:
         # would read it above every line the command says.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* deprecated",
                                 category=FutureWarning)
+        # An adapter read back names the base as its run typed it; the caller built the base.
+        warnings.filterwarnings("ignore", message=".*base_model_name_or_path.* was renamed",
+                                category=UserWarning)
         return get_peft_model(model, config)
 
 
@@ -158,9 +161,12 @@ def apply_lora(model: torch.nn.Module, lora: Lora, *, seed: int = 0) -> torch.nn
     try:
         wrapped = peft_wrapped(model, config)
     except ValueError as error:
+        shown = targets if isinstance(targets, str) else ",".join(targets)
         if "not found in the base model" in str(error) or "No modules were targeted" in str(error):
-            shown = targets if isinstance(targets, str) else ",".join(targets)
             raise NoTargets(f"LoRA targets {shown!r} match no module of the model") from None
+        if "is not supported" in str(error):  # a block (attention, a layer), not a layer
+            raise NoTargets(f"LoRA targets {shown!r} name a module LoRA cannot adapt: name its "
+                            f"linear or embedding layers (q_proj,v_proj, or all-linear)") from None
         raise
     initialise_lora(wrapped, seed)
     return wrapped

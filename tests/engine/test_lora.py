@@ -104,6 +104,8 @@ def test_only_the_adapters_train():
 def test_targets_that_match_no_module_are_refused_by_name():
     with pytest.raises(NoTargets, match="nope"):
         apply_lora(build_model("tiny"), Lora(rank=4, targets=("q_proj", "nope")))
+    with pytest.raises(NoTargets, match="'self_attn' name a module LoRA cannot adapt"):
+        apply_lora(build_model("tiny"), Lora(rank=4, targets=("self_attn",)))  # a block
     only_q = apply_lora(build_model("tiny"), Lora(rank=4, targets=("q_proj",)))
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1]
             for n, p in only_q.named_parameters() if p.requires_grad} == {"q_proj"}

@@ -72,6 +72,41 @@ def test_a_merged_lora_run_on_a_folder_gives_peft_logits_and_keeps_its_tokenizer
         AutoTokenizer.from_pretrained(folder, local_files_only=True)("def step")["input_ids"]
 
 
+def test_the_merge_is_onto_the_folder_the_run_trained_on_wherever_it_runs(tmp_path,
+                                                                             monkeypatch):
+    """A run given its model folder as a relative path: exported from another folder that
+    holds another model of that name, the adapters still go onto the one trained on."""
+    from peft import PeftModel
+
+    monkeypatch.chdir(tmp_path)
+    model_folder(tmp_path / "base")
+    settings = validate_settings({"model": "base", "checkpoint": {"dir": str(tmp_path)},
+                                  "training": {"lora": {"rank": 4}}})
+    built = meta_build("base", seed=0)
+    model = apply_lora(built.model, settings.lora(), seed=0)
+    vocab = model.config.vocab_size
+    with Engine(model, EngineConfig(policy="cpu", device_budget="256MiB", precision="fp32",
+                                    lr=1e-2), weights=LoraWeights(model, built.weights, 0)) as eng:
+        for batch in make_batches(2, vocab=vocab):
+            eng.step(batch)
+        checkpoint = save_checkpoint(eng, model, None, settings, step=2).resolve()
+    elsewhere = tmp_path / "elsewhere"
+    model_folder(elsewhere / "base")
+    other = AutoModelForCausalLM.from_pretrained(elsewhere / "base")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.5)  # another model under the same relative name
+    other.save_pretrained(elsewhere / "base")
+    monkeypatch.chdir(elsewhere)
+    assert main(["export", str(checkpoint), "--merge", "merged"]) == 0
+    ids = make_batches(1, vocab=vocab, seed=9)[0]["input_ids"]
+    merged = AutoModelForCausalLM.from_pretrained(elsewhere / "merged").eval()
+    peft = PeftModel.from_pretrained(build_model(str(tmp_path / "base")), checkpoint / "adapter")
+    with torch.no_grad():
+        ours, theirs = merged(input_ids=ids).logits, peft.merge_and_unload()(input_ids=ids).logits
+    assert float((ours - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+
+
 # --- host memory ----------------------------------------------------------------------------
 
 BUDGET = 8 * 2**20
