@@ -14,15 +14,21 @@ if TYPE_CHECKING:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Check what the user gave, then hand it typed to tuitrain.plan.plan_main."""
+    from pathlib import Path
+
     from tuitrain.plan import plan_main
-    from tuitrain.settings import Size
+    from tuitrain.settings import InvalidSettings, check_engine_setting
 
     settings = merge_flags(_plan_base(args.preset), args, PLAN, model=args.model)
-    try:
-        host_budget = Size(args.host_mem).nbytes if args.host_mem is not None else None
-    except ValueError as error:
-        raise UsageError(f"--host-mem: {error}") from None
-    from tuitrain.run_checks import check_lora, check_model
+    try:  # checked as a run's --host-mem is
+        size = check_engine_setting("host_budget", args.host_mem) if args.host_mem else None
+    except InvalidSettings as error:
+        raise UsageError(f"--host-mem: {error.problem}") from None
+    host_budget = size.nbytes if size is not None else None
+    from tuitrain.run_checks import check_disk, check_lora, check_model
+
+    if args.disk is not None:  # a folder the run would refuse, the plan refuses too
+        check_disk(Path(args.disk).expanduser())
 
     if host_budget is None and settings.engine.host_budget is not None:
         host_budget = settings.engine.host_budget.nbytes  # the preset's

@@ -82,7 +82,7 @@ def check_parent(flag: str, path: str | os.PathLike) -> None:
         raise UsageError(f"{flag}: folder not found: {parent}")
 
 
-def _check_disk(folder: Path) -> None:
+def check_disk(folder: Path) -> None:
     """--disk: a folder the engine can make its scratch in, checked without leaving
     anything behind. One that is missing is not made here (the engine makes it when the
     run puts something on disk); the folder that would hold it must exist (check_parent)."""
@@ -164,7 +164,7 @@ def check_runnable(settings: Settings) -> None:
             raise UsageError(f"--metrics: {metrics} is not a metrics file (its first line is "
                              f"no JSON record); runs append to one, so name a new file")
     if settings.engine.disk_dir is not None:
-        _check_disk(Path(settings.engine.disk_dir).expanduser())
+        check_disk(Path(settings.engine.disk_dir).expanduser())
     checkpoint = settings.checkpoint
     if checkpoint.every is not None and checkpoint.dir is None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")

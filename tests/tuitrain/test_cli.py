@@ -382,6 +382,12 @@ def test_plan_checks_its_input_before_planning(capsys):
     line = refused(capsys, ["plan", "opt-1.3b", "--precision", "fp4"])
     assert line.startswith("tuitrain: error: --precision:")
     assert "unknown model 'opt-9b'" in refused(capsys, ["plan", "opt-9b"])
+    # As a run refuses them: the flag named, a folder the run would not make.
+    assert refused(capsys, ["plan", "tiny", "--host-mem", "0"]) == (
+        "tuitrain: error: --host-mem: a budget must be more than 0 bytes (got '0')")
+    assert refused(capsys, ["plan", "tiny", "--host-mem", "4MiB", "--disk",
+                            "/nonexistent/scratch"]) == (
+        "tuitrain: error: --disk: folder not found: /nonexistent")
 
 
 # --- settings: defaults < preset < flags -------------------------------------------------
