@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="will it fit? memory per policy",
         description="Forecast device and host memory for each policy, without training.",
     )
-    plan.add_argument("model", metavar="MODEL", help="a zoo name or a local model folder")
+    plan.add_argument("model", nargs="?", metavar="MODEL",
+                      help="a zoo name or a local model folder; optional when the preset names "
+                      "one")
     for flag in PLAN:
         flag.add_to(plan)
     plan.add_argument(

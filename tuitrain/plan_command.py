@@ -19,7 +19,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tuitrain.plan import plan_main
     from tuitrain.settings import InvalidSettings, check_engine_setting
 
-    settings = merge_flags(_plan_base(args.preset), args, PLAN, model=args.model)
+    base = _plan_base(args.preset)
+    if args.model is None and "model" not in base.model_fields_set:
+        raise UsageError("no model given: name one (e.g. `tuitrain plan opt-125m`, see "
+                         "`tuitrain models`) or use a preset that sets `model:`")
+    more = {"model": args.model} if args.model is not None else {}
+    settings = merge_flags(base, args, PLAN, **more)
     try:  # checked as a run's --host-mem is
         size = check_engine_setting("host_budget", args.host_mem) if args.host_mem else None
     except InvalidSettings as error:

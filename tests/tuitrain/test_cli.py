@@ -388,6 +388,13 @@ def test_plan_checks_its_input_before_planning(capsys):
     assert refused(capsys, ["plan", "tiny", "--host-mem", "4MiB", "--disk",
                             "/nonexistent/scratch"]) == (
         "tuitrain: error: --disk: folder not found: /nonexistent")
+    assert "no model given" in refused(capsys, ["plan"])
+
+
+def test_plan_takes_the_model_a_preset_names(capsys, tmp_path):
+    preset = write(tmp_path, "version: 1\nmodel: tiny\n")
+    assert main(["plan", "--preset", str(preset), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "tiny"
 
 
 # --- settings: defaults < preset < flags -------------------------------------------------
