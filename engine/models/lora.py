@@ -132,6 +132,17 @@ def peft_wrapped(model: torch.nn.Module, config: object) -> torch.nn.Module:
         return get_peft_model(model, config)
 
 
+def _tied_embeddings(model: torch.nn.Module) -> set[str]:
+    """The last names of the input embedding and output head modules, when the two share
+    one weight (tie_word_embeddings); empty otherwise."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return set()
+    ends = (model.get_input_embeddings(), model.get_output_embeddings())
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+            if any(m is end for end in ends if end is not None)}
+
+
 def apply_lora(model: torch.nn.Module, lora: Lora, *, seed: int = 0) -> torch.nn.Module:
     """`model` wrapped with LoRA adapters (a peft PeftModel), its base weights frozen.
 
@@ -145,7 +156,8 @@ def apply_lora(model: torch.nn.Module, lora: Lora, *, seed: int = 0) -> torch.nn
     The caller's random state is left as it was: peft's own draw is overwritten.
 
     Raises:
-        NoTargets: `lora.targets` names no module of the model.
+        NoTargets: `lora.targets` names no module of the model, one LoRA cannot adapt, or
+            an embedding the model ties to its output head.
     """
     from peft import LoraConfig
 
@@ -156,6 +168,13 @@ def apply_lora(model: torch.nn.Module, lora: Lora, *, seed: int = 0) -> torch.nn
         if missing:
             raise NoTargets(f"LoRA targets {','.join(missing)!r} match no module of the "
                             f"model")
+        tied = _tied_embeddings(model) & set(targets)
+        if tied:
+            # The adapted input embedding would be the head's weight too once merged: the
+            # merged model would not be the one trained (peft only warns).
+            raise NoTargets(f"LoRA target {','.join(sorted(tied))!r}: the model's input and "
+                            f"output embeddings are one weight, which an adapter merged into "
+                            f"it would change for both; adapt its other layers")
     config = LoraConfig(r=lora.rank, lora_alpha=lora.scale_alpha, lora_dropout=lora.dropout,
                         target_modules=targets, task_type="CAUSAL_LM", bias="none")
     try:

@@ -106,6 +106,9 @@ def test_targets_that_match_no_module_are_refused_by_name():
         apply_lora(build_model("tiny"), Lora(rank=4, targets=("q_proj", "nope")))
     with pytest.raises(NoTargets, match="'self_attn' name a module LoRA cannot adapt"):
         apply_lora(build_model("tiny"), Lora(rank=4, targets=("self_attn",)))  # a block
+    for tied in ("embed_tokens", "lm_head"):  # OPT ties them: a merge would change both
+        with pytest.raises(NoTargets, match=f"'{tied}': the model's input and output"):
+            apply_lora(build_model("tiny"), Lora(rank=4, targets=("q_proj", tied)))
     only_q = apply_lora(build_model("tiny"), Lora(rank=4, targets=("q_proj",)))
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1]
             for n, p in only_q.named_parameters() if p.requires_grad} == {"q_proj"}
