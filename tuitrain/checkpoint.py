@@ -5,6 +5,7 @@ A checkpoint is a folder `DIR/step-NNNNNN/`:
     model/                 a Hugging Face model folder (config, sharded safetensors, tokenizer):
                            `AutoModelForCausalLM.from_pretrained` loads it as is; a LoRA run
                            has adapter/ instead, a PEFT adapter folder (tuitrain.adapter_folder)
+                           with the run's tokenizer
     optimizer*.safetensors fp32 master weights, AdamW moments and step counts by name, in
                            the same sharded layout (tuitrain.shard_files): one file, or
                            shards and optimizer.safetensors.index.json
@@ -203,6 +204,7 @@ def _write_weights(folder: Path, model: torch.nn.Module, data: Any,
     """The model folder, or a LoRA run's adapter folder, from the engine's weights."""
     if is_adapted(model):
         write_adapter(folder / ADAPTER_DIR, model, pairs)
+        _save_tokenizer(data, folder / ADAPTER_DIR)  # what the merged model reads with
     else:
         write_model_folder(folder / "model", model, data, pairs, shard_bytes)
 
@@ -225,11 +227,16 @@ def write_model_folder(model_dir: Path, model: torch.nn.Module, data: Any,
         if name not in copies:
             shards.add(name, tensor)
     shards.close()
+    _save_tokenizer(data, model_dir)
+
+
+def _save_tokenizer(data: Any, folder: Path) -> None:
+    """The tokenizer the run's data was read with, if it has one, into `folder`."""
     tokenizer = getattr(data, "tokenizer", None)
     if tokenizer is not None:
         from engine.data.tokenizer import save_tokenizer
 
-        save_tokenizer(tokenizer, model_dir)
+        save_tokenizer(tokenizer, folder)
 
 
 def _save_ranks(engine: Any, model: torch.nn.Module, data: Any, settings: Any, step: int,

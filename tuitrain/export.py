@@ -5,9 +5,10 @@ again from the run's model and seed on the meta device, and each of its weights 
 read from the run's model folder), has its adapters' update added and goes into the
 safetensors shards before the next is made (engine.models.merged_weights). The host holds
 one shard being filled, at most half the run's host budget (SHARD_BYTES without one), one
-weight and its update: never the model. The tokenizer files of the run's model folder, if
-it came from one, are copied beside. A checkpoint of a run that trained every weight
-already holds the model folder (its tokenizer too), which is copied.
+weight and its update: never the model. The tokenizer the run read its data with (kept
+beside the adapters), or else its model folder's, is copied beside. A checkpoint of a run
+that trained every weight already holds the model folder (its tokenizer too), which is
+copied.
 
 The folder is written beside OUT under a hidden name and renamed into place once complete;
 an OUT that exists is never overwritten.
@@ -115,11 +116,14 @@ def merge_adapter(checkpoint: Path, out: Path) -> None:
     shard_bytes = SHARD_BYTES if budget is None else min(SHARD_BYTES, budget.nbytes // 2)
     write_model_folder(out, base, None, merged_tensors(entries, built.weights, adapted),
                        shard_bytes)
-    if is_model_folder(model):
-        folder = Path(model).expanduser()
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file():
+    # The tokenizer the run's data was read with (kept beside its adapters), else the
+    # model folder's.
+    for folder in (checkpoint / ADAPTER_DIR, Path(model).expanduser()):
+        found = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+        if found and (folder.name == ADAPTER_DIR or is_model_folder(folder)):
+            for name in found:
                 shutil.copy2(folder / name, out / name)
+            break
 
 
 def read_adapter(base: torch.nn.Module, folder: Path) -> torch.nn.Module:

@@ -134,6 +134,30 @@ def test_a_checkpoint_holds_an_adapter_folder_that_peft_loads_onto_the_base(tmp_
     assert not (tmp_path / "x").exists()
 
 
+def test_a_lora_checkpoint_keeps_the_runs_tokenizer_which_the_merged_folder_reads_with(
+        tmp_path):
+    """A zoo model has no folder of its own: the tokenizer the run's data was read with is
+    kept beside the adapters, and the merged folder carries it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from engine.data.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog\n"] * 20,
+                                vocab_size=300)
+    settings = lora_settings(tmp_path)
+    eng, model = lora_engine(settings)
+    eng.step(BATCHES[0])
+    folder = save_checkpoint(eng, model, SimpleNamespace(tokenizer=tokenizer), settings, step=1)
+    eng.close()
+    out = tmp_path / "merged"
+    assert main(["export", str(folder), "--merge", str(out)]) == 0
+    ids = AutoTokenizer.from_pretrained(out, local_files_only=True)("the lazy fox")["input_ids"]
+    assert ids == tokenizer("the lazy fox")["input_ids"]
+    assert ids
+
+
 def test_a_lora_run_resumes_exactly(tmp_path):
     settings = lora_settings(tmp_path)
     straight, _ = lora_engine(settings)
