@@ -37,21 +37,28 @@ def model_folder(folder) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def lora_checkpoint(model: str, folder) -> tuple:
+    """(the checkpoint in `folder` of two LoRA steps on the model folder `model`, as the
+    run names it; the model's vocabulary size)."""
+    settings = validate_settings({"model": model, "checkpoint": {"dir": str(folder)},
+                                  "training": {"lora": {"rank": 4}}})
+    built = meta_build(model, seed=0)
+    adapted = apply_lora(built.model, settings.lora(), seed=0)
+    vocab = adapted.config.vocab_size
+    with Engine(adapted, EngineConfig(policy="cpu", device_budget="256MiB", precision="fp32",
+                                      lr=1e-2), weights=LoraWeights(adapted, built.weights, 0)
+                ) as eng:
+        for batch in make_batches(2, vocab=vocab):
+            eng.step(batch)
+        return save_checkpoint(eng, adapted, None, settings, step=2), vocab
+
+
 def test_a_merged_lora_run_on_a_folder_gives_peft_logits_and_keeps_its_tokenizer(tmp_path):
     from peft import PeftModel
 
     folder = tmp_path / "base"
     model_folder(folder)
-    settings = validate_settings({"model": str(folder), "checkpoint": {"dir": str(tmp_path)},
-                                  "training": {"lora": {"rank": 4}}})
-    built = meta_build(str(folder), seed=0)
-    model = apply_lora(built.model, settings.lora(), seed=0)
-    vocab = model.config.vocab_size
-    with Engine(model, EngineConfig(policy="cpu", device_budget="256MiB", precision="fp32",
-                                    lr=1e-2), weights=LoraWeights(model, built.weights, 0)) as eng:
-        for batch in make_batches(2, vocab=vocab):
-            eng.step(batch)
-        checkpoint = save_checkpoint(eng, model, None, settings, step=2)
+    checkpoint, vocab = lora_checkpoint(str(folder), tmp_path)
 
     out = tmp_path / "merged"
     assert main(["export", str(checkpoint), "--merge", str(out)]) == 0
@@ -80,16 +87,8 @@ def test_the_merge_is_onto_the_folder_the_run_trained_on_wherever_it_runs(tmp_pa
 
     monkeypatch.chdir(tmp_path)
     model_folder(tmp_path / "base")
-    settings = validate_settings({"model": "base", "checkpoint": {"dir": str(tmp_path)},
-                                  "training": {"lora": {"rank": 4}}})
-    built = meta_build("base", seed=0)
-    model = apply_lora(built.model, settings.lora(), seed=0)
-    vocab = model.config.vocab_size
-    with Engine(model, EngineConfig(policy="cpu", device_budget="256MiB", precision="fp32",
-                                    lr=1e-2), weights=LoraWeights(model, built.weights, 0)) as eng:
-        for batch in make_batches(2, vocab=vocab):
-            eng.step(batch)
-        checkpoint = save_checkpoint(eng, model, None, settings, step=2).resolve()
+    checkpoint, vocab = lora_checkpoint("base", tmp_path)
+    checkpoint = checkpoint.resolve()
     elsewhere = tmp_path / "elsewhere"
     model_folder(elsewhere / "base")
     other = AutoModelForCausalLM.from_pretrained(elsewhere / "base")
