@@ -71,8 +71,9 @@ def shape_words(setting: Setting, before: str) -> str:
 class Trial:
     """One setting and what the run measured while it was in force.
 
-    Step time, tokens/s and bytes copied are medians over the settled steps (the latest
-    SAMPLES_KEPT of them; None while there is none); the device peak and host RSS are the
+    Step time and bytes copied are medians over the settled steps (the latest SAMPLES_KEPT
+    of them; None while there is none), tokens/s the median step's tokens over its time;
+    the device peak and host RSS are the
     highest of all its steps, since a step that re-placed chunks still had to fit.
     """
 
@@ -163,7 +164,7 @@ class _Tally:
     steps: int = 0
     settled: int = 0
     seconds: deque[float] = field(default_factory=_recent)  # settled steps only
-    rates: deque[float] = field(default_factory=_recent)
+    tokens: deque[int] = field(default_factory=_recent)  # settled steps only
     copied: deque[int] = field(default_factory=_recent)
     device_peak: int = 0
     process_rss: int = 0
@@ -196,7 +197,7 @@ class TrialBook:
         if not settling and stats.seconds > 0:
             tally.settled += 1
             tally.seconds.append(stats.seconds)
-            tally.rates.append(stats.tokens / stats.seconds)
+            tally.tokens.append(stats.tokens)
             tally.copied.append(stats.bytes_h2d + stats.bytes_d2h)
 
     def reset(self) -> None:
@@ -217,6 +218,13 @@ def _median(values: deque) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _rate(tally: _Tally) -> float | None:
+    """Tokens a second at the median step: its tokens over its time, so that the two
+    figures are one (a median of rates would be another step's for an even count)."""
+    seconds, tokens = _median(tally.seconds), _median(tally.tokens)
+    return None if seconds is None or tokens is None else tokens / seconds
+
+
 def _spread(values: deque) -> float | None:
     if len(values) < 2:
         return None
@@ -235,7 +243,7 @@ def _trial(setting: Setting, tally: _Tally) -> Trial:
         first_step=tally.first_step,
         last_step=tally.last_step,
         step_seconds=_median(tally.seconds),
-        tokens_per_second=_median(tally.rates),
+        tokens_per_second=_rate(tally),
         step_seconds_spread=_spread(tally.seconds),
         device_peak=tally.device_peak,
         bytes_copied=None if copied is None else int(copied),

@@ -127,6 +127,15 @@ def test_a_trial_shows_its_spread_in_the_words_every_place_uses():
     assert "3.00 s/step, 33 tok/s (median of 5 settled steps, ±33%)" in trial.describe()
 
 
+def test_tokens_a_second_are_those_of_the_median_step_for_an_even_count_too():
+    """ms/step and tok/s are one figure: a median of rates over an even count of steps
+    would be the mean of two other steps' (0.34 s/step beside 2,856 tok/s, not 752)."""
+    times = [9.0, 0.1, 0.2, 0.5, 0.6]  # the first is not settled: 4 settled steps
+    (trial,) = trials([step(n, seconds=s) for n, s in enumerate(times, start=1)])
+    assert trial.step_seconds == pytest.approx(0.35)
+    assert trial.tokens_per_second == pytest.approx(100 / 0.35)
+
+
 def test_peaks_are_the_highest_of_all_the_steps_and_one_step_over_the_budget_counts():
     rows = trials(
         [
