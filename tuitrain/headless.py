@@ -135,7 +135,8 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: _Interrupts) -> 
             if code is not None:
                 return code
         if interrupts.count and asked_to_stop_at is None:
-            report.say_err("stopping after the current step (Ctrl-C again to stop now)")
+            report.say_err("stopping: the step under way ends at its next layer, and nothing "
+                           "of it is kept (Ctrl-C again to stop now)")
             worker.send(Stop())
             asked_to_stop_at = time.monotonic()
         if interrupts.count > 1:

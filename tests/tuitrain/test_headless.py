@@ -260,7 +260,8 @@ def test_ctrl_c_ends_the_progress_line_drawn_again_before_the_stopping_message()
     report = report_on(out, steps=200)
     report.step(fake_stats(1))
     drawn = out.getvalue()
-    report.say_err("stopping after the current step (Ctrl-C again to stop now)")
+    report.say_err("stopping: the step under way ends at its next layer, and nothing of it "
+                   "is kept (Ctrl-C again to stop now)")
     # The line is drawn once more from its start (wiping a `^C` echoed onto it), then ended.
     assert out.getvalue() == drawn + drawn[drawn.index("\r"):] + "\n"
 
