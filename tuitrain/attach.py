@@ -110,7 +110,8 @@ def open_run(name: str | None, *, read_only: bool
 
 def stop_run(name: str | None, *, yes: bool, out: TextIO = sys.stdout,
              ask: TextIO = sys.stdin) -> int:
-    """Stop run `name` after its current step, once the user confirmed (or `yes`)."""
+    """Stop run `name` as Ctrl-C does (the step under way ends at its next layer, and
+    nothing of it is kept), once the user confirmed (or `yes`)."""
     record = _find(name)
     if not record.live:
         raise UsageError(f"run {record.id} has already {_ended(record)}")
@@ -230,7 +231,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                         "(default: the newest live run)")
     attach.add_argument("--read-only", action="store_true", help="watch; send nothing")
     attach.add_argument("--stop", action="store_true",
-                        help="stop the run after its current step, once you confirm")
+                        help="stop the run as Ctrl-C does (the step under way ends at its "
+                        "next layer, nothing of it kept), once you confirm")
     attach.add_argument("--yes", action="store_true", help="with --stop: do not ask")
     attach.set_defaults(handler=cmd_attach)
     runs = commands.add_parser("runs", help="list your live and finished headless runs")
@@ -238,6 +240,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
+    if args.stop and args.read_only:
+        raise UsageError("--stop sends the run a stop, which --read-only never does: give one")
+    if args.yes and not args.stop:
+        raise UsageError("--yes answers --stop's question; without --stop it has nothing to do")
     if args.stop:
         return stop_run(args.run, yes=args.yes)
     return attach(args.run, read_only=args.read_only)

@@ -105,7 +105,8 @@ async def test_read_only_offers_no_steering_key_sends_nothing_and_says_so() -> N
         app = attached_app(served.record.socket, read_only=True)
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_for(pilot, lambda: app.latest is not None)
-            await pilot.pause()
+            # The footer is drawn a moment later, a longer one on a busy machine.
+            await wait_for(pilot, lambda: "Quit" in footer_keys(app))
             assert "read-only" in app.query_one(RunHeader).plain
             assert not STEERING & footer_keys(app) and "Quit" in footer_keys(app)
             assert not {"Cycle policy", "Pause", "Tune", "Save checkpoint"} & palette_titles(app)

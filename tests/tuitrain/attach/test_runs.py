@@ -168,6 +168,17 @@ def test_attach_without_a_terminal_names_ssh_t_in_one_line_with_exit_2(
     assert err.count("\n") == 1 and "ssh -t HOST tuitrain attach" in err
 
 
+def test_flags_that_contradict_or_do_nothing_are_one_line_with_exit_2(capsys) -> None:
+    assert main(["attach", "123", "--yes"]) == 2
+    assert capsys.readouterr().err == (
+        "tuitrain: error: --yes answers --stop's question; without --stop it has nothing "
+        "to do\n")
+    assert main(["attach", "123", "--stop", "--read-only"]) == 2
+    assert capsys.readouterr().err == (
+        "tuitrain: error: --stop sends the run a stop, which --read-only never does: give "
+        "one\n")
+
+
 def write_steps(path: Path, steps: range, *, evaluated: bool = False) -> None:
     """A run's metrics as the worker writes them: its settings line, then its steps."""
     writer = MetricsWriter(path)
