@@ -543,7 +543,7 @@ async def test_the_palettes_screenshot_is_saved_and_the_toast_says_where(tmp_pat
         assert any(saved.name in message for message in said), said
 
 
-# --- what the walkthrough found: one fact, one value ----------------------------------------
+# --- one fact, one value: the header, a change while paused, a restart, the policy -----
 
 
 async def test_a_simulated_device_is_named_with_the_budget_it_was_resized_to():
