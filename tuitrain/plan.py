@@ -132,6 +132,8 @@ def print_plan(result: Plan, out: TextIO, times: dict[str, StepTime] | None = No
     if ranks > 1:
         host += f", shared by the {ranks} ranks"
         batch += f" ({result.batch_size // ranks} per rank on {ranks} data-parallel ranks)"
+    if result.grad_accum > 1:  # what a step copies and how long it takes are all of theirs
+        batch += f", {result.grad_accum} micro-batches a step"
     lines = [
         f"{result.model}, {result.precision}, {batch}"
         f"{', checkpointing' if result.checkpointing else ''}",

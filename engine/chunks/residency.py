@@ -141,7 +141,7 @@ class Residency(ChunkTiers):
         chunk at a time: what goes (further) to disk first, each leaver as it lands on the
         host, then the joiners (through the host), then what comes back from disk."""
         self.flight.wait()
-        placement = self.disk_placement(want) if self.spill is not None else None
+        placement = self.budget_placement(want)
         if placement is not None:
             self.spill.prepare(placement)
             for chunk in self.chunks:

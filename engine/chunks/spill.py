@@ -47,6 +47,7 @@ from engine.chunks.spill_regions import (
     file_name,
     host_parts,
     state_parts,
+    update_regions,
 )
 from engine.devices.disk import ALIGN, DiskTier, Region
 from engine.placement import rules
@@ -353,6 +354,19 @@ class Spill:
                     return
                 self._ahead[(chunk.index, STATE, i)] = loaded
                 room -= 1
+
+    def update_io(self, chunks: list[Chunk]) -> tuple[int, int]:
+        """(bytes read, bytes written) the update of `chunks` will issue (UpdatePipeline):
+        every piece of the regions it walks, read unless read ahead already (counted
+        then), and written back but for fp32's gradients."""
+        read = written = 0
+        for chunk in (c for c in chunks if c.state_on_disk):
+            for region in update_regions(chunk):
+                size, pieces = self._piece_bytes(chunk, region), len(self.spans(chunk))
+                ahead = sum((chunk.index, region, i) in self._ahead for i in range(pieces))
+                read += (pieces - ahead) * size
+                written += 0 if region == GRAD else pieces * size
+        return read, written
 
     # --- payloads on disk, in the forward and backward -----------------------------------------
 

@@ -25,6 +25,14 @@ def master_region(chunk: Chunk) -> str:
     return PAYLOAD if chunk.aliased or chunk.frozen else STATE
 
 
+def update_regions(chunk: Chunk) -> tuple[str, ...]:
+    """The regions the update of a chunk with state on disk reads, piece by piece, and
+    writes back (but fp32's gradients, used up: engine.chunks.update_walk)."""
+    if not chunk.payload_on_disk:
+        return (STATE,)
+    return (STATE, PAYLOAD, GRAD) if chunk.aliased else (STATE, PAYLOAD)
+
+
 def host_parts(chunk: Chunk, region: str) -> tuple[str, ...]:
     """The chunk's host tensors that `region` holds (fp32's master is its payload)."""
     if region == STATE:

@@ -192,10 +192,13 @@ class HostMemory:
                             fetches=fetches, updated=updated, unused=unused,
                             piece=self.disk_piece, micro_batches=self.grad_accum)
 
-    def disk_reason(self) -> str:
-        """Why the scratch folder cannot take what the host budget sends it, or "".
-        Sharded, every rank on the machine has a folder of its own there."""
-        if self.disk_free is None:
+    def disk_reason(self, placed_first: set[int]) -> str:
+        """Why the scratch folder cannot take what the host budget sends it, or "" (also
+        where the chunks a policy places on the device before any trace, `placed_first`,
+        leave nothing for the disk: under cuda the engine opens no disk tier, as long as
+        the policy stays). Sharded, every rank on the machine has a folder of its own
+        there."""
+        if self.disk_free is None or not self.placement(placed_first).state:
             return ""
         if problem := disk.folder_problem(self.disk_dir):
             return problem

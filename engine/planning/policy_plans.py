@@ -53,12 +53,37 @@ MARGIN_STEP = 0.1  # margins the recommendation compares
 
 
 @dataclass
+class _Moved:
+    """Bytes a step moves: copied between host and device, of them the fetches ahead of use
+    from host memory, and, data parallel, gathered and reduce-scattered."""
+
+    copied: int
+    prefetched: int
+    gathered: int = 0
+    reduce_scattered: int = 0
+
+    @classmethod
+    def of(cls, step: StepReplay, times: int = 1) -> _Moved:
+        """What `step` (a micro-batch) moved, `times` over."""
+        sharding = step.sharding
+        return cls(times * step.copied, times * step.prefetched,
+                   times * sharding.gathered if sharding is not None else 0,
+                   times * sharding.reduce_scattered if sharding is not None else 0)
+
+    def __add__(self, other: _Moved) -> _Moved:
+        return _Moved(self.copied + other.copied, self.prefetched + other.prefetched,
+                      self.gathered + other.gathered,
+                      self.reduce_scattered + other.reduce_scattered)
+
+
+@dataclass
 class _Outcome:
     policy: Policy
-    step: StepReplay
+    step: StepReplay  # the step's first micro-batch, whose memory is every one's
     trace: Trace
     failure: str  # why the device cannot run it; "" when it can
     resident: set[int]
+    moved: _Moved  # the whole step's, every micro-batch's (where it ran)
 
 
 class PolicyPlans:
@@ -102,18 +127,32 @@ class PolicyPlans:
             warm.run(self.events)
             trace = warm.trace_of()
             if warm.overrun > 0 or trace.working_set > capacity:
-                return _Outcome(policy, warm, trace, self._too_small(trace), warm.resident)
+                return _Outcome(policy, warm, trace, self._too_small(trace), warm.resident,
+                                _Moved.of(warm))
         resident = resident_chunks(
             self.lay, self.cost, policy, margin_ratio, int(min(capacity, 2**62)), trace
         )
         step = self._replay(policy, capacity, resident, trace)
         try:
             step.run(self.events)
+            moved = self._accumulated(step)
         except OutOfMemory as error:
-            return _Outcome(
-                policy, step, trace, f"out of device memory mid-step: {error}", resident
-            )
-        return _Outcome(policy, step, trace, "", resident)
+            return _Outcome(policy, step, trace, f"out of device memory mid-step: {error}",
+                            resident, _Moved.of(step))
+        return _Outcome(policy, step, trace, "", resident, moved)
+
+    def _accumulated(self, first: StepReplay) -> _Moved:
+        """The bytes a step of `grad_accum` micro-batches moves: the first's, and each later
+        one's, which fetches (and gathers) again what it needs (bf16/fp16: from the fp32
+        master, its gradients being home) and adds its gradients to those there
+        (engine.step.engine.Engine.step). Every later one starts where the one before left
+        the chunks, so they are alike."""
+        later = self.host.grad_accum - 1
+        if not later:
+            return _Moved.of(first)
+        again = first.later_micro_batch()
+        again.run(self.events)
+        return _Moved.of(first) + _Moved.of(again, later)
 
     def _replay(self, policy: Policy, capacity: float, resident: set[int],
                 trace: Trace | None = None) -> StepReplay:
@@ -204,7 +243,11 @@ class PolicyPlans:
                         f"host memory, {format_size(host_peak)} each")
             parts = self.host.parts(outcome.resident, *self._device_in_host(outcome.step))
             reason = f"{need} ({parts}), have {format_size(self.host.host_mem)}"
-        reason = reason or self.host.disk_reason()
+        # The engine opens its disk tier where the policy's placement before any trace
+        # needs one (ChunkManager.use_host_budget): every policy's but cuda's, which keeps
+        # every chunk on the device (or does not fit, the reason above).
+        placed_first = resident_chunks(self.lay, self.cost, policy, 0.0, self.capacity, None)
+        reason = reason or self.host.disk_reason(placed_first)
         step = outcome.step
         where = self.host.placement(outcome.resident)
         io = self.host.disk_traffic(outcome.resident, step.fetches, step.home, step.unused_reads)
@@ -214,8 +257,8 @@ class PolicyPlans:
             host_peak=int(host_peak),
             host_model=self.host.host_model(outcome.resident),
             landed_grads=self.host.landed(outcome.resident),
-            copied=outcome.step.copied,
-            prefetched=outcome.step.prefetched,
+            copied=outcome.moved.copied,
+            prefetched=outcome.moved.prefetched,
             device_buffers=outcome.step.pool.peak if self.simulated else 0,
             fresh=(settled_fresh(step.pool.limit, step.resident_buffers, step.buffer_moves)
                    if self.simulated else 0),
@@ -230,8 +273,8 @@ class PolicyPlans:
             update_beside=bool(where.state) and not where.payload,
         )
         if self.cost.sharded:
-            sharding = outcome.step.sharding
-            row.gathered, row.reduce_scattered = sharding.gathered, sharding.reduce_scattered
+            row.gathered = outcome.moved.gathered
+            row.reduce_scattered = outcome.moved.reduce_scattered
             row.ranks = self.ranks
         return row, outcome
 
@@ -300,7 +343,7 @@ class PolicyPlans:
             tried = self.run(Policy.AUTO, self.capacity, ratio, trace=auto.trace)
             if tried.failure or not self.host.fits(self.host_peak(tried)):
                 continue
-            if tried.step.copied <= best.step.copied and tried.resident != best.resident:
+            if tried.moved.copied <= best.moved.copied and tried.resident != best.resident:
                 best, best_ratio = tried, ratio
         if not best.resident:
             return Recommendation(
@@ -314,7 +357,7 @@ class PolicyPlans:
             best_ratio,
             f"margin {best_ratio:g} keeps the optimizer state of {len(best.resident)} of "
             f"{len(self.lay.numel)} chunks on the device and copies "
-            f"{format_size(best.step.copied)} per step ({format_size(auto.step.copied)} "
+            f"{format_size(best.moved.copied)} per step ({format_size(auto.moved.copied)} "
             f"without); predicted peak {format_size(self.device_peak(best.step))} of "
             f"{format_size(self.device_mem)}",
         )

@@ -11,6 +11,10 @@ resident, how much room the forecast keeps) is asked of engine.placement.rules, 
 functions the ChunkManager carries out on tensors; what remains here is the counting, and
 the engine's own bookkeeping of which parameter is in which TensorState.
 
+A step of several micro-batches (EngineConfig.grad_accum) is its first replayed as above,
+and then a later one (`later_micro_batch`), which starts where the first left the chunks:
+every later one is alike.
+
 It is built as the ChunkManager is, its parts over one shared state: the state and its
 counting, sampled per interval (engine.planning.replay_bytes), the device copies
 (replay_copies) and the gradients (replay_gradients). This module holds the StepRunner's
@@ -177,12 +181,31 @@ class StepReplay(ReplayCopies, ReplayGradients):
                 self.in_backward = True
         for chunk in sorted(self.opened):
             self._close(chunk)
+        if self.later and self.sharding is None:
+            for chunk in sorted(self.grads):  # a parameter got none: the end adds them
+                self.add_to_disk(chunk)
         if self.sharding is not None:
             self.sharding.finish()
             for chunk in sorted(self.on_device):  # ChunkManager.release_all
                 self._release(chunk)
         for chunk in list(self.ahead):  # ChunkManager.release_all at the step's end
             self._drop_ahead(chunk)
+
+    def later_micro_batch(self) -> StepReplay:
+        """The replay of the step's next micro-batch (EngineConfig.grad_accum), from where
+        this one leaves the chunks (StepRunner.begin with `accumulate`): every copy but the
+        resident ones' let go (ChunkManager.release_all), the gradients home, and those the
+        resident chunks keep still on the device. Every later micro-batch starts so."""
+        later = StepReplay(
+            self.lay, cost=self.cost, policy=self.policy, capacity=self.capacity,
+            resident=self.resident, trace=self.trace, disk=self.disk,
+            sharding=type(self.sharding) if self.sharding is not None else None,
+            grads_land_in_step=self.grads_land_in_step, simulated=self.simulated)
+        later.later = True
+        later.home = set(self.home)
+        later.kept_resident = self.kept_resident
+        later.device_bytes += self.kept_resident
+        return later
 
     def trace_of(self) -> Trace:
         self._close_point()

@@ -123,6 +123,11 @@ class ReplayBytes:
         # StepRunner._partial; engine.step.tied_uses).
         self.partial: set[str] = set()
         self.in_backward = False
+        # A later micro-batch of the step (StepReplay.later_micro_batch): the gradients of
+        # the first are home, or kept on the device by the resident chunks (`kept_resident`
+        # bytes, there until the update), and later ones add up where they are.
+        self.later = False
+        self.kept_resident = 0
         # The latest point's phase, chunks and chunks its gradients go to (none in forward),
         # which a module of that phase may join (rules.joins_run); None after a recomputing
         # forward's point (StepRunner._run).

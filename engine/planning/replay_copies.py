@@ -61,19 +61,27 @@ class ReplayCopies(ReplayBytes):
                 )
             self.overrun = max(self.overrun, int(short))
 
+    def _fetch_bytes(self, chunk: int) -> int:
+        """Bytes a fetch of `chunk` copies (DeviceCopies.materialise): its payload, or, once
+        its gradients are home in bf16/fp16 (they hold the payload's place), its fp32
+        master, which the copy casts."""
+        if chunk in self.home and not self.cost.aliased:
+            return 4 * self.cost.home(self.lay.numel[chunk])
+        return self.nbytes[chunk]
+
     def _materialise(self, chunk: int, protect: tuple[int, ...]) -> None:
         self.last_use[chunk] = self.pos
         self.fetched_ahead.discard(chunk)
         if chunk in self.on_device:
             if chunk in self.stale:
                 self.stale.discard(chunk)
-                self.copied += self.nbytes[chunk]
+                self.copied += self._fetch_bytes(chunk)
                 self.fetches.append((chunk, chunk in self.home))
             return
         self._make_room(self.nbytes[chunk], protect + (chunk,))
         self.on_device.add(chunk)
         self.take_buffer(chunk)
-        self.copied += self.nbytes[chunk]
+        self.copied += self._fetch_bytes(chunk)
         self.fetches.append((chunk, chunk in self.home))
         if chunk not in self.home:
             self.ahead.pop(chunk, None)  # Spill.fetch takes what was read ahead

@@ -31,6 +31,9 @@ class ReplayGradients(ReplayBytes):
         with the `last`)."""
         self._arrival()
         chunk = self.lay.chunk_of[param]
+        if self.later and self.sharding is None:
+            self._add_later(param, chunk, last)
+            return
         if param in self.got:
             # A later use's, or a second gradient: it adds up where the first is, no bytes.
             if last and param in self.partial:
@@ -56,7 +59,9 @@ class ReplayGradients(ReplayBytes):
             # a drop taken here already.
             self.nm -= nbytes
             self.adopted += nbytes
-            if chunk not in self.resident:
+            if chunk in self.resident:
+                self.kept_resident += nbytes
+            else:
                 self.kept_grads[chunk] = self.kept_grads.get(chunk, 0) + nbytes
             self._sample()
         elif chunk not in self.grads:
@@ -66,6 +71,33 @@ class ReplayGradients(ReplayBytes):
             self._taken(param)
             return
         self._complete(param, chunk)
+
+    def _add_later(self, param: str, chunk: int, last: bool) -> None:
+        """A later micro-batch's gradient, added where the step's first ones are
+        (Gradients.add_late_grad; a resident chunk's to those it keeps): on the host, with
+        no copy. Where the payload is on disk they gather in a device gradient buffer
+        again, added to what the disk holds once every parameter of the chunk has one."""
+        self._taken(param)
+        if chunk in self.resident or chunk not in self.home or chunk not in self.disk.chunks:
+            return
+        if chunk not in self.grads:
+            self.open_grads(chunk, (chunk,))
+        if last and param not in self.got:
+            self.got.add(param)
+            self.pending[chunk] -= 1
+            if self.pending[chunk] == 0:
+                self.add_to_disk(chunk)
+
+    def add_to_disk(self, chunk: int) -> None:
+        """Spill.add_grads: a later micro-batch's gradients out to the host beside those on
+        disk, and their sum back into the buffer (its norm is taken there), let go then."""
+        self.copied += 2 * self.nbytes[chunk]
+        if chunk in self.on_device:
+            self.stale.add(chunk)
+        self.grads.discard(chunk)
+        self.grad_bytes -= self.nbytes[chunk]
+        self.give_buffer(chunk)
+        self._sample()
 
     def _taken(self, param: str) -> None:
         """GradientArrivals: a parameter on the device whose gradient is taken."""

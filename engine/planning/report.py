@@ -23,7 +23,9 @@ class PolicyPlan:
     device_peak: int  # peak device bytes of a step: model data + activations
     host_peak: int  # peak resident bytes of the training process (RSS)
     host_model: int  # chunk bytes on the host between steps (MemorySnapshot.host_model)
-    copied: int  # bytes copied between host and device per step (bytes_h2d + bytes_d2h)
+    # Bytes copied between host and device per step, every micro-batch's (bytes_h2d +
+    # bytes_d2h).
+    copied: int
     fits: bool
     reason: str = ""  # why it does not fit, with the numbers; empty when it fits
     # Of `copied`, the fetches ahead of use from host memory (StepReplay.prefetched).
@@ -49,9 +51,9 @@ class PolicyPlan:
     # forward (engine.chunks.disk_side.overlap_update: state on disk and no payload there,
     # which the forward would read); else the step waits for it.
     update_beside: bool = False
-    # Data parallel: bytes per step are one rank's. The other ranks' shards it receives by
-    # all-gathers, and what it sends into theirs by reduce-scatters (StepStats
-    # .bytes_gathered, .bytes_reduce_scattered); the ranks on one machine.
+    # Data parallel: bytes per step (every micro-batch's) are one rank's. The other ranks'
+    # shards it receives by all-gathers, and what it sends into theirs by reduce-scatters
+    # (StepStats.bytes_gathered, .bytes_reduce_scattered); the ranks on one machine.
     gathered: int = 0
     reduce_scattered: int = 0
     ranks: int = 1
@@ -106,7 +108,7 @@ class Plan:
     nproc: int = 1
     # Micro-batches of batch_size sequences per step (gradient accumulation): the memory of
     # one, whatever their number (the host budget holds at any), but for the fp32 gradients'
-    # host buffers a later one starts with; the disk traffic of all.
+    # host buffers a later one starts with; the copies and the disk traffic of all.
     grad_accum: int = 1
     # Resident bytes of the training process while the engine builds the chunks (runtime
     # included): the model is never whole in host memory, only the chunk state kept so

@@ -140,6 +140,9 @@ class ShardedReplay:
         r = self.replay
         if chunk not in r.resident:
             r.copied += self.shard_bytes[chunk]
+            if chunk in r.home and chunk in r.disk.chunks:
+                # Added to those the disk holds (a later micro-batch's): the sum comes back.
+                r.copied += self.shard_bytes[chunk]
         r.home.add(chunk)
         if chunk in r.on_device:
             r.stale.add(chunk)

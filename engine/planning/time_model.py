@@ -14,8 +14,9 @@ A step is `grad_accum` micro-batches of forward and backward, then one update:
   checkpointing; on the simulated device also the new memory its large tensors take at
   the rate a real decoder's took (a run's steady heap maps every tensor of a MiB or more
   afresh: engine.devices.host_memory);
-- copies each way: the plan's copied bytes (fetches to the device, gradients back for the
-  chunks updated on the host) at the calibrated bandwidths; on the simulated device, also
+- copies each way: the plan's copied bytes, the whole step's (fetches to the device, each
+  micro-batch's, gradients back for the chunks updated on the host, which every
+  micro-batch sends) at the calibrated bandwidths; on the simulated device, also
   the fresh pages of the chunk buffers its pool cannot serve and of the host's gradient
   landing places, at the probe's rate of new memory;
 - the update: AdamW over the elements updated on the host and on the device;
@@ -92,7 +93,7 @@ class StepTime:
 class Traffic:
     """What one step moves and updates, as the plan replayed it (one rank's)."""
 
-    copied: int  # bytes between host and device per micro-batch, both ways
+    copied: int  # bytes between host and device per step (all its micro-batches), both ways
     updated_on_host: int  # parameters whose AdamW update runs on the host
     updated_on_device: int
     itemsize: int  # bytes per element of the compute dtype (gradients copied back)
@@ -105,7 +106,7 @@ class Traffic:
     # reads and writes, and accumulation's later reads.
     disk_update: int = 0
     disk_later_read: int = 0
-    communicated: int = 0  # bytes gathered and reduce-scattered per micro-batch
+    communicated: int = 0  # bytes gathered and reduce-scattered per step
     # Bytes of new device buffers per micro-batch (simulated: PolicyPlan.fresh): chunk
     # buffers the pool could not serve, each page faulted in and zeroed by the system when
     # the copy first writes it. The replay counts such bytes (StepReplay.settled_fresh):
@@ -158,10 +159,13 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
 
     forward, backward = seconds("forward"), seconds("backward")
     recompute = seconds("recompute", cal.factor(precision))
-    # Gradients come back to the host for the chunks updated there; the rest of the
-    # copies are fetches.
+    # Gradients come back to the host for the chunks updated there: the plan counts the
+    # step's first micro-batch's, copied home; a later one's are added to them there (on a
+    # GPU a copy from the device too, which the engine's counters leave out), so each
+    # micro-batch's take the way home. The rest of the step's copies are fetches.
     d2h_bytes = min(traffic.copied, traffic.updated_on_host * traffic.itemsize)
-    h2d = micro * ((traffic.copied - d2h_bytes) / cal.h2d + cal.fresh_seconds(traffic.fresh))
+    h2d = ((traffic.copied - d2h_bytes) / cal.h2d
+           + micro * cal.fresh_seconds(traffic.fresh))
     d2h = micro * d2h_bytes / cal.d2h
     if simulated and traffic.grads_land_per_step:  # a GPU's land in pinned memory it keeps
         d2h += cal.fresh_seconds(4 * traffic.updated_on_host)
@@ -190,7 +194,7 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
     waits = min(disk, waits)
     # Collectives go through host memory on the simulated device (gloo) and over the
     # interconnect on GPUs; the copy bandwidth stands for both (not measured apart).
-    collectives = micro * traffic.communicated / min(cal.h2d, cal.d2h)
+    collectives = traffic.communicated / min(cal.h2d, cal.d2h)
     compute = forward + backward + recompute
     overlap = 0.0
     if not simulated:
@@ -200,7 +204,7 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
         # Fetches ahead of use run on the simulated device's copy thread, beside the
         # modules that compute meanwhile (engine.devices.streams.CopyingHostStreams).
         if copies_beside:
-            overlap += min(micro * traffic.prefetched / cal.h2d, compute)
+            overlap += min(traffic.prefetched / cal.h2d, compute)
         # The disk tier reads payloads ahead and writes gradients behind beside the compute;
         # the step waits for the update's I/O, except where the update of the chunks whose
         # state is on disk flies beside the next step's first forward (engine.chunks.flight:
@@ -232,9 +236,13 @@ def corrected(times: StepTime, factor: float) -> StepTime:
         if f.name != "source"})
 
 
-def step_times(plan: object, cal: Calibration, *, grad_accum: int = 1) -> dict[str, StepTime]:
+def step_times(plan: object, cal: Calibration, *, grad_accum: int | None = None
+               ) -> dict[str, StepTime]:
     """The forecast of each of `plan`'s rows (an engine.planning.planner.Plan), policy ->
-    StepTime; `grad_accum` micro-batches of the plan's batch per step."""
+    StepTime; `grad_accum` micro-batches of the plan's batch per step (None: the plan's,
+    whose bytes copied are those of its own micro-batches)."""
+    if grad_accum is None:
+        grad_accum = getattr(plan, "grad_accum", 1)
     from engine.models.zoo import model_config
 
     lora = getattr(plan, "lora", None)

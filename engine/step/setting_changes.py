@@ -92,6 +92,7 @@ class SettingChanges:
         check_split(self._rows, wanted.grad_accum)
         if wanted.shape == self.settings.shape:  # else the trace is another shape's
             self._check_budget(wanted.device_budget, wanted.policy)
+        self.manager.open_disk_tier(wanted.policy)  # one started under cuda may need it now
         self._pending = wanted
         return describe_setting(field, getattr(wanted, field))
 

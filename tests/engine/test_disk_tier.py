@@ -504,7 +504,7 @@ def test_steps_report_the_disk(disk_dir):
 def test_every_byte_the_disk_moves_is_reported_once_even_when_the_update_overlaps(disk_dir,
                                                                                  host):
     """With only optimizer state on disk the update of step k runs into step k+1's forward;
-    its reads and writes are reported with step k+1, not lost between the two."""
+    its reads and writes are reported with step k, not lost between the two."""
     eng = engine(disk_dir, host=host)
     tier = eng.manager.spill.tier
     start = (tier.bytes_read, tier.bytes_written)
@@ -513,10 +513,8 @@ def test_every_byte_the_disk_moves_is_reported_once_even_when_the_update_overlap
     later = eng.manager.disk_counters()
     assert sum(s.bytes_disk_read for s in steps) + later[0] == tier.bytes_read - start[0]
     assert sum(s.bytes_disk_written for s in steps) + later[1] == tier.bytes_written - start[1]
-    # A steady step's update reads and writes the state of every chunk it keeps on disk.
-    # Which step reports an update's I/O depends on when it completes (a loaded machine
-    # moves part of one into the next step), so the settled updates count together: those
-    # of steps 3 on are reported by steps 3 on, or after the last.
+    # A steady step's update reads and writes the state of every chunk it keeps on disk:
+    # those of steps 3 on are reported by steps 3 on.
     state = sum(rules.disk_cost(c.numel, c.itemsize, 4096).state_region
                 for c in eng.chunks if c.state_on_disk)
     assert state > 0

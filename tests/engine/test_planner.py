@@ -371,15 +371,20 @@ def disk_steps(model: torch.nn.Module, *, policy: str, precision: str, budget: i
     engine = Engine(model, EngineConfig(
         policy=policy, margin_ratio=margin, device_budget=budget, precision=precision,
         host_budget=host_budget, disk_dir=disk_dir, simulate=True))
-    tier = engine.manager.spill.tier
+    spill = engine.manager.spill  # none under cuda: every chunk lives on the device
+
+    def moved() -> tuple[int, int]:
+        return (spill.tier.bytes_read, spill.tier.bytes_written) if spill else (0, 0)
+
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
         ids = torch.randint(0, model.config.vocab_size,
                             (SHAPE["batch_size"], SHAPE["seq_len"]), generator=g)
-        before = tier.bytes_read, tier.bytes_written
+        before = moved()
         stats = engine.step({"input_ids": ids, "labels": ids})
         engine.manager.flight.wait()
-    return stats, engine, (tier.bytes_read - before[0], tier.bytes_written - before[1])
+    after = moved()
+    return stats, engine, (after[0] - before[0], after[1] - before[1])
 
 
 def levels(engine: Engine) -> set[int]:
@@ -432,6 +437,7 @@ def test_the_disk_tier_is_forecast_byte_for_byte(small_pieces, tmp_path, precisi
     assert forecast.disk_free > forecast.disk_needed
     if policy == "cuda":
         assert row.disk_bytes == row.disk_read == row.disk_written == 0
+        assert engine.manager.spill is None and not any(tmp_path.iterdir())
     else:
         assert row.disk_bytes > 0 and row.disk_read > 0 and row.disk_written > 0
     engine.close()
@@ -562,6 +568,8 @@ def test_a_host_budget_below_the_minimum_is_refused_like_the_engine_refuses_it(t
 
 def test_a_scratch_folder_without_room_fits_no_policy_and_says_needed_and_free(
         small_pieces, tmp_path, monkeypatch):
+    """No policy that puts anything on disk: cuda keeps every chunk on the device, and
+    needs no room there (test_full_disk_cuda.py)."""
     host_budget = int(0.3 * host_state("tiny", "bf16"))
     usage = shutil.disk_usage(tmp_path)
     free = 2 * MiB  # below what the budget sends to disk
@@ -569,10 +577,11 @@ def test_a_scratch_folder_without_room_fits_no_policy_and_says_needed_and_free(
     forecast = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16",
                     simulated=True, host_budget=host_budget, disk_dir=tmp_path, **SHAPE)
     assert forecast.disk_free == free < forecast.disk_needed
-    for row in forecast.policies.values():
+    for row in (forecast.cpu, forecast.auto):
         assert not row.fits
         assert format_size(forecast.disk_needed) in row.reason and "2.0 MiB free" in row.reason
-    assert forecast.recommended.policy is None
+    assert forecast.cuda.fits and forecast.cuda.disk_bytes == 0
+    assert forecast.recommended.policy == "cuda"
     with pytest.raises(ScratchTooSmall):  # and the engine refuses it before the first step
         Engine(build_model("tiny"), EngineConfig(
             policy="cpu", device_budget="6GiB", precision="bf16", host_budget=host_budget,
@@ -580,14 +589,16 @@ def test_a_scratch_folder_without_room_fits_no_policy_and_says_needed_and_free(
 
 
 def test_a_scratch_folder_that_cannot_be_made_fits_no_policy(small_pieces, tmp_path):
+    """No policy that puts anything on disk: cuda makes no scratch folder."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     host_budget = int(0.3 * host_state("tiny", "bf16"))
     forecast = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="bf16",
                     simulated=True, host_budget=host_budget, disk_dir=blocker / "scratch",
                     **SHAPE)
-    for row in forecast.policies.values():
+    for row in (forecast.cpu, forecast.auto):
         assert not row.fits and "cannot be created" in row.reason
+    assert forecast.cuda.fits
     with pytest.raises(ValueError, match="cannot be created"):
         Engine(build_model("tiny"), EngineConfig(
             policy="cpu", device_budget="6GiB", precision="bf16", host_budget=host_budget,

@@ -458,3 +458,51 @@ def test_a_plan_that_uses_the_disk_is_forecast_at_the_disks_speed_now(small_piec
     assert now["cpu"]["step_seconds"]["total"] > at_calibration["cpu"]["step_seconds"]["total"]
     assert main(["plan", "tiny", "--device-mem", "20MiB", "--json", *SMALL]) == 0
     assert probed == [tmp_path]  # nothing on disk: no probe
+
+
+def test_a_disk_too_full_for_cpu_and_auto_leaves_cuda_to_the_plan_and_the_run(
+        small_pieces, tmp_path, capsys, monkeypatch):
+    """cuda keeps every chunk on the device, so a host budget sends nothing to disk under
+    it: a disk without the room cpu and auto need there does not refuse it, in the plan's
+    table or in a run that asks for it (tuitrain.fit.settle)."""
+    import shutil
+
+    from tuitrain import fit
+
+    budget, free = tiny_state() // 4, 2**20
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=free))
+    assert main(["plan", "tiny", "--host-mem", str(budget), "--disk", str(tmp_path),
+                 *SMALL]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("POLICY"))
+    rows = {line.split()[0]: line for line in lines[header + 1:header + 4]}
+    assert rows["cuda"].endswith("yes")
+    for name in ("cpu", "auto"):
+        assert f"on disk, but {tmp_path} has {format_size(free)} free" in rows[name]
+    monkeypatch.setattr(fit, "host_room", lambda ranks=1: 16 * 2**30)
+
+    def run(policy: str) -> Settings:
+        return Settings.model_validate({
+            "model": "tiny", "training": {"batch_size": 2, "seq_len": 64},
+            "engine": {"policy": policy, "precision": "bf16", "host_budget": budget,
+                       "disk_dir": str(tmp_path)}})
+
+    said: list[str] = []
+    assert fit.settle(run("cuda"), said.append) == run("cuda") and said == []
+    with pytest.raises(ValueError, match=r"^policy cpu will not fit: .* free; policy cuda "
+                                         r"would"):
+        fit.settle(run("cpu"), said.append)
+
+
+def test_the_table_copies_every_micro_batchs_bytes_and_the_header_counts_them(capsys):
+    assert main(["plan", "tiny", "--grad-accum", "4", *SMALL]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "tiny, bf16, batch 2 x 64 tokens, 4 micro-batches a step"
+    one, four = (plan("tiny", device_mem="6GiB", host_mem=psutil.virtual_memory().total,
+                      precision="bf16", batch_size=2, seq_len=64, grad_accum=accum)
+                 for accum in (1, 4))
+    assert four.cpu.copied > 4 * one.cpu.copied  # later micro-batches fetch fp32 masters
+    header = next(i for i, line in enumerate(lines) if line.startswith("POLICY"))
+    cpu = next(line for line in lines[header:] if line.startswith("cpu"))
+    assert cpu.split()[5:7] == format_size(four.cpu.copied).split()
