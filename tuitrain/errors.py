@@ -12,6 +12,9 @@ EXIT_FAILED = 1  # training failed: the reason and the worker's log are reported
 EXIT_BAD_INPUT = 2  # the status argparse uses for a bad command line; ours match it
 EXIT_ORPHANED = 3  # a worker whose parent died: nobody is left to report to
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a job stopped by Ctrl-C
+# 128 + SIGPIPE, what a shell reports for a tool that SIGPIPE ended: its reader went away
+# (`| head`); a run it stopped ended as Ctrl-C ends one.
+EXIT_CLOSED_PIPE = 141
 
 
 class UsageError(Exception):

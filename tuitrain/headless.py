@@ -1,24 +1,31 @@
 """The headless runner: the same worker as the TUI, with a progress line instead of a screen.
 
 For servers, CI and cluster jobs. On a terminal a single line redraws in place; otherwise
-(a log file, a pipe) plain lines are printed now and then, so logs stay readable.
+(a log file, a pipe) plain lines are printed now and then, so logs stay readable. A reader
+of the output that goes away (`| head -3`, or a `| tee` that a Ctrl-C ended first) stops the
+run as Ctrl-C does, as SIGPIPE would end a Unix tool: the run still ends its metrics with
+its summary, and nothing more is written to the output that went.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TextIO
 
 from engine.telemetry import StepStats
 from tuitrain import ranks
-from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from tuitrain.closed_pipe import WatchedOutput
+from tuitrain.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CLOSED_PIPE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+)
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
 from tuitrain.formatting import (
     format_count,
@@ -32,6 +39,7 @@ from tuitrain.run_preset import PresetPace
 from tuitrain.run_summary import held_out, peaks_line, record_summary
 from tuitrain.served import serve
 from tuitrain.settings import Settings
+from tuitrain.stop_requests import StopRequests
 from tuitrain.trials import TrialBook, summary_lines
 from tuitrain.worker import ProcessWorker
 from tuitrain.worker_log import default_log_path
@@ -74,7 +82,8 @@ def run_headless(
 
     Returns 0 when training finished, 1 when it failed (the reason and the log are named on
     `err`), 2 for bad input found by the worker (one line), 130 after Ctrl-C (the worker is
-    stopped cleanly first; a second Ctrl-C stops it at once).
+    stopped cleanly first; a second Ctrl-C stops it at once, keeping nothing of the step
+    under way), 141 when it stopped because the reader of `out` or `err` went away.
 
     Under torchrun (tuitrain.ranks) every rank runs this: rank 0 prints the progress and
     the summary and writes the metrics; the others print only their failures, each line
@@ -85,6 +94,8 @@ def run_headless(
     except ValueError as error:
         err.write(f"tuitrain: error: {error}\n")
         return EXIT_BAD_INPUT
+    outputs = (WatchedOutput(out), WatchedOutput(err))
+    out, err = outputs
     own_log = False  # a log named here goes after a clean end, as a default one does
     if place.parallel:
         if log_path is None:
@@ -102,7 +113,8 @@ def run_headless(
     report = _Report(settings=settings, out=out, err=err, log_path=str(worker.log_path))
     report.pace = pace
     report.on_started = on_started
-    interrupts = _Interrupts()
+    # Rank 0 decides when the ranks stop (a Stop it is sent ends every rank's run).
+    interrupts = StopRequests(outputs if place.leader else ())
     code: int | None = None
     with interrupts.catching():
         worker.start()
@@ -110,7 +122,10 @@ def run_headless(
         try:
             code = _follow(worker, report, interrupts)
         finally:
-            worker.stop(timeout=0.0 if interrupts.count > 1 else STOP_SECONDS)
+            if interrupts.count > 1:
+                worker.stop_now()  # as the second Ctrl-C asked: its end is a stop
+            else:
+                worker.stop(timeout=STOP_SECONDS)
         for event in worker.poll():  # what came while stopping: the summary, or why not
             outcome = report.handle(event)
             code = outcome if code is None else code
@@ -118,12 +133,15 @@ def run_headless(
     if served is not None:
         served.close()
     if interrupts.count:
-        report.interrupted()
+        report.interrupted(now=interrupts.count > 1)
         return EXIT_INTERRUPTED
+    if interrupts.reader_gone and report.ended_early:
+        report.interrupted()
+        return EXIT_CLOSED_PIPE
     return EXIT_FAILED if code is None else code
 
 
-def _follow(worker: ProcessWorker, report: _Report, interrupts: _Interrupts) -> int | None:
+def _follow(worker: ProcessWorker, report: _Report, interrupts: StopRequests) -> int | None:
     """Relay events until the run ends or the user interrupts; returns the exit status."""
     asked_to_stop_at: float | None = None
     while True:
@@ -134,9 +152,11 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: _Interrupts) -> 
             code = report.handle(event)
             if code is not None:
                 return code
-        if interrupts.count and asked_to_stop_at is None:
-            report.say_err("stopping: the step under way ends at its next layer, and nothing "
-                           "of it is kept (Ctrl-C again to stop now)")
+        if asked_to_stop_at is None and interrupts.asked_to_stop():
+            why, then = ("", " (Ctrl-C again to stop now)") if interrupts.count else (
+                " (nothing reads the output any more)", "")
+            report.say_err(f"stopping{why}: the step under way ends at its next layer, and "
+                           f"nothing of it is kept{then}")
             worker.send(Stop())
             asked_to_stop_at = time.monotonic()
         if interrupts.count > 1:
@@ -145,27 +165,6 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: _Interrupts) -> 
             time.monotonic() - asked_to_stop_at > INTERRUPT_WAIT_SECONDS
         ):
             return None
-
-
-class _Interrupts:
-    """Counts Ctrl-C instead of raising KeyboardInterrupt mid-way through a pipe read."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    @contextmanager
-    def catching(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    def _on_sigint(self, signum: int, frame: object) -> None:
-        self.count += 1
 
 
 class _Report:
@@ -186,6 +185,7 @@ class _Report:
         self.drawn = ""  # the progress line drawn in place, while line_open
         self.pace: PresetPace | None = None
         self.on_started: Callable[[Started], None] | None = None
+        self.ended_early = False  # the run's summary says it stopped before its last step
 
     def starting(self, *, tentative: bool = False) -> None:
         """Say, once, that the run is starting and where its worker logs.
@@ -267,7 +267,8 @@ class _Report:
             + (f", host budget {e['host_budget']} (the rest on disk under "
                f"{e.get('disk_dir') or 'the user cache folder'})" if e.get("host_budget") else ""),
             f"  training {plural(t['steps'], 'step')} of {sequences} x "
-            f"{t['seq_len']} tokens{accumulated}, lr {t['lr']:g} {schedule}, seed {t['seed']}",
+            f"{t['seq_len']} tokens{accumulated}, lr {t['lr']:g} {schedule}, seed {t['seed']}"
+            + (", activation checkpointing" if t.get("activation_checkpointing") else ""),
             f"  data     {d['path'] or 'built-in corpus'}",
             *self._evaluation(t, d),
             f"  metrics  {g['metrics'] or 'not written (--metrics FILE.jsonl)'}",
@@ -315,7 +316,8 @@ class _Report:
             self.last_drawn = now
 
     def finished(self, summary: dict) -> None:
-        stopped = " (stopped early)" if summary.get("stopped") else ""
+        self.ended_early = bool(summary.get("stopped"))
+        stopped = " (stopped early)" if self.ended_early else ""
         lines = [
             f"done{stopped}: {plural(summary['steps'], 'step')}, {summary['tokens']:,} tokens "
             f"in {format_seconds(summary['seconds'])}",
@@ -361,13 +363,18 @@ class _Report:
             self.say_err(f"metrics so far: {self.settings.logging.metrics}")
         return EXIT_FAILED
 
-    def interrupted(self) -> None:
+    def interrupted(self, *, now: bool = False) -> None:
+        """The run's last line: where it stopped and where its metrics are; `now` when a
+        second Ctrl-C ended the worker at once, which leaves no checkpoint on the way out."""
         step = self.latest.step if self.latest is not None else 0
         where = self.settings.logging.metrics
-        self.say_err(
-            f"interrupted after step {step}; "
-            + (f"metrics in {where}" if where else "no metrics file was asked for")
-        )
+        if now:
+            kept = (", and no checkpoint was written on the way out"
+                    if self.settings.checkpoint.dir else "")
+            head = f"stopped now after step {step}: the step under way was not kept{kept}; "
+        else:
+            head = f"interrupted after step {step}; "
+        self.say_err(head + (f"metrics in {where}" if where else "no metrics file was asked for"))
 
     # --- output ----------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from tuitrain.errors import EXIT_BAD_INPUT, EXIT_CLOSED_PIPE, EXIT_FAILED, EXIT_INTERRUPTED
 from tuitrain.ranks import Ranks, failure_record
 
 MONITOR_SECONDS = 0.2  # how often the launcher looks at its ranks
@@ -83,9 +83,13 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
 
     Returns 0 when every rank finished; else the rank that failed first is named on `err`
     (each rank has reported why, with its log; see first_failure) and its exit status is
-    returned, 2 (bad input, said once by rank 0) when any rank found the input wrong.
+    returned, 2 (bad input, said once by rank 0) when any rank found the input wrong. A run
+    stopped is no failure, and adds no line to those its ranks said: 130 after Ctrl-C (the
+    launcher passes it on to each rank, which stops as after its own), 141 when the reader of
+    the output went away (rank 0 stopped the run).
     `batch_size`, the run's global batch, is checked first (ValueError: it must split over
     the ranks)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -103,11 +107,15 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # a free port, as --standalone
         max_restarts=0, monitor_interval=MONITOR_SECONDS)
-    # The launcher's own notes (a rank failed, the others are stopped) repeat what the
-    # ranks report themselves, and the exit status says.
-    agent = logging.getLogger("torch.distributed.elastic")
-    level = agent.level
-    agent.setLevel(logging.CRITICAL)
+    # The launcher's own notes (a rank failed, the others are stopped, a Ctrl-C passed on)
+    # repeat what the ranks report themselves, and the exit status says. Its modules' loggers
+    # each have a level of their own, so each is quietened, not only their parent.
+    agents = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+              if name == "torch.distributed.elastic"
+              or name.startswith("torch.distributed.elastic.")]
+    levels = [agent.level for agent in agents]
+    for agent in agents:
+        agent.setLevel(logging.CRITICAL)
     before = _children() if _adopt_orphans() else None
     # What this process imported (torch, and transformers for the checks) lives until it
     # exits: the collector need not walk it again, nor at the exit once the ranks ended
@@ -120,13 +128,21 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         codes = [f.exitcode for f in error.failures.values()]
         if EXIT_BAD_INPUT in codes:
             return EXIT_BAD_INPUT  # a mistake in the input: rank 0 has said it, in one line
+        if set(codes) <= {EXIT_INTERRUPTED, EXIT_CLOSED_PIPE}:  # stopped, as rank 0 said
+            return EXIT_INTERRUPTED if EXIT_INTERRUPTED in codes else EXIT_CLOSED_PIPE
         rank, failure = first_failure(error.failures)
         exitcode = ended_with(failure)
         err.write(f"tuitrain: {failure_line(rank, exitcode, nproc, len(codes) - 1)}\n")
         return exitcode if exitcode > 0 else EXIT_FAILED
+    except SignalException as error:
+        # Ctrl-C (or a kill) of this process: the launcher has passed it on to the ranks
+        # (each in a session of its own, out of the terminal's reach), waited for them to
+        # stop, and raises it. Each rank has said how it ended.
+        return 128 + int(error.sigval)
     finally:
         os.environ.pop(CHECKED_ENV, None)
-        agent.setLevel(level)
+        for agent, level in zip(agents, levels, strict=True):
+            agent.setLevel(level)
         if before is not None:
             _end_leftovers(before)
     return 0

@@ -220,11 +220,13 @@ class Listener:
                 first = [*([self._started] if self._started else []), *self._history]
                 self._viewers.append(viewer)
                 greeting = frame({"hello": {**self.hello, "viewer": viewer.name}})
+                # Said before its threads start: each may say it left (or was dropped) as
+                # soon as it runs, and that must come after it came.
+                self._notices.put(Log(f"{viewer.name} attached", level="info"))
             threading.Thread(target=self._write, args=(viewer, greeting, first),
                              name="tuitrain-viewer-out", daemon=True).start()
             threading.Thread(target=self._read, args=(viewer,), name="tuitrain-viewer-in",
                              daemon=True).start()
-            self._notices.put(Log(f"{viewer.name} attached", level="info"))
 
     def _write(self, viewer: Viewer, greeting: bytes, first: list[Event]) -> None:
         # A send timeout only (SO_SNDTIMEO): the reader on this socket may wait for ever.

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import TextIO
 
 from engine.telemetry import StepStats
-from tuitrain.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from tuitrain.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CLOSED_PIPE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    UsageError,
+)
 from tuitrain.formatting import format_seconds
 from tuitrain.run_checks import check_writable
 from tuitrain.settings import Settings
@@ -62,7 +68,7 @@ def save_after_run(
 
     if status == EXIT_BAD_INPUT:
         return
-    if status not in (EXIT_OK, EXIT_INTERRUPTED):
+    if status not in (EXIT_OK, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE):  # ended, or stopped
         print(f"{PROG}: the run failed; preset not saved to {path}", file=sys.stderr)
         return
     if settings is None:

@@ -3,11 +3,18 @@ each setting it ran under achieved (tuitrain.trials), from the worker's Finished
 
 The app ends a run with these lines; they use the trials' words for a pace ("median of N
 settled steps"), so no second definition of a rate appears beside it. A run that writes
-metrics ends them with its summary (`record_summary`), whichever UI started it.
+metrics ends them with its summary (`record_summary`), whichever UI started it. A worker
+ended before it could give its summary (a second Ctrl-C) has one made for it from the steps
+it reported (`StepTally`), so its metrics end the same way.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
+from engine.telemetry import StepStats
+from tuitrain.events import Eval
 from tuitrain.formatting import format_seconds, format_size
 from tuitrain.trials import Trial, append_summary, summary_lines
 
@@ -54,10 +61,86 @@ def record_summary(summary: dict, rows: list[Trial]) -> str | None:
     if not summary.get("metrics"):
         return None
     try:
+        _end_last_line(summary["metrics"])
         append_summary(summary["metrics"], summary, rows)
     except ValueError as error:
         return f"summary not added to the metrics: {error}"
     return None
+
+
+def _end_last_line(path: str) -> None:
+    """End the file's last line if it has no newline: a worker ended at once may have been
+    writing a step's line, and the summary must be a line of its own, not the end of that
+    one (readers skip a line that is not JSON)."""
+    try:
+        with open(path, "rb") as file:
+            if file.seek(0, os.SEEK_END) == 0:
+                return
+            file.seek(-1, os.SEEK_END)
+            if file.read(1) == b"\n":
+                return
+        with open(path, "ab") as file:
+            file.write(b"\n")
+    except OSError:
+        pass  # append_summary says why the file cannot be written
+
+
+class StepTally:
+    """What the steps (and evaluations) a worker reported add up to, kept as they come: the
+    summary of a run whose worker was ended before it gave its own, in the same shape as
+    the worker's (tuitrain.training_run), its disk figures the steps' alone."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.last_step: int | None = None  # unknown until a step is reported (a resumed run)
+        self.tokens = 0
+        self.first_step_seconds: float | None = None
+        self.final_loss: float | None = None
+        self.peak_device = self.peak_host = 0
+        self.disk_read = self.disk_written = 0
+        self.last_eval: Eval | None = None
+
+    def record(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.last_step = stats.step
+        self.tokens += stats.tokens
+        if self.first_step_seconds is None:
+            self.first_step_seconds = stats.seconds
+        self.final_loss = stats.loss
+        self.peak_device = max(self.peak_device, stats.memory.device_peak)
+        self.peak_host = max(self.peak_host, stats.memory.process_rss)
+        self.disk_read += stats.bytes_disk_read
+        self.disk_written += stats.bytes_disk_written
+
+    def summary(self, settings: Any, *, seconds: float, log: str) -> dict:
+        """The summary of the run of `settings` (tuitrain.settings.Settings) as far as its
+        steps went, `seconds` after it started, with "stopped_now": it did not end by
+        itself."""
+        planned = settings.training.steps
+        summary: dict = {
+            "steps": self.steps,
+            "planned_steps": planned,
+            "stopped": self.last_step is None or self.last_step < planned,
+            "stopped_now": True,
+            "tokens": self.tokens,
+            "seconds": seconds,
+            "first_step_seconds": self.first_step_seconds,
+            "final_loss": self.final_loss,
+            "peak_device_bytes": self.peak_device,
+            "peak_host_bytes": self.peak_host if self.steps else None,
+            "bytes_disk_read": self.disk_read,
+            "bytes_disk_written": self.disk_written,
+            "metrics": settings.logging.metrics,
+            "log": log,
+        }
+        if self.last_step is not None:
+            summary["last_step"] = self.last_step
+        if settings.data.eval_path or settings.data.eval_fraction:
+            e = self.last_eval
+            summary.update(eval_step=e.step if e else None, eval_loss=e.loss if e else None,
+                           eval_perplexity=e.perplexity if e else None,
+                           eval_tokens=e.tokens if e else None)
+        return summary
 
 
 def held_out(summary: dict) -> str:

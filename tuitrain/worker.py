@@ -3,7 +3,8 @@
 Commands go down one pipe, events come up the other; nothing else is shared. The UI side
 never blocks on the worker: `poll` returns what has arrived, and a worker that died without
 a word (kill -9, the out-of-memory killer) is reported as `Failed` by the first `poll` after
-its death. The child side lives in `tuitrain.worker_main`.
+its death; one its user ended at once (`stop_now`) as a run stopped. The child side lives in
+`tuitrain.worker_main`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.telemetry import StepStats
 from tuitrain.errors import EXIT_BAD_INPUT
 from tuitrain.events import (
     Command,
+    Eval,
     Event,
     Failed,
     Finished,
@@ -33,6 +35,7 @@ from tuitrain.events import (
     Step,
     Stop,
 )
+from tuitrain.run_summary import StepTally
 from tuitrain.settings import Settings
 from tuitrain.worker_log import default_log_path, read_log_tail
 from tuitrain.worker_main import INTERRUPT_SIGNAL, worker_main
@@ -56,7 +59,8 @@ class ProcessWorker:
         settings: the run. The worker reports back the settings it actually used.
         log_path: where the worker's stdout and stderr go (appended). Default: a new file
             under the temporary folder, see `default_log_path`, removed by `stop` when the
-            run ended cleanly (finished, or stopped when asked to) or refused bad input, and
+            run ended cleanly (finished, stopped when asked to, or at once by `stop_now`)
+            or refused bad input, and
             kept when the worker failed or was terminated, since the failure report points
             to it. A log given
             here is the caller's: always kept, unless `own_log`.
@@ -96,6 +100,9 @@ class ProcessWorker:
         self._stopped = False
         self._stop_sent = False
         self._forced: str | None = None  # why stop() had to terminate the process
+        self._ended_now = False  # stop_now() ended it: its end is a stop, not a failure
+        self._tally = StepTally()  # what its steps add up to, for a summary it never sent
+        self._started_at = 0.0
         self._lock = threading.Lock()
 
     # --- WorkerClient --------------------------------------------------------------------
@@ -128,6 +135,7 @@ class ProcessWorker:
         command_reader.close()
         event_writer.close()
         self._process = process
+        self._started_at = time.monotonic()
         self._commands = command_writer
         self._events = event_reader
 
@@ -172,7 +180,7 @@ class ProcessWorker:
         drained = self._drain()
         events, self._pending = self._pending, []
         if exited and drained and self.result is None:
-            events.append(self._death_report())
+            events.append(self._stopped_report() if self._ended_now else self._death_report())
         return events
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -194,6 +202,29 @@ class ProcessWorker:
             self._drain()
         if process.exitcode is None:
             self._forced = f"the worker did not stop within {timeout:g} s and was terminated"
+        self._end(process)
+
+    def stop_now(self) -> None:
+        """End the worker at once, as its user asked (a second Ctrl-C): neither the step
+        under way nor a checkpoint being written is waited for, and neither is kept.
+        Idempotent.
+
+        Asked for, that end is no failure: unless the worker reported how it ended first,
+        the next `poll` reports a run stopped, a `Finished` whose summary is made from the
+        steps it reported (tuitrain.run_summary.StepTally), and its log goes as after any
+        clean end.
+        """
+        if self._process is None or self._stopped:
+            return
+        # One that had already exited died by itself (the out-of-memory killer): reported so.
+        self._ended_now = self._process.exitcode is None
+        self._end(self._process)
+
+    def _end(self, process: multiprocessing.process.BaseProcess) -> None:
+        """Terminate `process` if it still runs (SIGTERM, which the worker takes to leave
+        nothing behind; SIGKILL after TERMINATE_GRACE_SECONDS) and reap it; then read what
+        it sent, close the channels, and remove a log nobody needs."""
+        if process.exitcode is None:
             process.terminate()
             process.join(TERMINATE_GRACE_SECONDS)
             if process.exitcode is None:
@@ -273,6 +304,9 @@ class ProcessWorker:
         if isinstance(event, Step):
             self.latest = event.stats
             self.history.append(event.stats)
+            self._tally.record(event.stats)
+        elif isinstance(event, Eval):
+            self._tally.last_eval = event
         elif isinstance(event, Started):
             self.started = event
         elif isinstance(event, Finished | Failed):
@@ -285,9 +319,23 @@ class ProcessWorker:
         process = self._process
         if self._forced is not None or process is None:
             return False
+        if self._ended_now:  # ended as asked, unless it had reported a failure of its own
+            return not isinstance(self.result, Failed)
         if isinstance(self.result, Failed):
             return self.result.exitcode == process.exitcode == EXIT_BAD_INPUT
         return isinstance(self.result, Finished) and process.exitcode == 0
+
+    def _stopped_report(self) -> Finished:
+        """A worker ended at once (stop_now) as a run stopped: its summary, from its steps."""
+        summary = self._tally.summary(self.settings, log=str(self.log_path),
+                                      seconds=time.monotonic() - self._started_at)
+        if self.started is None:
+            # It had not begun its metrics file (it does once started), whose last lines
+            # may be an earlier run's: the summary is not this run's to end them with.
+            summary["metrics"] = None
+        finished = Finished(summary=summary)
+        self.result = finished
+        return finished
 
     def _death_report(self) -> Failed:
         code = self._process.exitcode if self._process is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -288,3 +289,160 @@ def test_a_headless_run_gives_one_pace_its_trials_in_the_progress_and_the_summar
     # No other rate, and no other spelling of a step time.
     assert len(re.findall(r"\btok(ens)?/s", summary)) == 1
     assert not re.search(r"\d s/step|mean step", summary)
+
+
+# --- how a run ends when the terminal stops it, in real processes ------------------------
+
+
+def _run_command(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "tuitrain.cli", "run", "tiny", "--headless",
+        "--steps", "1000000", "--batch-size", "2", "--seq-len", "16", "--precision", "fp32",
+        "--metrics", str(tmp_path / "metrics.jsonl"), *extra,
+    ]  # fmt: skip
+
+
+def _until(done, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _records(tmp_path: Path) -> tuple[list[dict], dict]:
+    """The step lines of the run's metrics, and the summary that must be its last line."""
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "settings" in records[0]
+    assert "summary" in records[-1], f"the metrics end on {list(records[-1])[:3]}"
+    steps = [r for r in records[1:-1] if "step" in r]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))
+    return steps, records[-1]["summary"]
+
+
+def _listed(runtime_dir: Path) -> str:
+    from tuitrain.runs import list_runs
+
+    [record] = list_runs(runtime_dir)
+    return record.state
+
+
+def _end(*processes: subprocess.Popen, session: int) -> None:
+    """Whatever a failed assertion left running: the run's whole session, and the readers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(session, signal.SIGCONT)
+        os.killpg(session, signal.SIGKILL)
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def test_a_ctrl_c_that_ends_the_tee_first_still_ends_the_run_as_ctrl_c_does(
+        tmp_path: Path, runtime_dir: Path) -> None:
+    """`tuitrain run ... 2>&1 | tee out`, then Ctrl-C: the terminal signals the whole group,
+    and tee, gone first, takes the output with it. The run ends as after any Ctrl-C: the
+    last step checkpointed, the summary the metrics' last line, listed `interrupted`."""
+    read_end, write_end = os.pipe()
+    shown = tmp_path / "shown"
+    with shown.open("wb") as copy:
+        tee = subprocess.Popen(["cat"], stdin=read_end, stdout=copy)
+    run = subprocess.Popen(
+        _run_command(tmp_path, "--checkpoint-dir", str(tmp_path / "ck")), cwd=tmp_path,
+        stdout=write_end, stderr=subprocess.STDOUT, start_new_session=True)
+    os.close(read_end)
+    os.close(write_end)
+    try:
+        _until(lambda: "\nstep 1/" in shown.read_text() or run.poll() is not None,
+               START_SECONDS, "the first step")
+        assert run.poll() is None, shown.read_text()
+        tee.send_signal(signal.SIGINT)
+        assert tee.wait(timeout=10) != 0
+        os.killpg(run.pid, signal.SIGINT)
+        assert run.wait(timeout=60) == 130
+    finally:
+        _end(run, tee, session=run.pid)
+
+    assert _session_empties(run.pid), "a process of the run is still alive"
+    steps, summary = _records(tmp_path)
+    assert summary["stopped"] and summary["last_step"] == steps[-1]["step"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        f"step-{steps[-1]['step']:06d}"]
+    assert _listed(runtime_dir) == "interrupted"
+
+
+def test_a_reader_that_goes_away_ends_the_run_soon_with_its_summary_and_no_noise(
+        tmp_path: Path, runtime_dir: Path) -> None:
+    """`tuitrain run ... | head -3`: as a Unix tool ends when its reader goes, the run
+    stops, as Ctrl-C stops it, once head has its lines; stderr says so and nothing else."""
+    read_end, write_end = os.pipe()
+    head = subprocess.Popen(["head", "-3"], stdin=read_end, stdout=subprocess.PIPE)
+    with (tmp_path / "err").open("w") as err:
+        run = subprocess.Popen(_run_command(tmp_path), cwd=tmp_path, stdout=write_end,
+                               stderr=err, start_new_session=True)
+    os.close(read_end)
+    os.close(write_end)
+    try:
+        shown = head.communicate(timeout=START_SECONDS)[0].decode().splitlines()
+        assert len(shown) == 3 and shown[0].startswith("starting tiny"), shown
+        assert run.wait(timeout=START_SECONDS) == 141  # 128 + SIGPIPE, as a shell says
+    finally:
+        _end(run, head, session=run.pid)
+
+    assert _session_empties(run.pid), "a process of the run is still alive"
+    said = (tmp_path / "err").read_text().splitlines()
+    assert len(said) == 2, said  # no traceback, no "Exception ignored"
+    assert said[0] == ("stopping (nothing reads the output any more): the step under way "
+                       "ends at its next layer, and nothing of it is kept")
+    metrics = re.escape(str(tmp_path / "metrics.jsonl"))
+    assert re.fullmatch(rf"interrupted after step \d+; metrics in {metrics}", said[1]), said
+    _, summary = _records(tmp_path)
+    assert summary["stopped"]
+    assert _listed(runtime_dir) == "interrupted"
+
+
+def test_a_second_ctrl_c_stops_at_once_as_it_says_and_the_run_ends_interrupted(
+        tmp_path: Path, runtime_dir: Path) -> None:
+    """Ctrl-C offers "Ctrl-C again to stop now": the second does that, with no wait for the
+    step under way (here a worker that cannot move at all), and it is no failure: one line,
+    exit status 130, the summary in the metrics, listed `interrupted`."""
+    run = subprocess.Popen(
+        _run_command(tmp_path, "--checkpoint-dir", str(tmp_path / "ck")), cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s),
+                                daemon=True) for stream, lines in ((run.stdout, out),
+                                                                   (run.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        _until(lambda: any(line.startswith("step 1/") for line in out) or run.poll() is not None,
+               START_SECONDS, "the first step")
+        assert run.poll() is None, "".join(err)
+        worker = int(next(re.search(r"pid (\d+)", x)[1] for x in out if "worker   pid" in x))
+        os.kill(worker, signal.SIGSTOP)  # a step that would take long to end
+        os.killpg(run.pid, signal.SIGINT)
+        _until(lambda: any(line.startswith("stopping:") for line in err), 30, "the first stop")
+        os.killpg(run.pid, signal.SIGINT)
+        assert run.wait(timeout=30) == 130
+    finally:
+        _end(run, session=run.pid)
+    for reader in readers:
+        reader.join(timeout=10)
+
+    assert _session_empties(run.pid), "a process of the run is still alive"
+    assert not psutil.pid_exists(worker)
+    steps, summary = _records(tmp_path)
+    assert summary["stopped"] and summary["stopped_now"]
+    # The steps the run reported; the worker may have written the line of one more.
+    last = summary["last_step"]
+    assert last in (steps[-1]["step"], steps[-1]["step"] - 1) and summary["steps"] == last
+    assert [line.rstrip("\n") for line in err] == [
+        "stopping: the step under way ends at its next layer, and nothing of it is kept "
+        "(Ctrl-C again to stop now)",
+        f"stopped now after step {last}: the step under way was not kept, and no checkpoint "
+        f"was written on the way out; metrics in {tmp_path / 'metrics.jsonl'}",
+    ]  # fmt: skip
+    assert "done (stopped early): " in "".join(out)
+    assert not list((tmp_path / "ck").glob("step-*")), "no checkpoint on the way out"
+    assert _listed(runtime_dir) == "interrupted"
