@@ -9,7 +9,10 @@ A checkpoint is a folder `DIR/step-NNNNNN/`:
     optimizer*.safetensors fp32 master weights, AdamW moments and step counts by name, in
                            the same sharded layout (tuitrain.shard_files): one file, or
                            shards and optimizer.safetensors.index.json
-    state.json             engine and training settings, data position, step, loss scale
+    state.json             engine and training settings, data position, step, loss scale;
+                           the data's full path and what its text read as (tokens,
+                           tokenizer), by which a resumed run is told to be the same one
+                           (tuitrain.resume)
     rng.safetensors        the random number generator states
     manifest.json          every file above with its size and SHA-256; written last
 
@@ -56,7 +59,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tuitrain.adapter_folder import ADAPTER_DIR, is_adapted, write_adapter
+from tuitrain.checkpoint_folder import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    find_checkpoint,
+    read_state,
+    step_folder,
+)
 from tuitrain.ranks import gather_from_ranks
+from tuitrain.resume import full_path, refusal, stream_changed
 from tuitrain.shard_files import (
     SHARD_BYTES,
     RankFiles,
@@ -67,18 +79,7 @@ from tuitrain.shard_files import (
     write_layout,
 )
 
-FORMAT = 1
-STEP_DIR = re.compile(r"^step-(\d{6,})$")
-MANIFEST = "manifest.json"
 OPTIMIZER = "optimizer"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message says which file and why."""
-
-
-def step_folder(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step-{step:06d}"
 
 
 def _sha256(path: Path) -> str:
@@ -177,12 +178,30 @@ def _write_rest(folder: Path, engine: Any, data: Any, settings: Any, step: int,
     save_file(rng_states(), folder / "rng.safetensors")
     record = {"format": FORMAT, "step": step, "engine": engine.state_meta(),
               "settings": settings.model_dump(), "model_folder": model_folder(settings.model),
+              # What a resumed run must read to continue this one (tuitrain.resume): the
+              # data where it was, wherever that run starts, and the text as it was.
+              "data_path": full_path(settings.data.path), "stream": data_stream(data),
               "data": data.state_dict() if hasattr(data, "state_dict") else None, **record}
     (folder / "state.json").write_text(json.dumps(record, indent=2))
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     manifest = {name: written.get(name) or _entry(p)
                 for p in files if (name := str(p.relative_to(folder)))}
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": manifest}, indent=2))
+
+
+def data_stream(data: Any) -> dict:
+    """The text as a run read it: its token count and the tokenizer's fingerprint, which
+    tell a resumed run whether it reads the same (tuitrain.resume.stream_changed). Empty
+    for batches that are no token stream."""
+    tokens = getattr(data, "num_tokens", None)
+    if tokens is None:
+        return {}
+    tokenizer = getattr(data, "tokenizer", None)
+    if tokenizer is None:
+        return {"tokens": tokens}
+    from engine.data.tokenizer import tokenizer_fingerprint
+
+    return {"tokens": tokens, "tokenizer": tokenizer_fingerprint(tokenizer)}
 
 
 def model_folder(model: str) -> str | None:
@@ -351,22 +370,6 @@ def tied_copies(model: torch.nn.Module) -> set[str]:
     return left_out
 
 
-def find_checkpoint(path: str | os.PathLike) -> Path:
-    """The step folder `path` names, or the newest complete one inside it."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}")
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is a file, not a checkpoint folder")
-    if (path / MANIFEST).exists() or STEP_DIR.match(path.name):
-        return path
-    steps = sorted((int(m.group(1)), p) for p in path.iterdir()
-                   if p.is_dir() and (m := STEP_DIR.match(p.name)) and (p / MANIFEST).exists())
-    if not steps:
-        raise CheckpointError(f"no complete checkpoint (step-NNNNNN with {MANIFEST}) in {path}")
-    return steps[-1][1]
-
-
 def verify(folder: Path, part: tuple[int, int] = (0, 1)) -> dict:
     """Check every file against the manifest before anything is loaded; returns state.json.
 
@@ -390,14 +393,7 @@ def verify(folder: Path, part: tuple[int, int] = (0, 1)) -> dict:
                 number % world == rank and _sha256(path) != want["sha256"]):
             raise CheckpointError(f"{path} is corrupt (size or checksum differs from the "
                                   f"manifest)")
-    try:
-        state = json.loads((folder / "state.json").read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{folder / 'state.json'} is unreadable: {err}") from None
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"{folder} has format {state.get('format')!r}; "
-                              f"this version reads {FORMAT}")
-    return state
+    return read_state(folder)
 
 
 def load_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: Any) -> int:
@@ -418,6 +414,10 @@ def load_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
     try:
         folder = find_checkpoint(settings.checkpoint.resume)
         state = verify(folder, part)
+        # Another run's checkpoint is refused before anything of it loads.
+        if problem := (refusal(folder, state, settings)
+                       or stream_changed(folder, state, data_stream(data), settings)):
+            raise CheckpointError(problem)
         tensors = opened.enter_context(_open_optimizer(folder, state))
         try:
             rng = load_file(folder / "rng.safetensors")

@@ -185,10 +185,12 @@ def _one_line(text: str) -> str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from tuitrain.given import Given
     from tuitrain.plan_command import has_cuda
     from tuitrain.tune_main import tune_command
 
-    return tune_command(args, resolve_settings(args), simulated=not has_cuda())
+    return tune_command(args, resolve_settings(args), Given.of(args, RUN),
+                        simulated=not has_cuda())
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -162,7 +162,7 @@ def merge_flags(
 
     given = {f.key: value for f in flags if (value := f.value(args)) is not None}
     try:
-        return merge(base, given | more)
+        return merge(base, given | more, typed=given.keys())
     except InvalidSettings as error:
         names = {f.key: f.name for f in flags} | {"model": "MODEL"}
         raise UsageError(f"{names.get(error.key, error.key)}: {error.problem}") from None

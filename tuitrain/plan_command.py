@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from tuitrain.errors import UsageError
 from tuitrain.flags import PLAN, as_number, merge_flags
+from tuitrain.given import Given
 
 if TYPE_CHECKING:
     from tuitrain.settings import Settings
@@ -38,7 +39,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if host_budget is None and settings.engine.host_budget is not None:
         host_budget = settings.engine.host_budget.nbytes  # the preset's
     check_model(settings.model, settings.training.seq_len)
-    check_lora(settings)
+    check_lora(settings, Given.of(args, PLAN))
     nproc = _plan_ranks(args.nproc, settings.training.batch_size)
     hardware = _hardware(args.hardware or settings.hardware)
     simulated = not has_cuda() and hardware is None

@@ -12,7 +12,7 @@ import contextlib
 import os
 import shlex
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -98,11 +98,14 @@ def load_preset(path: str | os.PathLike) -> Settings:
         raise PresetError(f"{path}: {error}") from None
 
 
-def merge(settings: Settings, overrides: Mapping[str, Any]) -> Settings:
+def merge(
+    settings: Settings, overrides: Mapping[str, Any], *, typed: Collection[str] = ()
+) -> Settings:
     """A copy of `settings` with `overrides` applied; the input is left alone.
 
     Keys are dotted paths (`{"engine.margin_ratio": 0.5}`) or nested mappings
     (`{"engine": {"margin_ratio": 0.5}}`); a nested mapping updates only the keys it names.
+    `typed`: those of the keys the user typed as flags (see validate_settings).
 
     Raises:
         InvalidSettings: a key that does not exist or a value that does not validate, with
@@ -112,7 +115,7 @@ def merge(settings: Settings, overrides: Mapping[str, Any]) -> Settings:
     data = settings.model_dump(exclude_unset=True)
     for key, value in overrides.items():
         _set(data, key.split("."), value)
-    return validate_settings(data)
+    return validate_settings(data, typed=typed)
 
 
 def _set(data: dict, path: list[str], value: Any) -> None:

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 
 from tuitrain.errors import UsageError
+from tuitrain.given import Given
+from tuitrain.resume import check_resume
 from tuitrain.settings import Settings
 
 
@@ -37,9 +39,9 @@ def check_model(name: str, seq_len: int) -> None:
         raise UsageError(f"seq_len {seq_len} is longer than the {longest} positions of {name}")
 
 
-def check_lora(settings: Settings) -> None:
+def check_lora(settings: Settings, given: Given | None = None) -> None:
     """The LoRA targets name modules of the model (checked on the meta device: nothing is
-    allocated)."""
+    allocated); a mistake names them as `given` (the flag, or the preset and its key)."""
     lora = settings.lora()
     if lora is None:
         return
@@ -49,7 +51,24 @@ def check_lora(settings: Settings) -> None:
     try:
         apply_lora(meta_model(settings.model), lora)
     except NoTargets as error:
-        raise UsageError(f"--lora-targets: {error}") from None
+        raise UsageError(f"{(given or Given()).name('training.lora.targets')}: {error}") from None
+
+
+def check_text_field(settings: Settings, given: Given) -> None:
+    """A text field the user chose names a field in the text the run reads (--data, or
+    --eval-data, which it reads too): a plain text file has none, and a field named for
+    it would be ignored without a word."""
+    if not given.gave(settings, "data.text_field"):
+        return
+    from engine.data.formats import WITH_FIELDS, has_fields
+
+    paths = [p for p in (settings.data.path, settings.data.eval_path) if p is not None]
+    if any(has_fields(Path(path).expanduser()) for path in paths):
+        return
+    read = " and ".join(paths) or "the built-in corpus"
+    have = "has" if len(paths) < 2 else "have"
+    raise UsageError(f"{given.name('data.text_field')}: {read} {have} no fields; a text field "
+                     f"names the one that holds the text in {WITH_FIELDS}")
 
 
 def check_writable(flag: str, path: str | os.PathLike, *, folder: bool = False) -> None:
@@ -142,16 +161,20 @@ def _check_earlier_checkpoints(folder: Path, resume: str | None) -> None:
                      f"name another folder")
 
 
-def check_runnable(settings: Settings) -> None:
-    """Every check that needs no training: the model, the files and folders named."""
+def check_runnable(settings: Settings, given: Given | None = None) -> None:
+    """Every check that needs no training: the model, the files and folders named.
+    `given`: how the user gave the settings, for what a mistake names (default: each
+    settings key by its name)."""
+    given = given or Given()
     check_model(settings.model, settings.training.seq_len)
-    check_lora(settings)
+    check_lora(settings, given)
     data = settings.data.path
     if data is not None and not Path(data).expanduser().exists():
         raise UsageError(f"data path not found: {data}")
     held_out = settings.data.eval_path
     if held_out is not None and not Path(held_out).expanduser().exists():
         raise UsageError(f"eval data path not found: {held_out}")
+    check_text_field(settings, given)
     metrics = settings.logging.metrics
     if metrics is not None:
         metrics_path = Path(metrics).expanduser()
@@ -177,3 +200,4 @@ def check_runnable(settings: Settings) -> None:
         raise UsageError(f"checkpoint to resume from not found: {checkpoint.resume}")
     if checkpoint.dir is not None:
         _check_earlier_checkpoints(Path(checkpoint.dir).expanduser(), checkpoint.resume)
+    check_resume(settings)  # the checkpoint is this run's, with steps left after it

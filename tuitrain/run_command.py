@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from tuitrain.errors import UsageError
 from tuitrain.flags import PROG, RUN, as_number, merge_flags
 from tuitrain.formatting import plural
+from tuitrain.given import Given
 
 if TYPE_CHECKING:
     from tuitrain.events import Started
@@ -70,7 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tuitrain.run_checks import check_runnable
 
     if not checked_by_launcher():
-        check_runnable(settings)
+        check_runnable(settings, Given.of(args, RUN))
     pace = None
     if ranks.leader:
         _warn_of_a_short_run(settings)

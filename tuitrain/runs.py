@@ -107,6 +107,14 @@ def write_record(folder: Path, record: RunRecord) -> None:
     os.replace(partial, path)
 
 
+def forget_record(folder: Path, run_id: str) -> None:
+    """Remove the record of a run the worker refused for a mistake in its input (said in
+    one line, exit status 2): it never trained, so it is no more a run to list than one
+    the command line refused before it started."""
+    with contextlib.suppress(OSError):
+        record_path(folder, run_id).unlink()
+
+
 def list_runs(folder: Path) -> list[RunRecord]:
     """Every run recorded, oldest first. A run said to be live whose process or socket is gone
     (killed) is recorded as "gone" and its socket removed; the oldest ended runs past

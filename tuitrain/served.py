@@ -13,9 +13,17 @@ import time
 from dataclasses import replace
 from typing import TextIO
 
+from tuitrain.errors import EXIT_BAD_INPUT
 from tuitrain.events import Applied, Command, Event, Failed, Finished, Log, Rejected, Step
 from tuitrain.listener import SETTING_OF, Listener, Viewer, answer_for_others, ended_state
-from tuitrain.runs import RunRecord, RuntimeFolderError, new_record, runtime_folder, write_record
+from tuitrain.runs import (
+    RunRecord,
+    RuntimeFolderError,
+    forget_record,
+    new_record,
+    runtime_folder,
+    write_record,
+)
 from tuitrain.settings import Settings
 from tuitrain.worker import ProcessWorker
 
@@ -58,8 +66,12 @@ class ServedWorker:
         return events
 
     def close(self) -> None:
-        """The run has ended: viewers get the last events, the record says how it ended."""
+        """The run has ended: viewers get the last events, the record says how it ended,
+        or goes with a run refused for a mistake in its input."""
         self.listener.close()
+        if isinstance(self._end, Failed) and self._end.exitcode == EXIT_BAD_INPUT:
+            forget_record(self.listener.path.parent, self.record.id)
+            return
         self.record = replace(self.record, state=ended_state(self._end), socket="",
                               ended=time.time())
         self._write()

@@ -6,7 +6,7 @@ Precedence: built-in defaults < preset file < command-line flags.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal, Union, get_args, get_origin
 
 import annotated_types
@@ -40,6 +40,9 @@ COLLECTIVE_TIMEOUT_MAX = 7 * 24 * 3600
 LORA_RANK_MAX = 4096
 # A seed is a 64-bit whole number, as torch's generators take it.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# What a setting of evaluation says without held-out text to evaluate on.
+NOTHING_HELD_OUT = ("nothing is held out to evaluate on: set data.eval_fraction or "
+                    "data.eval_path (--eval-fraction F or --eval-data PATH)")
 
 
 class Size(str):
@@ -159,8 +162,20 @@ class LoraSettings(_Strict):
     alpha: float | None = Field(None, gt=0)  # None: 2 x rank
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # "all-linear" (every linear layer but the output head), or module names separated by
-    # commas, as peft matches them: "q_proj,v_proj".
+    # commas, as peft matches them: "q_proj,v_proj" (a preset may list them instead).
     targets: str = "all-linear"
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _targets_from_a_list(cls, value: Any) -> Any:
+        # A preset may list the names, as YAML lists things: [q_proj, v_proj].
+        if not isinstance(value, list):
+            return value
+        if value and all(isinstance(name, str) for name in value):
+            return ",".join(value)
+        other = next((name for name in value if not isinstance(name, str)), None)
+        got = f"a list holding {_shown(other)}" if value else "an empty list"
+        raise ValueError(f"must be all-linear or module names (got {got})")
 
     @field_validator("targets")
     @classmethod
@@ -249,7 +264,7 @@ class Settings(_Strict):
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
 
     @model_validator(mode="after")
-    def _check_evaluation(self) -> Settings:
+    def _check_evaluation(self, info: ValidationInfo) -> Settings:
         # Keys of two sections: the one place both are seen. An InvalidSettings raised here
         # keeps its own key (see validate_settings), so a flag's name can replace it.
         if self.data.eval_path is not None and self.data.eval_fraction is not None:
@@ -258,13 +273,28 @@ class Settings(_Strict):
                 "give data.eval_path or data.eval_fraction, not both (held-out text comes "
                 "from another corpus or from a share of this one)",
             )
-        if self.training.eval_every is not None and not self.evaluates:
-            raise InvalidSettings(
-                "training.eval_every",
-                "nothing is held out to evaluate on: set data.eval_fraction or "
-                "data.eval_path (--eval-fraction F or --eval-data PATH)",
-            )
+        if self.evaluates:
+            return self
+        if self.training.eval_every is not None:
+            raise InvalidSettings("training.eval_every", NOTHING_HELD_OUT)
+        # A saved preset writes every key, this one too, with its default: only a value the
+        # user chose (another number, or any typed as a flag) asks for evaluations that
+        # would never run.
+        typed = (info.context or {}).get("typed", ())
+        if "training.eval_batches" in typed or self.changed("training.eval_batches"):
+            raise InvalidSettings("training.eval_batches", NOTHING_HELD_OUT)
         return self
+
+    def changed(self, key: str) -> bool:
+        """Whether the dotted settings `key` holds other than its built-in default."""
+        *sections, name = key.split(".")
+        owner: BaseModel = self
+        for section in sections:
+            owner = getattr(owner, section)
+            if owner is None:  # a section left out (training.lora): nothing in it was set
+                return False
+        field = type(owner).model_fields[name]
+        return getattr(owner, name) != field.get_default(call_default_factory=True)
 
     @property
     def evaluates(self) -> bool:
@@ -331,14 +361,18 @@ def check_engine_setting(field: str, value: object) -> Any:
         raise InvalidSettings(field, describe_error({**first, "loc": ("engine", field)})) from None
 
 
-def validate_settings(data: Mapping[str, Any]) -> Settings:
+def validate_settings(data: Mapping[str, Any], *, typed: Collection[str] = ()) -> Settings:
     """Settings from plain data (a parsed preset, a merged dump), or InvalidSettings.
+
+    `typed`: the dotted keys the user typed on the command line. A value given so is the
+    user's choice whatever it is; in a preset, which a saved one writes whole, only a value
+    other than the default is (Settings._check_evaluation).
 
     Only the first problem is reported in full: one clear line beats a page of them, and the
     count of the rest tells the user there is more to fix.
     """
     try:
-        return Settings.model_validate(data)
+        return Settings.model_validate(data, context={"typed": frozenset(typed)})
     except ValidationError as error:
         errors = error.errors()
         first = errors[0]

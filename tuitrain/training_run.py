@@ -176,11 +176,12 @@ class TrainingRun:
         if resume is not None:
             done = int(resume(self.engine, self.model, self.data, s))
             if done >= s.training.steps:  # a mistake in the input: not a run of no steps
-                raise ValueError(f"the checkpoint in {s.checkpoint.resume} is after step "
-                                 f"{done}, and the run's last step is {s.training.steps}: "
-                                 f"nothing left to train (give --steps more than {done})")
+                from tuitrain.resume import nothing_left
+
+                raise ValueError(nothing_left(s.checkpoint.resume, done, s.training.steps))
             self.next_step = done + 1
             self.say(f"resumed from {s.checkpoint.resume} after step {done}")
+            self._say_schedule_changes()
 
         device, used = built.device, built.settings.model_dump(mode="json")
         if self.ranks.parallel:
@@ -406,6 +407,17 @@ class TrainingRun:
             # Data parallel, every rank saves: its own shard of the optimizer state.
             self.save_checkpoint = checkpoint.save_checkpoint
         return checkpoint.load_checkpoint if c.resume else None
+
+    def _say_schedule_changes(self) -> None:
+        """A resumed run that sets the learning rate's course otherwise than the run that
+        saved it goes on with its own, and says so once (tuitrain.resume)."""
+        from tuitrain.checkpoint_folder import find_checkpoint, read_state
+        from tuitrain.resume import schedule_changes
+
+        folder = find_checkpoint(self.settings.checkpoint.resume)
+        changed = schedule_changes(folder, read_state(folder), self.settings)
+        if changed and self.ranks.leader:
+            self.say(changed, level="warning")
 
     # --- output ------------------------------------------------------------------------
 

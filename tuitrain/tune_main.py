@@ -33,11 +33,12 @@ from tuitrain.tune import (
     TuneResult,
     search,
 )
-from tuitrain.tune_run import RunSteps, check_steps, run_length
+from tuitrain.tune_run import RunSteps, check_tune_steps, run_length
 from tuitrain.tune_setup import learn_from, trial_line
 
 if TYPE_CHECKING:
     from engine.planning.calibration import Calibration
+    from tuitrain.given import Given
     from tuitrain.tune_worker import WorkerTrainer
     from tuitrain.worker import ProcessWorker
 
@@ -88,8 +89,11 @@ def add_tune_parser(commands, run_flags) -> argparse.ArgumentParser:
     return tune
 
 
-def tune_command(args: argparse.Namespace, settings: Settings, *, simulated: bool) -> int:
-    """Check the search's flags (UsageError), then tune."""
+def tune_command(
+    args: argparse.Namespace, settings: Settings, given: Given, *, simulated: bool
+) -> int:
+    """Check the search's flags (UsageError), then tune; `given`: how the user gave the
+    settings, for what a mistake names."""
     from tuitrain.run_checks import check_runnable
     from tuitrain.run_preset import save_target
 
@@ -98,25 +102,25 @@ def tune_command(args: argparse.Namespace, settings: Settings, *, simulated: boo
                          f"{args.trial_steps})")
     # --steps N is the run's length, as for `tuitrain run`; a preset's steps are its run's.
     steps = settings.training.steps if args.steps is not None else None
-    if steps is not None:
-        check_steps(steps, args.trial_steps)
+    after = check_tune_steps(settings, steps, args.trial_steps)
     try:
         limit = parse_duration(args.time_limit) if args.time_limit is not None else None
     except ValueError as error:
         raise UsageError(f"--time-limit: {error}") from None
     args.headless = True  # a tune has no app: its preset is saved as a headless run's
     save_to = save_target(args, settings.logging.metrics)
-    check_runnable(settings)
+    check_runnable(settings, given)
     return tune_main(settings, trial_steps=args.trial_steps, time_limit=limit, steps=steps,
-                     save_to=save_to, overwrite=args.force, simulated=simulated)
+                     after=after, save_to=save_to, overwrite=args.force, simulated=simulated)
 
 
 def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
               save_to: Path | None, overwrite: bool, simulated: bool,
-              steps: int | None = None,
+              steps: int | None = None, after: int = 0,
               out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Tune `settings`' run; `steps`: its length (--steps N, searched and then trained
-    with the best), None: it ends with the search."""
+    with the best), None: it ends with the search; `after`: the step its checkpoint was
+    saved after (--resume; check_tune_steps), where the search begins."""
     out, err = out or sys.stdout, err or sys.stderr
     from tuitrain.tune_setup import run_budget, tune_forecaster, tune_space
 
@@ -140,13 +144,13 @@ def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
               f"{moved.describe()}, the fastest forecast that fits", file=err, flush=True)
     run = merge(start, {"training.steps": last})
     return _tune(run, settings, space, forecast, budget=budget, trial_steps=trial_steps,
-                 time_limit=time_limit, goes_on=steps is not None, save_to=save_to,
-                 overwrite=overwrite, cal=cal, out=out, err=err)
+                 time_limit=time_limit, goes_on=steps is not None, after=after,
+                 save_to=save_to, overwrite=overwrite, cal=cal, out=out, err=err)
 
 
 def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
           *, budget: int, trial_steps: int, time_limit: float | None, goes_on: bool,
-          save_to: Path | None, overwrite: bool, cal: Calibration,
+          after: int, save_to: Path | None, overwrite: bool, cal: Calibration,
           out: TextIO, err: TextIO) -> int:
     """The search on `run`; `goes_on`: the run trains on with the best to its last step
     (--steps N), else it is stopped when the search ends."""
@@ -174,8 +178,8 @@ def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
     try:
         result, trainer = _search(worker, run, space, forecast, budget=budget,
                                   trial_steps=trial_steps, time_limit=time_limit,
-                                  goes_on=goes_on, on_event=on_event, on_trial=on_trial,
-                                  out=out)
+                                  goes_on=goes_on, after=after, on_event=on_event,
+                                  on_trial=on_trial, out=out)
         if result is not None and result.best is not None:
             assert trainer is not None
             # The run goes on with the best where it has steps left after the search took
@@ -240,7 +244,7 @@ def _say_tuned(result: TuneResult, searched: int, cal: Calibration, out: TextIO)
 
 def _search(worker: ProcessWorker, run: Settings, space: list[Candidate], forecast, *,
             budget: int, trial_steps: int, time_limit: float | None, goes_on: bool,
-            on_event, on_trial,
+            after: int, on_event, on_trial,
             out: TextIO) -> tuple[TuneResult | None, WorkerTrainer | None]:
     """The search on the started worker's run, and its trainer; (None, None) when the run
     ended before it began."""
@@ -255,10 +259,12 @@ def _search(worker: ProcessWorker, run: Settings, space: list[Candidate], foreca
         checkpointing=run.training.activation_checkpointing,
         policy=used.get("policy", run.engine.policy),
         margin_ratio=used.get("margin_ratio", run.engine.margin_ratio),
-        device_budget=budget, on_event=on_event, last_step=run.training.steps)
+        device_budget=budget, on_event=on_event, last_step=run.training.steps, after=after)
+    last = run.training.steps
+    within = f", within steps {after + 1} to {last}" if after else f", within {last} steps"
     print(f"tuning {run.model}: {len(space)} settings, {trial_steps} measured steps a trial"
           + (f", at most {format_seconds(time_limit)}" if time_limit else "")
-          + (f", within {run.training.steps} steps" if goes_on else ""),
+          + (within if goes_on else ""),
           file=out, flush=True)
     result = search(space, forecast, trainer, trial_steps=trial_steps, time_limit=time_limit,
                     on_trial=on_trial, steps_left=trainer.steps_left, keep_best=goes_on)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from tuitrain.errors import UsageError
 from tuitrain.events import Event, Failed, Finished, Step
 from tuitrain.run_summary import record_summary
+from tuitrain.settings import Settings
 from tuitrain.trials import TrialBook
 from tuitrain.tune import RUN_OFF
 
@@ -35,6 +36,38 @@ def check_steps(steps: int, trial_steps: int) -> None:
         raise UsageError(f"--steps: a tune measures a setting in {least} steps at the "
                          f"least (--trial-steps {trial_steps}, the step under way when it "
                          f"is applied and the one after; got {steps})")
+
+
+def check_tune_steps(settings: Settings, steps: int | None, trial_steps: int) -> int:
+    """The step after which a tune's run resumes (0: it starts anew), or a UsageError for a
+    --steps (`steps`, None when not given) too short for one trial.
+
+    A resumed run continues a run of a set length: its learning rate's course and its last
+    evaluation are the length's, and a checkpoint it saves is taken for that run's by the
+    next --resume. So its tune needs --steps N, the run's length, with room for a trial
+    after the checkpoint; the search begins there and the best trains on to step N. Sized
+    for the search alone (no --steps), the run would get a length of the tune's choosing,
+    short of the checkpoint's step or soon after it."""
+    if settings.checkpoint.resume is None:
+        if steps is not None:
+            check_steps(steps, trial_steps)
+        return 0
+    from tuitrain.resume import resumed_state
+
+    folder, state = resumed_state(settings)
+    done, least = int(state.get("step", 0)), least_steps(trial_steps)
+    if steps is None:
+        saved = (state.get("settings") or {}).get("training", {}).get("steps")
+        had = f"; the run that saved it had --steps {saved}" if saved else ""
+        raise UsageError(f"--resume: a tune of a resumed run needs the run's length: give "
+                         f"--steps N, at least {done + least} ({folder} is after step {done}, "
+                         f"and a trial takes {least} steps{had})")
+    if steps < done + least:
+        raise UsageError(f"--steps: {folder} is after step {done}, and a tune measures a "
+                         f"setting in {least} steps at the least (--trial-steps "
+                         f"{trial_steps}, the step under way when it is applied and the "
+                         f"one after): give at least {done + least} (got {steps})")
+    return done
 
 
 def run_length(steps: int | None, *, settings_steps: int, fitting: int,

@@ -46,6 +46,8 @@ class WorkerTrainer:
         stopped: asked while waiting; True makes the wait end as a failed step.
         last_step: the number of the run's last step (its training.steps); None: a run
             that is not counted on to end (the trainer learns of its end when it comes).
+        after: the step the run resumed after (its checkpoint's); 0: a run from its start.
+            The run's steps are counted from there before it reports one.
     """
 
     def __init__(self, send: Callable[[Command], int], events: Callable[[], list[Event]], *,
@@ -54,7 +56,7 @@ class WorkerTrainer:
                  device_budget: int | None,
                  on_event: Callable[[Event], None] = lambda event: None,
                  stopped: Callable[[], bool] = lambda: False,
-                 last_step: int | None = None) -> None:
+                 last_step: int | None = None, after: int = 0) -> None:
         self.send = send
         self.events = events
         self.current: dict[str, object] = {
@@ -64,8 +66,8 @@ class WorkerTrainer:
         self.stopped = stopped
         self.first_step = 0  # the first step of the run under the setting applied last
         self.last_step = last_step
-        self.newest = 0  # the number of the latest step read
-        self.taken = 0  # the number of the latest step handed out, or passed over
+        self.newest = after  # the number of the latest step read
+        self.taken = after  # the number of the latest step handed out, or passed over
         self.answers: dict[int, Applied | Rejected] = {}
         self.steps: list[Step] = []
         self.ended: str | None = None  # why the run will give no more steps

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.data.formats import TEXT_FIELD, TEXT_SUFFIXES, is_datasets_folder, is_records
 from engine.data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     MIN_VOCAB_SIZE,
@@ -44,20 +45,12 @@ __all__ = [
     "tokenize_corpus",
 ]
 
-# Files a folder corpus reads: prose and source code. Anything else in the folder (images,
-# archives, lock files) is skipped rather than decoded as garbage.
-TEXT_SUFFIXES = frozenset(
-    ".txt .text .md .markdown .rst .tex .html .htm .py .pyi .c .h .cc .cpp .hpp .rs .go "
-    ".java .js .ts .sh .jsonl".split()
-)
 # Standard-library folders that are not library source: installed third-party packages
 # (different on every machine), the test suites, bytecode.
 _STDLIB_SKIP = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 )
-_DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _READER = "corpus-v1"  # part of every corpus identity: bump when reading changes
-TEXT_FIELD = "text"  # the JSONL field or `datasets` column read unless another is named
 
 
 class DataError(ValueError):
@@ -139,7 +132,7 @@ def _fields_found(record: object) -> str:
 
 
 def _file_texts(path: Path, field: str) -> Iterator[str]:
-    if path.suffix.lower() == ".jsonl":
+    if is_records(path):
         yield from _jsonl_texts(path, field)
     else:
         yield _read_text(path)
@@ -242,7 +235,7 @@ def open_corpus(data_path: str | os.PathLike | None, *, text_field: str = TEXT_F
         if _looks_binary(path):
             raise DataError(f"{data_path} does not look like text (it holds NUL bytes)")
         return Corpus(source=str(data_path), files=(path,), text_field=text_field)
-    if any((path / marker).is_file() for marker in _DATASETS_MARKERS):
+    if is_datasets_folder(path):
         if not (_installed("datasets") or _installed("pyarrow")):
             raise DataError(
                 f"{data_path} is a datasets folder; reading it needs the datasets "

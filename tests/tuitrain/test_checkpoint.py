@@ -248,3 +248,20 @@ def test_resuming_a_checkpoint_at_or_past_the_last_step_is_refused_in_one_line(
     assert capsys.readouterr().err.splitlines() == [
         "tuitrain: error: the checkpoint in ck is after step 2, and the run's last step is 2: "
         "nothing left to train (give --steps more than 2)"]
+
+
+def test_a_checkpoint_of_another_run_is_refused_before_anything_loads(tmp_path):
+    """The worker's own check, as every rank under torchrun and the tune's run make it: the
+    data's order (here the seed) must be the saved run's."""
+    run = Run(tmp_path)
+    run.steps(2)
+    folder = run.save()
+    other = Run(tmp_path, resume=str(folder))
+    other.settings = Settings(model="tiny", training={"seed": 1},
+                              checkpoint={"resume": str(folder)})
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(other.engine, other.model, other.data, other.settings)
+    assert str(err.value) == (
+        f"{folder} was saved by a run with --seed 0; this run has --seed 1: give the same "
+        f"to continue it, or leave out --resume to start a new run")
+    assert other.engine.step_count == 0 and other.data.state_dict()["position"] == 0

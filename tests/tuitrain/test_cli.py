@@ -295,6 +295,9 @@ def test_a_checkpoint_folder_with_an_earlier_runs_checkpoints_is_for_continuing_
     ck = tmp_path / "ck"
     (ck / "step-000008").mkdir(parents=True)
     (ck / "step-000008" / "manifest.json").write_text("{}")
+    # What --resume reads before a run starts: the step, and the saved run's settings (the
+    # defaults, as this run's are).
+    (ck / "step-000008" / "state.json").write_text('{"format": 1, "step": 8, "settings": {}}')
     line = refused(capsys, ["run", "tiny", "--headless", "--checkpoint-dir", str(ck)])
     assert line == (f"tuitrain: error: --checkpoint-dir: {ck} holds an earlier run's "
                     f"checkpoints (the newest step-000008); continue that run with --resume "
@@ -784,3 +787,108 @@ def test_a_warm_up_longer_than_the_run_says_so_in_one_line(capsys, monkeypatch, 
         "learning rate never reaches --lr 0.0003\n")
     assert main(["run", "--preset", str(preset), "--headless", "--steps", "10"]) == 0
     assert capsys.readouterr().err == ""
+
+
+# --- a setting given for nothing is refused, named as the user gave it ------------------------
+
+NOTHING_HELD_OUT = ("nothing is held out to evaluate on: set data.eval_fraction or "
+                    "data.eval_path (--eval-fraction F or --eval-data PATH)")
+NO_FIELDS = ("no fields; a text field names the one that holds the text in a JSONL file, a "
+             "folder holding JSONL files, or a `datasets` folder")
+
+
+@pytest.mark.parametrize("value", ["3", "8"], ids=["another number", "the default, typed"])
+def test_eval_batches_without_held_out_text_is_refused_as_eval_every_is(capsys, value):
+    line = refused(capsys, ["run", "tiny", "--headless", "--eval-batches", value])
+    assert line == f"tuitrain: error: --eval-batches: {NOTHING_HELD_OUT}"
+
+
+def test_a_preset_choosing_eval_batches_without_held_out_text_is_refused_by_file_and_key(
+        capsys, tmp_path):
+    preset = write(tmp_path, "version: 1\nmodel: tiny\ntraining:\n  eval_batches: 4\n")
+    line = refused(capsys, ["run", "--preset", str(preset), "--headless"])
+    assert line == f"tuitrain: error: {preset}: training.eval_batches: {NOTHING_HELD_OUT}"
+
+
+def test_a_saved_preset_with_every_key_and_no_held_out_text_still_runs(tmp_path):
+    """A saved preset writes eval_batches with its default: that is no choice of the
+    user's, and the preset runs as saved."""
+    from tuitrain.presets import save_preset
+
+    saved = save_preset(Settings(model="tiny"), tmp_path / "saved.yaml")
+    assert "eval_batches: 8" in saved.read_text()
+    assert parsed(["run", "--preset", str(saved)]) == load_preset(saved)
+
+
+def given_checked(argv: list[str]) -> None:
+    """`tuitrain ARGV`'s settings through every check a run makes before it starts."""
+    from tuitrain.flags import RUN
+    from tuitrain.given import Given
+    from tuitrain.run_checks import check_runnable
+
+    args = build_parser().parse_args(argv)
+    check_runnable(resolve_settings(args), Given.of(args, RUN))
+
+
+def test_a_text_field_for_text_without_fields_is_refused_saying_which_have_them(
+        capsys, tmp_path):
+    corpus = write(tmp_path, "plain text, read whole\n", "corpus.txt")
+    line = refused(capsys, ["run", "tiny", "--headless", "--data", str(corpus),
+                            "--text-field", "body"])
+    assert line == f"tuitrain: error: --text-field: {corpus} has {NO_FIELDS}"
+    line = refused(capsys, ["run", "tiny", "--headless", "--text-field", "body"])
+    assert line == f"tuitrain: error: --text-field: the built-in corpus has {NO_FIELDS}"
+    preset = write(tmp_path, f"version: 1\nmodel: tiny\ndata:\n  path: {corpus}\n"
+                             f"  text_field: body\n")
+    line = refused(capsys, ["run", "--preset", str(preset), "--headless"])
+    assert line == f"tuitrain: error: {preset}: data.text_field: {corpus} has {NO_FIELDS}"
+
+
+def test_a_text_field_is_taken_for_any_data_the_run_reads_that_has_fields(tmp_path):
+    plain = write(tmp_path, "plain text\n", "corpus.txt")
+    records = write(tmp_path, '{"body": "a record"}\n', "records.jsonl")
+    folder = tmp_path / "notes"
+    (folder / "2026").mkdir(parents=True)
+    (folder / "2026" / "day.jsonl").write_text('{"body": "a note"}\n')
+    for data in (["--data", str(records)], ["--data", str(folder)],
+                 ["--data", str(plain), "--eval-data", str(records)]):
+        given_checked(["run", "tiny", *data, "--text-field", "body"])
+    # A saved preset's text field is the default, for any data: not the user's choice.
+    given_checked(["run", "tiny", "--data", str(plain)])
+
+
+@pytest.mark.parametrize("command", [["run", "--headless", "--steps", "1"], ["plan"],
+                                     ["tune", "--steps", "10"]], ids=lambda c: c[0])
+def test_a_presets_lora_targets_that_match_nothing_are_named_by_file_and_key(
+        capsys, tmp_path, command):
+    preset = write(tmp_path, "version: 1\nmodel: tiny\ntraining:\n  lora:\n    rank: 2\n"
+                             "    targets: [q_proj, no_such_proj]\n")
+    line = refused(capsys, [*command, "--preset", str(preset)])
+    assert line == (f"tuitrain: error: {preset}: training.lora.targets: LoRA targets "
+                    f"'no_such_proj' match no module of the model")
+    line = refused(capsys, [*command, "--preset", str(preset),
+                            "--lora-targets", "nor_this"])  # the flag replaces the preset's
+    assert line == ("tuitrain: error: --lora-targets: LoRA targets 'nor_this' match no "
+                    "module of the model")
+
+
+def test_the_start_lines_say_when_activations_are_checkpointed():
+    import io
+
+    from tuitrain.events import Started
+    from tuitrain.headless import _Report
+
+    def training_line(checkpointing: bool) -> str:
+        settings = merge(Settings(model="tiny"),
+                         {"training.activation_checkpointing": checkpointing})
+        out = io.StringIO()
+        report = _Report(settings=settings, out=out, err=io.StringIO(), log_path="w.log")
+        report.handle(Started(model="tiny", parameters=657_344, device="simulated, 6.0 GiB",
+                              chunks=[], settings=settings.model_dump(mode="json"), pid=7,
+                              log_path="w.log"))
+        return next(line for line in out.getvalue().splitlines()
+                    if line.startswith("  training "))
+
+    assert training_line(True) == ("  training 200 steps of 2 x 128 tokens, lr 0.0003 "
+                                   "constant, seed 0, activation checkpointing")
+    assert "checkpointing" not in training_line(False)

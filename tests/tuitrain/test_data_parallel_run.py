@@ -282,7 +282,7 @@ def test_ranks_the_launcher_started_leave_the_checks_to_it(monkeypatch):
     assert not launch.checked_by_launcher()
 
     checked: list[str] = []
-    monkeypatch.setattr(run_checks, "check_runnable", lambda s: checked.append(s.model))
+    monkeypatch.setattr(run_checks, "check_runnable", lambda s, given=None: checked.append(s.model))
     monkeypatch.setattr(headless, "run_headless", lambda settings, **kw: 0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

@@ -377,9 +377,10 @@ settings_data = st.fixed_dictionaries(
         ),
     }
 ).map(
-    # Evaluating needs held-out text: without any, the run has no eval_every.
+    # Evaluating needs held-out text: without any, the run has no eval_every, and its
+    # eval_batches is the default, as a saved preset writes it.
     lambda d: d if "eval_path" in d["data"] or "eval_fraction" in d["data"]
-    else {**d, "training": {**d["training"], "eval_every": None}}
+    else {**d, "training": {**d["training"], "eval_every": None, "eval_batches": 8}}
 )
 
 
@@ -482,3 +483,27 @@ def test_a_file_that_appears_while_saving_is_not_overwritten(tmp_path, monkeypat
         save_preset(Settings(), path)
     assert path.read_text() == "# theirs\n"
     assert _no_temp_files(tmp_path)
+
+
+def test_lora_targets_may_be_a_yaml_list_of_module_names(tmp_path):
+    path = write(tmp_path, "version: 1\ntraining:\n  lora:\n    rank: 4\n"
+                           "    targets: [q_proj, v_proj]\n")
+    lora = load_preset(path).training.lora
+    assert lora.targets == "q_proj,v_proj"
+    assert lora.as_lora().targets == ("q_proj", "v_proj")
+
+
+@pytest.mark.parametrize(("targets", "got"), [
+    ("[q_proj, 3]", "(got a list holding 3)"),
+    ("[]", "(got an empty list)"),
+    ("[q_proj, v proj]", "(got 'q_proj,v proj')"),
+])
+def test_a_list_of_lora_targets_that_are_not_module_names_is_named_by_file_and_key(
+        tmp_path, targets, got):
+    path = write(tmp_path, f"version: 1\ntraining:\n  lora:\n    rank: 4\n"
+                           f"    targets: {targets}\n")
+    with pytest.raises(PresetError) as caught:
+        load_preset(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: training.lora.targets: must be all-linear or module "
+                              f"names") and message.endswith(got)

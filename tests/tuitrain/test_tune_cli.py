@@ -354,3 +354,11 @@ def test_the_commands_of_one_setting_all_go_before_any_step_runs():
                       policy="cpu", margin_ratio=0.0, device_budget=GIB)
     t.apply(Candidate("cuda", 0.5, 2, 1, False, GIB))
     assert sent_before_answers[0] == 2  # both commands out before the first answer is read
+
+
+def test_a_resumed_run_counts_its_steps_left_from_its_checkpoint_before_it_reports_one():
+    """The search asks what is left before the run's first step comes: a run resumed after
+    step 196 of 200 has 3 after the one under way, not 199."""
+    t = trainer(Scripted([step(197, 1.0)], {}), last_step=200, after=196)
+    assert t.steps_left() == 3
+    assert t.free_from == 197

@@ -27,6 +27,9 @@ from tuitrain.tui.fitting import wrap_at_separators
 
 STATUS_STYLES = {"pending": "yellow", "applied": "green", "rejected": "red"}
 HINT = "Enter applies · c policy · +- margin"
+# The policy select with none chosen, as the header words a value not known: one the run
+# may still say, or one that will not come now that it has ended.
+POLICY_WAITING, POLICY_UNSAID = "…", "-"
 # In a field c, + and - are typed: the hint says how to leave instead (36 columns at 80x24).
 FIELD_HINT = "Enter applies · Esc leaves the field"
 
@@ -102,11 +105,15 @@ class Controls(Vertical):
         device_budget: Size
 
     def __init__(
-        self, *, policy: str, margin_ratio: float, device_budget: str | None, id: str | None = None
+        self, *, policy: str | None, margin_ratio: float, device_budget: str | None,
+        id: str | None = None,
     ) -> None:
+        """`policy` None: none is shown as chosen until set_values says which (a policy left
+        to the plan is chosen as the run starts)."""
         super().__init__(id=id)
         self.border_title = "Controls"
         self._initial = (policy, margin_ratio, device_budget)
+        self._policy = policy  # the one shown, None while the run has not said
         self._steerable = True  # see allow_changes
         self._why_not = ""  # see allow_changes
         self._budget_allowed = True  # see allow_budget
@@ -120,7 +127,9 @@ class Controls(Vertical):
         options = [(p.value, p.value) for p in Policy]
         with Horizontal():
             yield Label("policy")
-            yield Select(options, value=policy, allow_blank=False, compact=True, id="policy")
+            # Blank allowed, for the time before the run says its policy (see forget_policy).
+            yield Select(options, value=Select.NULL if policy is None else policy,
+                         prompt=POLICY_WAITING, compact=True, id="policy")
         with Horizontal():
             yield Label("margin")
             yield Field(
@@ -156,15 +165,28 @@ class Controls(Vertical):
         editing shows them once they leave it. `device_budget` "" is the default budget,
         which the empty field shows greyed as `budget_shown` (the budget in words)."""
         if policy is not None:
-            select = self.query_one("#policy", Select)
-            with select.prevent(Select.Changed):
-                select.value = policy
+            self._select_policy(policy)
         if margin_ratio is not None:
             self._show("margin", f"{margin_ratio:.2f}")
         if device_budget is not None:
             self._show("budget", device_budget)
         if budget_shown is not None:
             self.query_one("#budget", Input).placeholder = budget_shown
+
+    def forget_policy(self) -> None:
+        """Show no policy as chosen: the run left it to the plan, and a new worker has not
+        said which the plan chose (it may choose another than the last one did)."""
+        self._select_policy(None)
+
+    def policy_waits(self, waiting: bool) -> None:
+        """Whether a policy not shown yet may still come: the run has not ended."""
+        self.query_one("#policy", Select).prompt = POLICY_WAITING if waiting else POLICY_UNSAID
+
+    def _select_policy(self, policy: str | None) -> None:
+        self._policy = policy
+        select = self.query_one("#policy", Select)
+        with select.prevent(Select.Changed):
+            select.value = Select.NULL if policy is None else policy
 
     def _show(self, name: str, text: str) -> None:
         self._wanted[name] = text
@@ -238,6 +260,8 @@ class Controls(Vertical):
         event.stop()
         if isinstance(event.value, str):
             self.post_message(self.PolicyChosen(event.value))
+        elif self._policy is not None:  # the blank row, picked: no policy is no choice
+            self._select_policy(self._policy)
 
     @on(Input.Submitted, "#margin")
     def _margin_submitted(self, event: Input.Submitted) -> None:

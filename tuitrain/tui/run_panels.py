@@ -140,7 +140,7 @@ class RunPanels:
                 yield StepPanel(id="step")
                 yield TrialsTable(id="trials")
                 yield Controls(
-                    policy=engine.policy,
+                    policy=engine.policy if self.policy_known else None,
                     margin_ratio=engine.margin_ratio,
                     device_budget=engine.device_budget,
                     id="controls",
@@ -202,6 +202,8 @@ class RunPanels:
         # A policy the plan chose is chosen again, maybe another.
         in_force = settings_fields(self.app.settings.engine, policy_known=self.policy_known)
         self.app.query_one(RunHeader).show(step=0, tokens_per_s=None, **in_force)
+        if not self.policy_known:
+            self.app.query_one(Controls).forget_policy()
 
     # --- drawing --------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from tuitrain.tui.changes import (
     shown,
 )
 from tuitrain.tui.controls import Controls
+from tuitrain.tui.header import WAITING_STATES
 
 
 class SteeredScreen(Protocol):
@@ -128,11 +129,13 @@ class Steering:
         self.screen.add_log(change.describe())
 
     def state_changed(self, state: str) -> None:
-        """The run is now `state`: a pause or resume asked for has happened, or never will."""
+        """The run is now `state`: a pause or resume asked for has happened, or never will,
+        and so may a policy the run has not said yet."""
         if state in ("running", "paused"):
             self.want_paused = state == "paused"
         if state == "running":
             self.paused_after = None
+        self.screen.controls.policy_waits(state in WAITING_STATES)
 
     # --- answers --------------------------------------------------------------------------
 

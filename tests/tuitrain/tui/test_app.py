@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from textual.widgets import Select, Static
 
 from tests.tuitrain.fakeworker import FakeWorker, GiB, fake_run, fake_started, fake_stats
 from tuitrain.events import (
@@ -622,3 +623,58 @@ async def test_a_policy_left_to_the_plan_shows_only_once_the_run_says_it(started
         restart = app.query_one(LogPanel).messages[-1]
         assert restart == ("restarting opt-125m with policy cuda" if started
                            else "restarting opt-125m with policy the plan's choice")
+
+
+def _policy_select(app: TuitrainApp) -> tuple[object, str]:
+    """The Controls' policy select: its value (Select.NULL when none is chosen) and what
+    it reads on the screen."""
+    select = app.query_one(Controls).query_one("#policy", Select)
+    return select.value, str(select.query_one("#label", Static).content)
+
+
+async def test_the_policy_select_chooses_none_until_the_run_says_which_the_plan_chose():
+    app, fake = make_app([Log("building opt-125m")])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert "policy …" in app.query_one(RunHeader).plain
+        assert _policy_select(app) == (Select.NULL, "…")  # not the default, auto
+        fake.emit(fake_started(settings={"engine": {"policy": "cuda"}}))
+        await settle(app, pilot)
+        assert "policy cuda" in app.query_one(RunHeader).plain
+        assert _policy_select(app) == ("cuda", "cuda")
+
+
+async def test_the_policy_select_of_a_run_that_ended_unsaid_reads_as_the_header_does():
+    app, _ = make_app([Log("building opt-125m"), Failed("boom")])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert "policy -" in app.query_one(RunHeader).plain
+        assert _policy_select(app) == (Select.NULL, "-")
+        await pilot.press("r")  # a new worker: its plan has not said either
+        await pilot.pause()
+        assert "policy …" in app.query_one(RunHeader).plain
+        assert _policy_select(app) == (Select.NULL, "…")
+
+
+async def test_a_policy_asked_for_before_a_failed_start_is_not_shown_after_a_restart():
+    app, fake = make_app([Log("building opt-125m")])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("c")  # asked for before the run said its own: pending
+        assert _policy_select(app) == ("cuda", "cuda")
+        fake.emit(Failed("boom"))  # never applied: the restart runs the plan's choice again
+        await settle(app, pilot)
+        await pilot.press("r")
+        await pilot.pause()
+        assert "policy …" in app.query_one(RunHeader).plain
+        assert _policy_select(app) == (Select.NULL, "…")
+
+
+async def test_the_blank_row_of_the_policy_select_is_no_choice_once_the_policy_is_known():
+    app, fake = make_app([fake_started(settings={"engine": {"policy": "cuda"}})])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        app.query_one(Controls).query_one("#policy", Select).value = Select.NULL  # as picked
+        await settle(app, pilot)
+        assert _policy_select(app) == ("cuda", "cuda")
+        assert commands_of(fake, SetPolicy) == []

@@ -1,0 +1,55 @@
+"""Finding a checkpoint folder and reading its state.json, without torch: what the command
+line reads before a run starts (tuitrain.resume), and what loading reads first
+(tuitrain.checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+FORMAT = 1
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+MANIFEST = "manifest.json"
+STATE = "state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says which file and why."""
+
+
+def step_folder(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step-{step:06d}"
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The step folder `path` names, or the newest complete one inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint folder")
+    if (path / MANIFEST).exists() or STEP_DIR.match(path.name):
+        return path
+    steps = sorted((int(m.group(1)), p) for p in path.iterdir()
+                   if p.is_dir() and (m := STEP_DIR.match(p.name)) and (p / MANIFEST).exists())
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint (step-NNNNNN with {MANIFEST}) in {path}")
+    return steps[-1][1]
+
+
+def read_state(folder: Path) -> dict:
+    """The checkpoint's state.json (its step, the settings of the run that saved it...),
+    from a complete checkpoint of the format this version reads. Its files are not checked
+    against the manifest here (tuitrain.checkpoint.verify does, before loading)."""
+    if not (folder / MANIFEST).exists():
+        raise CheckpointError(f"{folder} is incomplete: {MANIFEST} is missing")
+    try:
+        state = json.loads((folder / STATE).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{folder / STATE} is unreadable: {err}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else None
+        raise CheckpointError(f"{folder} has format {found!r}; this version reads {FORMAT}")
+    return state
