@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.chunks.chunk import Chunk
-from engine.chunks.spill import GRAD, PAYLOAD, STATE, Loaded, Spill
+from engine.chunks.spill import GRAD, PAYLOAD, Loaded, Spill
+from engine.chunks.spill_regions import update_regions
 
 
 @dataclass
@@ -57,11 +58,6 @@ class UpdatePipeline:
                            for i in range(len(spill.spans(c))))
         self._loading: dict[tuple[int, int], dict[str, Loaded]] = {}
 
-    def _regions(self, chunk: Chunk) -> list[str]:
-        if not chunk.payload_on_disk:
-            return [STATE]
-        return [STATE, PAYLOAD, GRAD] if chunk.aliased else [STATE, PAYLOAD]
-
     def start(self) -> None:
         """Start the first reads (before the global norm, so that they overlap it)."""
         self._ahead()
@@ -69,7 +65,7 @@ class UpdatePipeline:
     def _ahead(self) -> None:
         for chunk, i in self.queue:
             got = self._loading.setdefault((chunk.index, i), {})
-            for region in self._regions(chunk):
+            for region in update_regions(chunk):
                 if region not in got:
                     loaded = self.spill.load_piece(chunk, region, i, wait=False)
                     if loaded is None:
@@ -88,7 +84,7 @@ class UpdatePipeline:
                 self.queue.popleft()
             got = self._loading.pop((chunk.index, i), {})
             try:
-                for region in self._regions(chunk):
+                for region in update_regions(chunk):
                     if region not in got:
                         got[region] = spill.load_piece(chunk, region, i)
                 views: dict[str, torch.Tensor] = {}
