@@ -3,10 +3,10 @@ away, which a Unix tool would end by (SIGPIPE)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 
 from tuitrain.closed_pipe import WatchedOutput
 
@@ -31,17 +31,23 @@ class StopRequests:
             self.reader_gone = any(output.reader_gone() for output in self.outputs)
         return bool(self.count) or self.reader_gone
 
-    @contextmanager
-    def catching(self) -> Iterator[None]:
+    def catching(self) -> contextlib.AbstractContextManager[None]:
         """Count Ctrl-C while inside (the main thread only: elsewhere it cannot be caught)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        return sigint_handled(self._on_sigint)
 
     def _on_sigint(self, signum: int, frame: object) -> None:
         self.count += 1
+
+
+@contextlib.contextmanager
+def sigint_handled(handler: Callable[[int, object], object] | int) -> Iterator[None]:
+    """SIGINT goes to `handler` (or signal.SIG_IGN) while inside, then back to what it was.
+    Only the main thread may change signal handlers: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -37,6 +37,7 @@ from tuitrain.events import (
 )
 from tuitrain.run_summary import StepTally
 from tuitrain.settings import Settings
+from tuitrain.stop_requests import sigint_handled
 from tuitrain.worker_log import default_log_path, read_log_tail
 from tuitrain.worker_main import INTERRUPT_SIGNAL, worker_main
 
@@ -372,14 +373,8 @@ def _sigint_ignored() -> Iterator[None]:
     seconds a spawned child spends importing cannot interrupt it. Only the main thread may
     change signal handlers; elsewhere the child ignores SIGINT itself once it runs.
     """
-    if threading.current_thread() is not threading.main_thread():
+    with sigint_handled(signal.SIG_IGN):
         yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
