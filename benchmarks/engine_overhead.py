@@ -53,7 +53,10 @@ estimate: what the copy thread's memcpy takes from the step's compute (the memor
 shared cache) stays in it. The bytes per second those copies ran at is printed beside a
 probe's (`copy_bandwidth`: the same chunk-sized copy, alone, after the rounds): inside a
 step they ran at half the probe's speed (benchmarks/README.md, "The step's parts by the
-wall clock"), which an estimate from the probe's speed took as twice as fast.
+wall clock"), which an estimate from the probe's speed took as twice as fast. That is the
+speed of memory no cache holds, which a second probe measures (`cold_copy_bandwidth`: 640
+MiB of chunk-sized copies); the line after the table prints what the bytes copied in line
+would add to plain's step at it alone, the least a policy's ratio can be on this machine.
 """
 
 from __future__ import annotations
@@ -176,6 +179,22 @@ def copy_bandwidth(nbytes: int = 32 * 2**20, runs: int = 10) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times)
+
+
+def cold_copy_bandwidth(nbytes: int = 8 * 2**20, buffers: int = 40, runs: int = 5) -> float:
+    """Bytes per second of `Tensor.copy_` from each of `buffers` tensors of `nbytes` (a
+    chunk) into another, one after the other: 2 x 320 MiB, more than any cache here holds,
+    so each copy reads and writes memory as a step's fetches and gradients do. The median
+    of `runs` passes after one, on this process's threads."""
+    srcs = [torch.ones(nbytes // 4) for _ in range(buffers)]
+    dsts = [torch.ones(nbytes // 4) for _ in range(buffers)]
+    times = []
+    for _ in range(runs + 1):
+        t0 = time.perf_counter()
+        for src, dst in zip(srcs, dsts, strict=True):
+            dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes * buffers / statistics.median(times[1:])
 
 
 @contextmanager
@@ -315,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         in_line[policy] = sum(copying)
 
     bandwidth = 0.0 if torch.cuda.is_available() else copy_bandwidth()
+    cold = 0.0 if torch.cuda.is_available() else cold_copy_bandwidth()
     base_median = statistics.median(times["plain"])
     base_cpu = statistics.median(cpu["plain"])
     print(f"{args.model}, batch {args.batch_size} x {args.seq_len}, fp32, "
@@ -345,6 +365,12 @@ def main(argv: list[str] | None = None) -> None:
                   + (f" ({(moved[name] - ahead[name]) / in_line[name] / 1e9:.1f} GB/s)"
                      if in_line[name] and moved[name] > ahead[name] else "")
                   for name in in_line))
+        # The least a policy's copies add to plain's step where the engine cost nothing
+        # else: what the stepping thread copies, at the speed of copies no cache holds.
+        print(f"copies that no cache holds at {cold / 1e9:.1f} GB/s: the bytes copied in "
+              "line alone would add " + ", ".join(
+                  f"{name} {(moved[name] - ahead[name]) / cold / base_median:+.1%}"
+                  for name in in_line if moved[name]) + " to plain's step")
     print(f"{args.model} on {device}: plain {base_median:.3f} s/step; " + ", ".join(
         f"{name} {statistics.median(values) / base_median:.2f}x"
         for name, values in times.items() if name != "plain")
