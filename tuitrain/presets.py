@@ -212,9 +212,15 @@ def dump_preset(
     """YAML text for `settings`, every key written out, after a comment header.
 
     Every key is written, defaults included, so that a later tuitrain with other defaults
-    still runs exactly what was saved. The header names the command that reproduces the run
-    and what was measured when it was saved (see _measured_lines for the keys understood).
+    still runs exactly what was saved; but the checkpoint a run resumed from (--resume),
+    which is where that one run started, not how it trains: the preset's runs start afresh
+    (one that should go on names its checkpoint with --resume). The header names the
+    command that reproduces the run and what was measured when it was saved (see
+    _measured_lines for the keys understood).
     """
+    if settings.checkpoint.resume is not None:
+        checkpoint = settings.checkpoint.model_copy(update={"resume": None})
+        settings = settings.model_copy(update={"checkpoint": checkpoint})
     header = [f"tuitrain preset, saved {datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"]
     if command:
         header.append(f"reproduce: {command}")

@@ -387,12 +387,29 @@ settings_data = st.fixed_dictionaries(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=settings_data, command=st.none() | texts)
 def test_save_then_load_gives_back_every_value(tmp_path_factory, data, command):
+    """Every value but the checkpoint a run resumed from, which a saved preset leaves out
+    (test_a_preset_saved_from_a_resumed_run_starts_afresh)."""
     original = validate_settings(data)
     path = tmp_path_factory.mktemp("roundtrip") / "p.yaml"
     save_preset(original, path, command=command, measured={"step": 3})
     loaded = load_preset(path)
-    assert loaded == original
-    assert loaded.model_dump() == original.model_dump()
+    fresh = original.model_copy(
+        update={"checkpoint": original.checkpoint.model_copy(update={"resume": None})})
+    assert loaded == fresh
+    assert loaded.model_dump() == fresh.model_dump()
+
+
+def test_a_preset_saved_from_a_resumed_run_starts_afresh(tmp_path):
+    """Where a run started is not how it trains: a preset saved from a run that resumed
+    (or a tune of one) runs from the start wherever it is used, and keeps the rest,
+    the checkpoint folder it saves into included."""
+    resumed = validate_settings({"model": "tiny", "training": {"steps": 40},
+                                 "checkpoint": {"dir": "ck", "resume": "ck/step-000020"}})
+    loaded = load_preset(save_preset(resumed, tmp_path / "p.yaml"))
+    assert loaded.checkpoint.resume is None
+    assert "step-000020" not in (tmp_path / "p.yaml").read_text()
+    assert loaded.checkpoint.dir == "ck"
+    assert loaded.training.steps == 40
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
