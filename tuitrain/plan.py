@@ -206,7 +206,9 @@ def _disk_lines(result: Plan) -> list[str]:
         return [f"{budget}: holds every chunk, nothing goes to disk"]
     # The ranks of one machine share its disk: each writes a folder of its own there.
     needed = result.disk_needed * ranks
-    room = "enough" if needed <= result.disk_free else "NOT enough"
+    # cuda keeps every chunk on the device and sends nothing there (its row says if it fits).
+    room = ("enough" if needed <= result.disk_free
+            else "NOT enough for cpu or auto (cuda puts nothing there)")
     whose = f" for {ranks} ranks" if ranks > 1 else ""
     return [
         f"{budget} (chunks and disk I/O buffers on the host): the rest goes to disk, "

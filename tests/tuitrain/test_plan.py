@@ -478,6 +478,9 @@ def test_a_disk_too_full_for_cpu_and_auto_leaves_cuda_to_the_plan_and_the_run(
     header = next(i for i, line in enumerate(lines) if line.startswith("POLICY"))
     rows = {line.split()[0]: line for line in lines[header + 1:header + 4]}
     assert rows["cuda"].endswith("yes")
+    disk = next(line for line in lines if line.startswith("host budget"))
+    assert disk.endswith(f"{format_size(free)} free there, NOT enough for cpu or auto "
+                         f"(cuda puts nothing there)")
     for name in ("cpu", "auto"):
         assert f"on disk, but {tmp_path} has {format_size(free)} free" in rows[name]
     monkeypatch.setattr(fit, "host_room", lambda ranks=1: 16 * 2**30)
