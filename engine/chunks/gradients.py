@@ -93,6 +93,9 @@ class Gradients(ChunkTiers):
             self.device.settle_host()  # the gradients sent home may still be in flight
             home = self.grad_home(chunk)[slot.offset:slot.offset + slot.numel]
             home.add_(grad.to(home.device))
+            # The gradient came over from the device, as the first micro-batch's did (on the
+            # simulated device the add reads it there): counted as they were.
+            self.bytes_d2h += grad.nbytes
             return
         self.grad_buffer(chunk, pos)[slot.offset:slot.offset + slot.numel].add_(grad)
         arrived = self._late.setdefault(chunk.index, set())

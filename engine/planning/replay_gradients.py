@@ -74,11 +74,15 @@ class ReplayGradients(ReplayBytes):
 
     def _add_later(self, param: str, chunk: int, last: bool) -> None:
         """A later micro-batch's gradient, added where the step's first ones are
-        (Gradients.add_late_grad; a resident chunk's to those it keeps): on the host, with
-        no copy. Where the payload is on disk they gather in a device gradient buffer
-        again, added to what the disk holds once every parameter of the chunk has one."""
+        (Gradients.add_late_grad; a resident chunk's to those it keeps): on the host, each
+        coming over from the device as it arrives. Where the payload is on disk they gather
+        in a device gradient buffer again, added to what the disk holds once every
+        parameter of the chunk has one."""
         self._taken(param)
-        if chunk in self.resident or chunk not in self.home or chunk not in self.disk.chunks:
+        if chunk in self.resident or chunk not in self.home:
+            return
+        if chunk not in self.disk.chunks:
+            self.copied += self.lay.sizes[param] * self.itemsize
             return
         if chunk not in self.grads:
             self.open_grads(chunk, (chunk,))

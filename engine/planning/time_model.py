@@ -159,14 +159,14 @@ def forecast(work: StepWork, traffic: Traffic, cal: Calibration, *, precision: s
 
     forward, backward = seconds("forward"), seconds("backward")
     recompute = seconds("recompute", cal.factor(precision))
-    # Gradients come back to the host for the chunks updated there: the plan counts the
-    # step's first micro-batch's, copied home; a later one's are added to them there (on a
-    # GPU a copy from the device too, which the engine's counters leave out), so each
-    # micro-batch's take the way home. The rest of the step's copies are fetches.
-    d2h_bytes = min(traffic.copied, traffic.updated_on_host * traffic.itemsize)
+    # Gradients come back to the host for the chunks updated there, every micro-batch's
+    # (a later one's are added to the first's there, each coming over from the device):
+    # the plan counts them all among the step's copies. The rest are fetches, and the sums
+    # of gradients on disk coming back.
+    d2h_bytes = min(traffic.copied, micro * traffic.updated_on_host * traffic.itemsize)
     h2d = ((traffic.copied - d2h_bytes) / cal.h2d
            + micro * cal.fresh_seconds(traffic.fresh))
-    d2h = micro * d2h_bytes / cal.d2h
+    d2h = d2h_bytes / cal.d2h
     if simulated and traffic.grads_land_per_step:  # a GPU's land in pinned memory it keeps
         d2h += cal.fresh_seconds(4 * traffic.updated_on_host)
     # Outside fp32 the update first reads each gradient as fp32 and after it writes the

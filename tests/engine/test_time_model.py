@@ -254,11 +254,13 @@ def test_the_precision_picks_its_matmul_rate():
 
 def test_accumulation_repeats_forward_backward_and_copies_but_updates_once():
     one = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True)
-    four = forecast(WORK, TRAFFIC, fixed_calibration(), precision="fp32", simulated=True,
-                    grad_accum=4)
+    # The bytes copied are the step's (the plan's): every micro-batch's fetches, here the
+    # same again each time, and every micro-batch's gradients on their way home.
+    later = 3 * TRAFFIC.updated_on_host * TRAFFIC.itemsize
+    four = forecast(WORK, dataclasses.replace(TRAFFIC, copied=TRAFFIC.copied + later),
+                    fixed_calibration(), precision="fp32", simulated=True, grad_accum=4)
     assert four.compute == pytest.approx(4 * one.compute)
-    # The bytes copied are the step's, every micro-batch's fetches among them (the plan's):
-    # priced once; each micro-batch's gradients take the way home.
+    # Priced once, the fetches as fetches and the gradients as gradients.
     assert four.copy_h2d == pytest.approx(one.copy_h2d)
     assert four.copy_d2h == pytest.approx(4 * one.copy_d2h)
     assert four.optimizer_host == one.optimizer_host
@@ -401,7 +403,8 @@ def test_the_hosts_gradient_landing_places_are_new_memory_once_a_step():
     homes = 4 * p.parameters / 2.5e8
     one = step_times(p, cal)["cpu"]
     assert one.copy_d2h == pytest.approx(4 * p.parameters / 1e9 + homes)
-    four = step_times(p, cal, grad_accum=4)["cpu"]
+    four = step_times(plan("tiny", precision="fp32", simulated=True, grad_accum=4, **shape),
+                      cal)["cpu"]
     assert four.copy_d2h == pytest.approx(4 * (4 * p.parameters / 1e9) + homes)
     assert step_times(p, cal)["cuda"].copy_d2h == 0  # nothing lands on the host
     gpu = plan("tiny", precision="fp32", simulated=False, **shape)
