@@ -114,7 +114,8 @@ class TuitrainApp(App[None]):
         self.failure: Failed | None = None
         self.failure_at_quit: Failed | None = None  # how the run stood when the user quit
         self.finished: Finished | None = None
-        self.steering = Steering(self.settings.engine, screen=self)
+        self.steering = Steering(self.settings.engine, screen=self,
+                                 policy_known=self.settings.policy_chosen)
         self.tuning: LiveTune | None = None  # the search of `a`, once started
         self.preset_pace: PresetPace | None = None  # a tuned preset's pace, said if far off
         self.saving = PresetSaving(self, report=self._report_save)

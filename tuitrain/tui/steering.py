@@ -64,10 +64,14 @@ class Steering:
     Args:
         engine: the engine settings the run starts with.
         screen: the app, seen through what steering needs of it.
+        policy_known: whether the user gave the policy; one left to the plan is shown as
+            none until the run says which (or a policy asked for is pending).
     """
 
-    def __init__(self, engine: EngineSettings, *, screen: SteeredScreen) -> None:
+    def __init__(self, engine: EngineSettings, *, screen: SteeredScreen,
+                 policy_known: bool = True) -> None:
         self.screen = screen
+        self.policy_given = self.policy_known = policy_known
         self.changes = ChangeTracker()
         # What is in force (the worker applied it), and what the user asked for last,
         # pending included.
@@ -90,6 +94,8 @@ class Steering:
         old, new = self.shown(setting, self.target[setting]), self.shown(setting, value)
         self.screen.controls.show_message("")
         if not self.screen.live:
+            if setting == "policy":  # the next run's, as the user gave it
+                self.policy_given = self.policy_known = True
             self.in_force[setting] = self.target[setting] = value
             self.show_targets()
             self.screen.use_setting(setting, value, from_step=None)
@@ -148,6 +154,7 @@ class Steering:
             return
         if change.setting in SETTINGS:
             self.in_force[change.setting] = change.value
+            self.policy_known |= change.setting == "policy"
             self.screen.use_setting(change.setting, change.value, from_step=event.step)
         elif change.setting == "pause":
             self.paused_after = event.step
@@ -187,6 +194,7 @@ class Steering:
         """The worker started with these engine settings (a Started event's, as JSON): a
         policy or margin the plan chose for a run that left it unset is in force, and the
         screen shows it rather than the default it asked with."""
+        self.policy_known |= "policy" in engine
         for name in ("policy", "margin_ratio"):
             if name not in engine or self.changes.latest_pending(name) is not None:
                 continue
@@ -223,6 +231,7 @@ class Steering:
     def restarted(self) -> None:
         """A new run starts: the last one's changes and messages are not its own."""
         self.changes.forget_all()
+        self.policy_known = self.policy_given  # a plan's choice is made again, maybe another
         self.want_paused = False
         self.paused_after = None
         self.show_changes()
@@ -238,8 +247,14 @@ class Steering:
 
     def show_targets(self) -> None:
         device_budget = self.target["device_budget"]
+        # A policy left to the plan shows as none until the run says it, unless one asked
+        # for is pending (one rejected before then leaves none shown again).
+        policy = (str(self.target["policy"]) if self.policy_known
+                  or self.changes.latest_pending("policy") is not None else None)
+        if policy is None:
+            self.screen.controls.forget_policy()
         self.screen.controls.set_values(
-            policy=str(self.target["policy"]),
+            policy=policy,
             margin_ratio=float(self.target["margin_ratio"]),
             # Empty: the field's placeholder shows the budget the worker chose.
             device_budget=str(device_budget) if device_budget is not None else "",

@@ -14,6 +14,7 @@ from tuitrain.events import (
     Failed,
     Log,
     Pause,
+    Rejected,
     Resume,
     SetBudget,
     SetMargin,
@@ -678,3 +679,21 @@ async def test_the_blank_row_of_the_policy_select_is_no_choice_once_the_policy_i
         await settle(app, pilot)
         assert _policy_select(app) == ("cuda", "cuda")
         assert commands_of(fake, SetPolicy) == []
+
+
+async def test_a_policy_asked_for_before_the_run_says_its_own_and_rejected_shows_none_again():
+    """The select shows what was asked for while it is pending; rejected before the run
+    said which policy the plan chose, it goes back to none chosen, as the header reads."""
+    app, fake = make_app([Log("building opt-125m")])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("c")
+        assert _policy_select(app) == ("cuda", "cuda")
+        (asked,) = commands_of(fake, SetPolicy)
+        fake.emit(Rejected(asked.id, "policy cuda will not fit"))
+        await settle(app, pilot)
+        assert "policy …" in app.query_one(RunHeader).plain
+        assert _policy_select(app) == (Select.NULL, "…")
+        fake.emit(fake_started(settings={"engine": {"policy": "cpu"}}))
+        await settle(app, pilot)
+        assert _policy_select(app) == ("cpu", "cpu")
