@@ -18,7 +18,7 @@ from engine.chunks import scratch_space, spill_regions
 from engine.chunks.chunk import Chunk
 from engine.chunks.tiers import ChunkTiers
 from engine.chunks.update_walk import NoDisk, UpdatePipeline
-from engine.devices.disk import ALIGN, DiskTierError, space_needed
+from engine.devices.disk import ALIGN, DiskTierError, remove_stale_beside, space_needed
 from engine.placement import rules
 from engine.placement.policy import Policy
 
@@ -58,6 +58,10 @@ class DiskSide(ChunkTiers):
         built = self.disk_placement(resident)
         if built.state:
             self._open_spill()
+        elif disk_dir.is_dir():
+            # No folder of its own yet (it comes with a policy that needs one): what killed
+            # runs left there goes now all the same, as when one is made.
+            remove_stale_beside(disk_dir)
         if fill is None:
             return
         if self.spill is not None:
@@ -85,8 +89,14 @@ class DiskSide(ChunkTiers):
 
     def _placed_first(self, policy: Policy) -> set[int]:
         """The chunks `policy` keeps on the device before any trace (cuda: every one, if
-        they fit; the margin's come with a trace, and may go again): the rest may all be
-        on the host, and the disk tier must take what the host budget does not."""
+        they fit; the margin's come with a trace, and may go again; data parallel: none):
+        the rest may all be on the host, and the disk tier must take what the host budget
+        does not."""
+        if any(c.sharded for c in self.chunks):
+            # Data parallel: each rank opens its disk tier now, as it would with another
+            # policy, for a change of policy reaches the ranks at a step boundary, where a
+            # rank whose folder lacks room could only fail the step, not refuse the change.
+            return set()
         costs = [self.resident_cost(c) for c in self.chunks]
         capacity = self.device.capacity()
         resident = rules.resident_chunks(policy, costs, trace=None, capacity=capacity,

@@ -79,7 +79,9 @@ class _Moved:
 @dataclass
 class _Outcome:
     policy: Policy
-    step: StepReplay  # the step's first micro-batch, whose memory is every one's
+    # The step's first micro-batch: its memory is every one's, but for the device's peak,
+    # which is the highest of any (_accumulated).
+    step: StepReplay
     trace: Trace
     failure: str  # why the device cannot run it; "" when it can
     resident: set[int]
@@ -152,6 +154,9 @@ class PolicyPlans:
             return _Moved.of(first)
         again = first.later_micro_batch()
         again.run(self.events)
+        # A later one starts with what the first left on the device (resident chunks keep
+        # their gradients there), so its peak may be the step's.
+        first.peak = max(first.peak, again.peak)
         return _Moved.of(first) + _Moved.of(again, later)
 
     def _replay(self, policy: Policy, capacity: float, resident: set[int],
@@ -245,8 +250,10 @@ class PolicyPlans:
             reason = f"{need} ({parts}), have {format_size(self.host.host_mem)}"
         # The engine opens its disk tier where the policy's placement before any trace
         # needs one (ChunkManager.use_host_budget): every policy's but cuda's, which keeps
-        # every chunk on the device (or does not fit, the reason above).
-        placed_first = resident_chunks(self.lay, self.cost, policy, 0.0, self.capacity, None)
+        # every chunk on the device (or does not fit, the reason above); with ranks, every
+        # policy's.
+        placed_first = (set() if self.cost.sharded else  # each rank opens its tier at once
+                        resident_chunks(self.lay, self.cost, policy, 0.0, self.capacity, None))
         reason = reason or self.host.disk_reason(placed_first)
         step = outcome.step
         where = self.host.placement(outcome.resident)

@@ -113,3 +113,23 @@ def test_a_change_from_cuda_opens_the_disk_tier_within_the_host_budget(tmp_path)
     assert 0 < peak[0] <= budget + largest
     eng.close()
     assert not any(tmp_path.iterdir())
+
+
+def test_a_killed_runs_scratch_folder_goes_at_the_next_start_under_cuda_too(tmp_path):
+    """A cuda run makes no scratch folder of its own, but what a killed run left in the
+    disk folder still goes as it starts, as with any other policy."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"run-{dead}-0123abcd"
+    stale.mkdir()
+    (stale / "lock").touch()
+    (stale / "chunk-00000").write_bytes(b"x" * 100)
+    eng = Engine(build_model("tiny"), EngineConfig(
+        policy="cuda", device_budget="6GiB", precision="bf16", host_budget=host_budget(),
+        disk_dir=tmp_path, simulate=True))
+    assert eng.manager.spill is None
+    assert not stale.exists()
+    eng.close()

@@ -96,3 +96,19 @@ def test_every_micro_batchs_gradients_come_home_and_are_counted(precision):
                              precision=precision) for accum in (1, 2))
     assert one.bytes_d2h == gradients
     assert two.bytes_d2h - one.bytes_d2h == gradients + tied.numel() * itemsize
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(("policy", "budget", "margin"),
+                         [("cuda", 1024 * MiB, 0.0), ("auto", 30 * MiB, 1.0)])
+def test_the_device_peak_is_the_highest_micro_batchs(policy, budget, margin, precision):
+    """Resident chunks keep their gradients on the device from one micro-batch to the
+    next, so a later micro-batch runs its forward beside them: the step's peak is there,
+    and the plan says it."""
+    forecast = plan("tiny", device_mem=budget, host_mem="64GiB", precision=precision,
+                    simulated=True, grad_accum=2, margin_ratio=margin, **SHAPE)
+    stats = settled_step(accum=2, policy=policy, device_budget=budget, margin_ratio=margin,
+                         precision=precision)
+    row = forecast.policies[policy]
+    assert row.fits, row.reason
+    assert row.device_peak == pytest.approx(stats.memory.device_peak, rel=1e-3)

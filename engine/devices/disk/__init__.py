@@ -17,6 +17,7 @@ from engine.devices.disk.scratch import (
     remove_all,
     remove_if_empty,
     remove_stale,
+    remove_stale_beside,
 )
 from engine.devices.disk.tier import (
     DiskTier,
@@ -41,5 +42,6 @@ __all__ = [
     "remove_all",
     "remove_if_empty",
     "remove_stale",
+    "remove_stale_beside",
     "space_needed",
 ]

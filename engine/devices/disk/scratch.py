@@ -128,6 +128,12 @@ def remove_stale(parent: Path) -> list[Path]:
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
+def remove_stale_beside(folder: Path) -> list[Path]:
+    """remove_stale where a scratch folder in `folder` would look: among every rank's when
+    `folder` is a rank's. Nothing is made: a folder that does not exist has none."""
+    return remove_stale(folder.parent if _RANK.match(folder.name) else folder)
+
+
 def remove_all() -> None:
     """Remove every scratch folder this process still has, whoever holds it: for a process
     about to end without the interpreter's exit (which would run their finalizers)."""
@@ -192,7 +198,7 @@ class ScratchFolder:
             raise ValueError(f"scratch folder {self.parent} cannot be created: "
                              f"{e.strerror or e}") from None
         # A rank's folder: the stale ones of every rank, its own included.
-        remove_stale(self.parent.parent if _RANK.match(self.parent.name) else self.parent)
+        remove_stale_beside(self.parent)
         token = f"{os.getpid()}-{secrets.token_hex(4)}"
         staging = self.parent / f"{NEW_PREFIX}{token}"
         try:

@@ -16,6 +16,7 @@ chunks span several pieces and the I/O buffers fit the tiny models' budgets.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -301,3 +302,20 @@ def test_a_host_budget_with_ranks_is_each_ranks_own(monkeypatch, tmp_path):
     assert two.uses_disk and one.disk_needed > two.disk_needed > 0
     assert two.cpu.host_model + two.cpu.io_buffers <= 2 * 2**20
     assert two.to_dict()["nproc"] == 2 and two.to_dict()["host_budget"] == 2 * 2**20
+
+
+def test_with_ranks_cuda_under_a_host_budget_needs_the_disks_room_as_the_others_do(
+        monkeypatch, tmp_path):
+    """A change of policy reaches every rank at a step boundary, where one whose folder
+    lacked room could only fail the step: so each rank opens its disk tier as it starts,
+    whatever the policy, and the plan asks the disk's room of cuda's row too."""
+    monkeypatch.setattr(disk_rules, "DISK_PIECE", TINY_PIECE)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=2**16))
+    shape = {"device_mem": "6GiB", "host_mem": "64GiB", "precision": "fp32",
+             "simulated": True, "batch_size": 4, "seq_len": SEQ_LEN, "host_budget": "2MiB",
+             "disk_dir": tmp_path}
+    alone, ranks = plan("tiny", **shape), plan("tiny", nproc=2, **shape)
+    assert alone.cuda.fits, alone.cuda.reason  # one process: its tier opens with cpu or auto
+    for row in (ranks.cuda, ranks.cpu, ranks.auto):
+        assert not row.fits and "free" in row.reason, row.reason
