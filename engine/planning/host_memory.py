@@ -105,7 +105,7 @@ class HostMemory:
         """`landed` where a step's backward starts without them (`grads_land_in_step`)."""
         return self.landed(resident) if self.grads_land_in_step else 0
 
-    def built(self) -> int:
+    def built(self, placed_first: frozenset[int] = frozenset()) -> int:
         """Host bytes while the engine builds, the runtime aside: every chunk's host state
         at once without a host budget, whatever the policy (resident chunks move to the
         device afterwards).
@@ -117,7 +117,11 @@ class HostMemory:
         payload). Under a host budget the engine fills them last used first and sends each
         one's parts where the placement with nothing resident puts them before the next
         (ChunkManager.use_host_budget): at most the host budget, one chunk and one tensor.
-        Sharded, the same with this rank's shards (the tensor read is whole)."""
+        The chunks the policy places on the device before any trace (`placed_first`: under
+        cuda every one) go there as each is filled and keep nothing on the host, nor need
+        I/O buffers; on the simulated device the device is this host's memory, so they are
+        counted as the rest. Sharded, the same with this rank's shards (the tensor read is
+        whole)."""
         lay = self.lay
         # Filling a chunk (engine.chunks.packing.fill): its home values and each tensor read
         # in turn, then the rest of its state once the last tensor is gone.
@@ -130,13 +134,16 @@ class HostMemory:
                 peak = max(peak, kept + filling[index])
                 kept += self._host(index)
             return max(peak, kept)
-        worst = self.placement(set())
+        away = set() if self.simulated else placed_first
+        where = self.placement(away)
         kept = peak = 0
         for index in reversed(range(len(lay.numel))):
             peak = max(peak, kept + filling[index])
-            level, cost = worst.level(index), self.disk_costs[index]
+            if index in away:
+                continue
+            level, cost = where.level(index), self.disk_costs[index]
             kept += (self._host(index), cost.host_payload, 0)[level]
-        return max(peak, kept) + worst.buffer_bytes
+        return max(peak, kept) + where.buffer_bytes
 
     def _host(self, chunk: int) -> int:
         """Host bytes of chunk `chunk` at home there as the engine builds it (ChunkBytes.host;
@@ -173,11 +180,14 @@ class HostMemory:
             during = max(during + between, chunks - self._landed_in_step(resident) + device)
         return during
 
-    def peak(self, resident: set[int], device: int, between: int = 0) -> int:
+    def peak(self, resident: set[int], device: int, between: int = 0,
+             placed_first: frozenset[int] = frozenset()) -> int:
         """Resident bytes of the training process (sharded: of one rank) at its peak;
         `device` is the simulated device's host bytes at the step's peak with the
-        allocator's slack, `between` what of it stays through the update."""
-        return self.runtime + max(self.built(), self.during(resident, device, between))
+        allocator's slack, `between` what of it stays through the update, `placed_first`
+        the chunks the policy builds onto the device (`built`)."""
+        return self.runtime + max(self.built(placed_first),
+                                  self.during(resident, device, between))
 
     def fits(self, host_peak: int) -> bool:
         """Whether the machine holds the peak of every rank at once (they share it)."""
@@ -213,14 +223,16 @@ class HostMemory:
             f"{self.disk_dir} has {format_size(self.disk_free)} free"
         )
 
-    def parts(self, resident: set[int], device: int, between: int = 0) -> str:
+    def parts(self, resident: set[int], device: int, between: int = 0,
+              placed_first: frozenset[int] = frozenset()) -> str:
         """The parts of the host peak, with their sizes, for a reason that it is too much
-        (`device`, `between`: as `peak`'s)."""
-        if self.built() > self.during(resident, device, between):
+        (`device`, `between`, `placed_first`: as `peak`'s)."""
+        built = self.built(placed_first)
+        if built > self.during(resident, device, between):
             holds = ("the parts kept so far, one chunk and one tensor read"
                      if self.host_budget is not None else "all of them at once")
             return (f"building the chunks holds {holds}, "
-                    f"{format_size(self.built())} + runtime {format_size(self.runtime)}")
+                    f"{format_size(built)} + runtime {format_size(self.runtime)}")
         where = self.placement(resident)
         parts = [f"chunks {format_size(where.host_bytes - self._landed_in_step(resident))}"]
         if where.buffer_bytes:

@@ -208,7 +208,20 @@ class PolicyPlans:
         return step.peak + (0 if self.simulated else self.slack)
 
     def host_peak(self, outcome: _Outcome) -> int:
-        return self.host.peak(outcome.resident, *self._device_in_host(outcome.step))
+        return self.host.peak(outcome.resident, *self._device_in_host(outcome.step),
+                              placed_first=self._placed_first(outcome.policy))
+
+    def _placed_first(self, policy: Policy) -> frozenset[int]:
+        """The chunks `policy` places on the device before any trace, under a host budget
+        (ChunkManager.use_host_budget): they are built there, and the disk tier opens only
+        for the rest; with ranks, none (each rank opens its tier as it starts)."""
+        if self.cost.sharded:
+            return frozenset()
+        first = resident_chunks(self.lay, self.cost, policy, 0.0, int(self.capacity), None)
+        costs = sum(self.cost.resident_cost(self.lay.numel[c], self.lay.is_frozen(c))
+                    for c in first)
+        # One that does not fit builds on the host (and is refused: DiskSide._placed_first).
+        return frozenset(first) if costs <= self.capacity else frozenset()
 
     def _device_in_host(self, step: StepReplay) -> tuple[int, int]:
         """The simulated device's host bytes at the step's peak (its pool of kept buffers
@@ -246,15 +259,14 @@ class PolicyPlans:
             if self.cost.sharded:
                 need = (f"{self.ranks} ranks need {format_size(self.ranks * host_peak)} of "
                         f"host memory, {format_size(host_peak)} each")
-            parts = self.host.parts(outcome.resident, *self._device_in_host(outcome.step))
+            parts = self.host.parts(outcome.resident, *self._device_in_host(outcome.step),
+                                    placed_first=self._placed_first(policy))
             reason = f"{need} ({parts}), have {format_size(self.host.host_mem)}"
         # The engine opens its disk tier where the policy's placement before any trace
         # needs one (ChunkManager.use_host_budget): every policy's but cuda's, which keeps
         # every chunk on the device (or does not fit, the reason above); with ranks, every
         # policy's.
-        placed_first = (set() if self.cost.sharded else  # each rank opens its tier at once
-                        resident_chunks(self.lay, self.cost, policy, 0.0, self.capacity, None))
-        reason = reason or self.host.disk_reason(placed_first)
+        reason = reason or self.host.disk_reason(set(self._placed_first(policy)))
         step = outcome.step
         where = self.host.placement(outcome.resident)
         io = self.host.disk_traffic(outcome.resident, step.fetches, step.home, step.unused_reads)

@@ -133,3 +133,16 @@ def test_a_killed_runs_scratch_folder_goes_at_the_next_start_under_cuda_too(tmp_
     assert eng.manager.spill is None
     assert not stale.exists()
     eng.close()
+
+
+def test_on_a_gpu_cuda_builds_onto_the_device_so_the_host_need_not_hold_the_budget(tmp_path):
+    """Under cuda each chunk goes to the device as it is filled: the host holds one chunk
+    being filled, not the host budget's worth that cpu and auto keep as they build. A host
+    that cpu's build would not fit still runs cuda."""
+    shape = dict(device_mem="6GiB", precision="bf16", simulated=False,
+                 host_budget=host_budget(), disk_dir=tmp_path, **SHAPE)
+    roomy = plan("tiny", host_mem="64GiB", **shape)
+    assert roomy.cuda.host_peak < roomy.cpu.host_peak
+    tight = plan("tiny", host_mem=roomy.cuda.host_peak, **shape)
+    assert tight.cuda.fits, tight.cuda.reason
+    assert not tight.cpu.fits and "host memory" in tight.cpu.reason
