@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import os
 import re
@@ -65,6 +64,7 @@ from tuitrain.checkpoint_folder import (
     CheckpointError,
     find_checkpoint,
     read_state,
+    sha256,
     step_folder,
 )
 from tuitrain.ranks import gather_from_ranks
@@ -80,14 +80,6 @@ from tuitrain.shard_files import (
 )
 
 OPTIMIZER = "optimizer"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -215,7 +207,7 @@ def model_folder(model: str) -> str | None:
 
 
 def _entry(path: Path) -> dict:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": sha256(path)}
 
 
 def _write_weights(folder: Path, model: torch.nn.Module, data: Any,
@@ -390,7 +382,7 @@ def verify(folder: Path, part: tuple[int, int] = (0, 1)) -> dict:
         if not path.is_file():
             raise CheckpointError(f"{folder} is incomplete: {name} is missing")
         if path.stat().st_size != want["bytes"] or (
-                number % world == rank and _sha256(path) != want["sha256"]):
+                number % world == rank and sha256(path) != want["sha256"]):
             raise CheckpointError(f"{path} is corrupt (size or checksum differs from the "
                                   f"manifest)")
     return read_state(folder)

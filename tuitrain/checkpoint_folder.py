@@ -4,6 +4,7 @@ line reads before a run starts (tuitrain.resume), and what loading reads first
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -39,16 +40,32 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     return steps[-1][1]
 
 
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def read_state(folder: Path) -> dict:
     """The checkpoint's state.json (its step, the settings of the run that saved it...),
-    from a complete checkpoint of the format this version reads. Its files are not checked
-    against the manifest here (tuitrain.checkpoint.verify does, before loading)."""
-    if not (folder / MANIFEST).exists():
+    from a complete checkpoint of the format this version reads, checked against the
+    manifest: what it says decides whether a run may resume from it. The other files are
+    not checked here (tuitrain.checkpoint.verify does, before loading)."""
+    manifest = folder / MANIFEST
+    if not manifest.exists():
         raise CheckpointError(f"{folder} is incomplete: {MANIFEST} is missing")
+    path = folder / STATE
     try:
-        state = json.loads((folder / STATE).read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{folder / STATE} is unreadable: {err}") from None
+        want = json.loads(manifest.read_text())["files"][STATE]
+        same = path.stat().st_size == want["bytes"] and sha256(path) == want["sha256"]
+        state = json.loads(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} is unreadable: {err}") from None
+    if not same:
+        raise CheckpointError(f"{path} is corrupt (size or checksum differs from the "
+                              f"manifest)")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else None
         raise CheckpointError(f"{folder} has format {found!r}; this version reads {FORMAT}")

@@ -51,9 +51,15 @@ def check_resume(settings: Settings) -> int | None:
     if settings.checkpoint.resume is None:
         return None
     folder, state = resumed_state(settings)
-    if problem := refusal(folder, state, settings):
+    try:
+        problem = refusal(folder, state, settings)
+        done = int(state.get("step", 0))
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+        # A state.json its manifest vouches for that this version cannot read.
+        raise UsageError(f"{folder}/state.json does not say which run saved it: "
+                         f"{error}") from None
+    if problem:
         raise UsageError(problem)
-    done = int(state.get("step", 0))
     if done >= settings.training.steps:
         raise UsageError(nothing_left(settings.checkpoint.resume, done, settings.training.steps))
     return done

@@ -7,6 +7,7 @@ rest call main(argv) in this process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -294,15 +295,19 @@ def test_a_checkpoint_folder_with_an_earlier_runs_checkpoints_is_for_continuing_
     rest, which --resume would then pick: refused, unless the run continues that one."""
     ck = tmp_path / "ck"
     (ck / "step-000008").mkdir(parents=True)
-    (ck / "step-000008" / "manifest.json").write_text("{}")
     # What --resume reads before a run starts: the step, and the saved run's settings (the
-    # defaults, as this run's are).
-    (ck / "step-000008" / "state.json").write_text('{"format": 1, "step": 8, "settings": {}}')
+    # defaults, as this run's are), as the manifest vouches for them.
+    state = ck / "step-000008" / "state.json"
+    state.write_text('{"format": 1, "step": 8, "settings": {}}')
+    manifest = json.dumps({"format": 1, "files": {"state.json": {
+        "bytes": state.stat().st_size,
+        "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}}})
+    (ck / "step-000008" / "manifest.json").write_text(manifest)
     line = refused(capsys, ["run", "tiny", "--headless", "--checkpoint-dir", str(ck)])
     assert line == (f"tuitrain: error: --checkpoint-dir: {ck} holds an earlier run's "
                     f"checkpoints (the newest step-000008); continue that run with --resume "
                     f"{ck}, or name another folder")
-    assert (ck / "step-000008" / "manifest.json").read_text() == "{}"
+    assert (ck / "step-000008" / "manifest.json").read_text() == manifest
     from tuitrain.run_checks import check_runnable
 
     for resume in (ck, ck / "step-000008"):

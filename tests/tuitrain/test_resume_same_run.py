@@ -189,3 +189,24 @@ def test_a_tune_of_a_resumed_run_searches_from_the_checkpoint_to_its_last_step(t
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records if "step" in r and "loss" in r] == list(range(5, 13))
     assert any(r["trial"]["status"] == "measured" for r in records if "trial" in r)
+
+
+def test_a_checkpoint_whose_state_was_changed_since_is_refused_in_one_line(tmp_path):
+    """What state.json says decides whether a run may resume: one that no longer matches
+    the manifest written with it is damaged, and refused as such before anything starts."""
+    import hashlib
+    import json
+
+    from tuitrain.checkpoint_folder import CheckpointError, read_state
+
+    folder = tmp_path / "ck" / "step-000002"
+    folder.mkdir(parents=True)
+    state = folder / "state.json"
+    state.write_text('{"format": 1, "step": 2, "settings": {}}')
+    (folder / "manifest.json").write_text(json.dumps({"format": 1, "files": {"state.json": {
+        "bytes": state.stat().st_size,
+        "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}}}))
+    assert read_state(folder)["step"] == 2
+    state.write_text('{"format": 1, "step": "two", "settings": {"training": "x"}}')
+    with pytest.raises(CheckpointError, match=r"state.json is corrupt \(size or checksum"):
+        read_state(folder)
