@@ -68,7 +68,7 @@ from tuitrain.checkpoint_folder import (
     step_folder,
 )
 from tuitrain.ranks import gather_from_ranks
-from tuitrain.resume import full_path, refusal, stream_changed
+from tuitrain.resume import refusal, stream_changed
 from tuitrain.shard_files import (
     SHARD_BYTES,
     RankFiles,
@@ -170,9 +170,9 @@ def _write_rest(folder: Path, engine: Any, data: Any, settings: Any, step: int,
     save_file(rng_states(), folder / "rng.safetensors")
     record = {"format": FORMAT, "step": step, "engine": engine.state_meta(),
               "settings": settings.model_dump(), "model_folder": model_folder(settings.model),
-              # What a resumed run must read to continue this one (tuitrain.resume): the
-              # data where it was, wherever that run starts, and the text as it was.
-              "data_path": full_path(settings.data.path), "stream": data_stream(data),
+              # The text as this run read it, which a resumed run must read to continue it
+              # (tuitrain.resume.stream_changed).
+              "stream": data_stream(data),
               "data": data.state_dict() if hasattr(data, "state_dict") else None, **record}
     (folder / "state.json").write_text(json.dumps(record, indent=2))
     files = sorted(p for p in folder.rglob("*") if p.is_file())

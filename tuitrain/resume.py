@@ -6,7 +6,9 @@ an order drawn from the seed, so it means the same only for the same stream, cut
 ordered the same way. What decides that is the saved run's and must be this run's too:
 
     --data, --text-field   the text and the field it is read from; the tokenizer follows
-                           (the model folder's, or the corpus's own BPE)
+                           (the model folder's, or the corpus's own BPE). Here only whether
+                           it is the built-in corpus or a file: which file is its text, and
+                           a copy of it elsewhere, or the project moved, continues the run
     --eval-fraction        the share of that text held out of training
     --seq-len              how the stream is cut into sequences
     --batch-size x --grad-accum
@@ -17,8 +19,9 @@ ordered the same way. What decides that is the saved run's and must be this run'
                            adapters' rank and targets are checked by the tensors as they load
 
 A difference is refused, before anything is built, in one line that names each one as the
-flags that give it. The text itself is checked once the run has read it: a file changed
-since the checkpoint was saved is another stream under the same name (`stream_changed`).
+flags that give it. The text itself is checked once the run has read it: its tokens'
+count and its tokenizer must be the saved run's (`stream_changed`), so another file, or
+one changed since, is refused then.
 
 The rest is the user's to change when going on: the length and the learning rate's course
 (--steps, --lr, --lr-schedule, --warmup-steps: the rate follows this run's, and a change
@@ -85,8 +88,7 @@ def refusal(folder: Path, state: dict, settings: Settings) -> str | None:
     """The line that refuses to resume `folder` (its `state`, state.json) in a run of
     `settings` that is not the saved one; None when it continues it."""
     saved_dump, this_dump = _saved_settings(state), settings.model_dump()
-    saved = _what_it_is(saved_dump, state.get("data_path", _NOT_RECORDED))
-    this = _what_it_is(this_dump, _NOT_RECORDED)
+    saved, this = _what_it_is(saved_dump), _what_it_is(this_dump)
     if _lora_rank(saved_dump) != _lora_rank(this_dump):
         # Other adapters altogether: the tensors say so, naming them, as they load.
         saved.pop("--lora-alpha", None)
@@ -135,9 +137,6 @@ def stream_changed(folder: Path, state: dict, stream: dict, settings: Settings) 
 
 # --- what a run is ---------------------------------------------------------------------
 
-_NOT_RECORDED = object()  # a checkpoint from before state.json held the data's full path
-
-
 def _saved_settings(state: dict) -> dict:
     """The saved run's settings (a model_dump), every key there: one written before a key
     existed had its default."""
@@ -148,16 +147,14 @@ def _saved_settings(state: dict) -> dict:
             for key, value in defaults.items()}
 
 
-def _what_it_is(dump: dict, data_path: object) -> dict[str, Entry]:
+def _what_it_is(dump: dict) -> dict[str, Entry]:
     """The settings of `dump` (a model_dump) that decide what a run is, by name: each as
-    the flags that give it, and the value compared. `data_path`: the data's full path as
-    recorded, else the path in `dump` is taken from here."""
+    the flags that give it, and the value compared (for --data, whether the text is the
+    built-in corpus: a file's text is compared once read)."""
     t, d = dump["training"], dump["data"]
-    if data_path is _NOT_RECORDED:
-        data_path = full_path(d["path"])
     batch = f"--batch-size {t['batch_size']} --grad-accum {t['grad_accum']}"
     what = {
-        "--data": (_flag("--data", d["path"]), data_path),
+        "--data": (_flag("--data", d["path"]), d["path"] is None),
         "--text-field": (_flag("--text-field", d["text_field"]), d["text_field"]),
         "--eval-fraction": (_flag("--eval-fraction", d["eval_fraction"]), d["eval_fraction"]),
         "--seq-len": (_flag("--seq-len", t["seq_len"]), t["seq_len"]),
@@ -173,12 +170,6 @@ def _what_it_is(dump: dict, data_path: object) -> dict[str, Entry]:
 def _lora_rank(dump: dict) -> int | None:
     lora = dump["training"].get("lora")
     return lora["rank"] if lora else None
-
-
-def full_path(path: str | None) -> str | None:
-    """`path` as the absolute path it names from here: what a relative one means in the
-    folder the run started in, which a resumed run may not share."""
-    return None if path is None else str(Path(path).expanduser().resolve())
 
 
 def _differences(folder: Path, saved: dict[str, Entry], this: dict[str, Entry], *,
