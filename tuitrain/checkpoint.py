@@ -64,6 +64,7 @@ from tuitrain.checkpoint_folder import (
     CheckpointError,
     find_checkpoint,
     read_state,
+    remove_unfinished,
     sha256,
     step_folder,
 )
@@ -95,27 +96,6 @@ def _fsync_tree(folder: Path) -> None:
     for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         _fsync(path)
     _fsync(folder)
-
-
-def remove_unfinished(root: Path) -> None:
-    """Remove the temporary folders (`.step-N.tmp-PID`) of writers that are gone: a run
-    killed mid-checkpoint (kill -9, the machine's memory killer) leaves its folder, which
-    the next checkpoint written here removes. A folder whose PID still runs is kept: it may
-    be another run's checkpoint on its way."""
-    for folder in root.glob(".step-*.tmp-*"):
-        pid = folder.name.rpartition("-")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: it runs
-        return True
-    return True
 
 
 def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: Any,

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 FORMAT = 1
@@ -70,3 +71,37 @@ def read_state(folder: Path) -> dict:
         found = state.get("format") if isinstance(state, dict) else None
         raise CheckpointError(f"{folder} has format {found!r}; this version reads {FORMAT}")
     return state
+
+
+def remove_unfinished(root: Path) -> None:
+    """Remove the temporary folders (`.step-N.tmp-PID`) of writers that are gone: a run
+    killed mid-checkpoint (kill -9, the machine's memory killer) leaves its folder, which
+    the next checkpoint written here removes. A folder whose PID still runs is kept: it may
+    be another run's checkpoint on its way."""
+    for folder in root.glob(".step-*.tmp-*"):
+        pid = folder.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it runs
+        return True
+    return True
+
+
+def newest_after_a_kill(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in `root`, after its writer was ended at once (a
+    second Ctrl-C): one it was writing is unfinished, and its temporary folder goes now
+    rather than at the next checkpoint written here. None when there is none."""
+    root = Path(root).expanduser()
+    if root.is_dir():
+        remove_unfinished(root)
+    try:
+        return find_checkpoint(root)
+    except CheckpointError:
+        return None

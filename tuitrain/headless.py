@@ -18,6 +18,7 @@ from typing import TextIO
 
 from engine.telemetry import StepStats
 from tuitrain import ranks
+from tuitrain.checkpoint_folder import newest_after_a_kill
 from tuitrain.closed_pipe import WatchedOutput
 from tuitrain.errors import (
     EXIT_BAD_INPUT,
@@ -365,13 +366,16 @@ class _Report:
 
     def interrupted(self, *, now: bool = False) -> None:
         """The run's last line: where it stopped and where its metrics are; `now` when a
-        second Ctrl-C ended the worker at once, which leaves no checkpoint on the way out."""
+        second Ctrl-C ended the worker at once, maybe while it wrote a checkpoint."""
         step = self.latest.step if self.latest is not None else 0
         where = self.settings.logging.metrics
         if now:
-            kept = (", and no checkpoint was written on the way out"
-                    if self.settings.checkpoint.dir else "")
-            head = f"stopped now after step {step}: the step under way was not kept{kept}; "
+            head = f"stopped now after step {step}: the step under way was not kept"
+            if self.settings.checkpoint.dir is not None:
+                newest = newest_after_a_kill(self.settings.checkpoint.dir)
+                head += (f"; the newest checkpoint is {newest}" if newest
+                         else "; no checkpoint was written")
+            head += "; "
         else:
             head = f"interrupted after step {step}; "
         self.say_err(head + (f"metrics in {where}" if where else "no metrics file was asked for"))

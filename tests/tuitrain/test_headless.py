@@ -440,8 +440,8 @@ def test_a_second_ctrl_c_stops_at_once_as_it_says_and_the_run_ends_interrupted(
     assert [line.rstrip("\n") for line in err] == [
         "stopping: the step under way ends at its next layer, and nothing of it is kept "
         "(Ctrl-C again to stop now)",
-        f"stopped now after step {last}: the step under way was not kept, and no checkpoint "
-        f"was written on the way out; metrics in {tmp_path / 'metrics.jsonl'}",
+        f"stopped now after step {last}: the step under way was not kept; no checkpoint "
+        f"was written; metrics in {tmp_path / 'metrics.jsonl'}",
     ]  # fmt: skip
     assert "done (stopped early): " in "".join(out)
     assert not list((tmp_path / "ck").glob("step-*")), "no checkpoint on the way out"

@@ -124,3 +124,25 @@ def test_the_summary_is_a_line_of_its_own_after_a_line_the_worker_left_unfinishe
     lines = metrics.read_text().splitlines()
     assert lines[-2] == '{"step": 2, "lo' and json.loads(lines[-1])["summary"]["stopped"]
     assert [r["step"] for r in latest_run(metrics)] == [1]  # the broken line is skipped
+
+
+def test_a_checkpoint_a_worker_was_writing_when_ended_at_once_goes_and_the_newest_is_named(
+        tmp_path):
+    """Ended mid-checkpoint, the worker leaves its temporary folder: it goes at once (it
+    may be gigabytes), and what --resume would take is the newest complete checkpoint."""
+    import subprocess
+    import sys
+
+    from tuitrain.checkpoint_folder import newest_after_a_kill
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    complete = tmp_path / "ck" / "step-000003"
+    complete.mkdir(parents=True)
+    (complete / "manifest.json").write_text("{}")
+    unfinished = tmp_path / "ck" / f".step-000005.tmp-{dead}"
+    unfinished.mkdir()
+    (unfinished / "config.json").write_text("{}")
+    assert newest_after_a_kill(tmp_path / "ck") == complete
+    assert not unfinished.exists()
+    assert newest_after_a_kill(tmp_path / "none") is None
