@@ -153,7 +153,9 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: StopRequests) ->
             code = report.handle(event)
             if code is not None:
                 return code
-        if asked_to_stop_at is None and interrupts.asked_to_stop():
+        # A reader gone after the last step stops nothing: the run is ending as it is.
+        if asked_to_stop_at is None and interrupts.asked_to_stop() and (
+                interrupts.count or not report.trained_all):
             why, then = ("", " (Ctrl-C again to stop now)") if interrupts.count else (
                 " (nothing reads the output any more)", "")
             report.say_err(f"stopping{why}: the step under way ends at its next layer, and "
@@ -315,6 +317,11 @@ class _Report:
         ):
             self.say(self._progress(stats, bar=False, width=None))
             self.last_drawn = now
+
+    @property
+    def trained_all(self) -> bool:
+        """Whether the run's last step has been reported."""
+        return self.latest is not None and self.latest.step >= self.settings.training.steps
 
     def finished(self, summary: dict) -> None:
         self.ended_early = bool(summary.get("stopped"))

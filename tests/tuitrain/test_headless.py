@@ -446,3 +446,48 @@ def test_a_second_ctrl_c_stops_at_once_as_it_says_and_the_run_ends_interrupted(
     assert "done (stopped early): " in "".join(out)
     assert not list((tmp_path / "ck").glob("step-*")), "no checkpoint on the way out"
     assert _listed(runtime_dir) == "interrupted"
+
+
+def test_a_reader_gone_after_the_last_step_stops_nothing_and_says_nothing():
+    """`run ... | head -13` where head has its lines once the last step is reported: the run
+    is ending as it is, so no stop is asked for (the worker would refuse it: training has
+    finished) and nothing says one is under way."""
+    import io
+
+    from tests.tuitrain.fakeworker import fake_stats
+    from tuitrain.headless import _follow, _Report
+    from tuitrain.stop_requests import StopRequests
+
+    class Gone:
+        def reader_gone(self) -> bool:
+            return True
+
+    class Ending:  # a worker whose last step is in; it ends on its second look
+        sent: list = []
+        looks = 0
+
+        def wait(self, seconds: float) -> None:
+            pass
+
+        def poll(self) -> list:
+            self.looks += 1
+            if self.looks > 1:
+                raise EOFError("the run ended")
+            return []
+
+        def send(self, command) -> None:
+            self.sent.append(command)
+
+    err = io.StringIO()
+    report = _Report(settings=Settings(model="tiny", training={"steps": 3}), out=io.StringIO(),
+                     err=err, log_path="worker.log")
+    report.latest = fake_stats(3)
+    worker = Ending()
+    with pytest.raises(EOFError):
+        _follow(worker, report, StopRequests((Gone(),)))
+    assert worker.sent == [] and "stopping" not in err.getvalue()
+    report.latest = fake_stats(2)  # a step to go: the reader's going stops the run
+    worker.looks = 0
+    with pytest.raises(EOFError):
+        _follow(worker, report, StopRequests((Gone(),)))
+    assert len(worker.sent) == 1 and "stopping (nothing reads the output" in err.getvalue()
