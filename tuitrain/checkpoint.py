@@ -113,7 +113,7 @@ def save_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
     """
     if getattr(engine, "collectives", None) is not None:
         return _save_ranks(engine, model, data, settings, step, shard_bytes)
-    root = Path(settings.checkpoint.dir)
+    root = Path(settings.checkpoint.dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     remove_unfinished(root)
     final = step_folder(root, step)
@@ -235,7 +235,7 @@ def _save_ranks(engine: Any, model: torch.nn.Module, data: Any, settings: Any, s
     """save_checkpoint on every rank of a data-parallel run (see the module docstring)."""
     collectives = engine.collectives
     rank, world = collectives.rank, collectives.world
-    root = Path(settings.checkpoint.dir)
+    root = Path(settings.checkpoint.dir).expanduser()
     final = step_folder(root, step)
     made: OSError | None = None
     if rank == 0:
@@ -384,7 +384,7 @@ def load_checkpoint(engine: Any, model: torch.nn.Module, data: Any, settings: An
     opened = contextlib.ExitStack()
     failure: CheckpointError | None = None
     try:
-        folder = find_checkpoint(settings.checkpoint.resume)
+        folder = find_checkpoint(Path(settings.checkpoint.resume).expanduser())
         state = verify(folder, part)
         # Another run's checkpoint is refused before anything of it loads.
         if problem := (refusal(folder, state, settings)

@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Protocol
 
 from tuitrain import ranks
@@ -414,7 +415,7 @@ class TrainingRun:
         from tuitrain.checkpoint_folder import find_checkpoint, read_state
         from tuitrain.resume import schedule_changes
 
-        folder = find_checkpoint(self.settings.checkpoint.resume)
+        folder = find_checkpoint(Path(self.settings.checkpoint.resume).expanduser())
         changed = schedule_changes(folder, read_state(folder), self.settings)
         if changed and self.ranks.leader:
             self.say(changed, level="warning")

@@ -265,3 +265,20 @@ def test_a_checkpoint_of_another_run_is_refused_before_anything_loads(tmp_path):
         f"{folder} was saved by a run with --seed 0; this run has --seed 1: give the same "
         f"to continue it, or leave out --resume to start a new run")
     assert other.engine.step_count == 0 and other.data.state_dict()["position"] == 0
+
+
+def test_a_checkpoint_folder_named_from_home_in_a_preset_is_the_home_folders(
+        tmp_path, monkeypatch):
+    """A shell expands `~` in a flag, not in a preset's `checkpoint.dir` or `resume`: the
+    run does, as the checks before it do, rather than make a folder named `~`."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path)
+    first = Run(tmp_path)
+    first.settings = Settings(model="tiny", checkpoint={"dir": "~/ck"})
+    first.steps(2)
+    assert first.save() == tmp_path / "home" / "ck" / "step-000002"
+    assert not (tmp_path / "~").exists()
+    resumed = Run(tmp_path)
+    resumed.settings = Settings(model="tiny", checkpoint={"resume": "~/ck"})
+    assert load_checkpoint(resumed.engine, resumed.model, resumed.data, resumed.settings) == 2
