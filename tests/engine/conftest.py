@@ -55,3 +55,17 @@ def build(arch: str = "opt", *, seed: int = 0, layers: int = 4, hidden: int = 64
 @pytest.fixture
 def tiny_opt() -> Callable[..., torch.nn.Module]:
     return lambda **kw: build("opt", **kw)
+
+
+def sample_host_peak(eng) -> list[int]:
+    """From now on, the most chunk bytes and disk I/O buffers `eng`'s host holds at any
+    allocation or free, in the one-item list returned (read it after the steps)."""
+    peak = [0]
+    inner = eng.manager.on_change
+
+    def sample() -> None:
+        peak[0] = max(peak[0], eng.manager.host_bytes + eng.manager.io_buffer_bytes)
+        inner()
+
+    eng.manager.on_change = sample
+    return peak

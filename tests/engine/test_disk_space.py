@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build, make_batches
+from conftest import build, make_batches, sample_host_peak
 
 from engine import Engine, EngineConfig, format_size
 from engine.chunks.spill import ScratchTooSmall
@@ -44,14 +44,7 @@ def on_disk(folder: Path) -> int:
 
 def host_peak_during(eng: Engine, batches: list[dict]) -> tuple[int, list[float]]:
     """The most chunk bytes and I/O buffers the host held at any allocation or free."""
-    peak = [0]
-    inner = eng.manager.on_change
-
-    def sample() -> None:
-        peak[0] = max(peak[0], eng.manager.host_bytes + eng.manager.io_buffer_bytes)
-        inner()
-
-    eng.manager.on_change = sample
+    peak = sample_host_peak(eng)
     losses = [eng.step(b).loss for b in batches]
     return peak[0], losses
 

@@ -22,7 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build, make_batches, max_relative_difference, reference_run
+from conftest import (
+    build,
+    make_batches,
+    max_relative_difference,
+    reference_run,
+    sample_host_peak,
+)
 
 from engine import Engine, EngineConfig
 from engine.devices.device import SIMULATE_ENV
@@ -258,14 +264,7 @@ def test_live_changes_with_payloads_on_disk_match_adamw(disk_dir, changes):
 def test_the_host_budget_holds_during_the_step_too(disk_dir):
     """Chunk bytes and I/O buffers, sampled at every allocation and free of the step."""
     eng = engine(disk_dir, policy="cpu", host="payload")
-    peak = [0]
-    inner = eng.manager.on_change
-
-    def sample() -> None:
-        peak[0] = max(peak[0], eng.manager.host_bytes + eng.manager.io_buffer_bytes)
-        inner()
-
-    eng.manager.on_change = sample
+    peak = sample_host_peak(eng)
     run(eng, BATCHES[:2])
     assert 0 < peak[0] <= eng.config.host_budget
     eng.close()

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import sample_host_peak
 
 from engine import Engine, EngineConfig, format_size
 from engine.chunks.spill import ScratchTooSmall
@@ -93,14 +94,7 @@ def test_a_change_from_cuda_opens_the_disk_tier_within_the_host_budget(tmp_path)
         policy="cuda", device_budget="6GiB", precision="bf16", host_budget=budget,
         disk_dir=tmp_path, simulate=True))
     assert eng.manager.spill is None
-    peak = [0]
-    inner = eng.manager.on_change
-
-    def sample() -> None:
-        peak[0] = max(peak[0], eng.manager.host_bytes + eng.manager.io_buffer_bytes)
-        inner()
-
-    eng.manager.on_change = sample
+    peak = sample_host_peak(eng)
     first, second = batches(2)
     eng.step(first)
     eng.set_policy("cpu")
