@@ -15,6 +15,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a job stopped b
 # 128 + SIGPIPE, what a shell reports for a tool that SIGPIPE ended: its reader went away
 # (`| head`); a run it stopped ended as Ctrl-C ends one.
 EXIT_CLOSED_PIPE = 141
+# 128 + SIGTERM: a run told to end (`kill`, a batch system's time limit), stopped at once.
+EXIT_TERMINATED = 143
 
 
 class UsageError(Exception):

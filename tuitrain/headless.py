@@ -26,6 +26,7 @@ from tuitrain.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TERMINATED,
 )
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
 from tuitrain.formatting import (
@@ -135,7 +136,7 @@ def run_headless(
         served.close()
     if interrupts.count:
         report.interrupted(now=interrupts.count > 1)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if interrupts.terminated else EXIT_INTERRUPTED
     if interrupts.reader_gone and report.ended_early:
         report.interrupted()
         return EXIT_CLOSED_PIPE
@@ -147,6 +148,8 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: StopRequests) ->
     asked_to_stop_at: float | None = None
     while True:
         worker.wait(WAIT_SECONDS)
+        if interrupts.count > 1:  # before the events: a worker SIGTERM ended is no failure
+            return None
         for event in worker.poll():
             if not (isinstance(event, Failed) and event.exitcode == EXIT_BAD_INPUT):
                 report.starting()
@@ -162,8 +165,6 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: StopRequests) ->
                            f"nothing of it is kept{then}")
             worker.send(Stop())
             asked_to_stop_at = time.monotonic()
-        if interrupts.count > 1:
-            return None
         if asked_to_stop_at is not None and (
             time.monotonic() - asked_to_stop_at > INTERRUPT_WAIT_SECONDS
         ):

@@ -22,7 +22,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from tuitrain.errors import EXIT_BAD_INPUT, EXIT_CLOSED_PIPE, EXIT_FAILED, EXIT_INTERRUPTED
+from tuitrain.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CLOSED_PIPE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+)
 from tuitrain.ranks import Ranks, failure_record
 
 MONITOR_SECONDS = 0.2  # how often the launcher looks at its ranks
@@ -128,8 +134,9 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         codes = [f.exitcode for f in error.failures.values()]
         if EXIT_BAD_INPUT in codes:
             return EXIT_BAD_INPUT  # a mistake in the input: rank 0 has said it, in one line
-        if set(codes) <= {EXIT_INTERRUPTED, EXIT_CLOSED_PIPE}:  # stopped, as rank 0 said
-            return EXIT_INTERRUPTED if EXIT_INTERRUPTED in codes else EXIT_CLOSED_PIPE
+        stopped = {EXIT_INTERRUPTED, EXIT_CLOSED_PIPE, EXIT_TERMINATED}
+        if set(codes) <= stopped:  # stopped, as rank 0 said (SIGTERM: the launcher's)
+            return EXIT_INTERRUPTED if EXIT_INTERRUPTED in codes else max(codes)
         rank, failure = first_failure(error.failures)
         exitcode = ended_with(failure)
         err.write(f"tuitrain: {failure_line(rank, exitcode, nproc, len(codes) - 1)}\n")

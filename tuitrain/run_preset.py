@@ -18,6 +18,7 @@ from tuitrain.errors import (
     EXIT_CLOSED_PIPE,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TERMINATED,
     UsageError,
 )
 from tuitrain.formatting import format_seconds
@@ -68,7 +69,7 @@ def save_after_run(
 
     if status == EXIT_BAD_INPUT:
         return
-    if status not in (EXIT_OK, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE):  # ended, or stopped
+    if status not in (EXIT_OK, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE, EXIT_TERMINATED):
         print(f"{PROG}: the run failed; preset not saved to {path}", file=sys.stderr)
         return
     if settings is None:

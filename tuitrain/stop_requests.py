@@ -21,7 +21,8 @@ class StopRequests:
     """
 
     def __init__(self, outputs: tuple[WatchedOutput, ...] = ()) -> None:
-        self.count = 0  # Ctrl-C so far
+        self.count = 0  # Ctrl-C so far (2 after SIGTERM: at once)
+        self.terminated = False  # SIGTERM came
         self.outputs = outputs
         self.reader_gone = False  # seen while the run went on, so it was what stopped it
 
@@ -31,23 +32,38 @@ class StopRequests:
             self.reader_gone = any(output.reader_gone() for output in self.outputs)
         return bool(self.count) or self.reader_gone
 
-    def catching(self) -> contextlib.AbstractContextManager[None]:
-        """Count Ctrl-C while inside (the main thread only: elsewhere it cannot be caught)."""
-        return sigint_handled(self._on_sigint)
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[None]:
+        """Count Ctrl-C, and take SIGTERM (`kill`, a batch system's time limit, torch's
+        launcher passing on a second Ctrl-C) as the second one, while inside (the main
+        thread only: elsewhere no signal can be caught). Without it SIGTERM ends the process
+        where it stands: no summary, the worker left to find its parent gone."""
+        with sigint_handled(self._on_sigint), signal_handled(signal.SIGTERM, self._on_sigterm):
+            yield
 
     def _on_sigint(self, signum: int, frame: object) -> None:
         self.count += 1
 
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self.terminated = True
+        self.count = max(self.count, 2)
+
+
+def sigint_handled(handler: Callable[[int, object], object] | int
+                   ) -> contextlib.AbstractContextManager[None]:
+    return signal_handled(signal.SIGINT, handler)
+
 
 @contextlib.contextmanager
-def sigint_handled(handler: Callable[[int, object], object] | int) -> Iterator[None]:
-    """SIGINT goes to `handler` (or signal.SIG_IGN) while inside, then back to what it was.
-    Only the main thread may change signal handlers: elsewhere this does nothing."""
+def signal_handled(signum: int, handler: Callable[[int, object], object] | int
+                   ) -> Iterator[None]:
+    """`signum` goes to `handler` (or signal.SIG_IGN) while inside, then back to what it
+    was. Only the main thread may change signal handlers: elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = signal.signal(signum, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signum, previous)

@@ -217,8 +217,10 @@ class ProcessWorker:
         """
         if self._process is None or self._stopped:
             return
-        # One that had already exited died by itself (the out-of-memory killer): reported so.
-        self._ended_now = self._process.exitcode is None
+        # One that had already exited otherwise died by itself (the out-of-memory killer):
+        # reported so. One that ended by SIGTERM was told so with the rest of its job (a
+        # batch system, a `kill` of the process group): ended as asked too.
+        self._ended_now = self._process.exitcode in (None, -signal.SIGTERM)
         self._end(self._process)
 
     def _end(self, process: multiprocessing.process.BaseProcess) -> None:

@@ -491,3 +491,42 @@ def test_a_reader_gone_after_the_last_step_stops_nothing_and_says_nothing():
     with pytest.raises(EOFError):
         _follow(worker, report, StopRequests((Gone(),)))
     assert len(worker.sent) == 1 and "stopping (nothing reads the output" in err.getvalue()
+
+
+@pytest.mark.parametrize("to", ["the run", "its process group"])
+def test_sigterm_stops_a_run_at_once_with_its_summary(tmp_path: Path, runtime_dir: Path,
+                                                      to: str) -> None:
+    """`kill PID`, or a batch system's time limit signalling every process of the job: the
+    run stops at once, as after a second Ctrl-C, and still ends its metrics with the
+    summary; exit status 143 (128 + SIGTERM), listed `interrupted`."""
+    run = subprocess.Popen(
+        _run_command(tmp_path), cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s),
+                                daemon=True) for stream, lines in ((run.stdout, out),
+                                                                   (run.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        _until(lambda: any(line.startswith("step 1/") for line in out) or run.poll() is not None,
+               START_SECONDS, "the first step")
+        assert run.poll() is None, "".join(err)
+        if to == "the run":
+            os.kill(run.pid, signal.SIGTERM)
+        else:
+            os.killpg(run.pid, signal.SIGTERM)
+        assert run.wait(timeout=30) == 143
+    finally:
+        _end(run, session=run.pid)
+    for reader in readers:
+        reader.join(timeout=10)
+
+    assert _session_empties(run.pid), "a process of the run is still alive"
+    _, summary = _records(tmp_path)
+    assert summary["stopped"] and summary["stopped_now"]
+    said = [line.rstrip("\n") for line in err]
+    assert len(said) == 1 and said[0].startswith(
+        f"stopped now after step {summary['last_step']}: the step under way was not kept"), said
+    assert _listed(runtime_dir) == "interrupted"
