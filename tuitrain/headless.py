@@ -135,7 +135,8 @@ def run_headless(
     if served is not None:
         served.close()
     if interrupts.count:
-        report.interrupted(now=interrupts.count > 1)
+        if place.leader or not interrupts.terminated:  # the launcher's SIGTERM: rank 0 says
+            report.interrupted(now=interrupts.count > 1)
         return EXIT_TERMINATED if interrupts.terminated else EXIT_INTERRUPTED
     if interrupts.reader_gone and report.ended_early:
         report.interrupted()

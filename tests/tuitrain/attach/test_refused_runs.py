@@ -54,3 +54,26 @@ def test_data_too_short_for_a_batch_is_one_line_status_2_and_no_run(
     assert main(["runs"]) == 0
     assert list_runs(runtime_dir) == []
     assert "no runs yet" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_with_ranks_data_too_short_is_still_one_line_and_no_rank_leaves_a_log(
+        tmp_path: Path, runtime_dir: Path) -> None:
+    """Rank 0 says the mistake; the launcher then ends rank 1 with SIGTERM, which stops it
+    quietly, its worker's log removed as after any clean end."""
+    import subprocess
+    import sys
+    import tempfile
+
+    corpus = tmp_path / "short.txt"
+    corpus.write_text("hello world\n")
+    logs = Path(tempfile.gettempdir()) / "tuitrain"
+    before = set(logs.glob("rank*-worker-*.log"))
+    run = subprocess.run([sys.executable, "-m", "tuitrain", "run", "tiny", "--headless",
+                          "--nproc", "2", "--steps", "1", "--data", str(corpus)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 2, run.stderr
+    [line] = run.stderr.splitlines()
+    assert line.startswith("tuitrain: error: the corpus holds ")
+    assert set(logs.glob("rank*-worker-*.log")) <= before
+    assert list_runs(runtime_dir) == []
