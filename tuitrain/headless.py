@@ -44,7 +44,7 @@ from tuitrain.settings import Settings
 from tuitrain.stop_requests import StopRequests
 from tuitrain.trials import TrialBook, summary_lines
 from tuitrain.worker import ProcessWorker
-from tuitrain.worker_log import default_log_path
+from tuitrain.worker_log import rank_log_path
 
 WAIT_SECONDS = 0.1  # longest sleep between looks at the worker
 REDRAW_SECONDS = 0.1  # a terminal progress line is redrawn at most this often
@@ -101,8 +101,7 @@ def run_headless(
     own_log = False  # a log named here goes after a clean end, as a default one does
     if place.parallel:
         if log_path is None:
-            default = default_log_path()
-            log_path, own_log = str(default.with_name(f"rank{place.rank}-{default.name}")), True
+            log_path, own_log = str(rank_log_path(place.rank)), True
         if not place.leader:
             from tuitrain.presets import merge
 
@@ -124,8 +123,9 @@ def run_headless(
         try:
             code = _follow(worker, report, interrupts)
         finally:
-            if interrupts.count > 1:
-                worker.stop_now()  # as the second Ctrl-C asked: its end is a stop
+            if interrupts.count > 1:  # as the second Ctrl-C asked: its end is a stop
+                # A rank its launcher ended: the launcher keeps or removes its log.
+                worker.stop_now(keep_log=place.parallel and interrupts.terminated)
             else:
                 worker.stop(timeout=STOP_SECONDS)
         for event in worker.poll():  # what came while stopping: the summary, or why not

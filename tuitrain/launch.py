@@ -30,6 +30,7 @@ from tuitrain.errors import (
     EXIT_TERMINATED,
 )
 from tuitrain.ranks import Ranks, failure_record
+from tuitrain.worker_log import LAUNCH_ENV, remove_rank_logs
 
 MONITOR_SECONDS = 0.2  # how often the launcher looks at its ranks
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants become this process's children
@@ -128,14 +129,17 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
     # (seconds of a loaded machine's CPU between the last line and the exit status).
     gc.freeze()
     os.environ[CHECKED_ENV] = "1"  # the ranks inherit this process's environment
+    launch_id = os.environ[LAUNCH_ENV] = config.run_id[:8]
     try:
         elastic_launch(config, entry)(*prefix, "run", *argv)
     except ChildFailedError as error:
         codes = [f.exitcode for f in error.failures.values()]
         if EXIT_BAD_INPUT in codes:
+            remove_rank_logs(launch_id)
             return EXIT_BAD_INPUT  # a mistake in the input: rank 0 has said it, in one line
         stopped = {EXIT_INTERRUPTED, EXIT_CLOSED_PIPE, EXIT_TERMINATED}
         if set(codes) <= stopped:  # stopped, as rank 0 said (SIGTERM: the launcher's)
+            remove_rank_logs(launch_id)
             return EXIT_INTERRUPTED if EXIT_INTERRUPTED in codes else max(codes)
         rank, failure = first_failure(error.failures)
         exitcode = ended_with(failure)
@@ -145,9 +149,11 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         # Ctrl-C (or a kill) of this process: the launcher has passed it on to the ranks
         # (each in a session of its own, out of the terminal's reach), waited for them to
         # stop, and raises it. Each rank has said how it ended.
+        remove_rank_logs(launch_id)
         return 128 + int(error.sigval)
     finally:
         os.environ.pop(CHECKED_ENV, None)
+        os.environ.pop(LAUNCH_ENV, None)
         for agent, level in zip(agents, levels, strict=True):
             agent.setLevel(level)
         if before is not None:

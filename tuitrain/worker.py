@@ -102,6 +102,7 @@ class ProcessWorker:
         self._stop_sent = False
         self._forced: str | None = None  # why stop() had to terminate the process
         self._ended_now = False  # stop_now() ended it: its end is a stop, not a failure
+        self._keep_log = False  # stop_now(keep_log=True): its log stays whatever the end
         self._tally = StepTally()  # what its steps add up to, for a summary it never sent
         self._started_at = 0.0
         self._lock = threading.Lock()
@@ -205,7 +206,7 @@ class ProcessWorker:
             self._forced = f"the worker did not stop within {timeout:g} s and was terminated"
         self._end(process)
 
-    def stop_now(self) -> None:
+    def stop_now(self, *, keep_log: bool = False) -> None:
         """End the worker at once, as its user asked (a second Ctrl-C): neither the step
         under way nor a checkpoint being written is waited for, and neither is kept.
         Idempotent.
@@ -213,10 +214,11 @@ class ProcessWorker:
         Asked for, that end is no failure: unless the worker reported how it ended first,
         the next `poll` reports a run stopped, a `Finished` whose summary is made from the
         steps it reported (tuitrain.run_summary.StepTally), and its log goes as after any
-        clean end.
+        clean end, unless `keep_log`.
         """
         if self._process is None or self._stopped:
             return
+        self._keep_log = keep_log
         # One that had already exited otherwise died by itself (the out-of-memory killer):
         # reported so. One that ended by SIGTERM was told so with the rest of its job (a
         # batch system, a `kill` of the process group): ended as asked too.
@@ -236,7 +238,7 @@ class ProcessWorker:
         self._drain()
         self._stopped = True
         self._close_channels()
-        if self._own_log and self._log_unneeded():
+        if self._own_log and self._log_unneeded() and not self._keep_log:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()
 

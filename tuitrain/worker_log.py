@@ -6,6 +6,7 @@ died without a word.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -14,13 +15,34 @@ from pathlib import Path
 LOG_TAIL_LINES = 20  # what a failure report carries; the rest is in the file
 
 _LOG_NUMBERS = iter(range(1, 1 << 62))
+# Set by the launcher of --nproc ranks for them: their logs are named for that launch, so
+# that it can remove them once the run ended as a stop or on a mistake in the input, which
+# a rank it ended (SIGTERM) cannot tell from another rank's failure.
+LAUNCH_ENV = "TUITRAIN_LAUNCH"
 
 
 def default_log_path() -> Path:
     """A fresh log file name under the system's temporary folder."""
-    folder = Path(tempfile.gettempdir()) / "tuitrain"
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return folder / f"worker-{stamp}-{os.getpid()}-{next(_LOG_NUMBERS)}.log"
+    return _folder() / f"worker-{stamp}-{os.getpid()}-{next(_LOG_NUMBERS)}.log"
+
+
+def rank_log_path(rank: int) -> Path:
+    """A fresh log file name for rank `rank`'s worker, named for its launch if any."""
+    launch = os.environ.get(LAUNCH_ENV)
+    default = default_log_path()
+    return default.with_name(f"rank{rank}-" + (f"{launch}-" if launch else "") + default.name)
+
+
+def remove_rank_logs(launch: str) -> None:
+    """Remove the logs the ranks of launch `launch` left (rank_log_path)."""
+    for path in _folder().glob(f"rank*-{launch}-worker-*.log"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _folder() -> Path:
+    return Path(tempfile.gettempdir()) / "tuitrain"
 
 
 def read_log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> list[str]:

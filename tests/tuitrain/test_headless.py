@@ -400,13 +400,13 @@ def test_a_reader_that_goes_away_ends_the_run_soon_with_its_summary_and_no_noise
     assert _listed(runtime_dir) == "interrupted"
 
 
-def test_a_second_ctrl_c_stops_at_once_as_it_says_and_the_run_ends_interrupted(
-        tmp_path: Path, runtime_dir: Path) -> None:
-    """Ctrl-C offers "Ctrl-C again to stop now": the second does that, with no wait for the
-    step under way (here a worker that cannot move at all), and it is no failure: one line,
-    exit status 130, the summary in the metrics, listed `interrupted`."""
+def _run_to_its_first_step(tmp_path: Path, *args: str
+                           ) -> tuple[subprocess.Popen, list[str], list[str], list]:
+    """A headless run in a session of its own (a signal to the group reaches every process
+    of it, as a terminal's does), its output read as it comes, once its first step is in:
+    the process, its stdout and stderr lines so far, and the threads reading them."""
     run = subprocess.Popen(
-        _run_command(tmp_path, "--checkpoint-dir", str(tmp_path / "ck")), cwd=tmp_path,
+        _run_command(tmp_path, *args), cwd=tmp_path,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     out: list[str] = []
     err: list[str] = []
@@ -419,6 +419,20 @@ def test_a_second_ctrl_c_stops_at_once_as_it_says_and_the_run_ends_interrupted(
         _until(lambda: any(line.startswith("step 1/") for line in out) or run.poll() is not None,
                START_SECONDS, "the first step")
         assert run.poll() is None, "".join(err)
+    except BaseException:
+        _end(run, session=run.pid)
+        raise
+    return run, out, err, readers
+
+
+def test_a_second_ctrl_c_stops_at_once_as_it_says_and_the_run_ends_interrupted(
+        tmp_path: Path, runtime_dir: Path) -> None:
+    """Ctrl-C offers "Ctrl-C again to stop now": the second does that, with no wait for the
+    step under way (here a worker that cannot move at all), and it is no failure: one line,
+    exit status 130, the summary in the metrics, listed `interrupted`."""
+    run, out, err, readers = _run_to_its_first_step(tmp_path, "--checkpoint-dir",
+                                                    str(tmp_path / "ck"))
+    try:
         worker = int(next(re.search(r"pid (\d+)", x)[1] for x in out if "worker   pid" in x))
         os.kill(worker, signal.SIGSTOP)  # a step that would take long to end
         os.killpg(run.pid, signal.SIGINT)
@@ -499,20 +513,8 @@ def test_sigterm_stops_a_run_at_once_with_its_summary(tmp_path: Path, runtime_di
     """`kill PID`, or a batch system's time limit signalling every process of the job: the
     run stops at once, as after a second Ctrl-C, and still ends its metrics with the
     summary; exit status 143 (128 + SIGTERM), listed `interrupted`."""
-    run = subprocess.Popen(
-        _run_command(tmp_path), cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    out: list[str] = []
-    err: list[str] = []
-    readers = [threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s),
-                                daemon=True) for stream, lines in ((run.stdout, out),
-                                                                   (run.stderr, err))]
-    for reader in readers:
-        reader.start()
+    run, out, err, readers = _run_to_its_first_step(tmp_path)
     try:
-        _until(lambda: any(line.startswith("step 1/") for line in out) or run.poll() is not None,
-               START_SECONDS, "the first step")
-        assert run.poll() is None, "".join(err)
         if to == "the run":
             os.kill(run.pid, signal.SIGTERM)
         else:
