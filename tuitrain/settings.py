@@ -171,9 +171,14 @@ class LoraSettings(_Strict):
         # A preset may list the names, as YAML lists things: [q_proj, v_proj].
         if not isinstance(value, list):
             return value
-        if value and all(isinstance(name, str) for name in value):
+        if value == ["all-linear"]:
+            return "all-linear"
+        # Each item one module name, as written: not all-linear among names, nor names
+        # separated by commas inside one item.
+        other = next((name for name in value
+                      if not (isinstance(name, str) and _module_name(name))), None)
+        if value and other is None:
             return ",".join(value)
-        other = next((name for name in value if not isinstance(name, str)), None)
         got = f"a list holding {_shown(other)}" if value else "an empty list"
         raise ValueError(f"must be all-linear or module names (got {got})")
 
@@ -181,8 +186,7 @@ class LoraSettings(_Strict):
     @classmethod
     def _check_targets(cls, value: str) -> str:
         names = [n.strip() for n in value.split(",")]
-        if value != "all-linear" and not all(n.replace("_", "").replace(".", "").isalnum()
-                                             for n in names):
+        if value != "all-linear" and not all(_module_name(n) for n in names):
             raise ValueError(f"must be all-linear or module names separated by commas "
                              f"(got {value!r})")
         return value if value == "all-linear" else ",".join(names)
@@ -435,6 +439,11 @@ def describe_error(error: Mapping[str, Any]) -> str:
     else:
         problem = str(error.get("msg", kind))
     return f"{problem} (got {_shown(got)})"
+
+
+def _module_name(name: str) -> bool:
+    """Whether `name` can name a module (or a dotted path to one) as peft matches it."""
+    return name.replace("_", "").replace(".", "").isalnum()
 
 
 def _shown(value: object) -> str:

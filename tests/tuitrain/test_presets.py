@@ -508,12 +508,17 @@ def test_lora_targets_may_be_a_yaml_list_of_module_names(tmp_path):
     lora = load_preset(path).training.lora
     assert lora.targets == "q_proj,v_proj"
     assert lora.as_lora().targets == ("q_proj", "v_proj")
+    alone = write(tmp_path, "version: 1\ntraining:\n  lora:\n    rank: 4\n"
+                            "    targets: [all-linear]\n", name="alone.yaml")
+    assert load_preset(alone).training.lora.targets == "all-linear"
 
 
 @pytest.mark.parametrize(("targets", "got"), [
     ("[q_proj, 3]", "(got a list holding 3)"),
     ("[]", "(got an empty list)"),
-    ("[q_proj, v proj]", "(got 'q_proj,v proj')"),
+    ("[q_proj, v proj]", "(got a list holding 'v proj')"),
+    ("[q_proj, all-linear]", "(got a list holding 'all-linear')"),
+    ('["q_proj,v_proj", k_proj]', "(got a list holding 'q_proj,v_proj')"),
 ])
 def test_a_list_of_lora_targets_that_are_not_module_names_is_named_by_file_and_key(
         tmp_path, targets, got):
