@@ -88,21 +88,11 @@ class DiskSide(ChunkTiers):
                                                   scratch_space.free_space(parent)) from None
 
     def _placed_first(self, policy: Policy) -> set[int]:
-        """The chunks `policy` keeps on the device before any trace (cuda: every one, if
-        they fit; the margin's come with a trace, and may go again; data parallel: none):
-        the rest may all be on the host, and the disk tier must take what the host budget
-        does not."""
-        if any(c.sharded for c in self.chunks):
-            # Data parallel: each rank opens its disk tier now, as it would with another
-            # policy, for a change of policy reaches the ranks at a step boundary, where a
-            # rank whose folder lacks room could only fail the step, not refuse the change.
-            return set()
-        costs = [self.resident_cost(c) for c in self.chunks]
-        capacity = self.device.capacity()
-        resident = rules.resident_chunks(policy, costs, trace=None, capacity=capacity,
-                                         margin_ratio=0.0)
-        # A cuda that cannot fit is refused with the budget's numbers (Engine._check_budget).
-        return resident if sum(costs[i] for i in resident) <= capacity else set()
+        """rules.built_on_device: the rest may all be on the host, and the disk tier must
+        take what the host budget does not."""
+        return rules.built_on_device(policy, [self.resident_cost(c) for c in self.chunks],
+                                     capacity=self.device.capacity(),
+                                     sharded=any(c.sharded for c in self.chunks))
 
     def _open_spill(self) -> None:
         """The disk tier in a new scratch folder under the disk folder, with room for what

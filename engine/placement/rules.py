@@ -181,6 +181,20 @@ def resident_chunks(policy: Policy, costs: Sequence[int], *, trace: Trace | None
     return rules.resident(costs, margin_room(capacity, trace.working_set, margin_ratio))
 
 
+def built_on_device(policy: Policy, costs: Sequence[int], *, capacity: int,
+                    sharded: bool) -> set[int]:
+    """The chunks a policy places on the device before any trace, which the engine builds
+    there under a host budget (ChunkManager.use_host_budget): cuda's, every one, when they
+    fit (one that does not is refused with the budget's numbers); the margin's come with a
+    trace. Data parallel, none: each rank opens its disk tier as it starts, for a change of
+    policy reaches the ranks at a step boundary, where a rank whose folder lacked room could
+    only fail the step, not refuse the change."""
+    if sharded:
+        return set()
+    first = resident_chunks(policy, costs, trace=None, capacity=capacity, margin_ratio=0.0)
+    return first if sum(costs[i] for i in first) <= capacity else set()
+
+
 def choose_victim(idle: Iterable[int], *, pos: int, trace: Trace | None,
                   last_use: dict[int, int]) -> int | None:
     """The idle chunk to evict: the one whose next use is farthest away (Belady's choice,

@@ -107,10 +107,11 @@ def plan(
             rank's host peak shares (ranks on one machine). A host budget is then each
             rank's, for its shards, and so are the disk figures.
         grad_accum: micro-batches of `batch_size` sequences per step (EngineConfig's):
-            the memory is one micro-batch's whatever their number, the host budget
+            the memory is a micro-batch's whatever their number, the host budget
             included, but for the fp32 gradients' host buffers a later micro-batch starts
-            with (HostMemory.grads_land_in_step); copied, disk_read and disk_written are
-            the whole step's.
+            with (HostMemory.grads_land_in_step) and the device's peak, the highest
+            micro-batch's (resident chunks keep their gradients there from one to the
+            next); copied, disk_read and disk_written are the whole step's.
         lora: LoRA adapters (engine.models.lora) as the run adds them: the base weights
             frozen, in payload-only chunks, and only the adapters with gradients and
             optimizer state. None: every parameter trains.

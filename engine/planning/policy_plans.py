@@ -212,16 +212,12 @@ class PolicyPlans:
                               placed_first=self._placed_first(outcome.policy))
 
     def _placed_first(self, policy: Policy) -> frozenset[int]:
-        """The chunks `policy` places on the device before any trace, under a host budget
-        (ChunkManager.use_host_budget): they are built there, and the disk tier opens only
-        for the rest; with ranks, none (each rank opens its tier as it starts)."""
-        if self.cost.sharded:
-            return frozenset()
-        first = resident_chunks(self.lay, self.cost, policy, 0.0, int(self.capacity), None)
-        costs = sum(self.cost.resident_cost(self.lay.numel[c], self.lay.is_frozen(c))
-                    for c in first)
-        # One that does not fit builds on the host (and is refused: DiskSide._placed_first).
-        return frozenset(first) if costs <= self.capacity else frozenset()
+        """rules.built_on_device: built there under a host budget, and the disk tier opens
+        only for the rest."""
+        costs = [self.cost.resident_cost(n, self.lay.is_frozen(c))
+                 for c, n in enumerate(self.lay.numel)]
+        return frozenset(rules.built_on_device(policy, costs, capacity=int(self.capacity),
+                                               sharded=self.cost.sharded))
 
     def _device_in_host(self, step: StepReplay) -> tuple[int, int]:
         """The simulated device's host bytes at the step's peak (its pool of kept buffers

@@ -96,12 +96,7 @@ class ReplayGradients(ReplayBytes):
         """Spill.add_grads: a later micro-batch's gradients out to the host beside those on
         disk, and their sum back into the buffer (its norm is taken there), let go then."""
         self.copied += 2 * self.nbytes[chunk]
-        if chunk in self.on_device:
-            self.stale.add(chunk)
-        self.grads.discard(chunk)
-        self.grad_bytes -= self.nbytes[chunk]
-        self.give_buffer(chunk)
-        self._sample()
+        self._grads_gone(chunk)
 
     def _taken(self, param: str) -> None:
         """GradientArrivals: a parameter on the device whose gradient is taken."""
@@ -143,6 +138,11 @@ class ReplayGradients(ReplayBytes):
         self._drop_ahead(chunk)  # Spill.land_grads: the payload's region gets gradients
         self.copied += self.nbytes[chunk]
         self._land(chunk)
+        self._grads_gone(chunk)
+
+    def _grads_gone(self, chunk: int) -> None:
+        """The chunk's gradient buffer is let go, its gradients now with its host copy,
+        which the device copy (if any) is stale against."""
         if chunk in self.on_device:
             self.stale.add(chunk)
         self.grads.discard(chunk)

@@ -108,7 +108,8 @@ class Plan:
     nproc: int = 1
     # Micro-batches of batch_size sequences per step (gradient accumulation): the memory of
     # one, whatever their number (the host budget holds at any), but for the fp32 gradients'
-    # host buffers a later one starts with; the copies and the disk traffic of all.
+    # host buffers a later one starts with and the device's peak, the highest one's; the
+    # copies and the disk traffic of all.
     grad_accum: int = 1
     # Resident bytes of the training process while the engine builds the chunks (runtime
     # included): the model is never whole in host memory, only the chunk state kept so
