@@ -149,7 +149,8 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: StopRequests) ->
     asked_to_stop_at: float | None = None
     while True:
         worker.wait(WAIT_SECONDS)
-        if interrupts.count > 1:  # before the events: a worker SIGTERM ended is no failure
+        ctrl_c = interrupts.count  # once: a signal may come between two reads
+        if ctrl_c > 1:  # before the events: a worker SIGTERM ended is no failure
             return None
         for event in worker.poll():
             if not (isinstance(event, Failed) and event.exitcode == EXIT_BAD_INPUT):
@@ -158,17 +159,16 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: StopRequests) ->
             if code is not None:
                 return code
         # A reader gone after the last step stops nothing: the run is ending as it is.
-        if asked_to_stop_at is None and interrupts.asked_to_stop() and (
-                interrupts.count or not report.trained_all):
-            why, then = ("", " (Ctrl-C again to stop now)") if interrupts.count else (
+        if asked_to_stop_at is None and (ctrl_c or (
+                interrupts.went() and not report.trained_all)):
+            why, then = ("", " (Ctrl-C again to stop now)") if ctrl_c else (
                 " (nothing reads the output any more)", "")
             report.say_err(f"stopping{why}: the step under way ends at its next layer, and "
                            f"nothing of it is kept{then}")
             worker.send(Stop())
             asked_to_stop_at = time.monotonic()
         if asked_to_stop_at is not None and (
-            time.monotonic() - asked_to_stop_at > INTERRUPT_WAIT_SECONDS
-        ):
+                time.monotonic() - asked_to_stop_at > INTERRUPT_WAIT_SECONDS):
             return None
 
 

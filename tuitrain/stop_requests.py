@@ -26,11 +26,11 @@ class StopRequests:
         self.outputs = outputs
         self.reader_gone = False  # seen while the run went on, so it was what stopped it
 
-    def asked_to_stop(self) -> bool:
-        """Whether a Ctrl-C came or the output's reader has gone."""
+    def went(self) -> bool:
+        """Whether the output's reader has gone."""
         if not self.reader_gone:
             self.reader_gone = any(output.reader_gone() for output in self.outputs)
-        return bool(self.count) or self.reader_gone
+        return self.reader_gone
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:

@@ -532,3 +532,33 @@ def test_sigterm_stops_a_run_at_once_with_its_summary(tmp_path: Path, runtime_di
     assert len(said) == 1 and said[0].startswith(
         f"stopped now after step {summary['last_step']}: the step under way was not kept"), said
     assert _listed(runtime_dir) == "interrupted"
+
+
+def test_a_sigterm_that_comes_while_events_are_relayed_is_a_stop_now_and_says_no_stopping():
+    """The handler can run between any two lines of the loop: a SIGTERM that came while the
+    step's events were shown must not read as a first Ctrl-C ("stopping... Ctrl-C again")
+    on its way to stopping at once."""
+    from tuitrain.headless import _follow
+    from tuitrain.stop_requests import StopRequests
+
+    interrupts = StopRequests()
+
+    class Signalled:  # SIGTERM's handler runs while the first look's events are handled
+        sent: list = []
+
+        def wait(self, seconds: float) -> None:
+            pass
+
+        def poll(self) -> list:
+            interrupts._on_sigterm(signal.SIGTERM, None)
+            return []
+
+        def send(self, command) -> None:
+            self.sent.append(command)
+
+    err = io.StringIO()
+    report = _Report(settings=Settings(model="tiny", training={"steps": 3}), out=io.StringIO(),
+                     err=err, log_path="worker.log")
+    worker = Signalled()
+    assert _follow(worker, report, interrupts) is None
+    assert worker.sent == [] and err.getvalue() == ""
