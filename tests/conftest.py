@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import gc
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -187,6 +188,20 @@ def unlearned(tuitrain_cache: Path) -> Iterator[None]:
     yield
     for path in (tuitrain_cache / "calibration").glob("*.learned.json"):
         path.unlink(missing_ok=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_temporary_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """TMPDIR for the whole test run is a folder of pytest's own temporary tree, which
+    pytest prunes: what the tests' runs leave there on purpose (the log of a worker that a
+    test kills, a rank's log kept after a failure) never piles up in the machine's /tmp.
+    An environment variable, so every process the tests start inherits it."""
+    folder = tmp_path_factory.mktemp("tmp")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(folder))
+        patch.setattr(tempfile, "tempdir", None)  # chosen again from TMPDIR
+        yield
+    tempfile.tempdir = None
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -15,8 +15,10 @@ import ctypes
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -96,7 +98,7 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
     the output went away (rank 0 stopped the run).
     `batch_size`, the run's global batch, is checked first (ValueError: it must split over
     the ranks)."""
-    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -110,10 +112,14 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
                      else (sys.executable, ("-m", "tuitrain")))
     # One thread per rank unless the user chose: ranks share this machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The launcher's folder (each rank's error file: how it failed) is this launch's alone
+    # and goes with it; left to itself the launcher makes one in /tmp and leaves it there.
+    folder = tempfile.mkdtemp(prefix="tuitrain-launch-")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # a free port, as --standalone
-        max_restarts=0, monitor_interval=MONITOR_SECONDS)
+        max_restarts=0, monitor_interval=MONITOR_SECONDS,
+        logs_specs=DefaultLogsSpecs(log_dir=folder))
     # The launcher's own notes (a rank failed, the others are stopped, a Ctrl-C passed on)
     # repeat what the ranks report themselves, and the exit status says. Its modules' loggers
     # each have a level of their own, so each is quietened, not only their parent.
@@ -152,6 +158,7 @@ def launch(nproc: int, argv: Sequence[str], *, batch_size: int,
         remove_rank_logs(launch_id)
         return 128 + int(error.sigval)
     finally:
+        shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop(CHECKED_ENV, None)
         os.environ.pop(LAUNCH_ENV, None)
         for agent, level in zip(agents, levels, strict=True):

@@ -192,6 +192,16 @@ def test_rank_0_alone_writes_the_metrics_the_summary_and_the_checkpoint(launches
     assert rank_logs(resumed.tmp) == []
 
 
+def test_a_launch_leaves_no_folder_of_the_launchers_in_the_temporary_folder(launches):
+    """torchrun's launcher keeps each rank's error file in a folder it makes in TMPDIR and,
+    left to itself, never removes: one more `torchelastic_*` per run. The launch removes
+    its own, whether the run ended cleanly or a rank failed."""
+    for tmp in (launches.killed.tmp, launches.resumed.tmp):
+        left = [p.name for p in tmp.iterdir()
+                if p.name.startswith(("torchelastic_", "tuitrain-launch-"))]
+        assert left == [], tmp
+
+
 def test_the_preset_saved_from_ranks_runs_again_on_as_many(launches):
     resumed = launches.resumed
     assert f"preset saved to {resumed.preset}" in resumed.done.stdout
