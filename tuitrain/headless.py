@@ -50,8 +50,7 @@ WAIT_SECONDS = 0.1  # longest sleep between looks at the worker
 REDRAW_SECONDS = 0.1  # a terminal progress line is redrawn at most this often
 PLAIN_LINE_SECONDS = 2.0  # without a terminal, at least this long between progress lines
 PLAIN_EVERY_STEP = 50  # runs this short print every step
-# After Ctrl-C the worker finishes its current step; past this, it is stopped by force.
-INTERRUPT_WAIT_SECONDS = 30.0
+INTERRUPT_WAIT_SECONDS = 30.0  # after Ctrl-C the step under way may take this long to end
 STOP_SECONDS = 10.0  # once the run has ended, how long the worker gets to exit by itself
 BAR_WIDTH = 24
 # Columns a progress line leaves free at its end: room for the terminal's `^C` echo, which
@@ -191,6 +190,7 @@ class _Report:
         self.pace: PresetPace | None = None
         self.on_started: Callable[[Started], None] | None = None
         self.ended_early = False  # the run's summary says it stopped before its last step
+        self.metrics_in = settings.logging.metrics  # None: the summary says none was begun
 
     def starting(self, *, tentative: bool = False) -> None:
         """Say, once, that the run is starting and where its worker logs.
@@ -326,7 +326,7 @@ class _Report:
         return self.latest is not None and self.latest.step >= self.settings.training.steps
 
     def finished(self, summary: dict) -> None:
-        self.ended_early = bool(summary.get("stopped"))
+        self.ended_early, self.metrics_in = bool(summary.get("stopped")), summary.get("metrics")
         stopped = " (stopped early)" if self.ended_early else ""
         lines = [
             f"done{stopped}: {plural(summary['steps'], 'step')}, {summary['tokens']:,} tokens "
@@ -376,18 +376,18 @@ class _Report:
     def interrupted(self, *, now: bool = False) -> None:
         """The run's last line: where it stopped and where its metrics are; `now` when a
         second Ctrl-C ended the worker at once, maybe while it wrote a checkpoint."""
-        step = self.latest.step if self.latest is not None else 0
-        where = self.settings.logging.metrics
+        step, asked = (self.latest.step if self.latest is not None else 0), self.settings
+        head = f"interrupted after step {step}; "
         if now:
-            head = f"stopped now after step {step}: the step under way was not kept"
-            if self.settings.checkpoint.dir is not None:
-                newest = newest_after_a_kill(self.settings.checkpoint.dir)
-                head += (f"; the newest checkpoint is {newest}" if newest
-                         else "; no checkpoint was written")
-            head += "; "
-        else:
-            head = f"interrupted after step {step}; "
-        self.say_err(head + (f"metrics in {where}" if where else "no metrics file was asked for"))
+            head = f"stopped now after step {step}: the step under way was not kept; "
+            if asked.checkpoint.dir is not None:
+                newest = newest_after_a_kill(asked.checkpoint.dir)
+                head += f"the newest checkpoint is {newest}; " if newest else (
+                    "no checkpoint was written; ")
+        where = asked.logging.metrics
+        self.say_err(head + ("no metrics file was asked for" if not where else f"metrics in "
+                             f"{where}" if where == self.metrics_in else f"nothing was written "
+                             f"to {where} (stopped before the run began)"))
 
     # --- output ----------------------------------------------------------------------
 

@@ -562,3 +562,24 @@ def test_a_sigterm_that_comes_while_events_are_relayed_is_a_stop_now_and_says_no
     worker = Signalled()
     assert _follow(worker, report, interrupts) is None
     assert worker.sent == [] and err.getvalue() == ""
+
+
+def test_a_stop_before_the_run_began_says_its_metrics_file_was_not_written():
+    """Two quick Ctrl-C while the worker still builds the model: the worker had not begun
+    the metrics file, and the summary made for it says so (metrics None), so the last line
+    must not send the user to a file that does not exist (or holds an earlier run's)."""
+    from tuitrain.events import Finished
+    from tuitrain.run_summary import StepTally
+
+    settings = Settings(model="tiny", training={"steps": 3}, logging={"metrics": "m.jsonl"})
+    for began, said in ((False, "nothing was written to m.jsonl"), (True, "metrics in m.jsonl")):
+        err = io.StringIO()
+        report = _Report(settings=settings, out=io.StringIO(), err=err, log_path="worker.log")
+        summary = StepTally().summary(settings, seconds=1.0, log="worker.log")
+        if not began:
+            summary["metrics"] = None  # as ProcessWorker._stopped_report makes it
+        report.handle(Finished(summary=summary))
+        report.interrupted(now=True)
+        last = err.getvalue().splitlines()[-1]
+        assert last.startswith("stopped now after step 0") and said in last, last
+        assert began or "metrics in" not in last, last
