@@ -67,6 +67,7 @@ from tuitrain.checkpoint_folder import (
     remove_unfinished,
     sha256,
     step_folder,
+    usual_modes,
 )
 from tuitrain.ranks import gather_from_ranks
 from tuitrain.resume import refusal, stream_changed
@@ -92,7 +93,9 @@ def _fsync(path: Path) -> None:
 
 
 def _fsync_tree(folder: Path) -> None:
-    """Files first, then their folders, deepest first: all on disk before the rename."""
+    """Files first, then their folders, deepest first: all on disk before the rename, the
+    weights readable as the rest (usual_modes)."""
+    usual_modes(folder)
     for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         _fsync(path)
     _fsync(folder)

@@ -4,6 +4,7 @@ line reads before a run starts (tuitrain.resume), and what loading reads first
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -105,3 +106,27 @@ def newest_after_a_kill(root: str | os.PathLike) -> Path | None:
         return find_checkpoint(root)
     except CheckpointError:
         return None
+
+
+def usual_modes(folder: Path) -> None:
+    """Give every safetensors file under `folder` the mode any other file written there
+    has, the one the umask leaves of 0666. safetensors (0.8) writes through a temporary
+    file it makes owner-only and renames into place, whatever the umask: a model folder
+    shared with a group, or served by another user, would be readable but for its weights.
+    A file this process may not change (another user's rank wrote it) keeps its mode."""
+    mode = 0o666 & ~_umask()
+    for path in folder.rglob("*.safetensors"):
+        with contextlib.suppress(OSError):
+            path.chmod(mode)
+
+
+def _umask() -> int:
+    """This process's umask, read where Linux shows it; elsewhere set and put back (which
+    another thread creating a file at that moment would see)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask

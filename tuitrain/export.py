@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tuitrain.checkpoint_folder import usual_modes
 from tuitrain.errors import EXIT_OK, UsageError
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             shutil.copytree(folder / "model", tmp)
         else:
             merge_adapter(folder, tmp)
+        usual_modes(tmp)  # a checkpoint saved before its weights were given them
         tmp.rename(out)
     except OSError as error:  # a folder it may not write in, a full disk
         shutil.rmtree(tmp, ignore_errors=True)

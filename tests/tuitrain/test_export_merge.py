@@ -79,6 +79,28 @@ def test_a_merged_lora_run_on_a_folder_gives_peft_logits_and_keeps_its_tokenizer
         AutoTokenizer.from_pretrained(folder, local_files_only=True)("def step")["input_ids"]
 
 
+def test_a_checkpoint_and_its_merge_give_the_weights_the_mode_of_every_other_file(tmp_path):
+    """safetensors writes owner-only files whatever the umask; a checkpoint's folder and a
+    merged model folder are read by others as a whole (a group's server, a container run
+    as another user), so their weights get the mode the umask gives the files beside."""
+    import os
+    import stat
+
+    old = os.umask(0o027)
+    try:
+        folder = tmp_path / "base"
+        model_folder(folder)
+        checkpoint, _ = lora_checkpoint(str(folder), tmp_path / "ck")
+        out = tmp_path / "merged"
+        assert main(["export", str(checkpoint), "--merge", str(out)]) == 0
+    finally:
+        os.umask(old)
+    written = [p for root in (checkpoint, out) for p in root.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in written)
+    modes = {p.relative_to(tmp_path): oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+    assert set(modes.values()) == {oct(0o640)}, modes
+
+
 def test_the_merge_is_onto_the_folder_the_run_trained_on_wherever_it_runs(tmp_path,
                                                                              monkeypatch):
     """A run given its model folder as a relative path: exported from another folder that
