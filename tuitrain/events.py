@@ -123,6 +123,14 @@ class Rejected(Event):
     id: int
     reason: str
 
+    @property
+    def too_late(self) -> bool:
+        """Whether the command came after the run's last step, which the run ends as it is."""
+        return self.reason == TRAINING_FINISHED
+
+
+TRAINING_FINISHED = "training has finished"  # why a command after the last step is refused
+
 
 @dataclass
 class Failed(Event):

@@ -240,8 +240,8 @@ class _Report:
                 self.say(f"  {event.message}")
             else:
                 self.say_err(f"{event.level}: {event.message}")
-        elif isinstance(event, Rejected):  # only Stop is ever sent, and it is never refused
-            self.say_err(f"rejected: {event.reason}")
+        elif isinstance(event, Rejected) and not event.too_late:  # a Stop after the end: news
+            self.say_err(f"rejected: {event.reason}")  # of nothing (only Stop is ever sent)
         elif isinstance(event, Finished):
             self.finished(event.summary)
             return EXIT_OK

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from tuitrain import ranks
 from tuitrain.events import (
+    TRAINING_FINISHED,
     Applied,
     Checkpoint,
     Command,
@@ -131,7 +132,7 @@ class RunCommands:
         answer."""
         self.drain(after_end=True)
         for command in self.proposed:
-            self.run.outbox.put(Rejected(command.id, "training has finished"))
+            self.run.outbox.put(Rejected(command.id, TRAINING_FINISHED))
         self.proposed = []
 
     def _agree(self) -> None:
@@ -188,7 +189,7 @@ class RunCommands:
             self._channel_closed()
             return
         if after_end:
-            self.run.outbox.put(Rejected(command.id, "training has finished"))
+            self.run.outbox.put(Rejected(command.id, TRAINING_FINISHED))
         else:
             self._handle(command)
 

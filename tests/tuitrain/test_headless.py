@@ -583,3 +583,18 @@ def test_a_stop_before_the_run_began_says_its_metrics_file_was_not_written():
         last = err.getvalue().splitlines()[-1]
         assert last.startswith("stopped now after step 0") and said in last, last
         assert began or "metrics in" not in last, last
+
+
+def test_a_stop_that_came_after_the_last_step_is_not_reported_as_rejected():
+    """A Ctrl-C (or, under --nproc, a rank's Stop) just as the last step ends: the worker
+    refuses the Stop, training having finished, and the run ends as it was going to. That
+    refusal is no news to the user; any other still is."""
+    from tuitrain.events import TRAINING_FINISHED, Rejected
+
+    err = io.StringIO()
+    report = _Report(settings=Settings(model="tiny"), out=io.StringIO(), err=err,
+                     log_path="worker.log")
+    report.handle(Rejected(1, TRAINING_FINISHED))
+    assert err.getvalue() == ""
+    report.handle(Rejected(2, "the command channel closed"))
+    assert err.getvalue() == "rejected: the command channel closed\n"
