@@ -48,7 +48,8 @@ __all__ = [
     "BudgetTooSmall", "resident_cost", "margin_room", "resident_chunks", "choose_victim",
     "evictions", "keeps_grad", "grads_land_per_step", "joins_run", "runs_poll",
     "PREFETCH_HORIZON", "prefetch_target", "opening_between", "prefetch_forecast",
-    "prefetches", "gathers_ahead", "minimum_working_set", "check_budget",
+    "prefetches", "gathers_ahead", "minimum_working_set", "cuda_need",
+    "cuda_peaks_beside_gradients", "check_budget",
     # the disk tier's (engine.placement.disk_rules)
     "HostBudgetTooSmall", "STATE_BUFFERS", "ELEMENT_ALIGN", "MIN_DISK_PIECE", "disk_piece",
     "payload_buffers", "DiskCost", "piece_elements", "piece_spans", "disk_cost",
@@ -364,14 +365,42 @@ def minimum_working_set(trace: Trace | None, module_bytes: Iterable[int]) -> int
     return max((2 * b for b in module_bytes), default=0)
 
 
+def cuda_need(resident_costs: Sequence[int], *, trace: Trace | None, working_set: int,
+              sharded: bool) -> tuple[int, int]:
+    """(model data, what comes beside it): the device bytes policy cuda holds at once.
+
+    Every chunk resident with room for its gradients, and beside them the traced
+    activations (0 before a trace). Sharded (data parallel), the resident costs are shards,
+    and beside them the whole `working_set`: the chunks gathered for each use and their
+    gradient buffers come on top of the activations.
+
+    Where cuda_peaks_beside_gradients, the two together are the step's peak; otherwise a
+    bound above it."""
+    activations = trace.non_model_peak if trace else 0
+    return sum(resident_costs), working_set if sharded else activations
+
+
+def cuda_peaks_beside_gradients(micro_batches: int) -> bool:
+    """Whether a cuda step's activations peak beside every chunk's gradients, so that
+    cuda_need is the step's peak and not a bound above it.
+
+    With several micro-batches each after the first starts with the gradients of those
+    before it on the device (a resident chunk keeps its own until the update), so its
+    forward peaks beside all of them: the highest micro-batch's peak. With one, gradients
+    arrive as activations go, and only the step itself (or the plan's replay of it) says
+    how far below the bound its peak is."""
+    return micro_batches > 1
+
+
 def check_budget(budget: int, policy: Policy, *, trace: Trace | None,
                  module_bytes: Iterable[int], resident_costs: Sequence[int],
                  sharded: bool = False) -> None:
     """Raise BudgetTooSmall, with the numbers, when `budget` cannot run `policy`.
 
-    `sharded` (data parallel): the resident costs are shards, and the chunks gathered whole
-    for each use and their gradient buffers (the working set beside the activations; before
-    the first step, the largest module's) come on top, under cuda too."""
+    cuda is held to cuda_need, its model data beside the activations, which are known
+    once there is a trace. `sharded` (data parallel): the resident costs are shards, and
+    the chunks gathered whole for each use and their gradient buffers (the working set
+    beside the activations; before the first step, the largest module's) come on top."""
     working_set = minimum_working_set(trace, module_bytes)
     if budget < working_set:
         raise BudgetTooSmall(
@@ -379,13 +408,11 @@ def check_budget(budget: int, policy: Policy, *, trace: Trace | None,
             f"{format_size(working_set)} (largest chunks in use at once"
             f"{', plus activations' if trace else ''})")
     if policy == Policy.CUDA:
+        need = sum(cuda_need(resident_costs, trace=trace, working_set=working_set,
+                             sharded=sharded))
         activations = trace.non_model_peak if trace else 0
-        model = sum(resident_costs)
-        if sharded:
-            model += working_set - activations
-        need = model + activations
-        if budget < need:
+        if budget < need:  # sharded, the chunks gathered for each use count as model data
             raise BudgetTooSmall(
                 f"policy cuda needs {format_size(need)} on the device (model data "
-                f"{format_size(model)} + activations {format_size(need - model)}) but the "
-                f"budget is {format_size(budget)}; use policy auto or cpu")
+                f"{format_size(need - activations)} + activations {format_size(activations)}) "
+                f"but the budget is {format_size(budget)}; use policy auto or cpu")

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import PRECISIONS, parse_size
+from engine.config import PRECISIONS, EngineConfig, parse_size
 from engine.devices.disk import default_disk_dir
 from engine.models.lora import Lora, apply_lora
 from engine.models.zoo import meta_model, model_config
@@ -167,6 +167,10 @@ def plan(
     events = record_step(
         config, dtype, batch_size // nproc, seq_len, checkpointing, trace_layers=TRACE_LAYERS,
         lora=lora,
+        # As Engine.step scales each micro-batch's loss: by 1 / grad_accum, and in fp16 by
+        # the loss scale too.
+        loss_scale=(EngineConfig.initial_loss_scale if precision == "fp16" else 1.0)
+        / grad_accum,
     )
     full = meta_model(model_name_or_path)
     if lora is not None:

@@ -298,12 +298,17 @@ class PolicyPlans:
 
         The engine refuses cuda up front when the chunks with room for their gradients
         exceed the budget, and fails the first step when activations do not fit beside them.
+        With several micro-batches it refuses the two together (rules.cuda_need) once the
+        first has traced, before a later one runs: their peak is there
+        (rules.cuda_peaks_beside_gradients), as the replay of a later one finds.
         Sharded, only the shards are resident: the chunks gathered for each use and their
         gradient buffers come on top (Engine._check_budget), so those are in the need.
         """
         model_data, activations = self._cuda_need(outcome.trace)
         sharded = self.cost.sharded
-        if not outcome.failure and (model_data + activations <= self.capacity if sharded
+        together = sharded or rules.cuda_peaks_beside_gradients(self.host.grad_accum)
+        # The activations count a GPU's allocator slack already: held to the whole device.
+        if not outcome.failure and (model_data + activations <= self.device_mem if together
                                     else model_data <= self.capacity):
             return ""
         what = ("the working set (gathered chunks, their gradients and activations)"
@@ -318,9 +323,10 @@ class PolicyPlans:
     def _cuda_need(self, trace: Trace) -> tuple[int, int]:
         """(model data, activations) the cuda policy keeps on the device (cuda_policy_bytes);
         sharded, (the shards, the working set)."""
-        model_data = sum(self.cost.resident_cost(n, self.lay.is_frozen(c))
-                         for c, n in enumerate(self.lay.numel))
-        beside = trace.working_set if self.cost.sharded else trace.non_model_peak
+        model_data, beside = rules.cuda_need(
+            [self.cost.resident_cost(n, self.lay.is_frozen(c))
+             for c, n in enumerate(self.lay.numel)],
+            trace=trace, working_set=trace.working_set, sharded=self.cost.sharded)
         return model_data, beside + (0 if self.simulated else self.slack)
 
     def recommend(self, plans: dict[str, PolicyPlan], auto: _Outcome) -> Recommendation:

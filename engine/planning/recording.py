@@ -23,6 +23,7 @@ from engine.models.training import prepare_for_training
 from engine.models.zoo import BadCheckpoint
 from engine.step.backward_reads import BackwardReads
 from engine.step.hooks import hook_gradients, install, wrap_outputs
+from engine.step.micro_batches import scaled_loss
 from engine.step.non_model import LiveBytes
 from engine.step.tied_uses import TiedUses
 
@@ -131,8 +132,10 @@ def _meta_model(
     return model
 
 
-def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event]:
-    """Run forward and backward of one batch with the engine's hooks, on the meta device."""
+def _record(model: torch.nn.Module, batch_size: int, seq_len: int, loss_scale: float
+            ) -> list[Event]:
+    """Run forward and backward of one batch with the engine's hooks, on the meta device,
+    backward from the loss scaled as the engine scales it (scaled_loss)."""
     rec = _Recorder(model)
     names = {m: n for n, m in model.named_modules()}
     modules = list(model.modules())
@@ -179,7 +182,7 @@ def _record(model: torch.nn.Module, batch_size: int, seq_len: int) -> list[Event
                 loss = model(input_ids=ids, labels=ids).loss
             events.append(("backward",))
             in_backward = True
-            loss.backward()
+            scaled_loss(loss, loss_scale).backward()
             del loss
     finally:
         tied.leave_all()
@@ -296,19 +299,23 @@ def record_step(
     *,
     trace_layers: int,
     lora: Lora | None = None,
+    loss_scale: float = 1.0,
 ) -> list[Event]:
-    """The recording of one step of `config`'s model at this batch shape.
+    """The recording of one step of `config`'s model at this batch shape, backward starting
+    from the loss times `loss_scale` (Engine.step's: 1 / micro-batches, times fp16's loss
+    scale; only whether it is 1 changes the bytes).
 
     A model deeper than `trace_layers`, with one stack of like layers, is traced
     `trace_layers` deep and its inner layer repeated; any other is traced whole. The same
     model, shape and adapters recorded again come from the last RECORDINGS_KEPT recordings.
     """
     key = (type(config), config.to_json_string(use_diff=False), dtype, batch_size, seq_len,
-           checkpointing, trace_layers, repr(lora))  # repr: adapters named in a list too
+           checkpointing, trace_layers, repr(lora),  # repr: adapters named in a list too
+           loss_scale != 1.0)
     if (kept := _recorded.get(key)) is None:
         # A copy: building the model turns its config's cache off, and the caller's is theirs.
         kept = tuple(_record_step(copy.deepcopy(config), dtype, batch_size, seq_len, checkpointing,
-                                  trace_layers=trace_layers, lora=lora))
+                                  trace_layers=trace_layers, lora=lora, loss_scale=loss_scale))
         _recorded[key] = kept
         if len(_recorded) > RECORDINGS_KEPT:
             _recorded.popitem(last=False)
@@ -317,7 +324,8 @@ def record_step(
 
 
 def _record_step(config: PretrainedConfig, dtype: torch.dtype, batch_size: int, seq_len: int,
-                 checkpointing: bool, *, trace_layers: int, lora: Lora | None) -> list[Event]:
+                 checkpointing: bool, *, trace_layers: int, lora: Lora | None,
+                 loss_scale: float = 1.0) -> list[Event]:
     layers = getattr(config, "num_hidden_layers", None)
     uniform = len(set(getattr(config, "layer_types", None) or [None])) == 1
     if isinstance(layers, int) and layers > trace_layers and uniform:
@@ -328,8 +336,9 @@ def _record_step(config: PretrainedConfig, dtype: torch.dtype, batch_size: int, 
         model = _meta_model(small, dtype, checkpointing, lora)
         stack = _layer_stack(model, trace_layers)
         if stack is not None:
-            events = _record(model, batch_size, seq_len)
+            events = _record(model, batch_size, seq_len, loss_scale)
             expanded = _expand(events, stack, trace_layers, layers)
             if expanded is not None:
                 return expanded
-    return _record(_meta_model(config, dtype, checkpointing, lora), batch_size, seq_len)
+    return _record(_meta_model(config, dtype, checkpointing, lora), batch_size, seq_len,
+                   loss_scale)

@@ -39,6 +39,7 @@ from engine.step.backward_reads import BackwardReads
 from engine.step.borrowing import watch_borrowing
 from engine.step.hooks import hook_gradients, install, wrap_outputs
 from engine.step.measuring import Measuring
+from engine.step.micro_batches import scaled_loss
 from engine.step.optimizer import restore_params
 
 S = TensorState
@@ -330,7 +331,7 @@ class StepRunner(Measuring):
                 self.forward_seconds = time.perf_counter() - t0
                 x1 = m.transfer_seconds
                 self._in_backward = True
-                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+                scaled_loss(loss, loss_scale).backward()
             self._finish_backward()
             self._close_interval()
             self._finish_count()

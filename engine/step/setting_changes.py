@@ -7,9 +7,11 @@ against the latest batch, and the budget it leaves against the latest trace
 the pending settings, one immutable value, and replaces the live ones at the next step
 boundary (`_apply_pending`): the chunks are placed again for them (`_place`,
 rules.resident_chunks) and the next step counts its bytes again (engine.step.counting).
-The budget is checked again against each trace a step records, as that step ends
-(`_end_trace`): a change that makes the step trace anew (a split, checkpointing) is
-refused there, BudgetTooSmall, if the step overran it; restore_settings(before) goes back.
+The budget is checked again against each trace a step records, as the micro-batch that
+recorded it ends (`_end_trace`): a change that makes the step trace anew (a split,
+checkpointing), or the first step, is refused there, BudgetTooSmall, if that micro-batch
+overran it or a later one would (cuda, whose later micro-batches peak beside every
+gradient); restore_settings(before) goes back.
 Data parallel, rank 0's pending settings are every rank's (engine.step.rank_zero).
 
 A part of engine.step.engine.Engine over the engine's state, as the chunk manager's parts
@@ -135,14 +137,21 @@ class SettingChanges:
         self.manager.apply_residency(want)
 
     def _end_trace(self) -> bool:
-        """Close this step's trace, if it recorded one; refuse a budget it overran."""
+        """Close this step's trace, if it recorded one; refuse a budget it overran, or one
+        that a later micro-batch would overrun (rules.cuda_peaks_beside_gradients: its
+        peak is not the traced one's), before that one runs."""
         trace = self.runner.end_trace()
         overrun = self.manager.overrun  # data parallel: every rank's, once the trace is
         if trace is None:
             return False
-        if overrun > 0 or trace.working_set > self.device.capacity():
+        try:
+            if overrun > 0 or trace.working_set > self.device.capacity():
+                raise overrun_error(trace, self.device.capacity(), overrun, self.policy)
+            if rules.cuda_peaks_beside_gradients(self.settings.grad_accum):
+                self._check_budget(self.settings.device_budget, self.settings.policy)
+        except rules.BudgetTooSmall:
             for chunk in self.chunks:
                 self.optimizer.discard(chunk)
             self._place()
-            raise overrun_error(trace, self.device.capacity(), overrun, self.policy)
+            raise
         return True

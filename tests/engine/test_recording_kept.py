@@ -25,14 +25,17 @@ def test_the_same_shape_is_recorded_once_and_a_changed_list_changes_nothing(monk
     again = record_step(*args, trace_layers=TRACE_LAYERS)
     assert len(recorded) == 1 and again == first[:-1]
     assert again == fresh(*args, trace_layers=TRACE_LAYERS, lora=None)
-    # Another batch, checkpointing, other adapters, another model: recorded anew.
+    # Another batch, checkpointing, other adapters, another model, a scaled loss (micro-
+    # batches, fp16): recorded anew; the scale's value changes no byte.
     record_step(config, torch.float32, 4, 32, False, trace_layers=TRACE_LAYERS)
     record_step(config, torch.float32, 2, 32, True, trace_layers=TRACE_LAYERS)
     record_step(*args, trace_layers=TRACE_LAYERS, lora=Lora(rank=4))
     deeper = model_config("tiny")
     deeper.num_hidden_layers += 1
     record_step(deeper, torch.float32, 2, 32, False, trace_layers=TRACE_LAYERS)
-    assert len(recorded) == 5
+    scaled = record_step(*args, trace_layers=TRACE_LAYERS, loss_scale=0.5)
+    assert record_step(*args, trace_layers=TRACE_LAYERS, loss_scale=2.0**16 / 4) == scaled
+    assert len(recorded) == 6
 
 
 def test_only_the_last_shapes_are_kept(monkeypatch):

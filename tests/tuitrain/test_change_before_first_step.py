@@ -18,11 +18,12 @@ class Outbox(list):
         self.append(event)
 
 
-def run_with(tmp_path, *commands) -> tuple[int, Outbox]:
+def run_with(tmp_path, *commands, budget: str = "30MiB", grad_accum: int = 1
+             ) -> tuple[int, Outbox]:
     settings = Settings(
         model="tiny",
-        engine={"precision": "fp32", "policy": "auto", "device_budget": "30MiB"},
-        training={"steps": 2, "batch_size": 2, "seq_len": 128},
+        engine={"precision": "fp32", "policy": "auto", "device_budget": budget},
+        training={"steps": 2, "batch_size": 2, "seq_len": 128, "grad_accum": grad_accum},
     )
     ui, worker = Pipe()
     for i, command in enumerate(commands, start=1):
@@ -46,3 +47,19 @@ def test_cuda_asked_before_the_first_step_that_cannot_fit_is_refused_and_the_run
     assert "(2, 128)" not in refused.reason
     steps = [e.stats for e in events if isinstance(e, Step)]
     assert [(s.step, s.policy) for s in steps] == [(1, "auto"), (2, "auto")]
+
+
+def test_cuda_asked_before_the_first_step_that_a_later_micro_batch_overruns_is_refused(
+    tmp_path,
+):
+    """Two micro-batches: under cuda the first fits (34 MiB, above tiny's 33.2 MiB at one
+    micro-batch) and traces, but the second would run beside every gradient of the first
+    (35.7 MiB). Refused before it runs, not a run that fails mid-step."""
+    status, events = run_with(tmp_path, SetPolicy(policy="cuda"), budget="34MiB", grad_accum=2)
+    assert status == 0 and not [e for e in events if isinstance(e, Failed)]
+    (refused,) = [e for e in events if isinstance(e, Rejected)]
+    assert refused.id == 1 and refused.reason.startswith("policy cuda needs ")
+    assert "the budget is 34.0 MiB" in refused.reason
+    steps = [e.stats for e in events if isinstance(e, Step)]
+    assert [(s.step, s.policy, s.micro_batches) for s in steps] == [(1, "auto", 2),
+                                                                     (2, "auto", 2)]

@@ -18,7 +18,7 @@ from engine.config import format_size
 from engine.planning.planner import plan
 from tests.forked import adopt, context
 from tuitrain import fit
-from tuitrain.events import Log, Stop
+from tuitrain.events import Failed, Log, Step, Stop
 from tuitrain.settings import SIMULATED_DEVICE_BUDGET, Settings
 from tuitrain.training_run import TrainingRun
 
@@ -325,3 +325,38 @@ def test_a_run_that_cannot_fit_is_refused_before_its_model_is_built(tmp_path):
     said = [e.message for e in sink if isinstance(e, Log)]
     assert not any(m.startswith("building") for m in said), said
     assert not (tmp_path / "m.jsonl").exists()  # nothing written either
+
+
+def run_cuda_with_micro_batches(tmp_path, short: int) -> tuple[int, Sink]:
+    """A run of tiny under cuda in two micro-batches, given `short` bytes less than the
+    plan's figure: the second micro-batch's peak, whose forward runs beside every gradient
+    of the first."""
+    need = plan("tiny", device_mem="6GiB", host_mem="64GiB", precision="fp32", batch_size=1,
+                seq_len=64, grad_accum=2, simulated=True).cuda.device_peak
+    s = Settings.model_validate({
+        "model": "tiny",
+        "engine": {"precision": "fp32", "policy": "cuda", "device_budget": need - short},
+        "training": {"batch_size": 1, "seq_len": 64, "grad_accum": 2, "steps": 2}})
+    commands, _ui = multiprocessing.Pipe(duplex=False)
+    sink = Sink()
+    run = TrainingRun(settings=s, log_path=str(tmp_path / "log"), commands=commands,
+                      outbox=sink)
+    return run.execute(), sink
+
+
+def test_cuda_with_micro_batches_trains_in_the_budget_the_plan_gives(tmp_path):
+    status, sink = run_cuda_with_micro_batches(tmp_path, 0)
+    assert (status, [e for e in sink if isinstance(e, Failed)]) == (0, [])
+    assert [e.stats.micro_batches for e in sink if isinstance(e, Step)] == [2, 2]
+
+
+def test_cuda_with_micro_batches_a_byte_short_is_refused_before_anything_is_built(tmp_path):
+    """In one line, with what would fit, and never a run that fails in its first step."""
+    status, sink = run_cuda_with_micro_batches(tmp_path, 1)
+    assert status == 2
+    (refusal,) = [e for e in sink if isinstance(e, Failed)]
+    assert "\n" not in refusal.reason
+    assert refusal.reason.startswith("policy cuda will not fit: ")
+    assert "policy auto would (--policy auto" in refusal.reason
+    said = [e.message for e in sink if isinstance(e, Log)]
+    assert not any(m.startswith("building") for m in said), said
