@@ -18,7 +18,6 @@ from typing import TextIO
 
 from engine.telemetry import StepStats
 from tuitrain import ranks
-from tuitrain.checkpoint_folder import newest_after_a_kill
 from tuitrain.closed_pipe import WatchedOutput
 from tuitrain.errors import (
     EXIT_BAD_INPUT,
@@ -28,7 +27,7 @@ from tuitrain.errors import (
     EXIT_OK,
     EXIT_TERMINATED,
 )
-from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step, Stop
+from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step
 from tuitrain.formatting import (
     format_count,
     format_rate,
@@ -38,10 +37,10 @@ from tuitrain.formatting import (
     plural,
 )
 from tuitrain.run_preset import PresetPace
-from tuitrain.run_summary import held_out, peaks_line, record_summary
+from tuitrain.run_summary import held_out, interrupted_line, peaks_line, record_summary
 from tuitrain.served import serve
 from tuitrain.settings import Settings
-from tuitrain.stop_requests import StopRequests
+from tuitrain.stop_requests import Stopping, StopRequests
 from tuitrain.trials import TrialBook, summary_lines
 from tuitrain.worker import ProcessWorker
 from tuitrain.worker_log import rank_log_path
@@ -50,8 +49,6 @@ WAIT_SECONDS = 0.1  # longest sleep between looks at the worker
 REDRAW_SECONDS = 0.1  # a terminal progress line is redrawn at most this often
 PLAIN_LINE_SECONDS = 2.0  # without a terminal, at least this long between progress lines
 PLAIN_EVERY_STEP = 50  # runs this short print every step
-INTERRUPT_WAIT_SECONDS = 30.0  # after Ctrl-C the step under way may take this long to end
-STOP_SECONDS = 10.0  # once the run has ended, how long the worker gets to exit by itself
 BAR_WIDTH = 24
 # Columns a progress line leaves free at its end: room for the terminal's `^C` echo, which
 # would otherwise wrap the line and break its redraw in place.
@@ -119,14 +116,11 @@ def run_headless(
     with interrupts.catching():
         worker.start()
         report.starting(tentative=True)
+        stopping = Stopping(interrupts, worker, report.say_err)
         try:
-            code = _follow(worker, report, interrupts)
-        finally:
-            if interrupts.count > 1:  # as the second Ctrl-C asked: its end is a stop
-                # A rank its launcher ended: the launcher keeps or removes its log.
-                worker.stop_now(keep_log=place.parallel and interrupts.terminated)
-            else:
-                worker.stop(timeout=STOP_SECONDS)
+            code = _follow(worker, report, stopping)
+        finally:  # a rank its launcher ended: the launcher keeps or removes its log
+            stopping.end(keep_log=place.parallel and interrupts.terminated)
         for event in worker.poll():  # what came while stopping: the summary, or why not
             outcome = report.handle(event)
             code = outcome if code is None else code
@@ -143,14 +137,12 @@ def run_headless(
     return EXIT_FAILED if code is None else code
 
 
-def _follow(worker: ProcessWorker, report: _Report, interrupts: StopRequests) -> int | None:
+def _follow(worker: ProcessWorker, report: _Report, stopping: Stopping) -> int | None:
     """Relay events until the run ends or the user interrupts; returns the exit status."""
-    asked_to_stop_at: float | None = None
     while True:
         worker.wait(WAIT_SECONDS)
-        ctrl_c = interrupts.count  # once: a signal may come between two reads
-        if ctrl_c > 1:  # before the events: a worker SIGTERM ended is no failure
-            return None
+        if stopping.requests.count > 1:  # before the events: a worker SIGTERM ended is no
+            return None  # failure
         for event in worker.poll():
             if not (isinstance(event, Failed) and event.exitcode == EXIT_BAD_INPUT):
                 report.starting()
@@ -158,16 +150,7 @@ def _follow(worker: ProcessWorker, report: _Report, interrupts: StopRequests) ->
             if code is not None:
                 return code
         # A reader gone after the last step stops nothing: the run is ending as it is.
-        if asked_to_stop_at is None and (ctrl_c or (
-                interrupts.went() and not report.trained_all)):
-            why, then = ("", " (Ctrl-C again to stop now)") if ctrl_c else (
-                " (nothing reads the output any more)", "")
-            report.say_err(f"stopping{why}: the step under way ends at its next layer, and "
-                           f"nothing of it is kept{then}")
-            worker.send(Stop())
-            asked_to_stop_at = time.monotonic()
-        if asked_to_stop_at is not None and (
-                time.monotonic() - asked_to_stop_at > INTERRUPT_WAIT_SECONDS):
+        if stopping.look(reader_matters=not report.trained_all):
             return None
 
 
@@ -190,7 +173,7 @@ class _Report:
         self.pace: PresetPace | None = None
         self.on_started: Callable[[Started], None] | None = None
         self.ended_early = False  # the run's summary says it stopped before its last step
-        self.metrics_in = settings.logging.metrics  # None: the summary says none was begun
+        self.summary: dict | None = None  # the run's, once it came
 
     def starting(self, *, tentative: bool = False) -> None:
         """Say, once, that the run is starting and where its worker logs.
@@ -326,7 +309,7 @@ class _Report:
         return self.latest is not None and self.latest.step >= self.settings.training.steps
 
     def finished(self, summary: dict) -> None:
-        self.ended_early, self.metrics_in = bool(summary.get("stopped")), summary.get("metrics")
+        self.summary, self.ended_early = summary, bool(summary.get("stopped"))
         stopped = " (stopped early)" if self.ended_early else ""
         lines = [
             f"done{stopped}: {plural(summary['steps'], 'step')}, {summary['tokens']:,} tokens "
@@ -376,18 +359,8 @@ class _Report:
     def interrupted(self, *, now: bool = False) -> None:
         """The run's last line: where it stopped and where its metrics are; `now` when a
         second Ctrl-C ended the worker at once, maybe while it wrote a checkpoint."""
-        step, asked = (self.latest.step if self.latest is not None else 0), self.settings
-        head = f"interrupted after step {step}; "
-        if now:
-            head = f"stopped now after step {step}: the step under way was not kept; "
-            if asked.checkpoint.dir is not None:
-                newest = newest_after_a_kill(asked.checkpoint.dir)
-                head += f"the newest checkpoint is {newest}; " if newest else (
-                    "no checkpoint was written; ")
-        where = asked.logging.metrics
-        self.say_err(head + ("no metrics file was asked for" if not where else f"metrics in "
-                             f"{where}" if where == self.metrics_in else f"nothing was written "
-                             f"to {where} (stopped before the run began)"))
+        step = self.latest.step if self.latest is not None else 0
+        self.say_err(interrupted_line(self.settings, step, now=now, summary=self.summary))
 
     # --- output ----------------------------------------------------------------------
 

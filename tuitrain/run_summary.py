@@ -14,8 +14,10 @@ import os
 from typing import Any
 
 from engine.telemetry import StepStats
+from tuitrain.checkpoint_folder import newest_after_a_kill
 from tuitrain.events import Eval
 from tuitrain.formatting import format_seconds, format_size
+from tuitrain.settings import Settings
 from tuitrain.trials import Trial, append_summary, summary_lines
 
 
@@ -51,6 +53,33 @@ def run_summary_lines(summary: dict, rows: list[Trial]) -> list[str]:
     if summary.get("metrics"):
         lines.append(f"  metrics  {summary['metrics']}")
     return lines
+
+
+def interrupted_line(settings: Settings, step: int, *, now: bool,
+                     summary: dict | None = None) -> str:
+    """The last line of a run stopped before its end, for the terminal: the step it stopped
+    after and where its metrics are. `now` when its worker was ended at once (a second
+    Ctrl-C, SIGTERM): the step under way was not kept, nor a checkpoint it was writing,
+    whose temporary folder goes here, so the line names the newest complete one, the one
+    `--resume` takes. `summary`, the run's, if one came: one without a metrics file says
+    the worker was stopped before it began the file (ProcessWorker's report of a run it
+    ended), which the line must not send the user to. The headless runner, the tuner and
+    the app end a run so stopped alike."""
+    if now:
+        head = f"stopped now after step {step}: the step under way was not kept"
+        if settings.checkpoint.dir is not None:
+            newest = newest_after_a_kill(settings.checkpoint.dir)
+            head += (f"; the newest checkpoint is {newest}" if newest
+                     else "; no checkpoint was written")
+        head += "; "
+    else:
+        head = f"interrupted after step {step}; "
+    where = settings.logging.metrics
+    if not where:
+        return head + "no metrics file was asked for"
+    if summary is not None and not summary.get("metrics"):
+        return head + f"nothing was written to {where} (stopped before the run began)"
+    return head + f"metrics in {where}"
 
 
 def record_summary(summary: dict, rows: list[Trial]) -> str | None:

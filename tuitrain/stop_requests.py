@@ -1,14 +1,25 @@
 """What asks a headless run to stop: Ctrl-C, counted, and a reader of its output that went
-away, which a Unix tool would end by (SIGPIPE)."""
+away, which a Unix tool would end by (SIGPIPE); and what those requests do to the worker
+that trains the run (`Stopping`). The line a run so stopped ends with is
+tuitrain.run_summary.interrupted_line."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from tuitrain.closed_pipe import WatchedOutput
+from tuitrain.errors import EXIT_CLOSED_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED
+from tuitrain.events import Command, Stop
+
+# After a first request the worker finishes its current step; past this, it is stopped by
+# force.
+INTERRUPT_WAIT_SECONDS = 30.0
+STOP_SECONDS = 10.0  # once the run has ended, how long the worker gets to exit by itself
 
 
 class StopRequests:
@@ -47,6 +58,75 @@ class StopRequests:
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self.terminated = True
         self.count = max(self.count, 2)
+
+
+class Stoppable(Protocol):
+    """The worker as `Stopping` ends it (tuitrain.worker.ProcessWorker)."""
+
+    def send(self, command: Command) -> int: ...
+
+    def stop(self, timeout: float = ...) -> None: ...
+
+    def stop_now(self, *, keep_log: bool = False) -> None: ...
+
+
+class Stopping:
+    """What the stop requests do to the run that `worker` trains, acted on whenever its
+    caller looks at the worker (`look`): the first, a Ctrl-C or the output's reader gone,
+    sends it Stop, so that the step under way ends at its next layer, and says so with
+    `say`; after a second Ctrl-C or SIGTERM, or once the worker has had
+    INTERRUPT_WAIT_SECONDS to stop, it is ended (`end`). `status` is the exit status the
+    requests give the run."""
+
+    def __init__(self, requests: StopRequests, worker: Stoppable,
+                 say: Callable[[str], object]) -> None:
+        self.requests = requests
+        self.worker = worker
+        self.say = say
+        self.asked_at: float | None = None  # when the worker was sent Stop
+
+    @property
+    def asked(self) -> bool:
+        """Whether the run has been asked to stop, whatever asked."""
+        return self.asked_at is not None or self.requests.count > 0
+
+    def look(self, *, reader_matters: bool = True) -> bool:
+        """Act on the requests that came since the last look; True once the worker is to be
+        ended (`end`) rather than waited for. `reader_matters`: False once the run's last
+        step is in, when a reader that goes stops nothing (the run is ending as it is)."""
+        count = self.requests.count  # once: a signal may come between two reads
+        if count > 1:  # SIGTERM too, which must not read as a first Ctrl-C on its way
+            return True
+        if self.asked_at is None and (count or (reader_matters and self.requests.went())):
+            self.say(stopping_line(ctrl_c=bool(count)))
+            self.worker.send(Stop())
+            self.asked_at = time.monotonic()
+        return (self.asked_at is not None
+                and time.monotonic() - self.asked_at > INTERRUPT_WAIT_SECONDS)
+
+    def end(self, *, keep_log: bool = False) -> None:
+        """End the worker: at once after a second Ctrl-C or SIGTERM (its summary is made
+        from the steps it reported, tuitrain.worker.ProcessWorker.stop_now), else given
+        STOP_SECONDS to end by itself (a run that ended, or was stopped cleanly)."""
+        if self.requests.count > 1:
+            self.worker.stop_now(keep_log=keep_log)
+        else:
+            self.worker.stop(timeout=STOP_SECONDS)
+
+    def status(self) -> int | None:
+        """The exit status of a run the requests stopped: 143 after SIGTERM, 130 after
+        Ctrl-C, 141 after the output's reader went; None when nothing asked."""
+        if self.requests.count:
+            return EXIT_TERMINATED if self.requests.terminated else EXIT_INTERRUPTED
+        return EXIT_CLOSED_PIPE if self.asked_at is not None else None
+
+
+def stopping_line(*, ctrl_c: bool) -> str:
+    """What a run says when a Ctrl-C (else the output's reader gone) asks it to stop."""
+    why, then = ("", " (Ctrl-C again to stop now)") if ctrl_c else (
+        " (nothing reads the output any more)", "")
+    return (f"stopping{why}: the step under way ends at its next layer, and nothing of it "
+            f"is kept{then}")
 
 
 def sigint_handled(handler: Callable[[int, object], object] | int

@@ -5,7 +5,9 @@ the run's own steps (tuitrain.tune_worker): a progress line per trial, a `{"tria
 metrics record per candidate, a `{"tuned": ...}` one and the run's `{"summary": ...}` last,
 and, with --save-preset, the run's settings with the best setting, its header saying what
 was measured and how it was found. The run stops when the search is done, or, with --steps
-N, goes on with the best to step N (tuitrain.tune_run).
+N, goes on with the best to step N (tuitrain.tune_run). Ctrl-C, SIGTERM and a reader of the
+output that goes away stop it as they stop a headless run (tuitrain.stop_requests), with the
+same exit statuses and its summary last in the metrics; a stopped tune saves no preset.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from tuitrain.closed_pipe import WatchedOutput
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError
 from tuitrain.events import Event, Failed, Finished, Log
 from tuitrain.formatting import format_seconds
+from tuitrain.run_summary import interrupted_line
 from tuitrain.settings import Settings
+from tuitrain.stop_requests import Stopping, StopRequests
 from tuitrain.tune import (
     DOES_NOT_FIT,
     MEASURED,
@@ -33,7 +38,7 @@ from tuitrain.tune import (
     TuneResult,
     search,
 )
-from tuitrain.tune_run import RunSteps, check_tune_steps, run_length
+from tuitrain.tune_run import RunEnd, RunSteps, check_tune_steps, run_length
 from tuitrain.tune_setup import learn_from, trial_line
 
 if TYPE_CHECKING:
@@ -121,7 +126,9 @@ def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
     """Tune `settings`' run; `steps`: its length (--steps N, searched and then trained
     with the best), None: it ends with the search; `after`: the step its checkpoint was
     saved after (--resume; check_tune_steps), where the search begins."""
-    out, err = out or sys.stdout, err or sys.stderr
+    # Whoever reads the output may go (`| head`): that stops the run, as it would a
+    # headless one, and what is still said goes nowhere rather than raising mid-way.
+    out, err = WatchedOutput(out or sys.stdout), WatchedOutput(err or sys.stderr)
     from tuitrain.tune_setup import run_budget, tune_forecaster, tune_space
 
     budget = run_budget(settings, simulated)
@@ -151,15 +158,19 @@ def tune_main(settings: Settings, *, trial_steps: int, time_limit: float | None,
 def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
           *, budget: int, trial_steps: int, time_limit: float | None, goes_on: bool,
           after: int, save_to: Path | None, overwrite: bool, cal: Calibration,
-          out: TextIO, err: TextIO) -> int:
+          out: WatchedOutput, err: WatchedOutput) -> int:
     """The search on `run`; `goes_on`: the run trains on with the best to its last step
-    (--steps N), else it is stopped when the search ends."""
+    (--steps N), else it is stopped when the search ends. A stop request (tuitrain.
+    stop_requests) leaves the search where it is: no `tuned` record, no preset."""
     from tuitrain.metrics import MetricsWriter
+    from tuitrain.tune_worker import Stopped
     from tuitrain.worker import ProcessWorker
 
     worker = ProcessWorker(settings=run)
     failure: list[Failed] = []
     seen = RunSteps()
+    requests = StopRequests((out, err))
+    stopping = Stopping(requests, worker, say=lambda line: print(line, file=err, flush=True))
 
     def on_event(event: Event) -> None:
         seen.see(event)
@@ -173,39 +184,53 @@ def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
     on_trial = TrialReports(len(space), tokens, out, metrics.write if metrics else None)
     result: TuneResult | None = None
     record: dict | None = None
+    last = run.training.steps
+    ending = RunEnd(worker, stopping, seen, on_event, last_step=last)
 
-    worker.start()
-    try:
-        result, trainer = _search(worker, run, space, forecast, budget=budget,
-                                  trial_steps=trial_steps, time_limit=time_limit,
-                                  goes_on=goes_on, after=after, on_event=on_event,
-                                  on_trial=on_trial, out=out)
-        if result is not None and result.best is not None:
-            assert trainer is not None
-            # The run goes on with the best where it has steps left after the search took
-            # it; those before it are the search's. Else all the run made, once it ended.
-            last = run.training.steps
-            held = (goes_on and trainer.holds(result.best.candidate)
-                    and trainer.free_from <= last)
-            if not held:
-                _end(worker, on_event, stop=not goes_on)
-            searched = seen.before(trainer.free_from) if held else seen.total
-            record = tuned_record(result, tokens, cal.fingerprint, steps=searched)
+    with requests.catching():
+        worker.start()
+        try:
+            result, trainer = _search(worker, run, space, forecast, budget=budget,
+                                      trial_steps=trial_steps, time_limit=time_limit,
+                                      goes_on=goes_on, after=after, on_event=on_event,
+                                      on_trial=on_trial, stopped=ending.stopped, out=out)
+            if result is not None and result.best is not None:
+                assert trainer is not None
+                # The run goes on with the best where it has steps left after the search
+                # took it; those before it are the search's. Else all the run made, once
+                # it ended.
+                held = (goes_on and trainer.holds(result.best.candidate)
+                        and trainer.free_from <= last)
+                if not held and goes_on:
+                    ending.wait()
+                elif not held:
+                    ending.end()
+                searched = seen.before(trainer.free_from) if held else seen.total
+                record = tuned_record(result, tokens, cal.fingerprint, steps=searched)
+                if metrics is not None:
+                    metrics.write({"tuned": record})
+                _say_tuned(result, searched, cal, out)
+                if held:
+                    print(f"training on with it to step {last}", file=out, flush=True)
+                    if ending.wait() and isinstance(seen.end, Finished):
+                        print(f"done: {seen.total} steps, the last {seen.total - searched} "
+                              f"with it", file=out, flush=True)
+        except Stopped:
+            pass  # the search is left where it was; the run ends below, as asked
+        finally:
+            ending.end()
             if metrics is not None:
-                metrics.write({"tuned": record})
-            _say_tuned(result, searched, cal, out)
-            if held:
-                print(f"training on with it to step {last}", file=out, flush=True)
-                _end(worker, on_event, stop=False)
-                if isinstance(seen.end, Finished):
-                    print(f"done: {seen.total} steps, the last {seen.total - searched} "
-                          f"with it", file=out, flush=True)
-    finally:
-        _end(worker, on_event, stop=True)
-        if metrics is not None:
-            metrics.close()
-        if problem := seen.append_summary():
-            print(f"{PROG}: {problem}", file=err)
+                metrics.close()
+            if problem := seen.append_summary():
+                print(f"{PROG}: {problem}", file=err)
+    if (status := stopping.status()) is not None:
+        if isinstance(seen.end, Failed):  # not stopped within the wait, or failed first
+            _failed(failure, worker, err)
+        unsaved = f"; no preset saved to {save_to}" if save_to is not None else ""
+        summary = seen.end.summary if isinstance(seen.end, Finished) else None
+        print(interrupted_line(run, seen.latest, now=requests.count > 1, summary=summary)
+              + unsaved, file=err, flush=True)
+        return status
     if result is None or result.best is None:
         if failure or result is None:
             return _failed(failure, worker, err)
@@ -216,20 +241,6 @@ def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
     if save_to is not None and record is not None:
         return _save(settings, save_to, record, overwrite=overwrite, out=out, err=err)
     return EXIT_OK
-
-
-def _end(worker: ProcessWorker, on_event: Callable[[Event], None], *, stop: bool) -> None:
-    """The run's end, and every event until it: `stop` it now, or wait for its last step."""
-    from tuitrain.tune_worker import wait_for_end
-
-    if stop:
-        worker.stop()
-        for event in worker.poll():  # what came while stopping: the summary, or why not
-            # The step the stop cut short is a warning, no news to the tune that stopped it.
-            if not (isinstance(event, Log) and event.level == "warning"):
-                on_event(event)
-    else:
-        wait_for_end(worker, on_event)
 
 
 def _say_tuned(result: TuneResult, searched: int, cal: Calibration, out: TextIO) -> None:
@@ -244,17 +255,18 @@ def _say_tuned(result: TuneResult, searched: int, cal: Calibration, out: TextIO)
 
 def _search(worker: ProcessWorker, run: Settings, space: list[Candidate], forecast, *,
             budget: int, trial_steps: int, time_limit: float | None, goes_on: bool,
-            after: int, on_event, on_trial,
+            after: int, on_event, on_trial, stopped: Callable[[], bool],
             out: TextIO) -> tuple[TuneResult | None, WorkerTrainer | None]:
     """The search on the started worker's run, and its trainer; (None, None) when the run
-    ended before it began."""
+    ended before it began, or was asked to stop; `stopped`: asked before each wait for the
+    worker, True leaves the search where it is (tuitrain.tune_worker.Stopped)."""
     from tuitrain.tune_worker import WorkerTrainer, client_events, wait_for_start
 
-    if not wait_for_start(worker, on_event) or worker.started is None:
+    if not wait_for_start(worker, on_event, stopped=stopped) or worker.started is None:
         return None, None
     used = worker.started.settings.get("engine", {})
     trainer = WorkerTrainer(
-        worker.send, client_events(worker), batch_size=run.training.batch_size,
+        worker.send, client_events(worker, stopped), batch_size=run.training.batch_size,
         grad_accum=run.training.grad_accum,
         checkpointing=run.training.activation_checkpointing,
         policy=used.get("policy", run.engine.policy),

@@ -6,17 +6,26 @@ took. With --steps N it trains as `tuitrain run --steps N` does, N steps in all,
 search's among them: the search ends when no trial fits in what is left (its step limit),
 and the run goes on with the best to its last step. What the tune says of its steps is
 counted from the steps the run reported, one each, which are the metrics file's step lines;
-the file then ends with the run's summary, as a headless run's does.
+the file then ends with the run's summary, as a headless run's does. Ctrl-C, SIGTERM and a
+reader of the output that goes away stop the run as they stop a headless one (`RunEnd`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from tuitrain.errors import UsageError
-from tuitrain.events import Event, Failed, Finished, Step
+from tuitrain.events import Event, Failed, Finished, Log, Step
 from tuitrain.run_summary import record_summary
 from tuitrain.settings import Settings
 from tuitrain.trials import TrialBook
 from tuitrain.tune import RUN_OFF
+from tuitrain.tune_worker import wait_for_end
+
+if TYPE_CHECKING:
+    from tuitrain.stop_requests import Stopping
+    from tuitrain.worker import ProcessWorker
 
 # Steps a trial takes beyond its measured ones: the step under way when its change is asked
 # for (the change waits for a step boundary; the run's first step when the search begins),
@@ -102,6 +111,11 @@ class RunSteps:
         """Steps the run made so far."""
         return len(self.numbers)
 
+    @property
+    def latest(self) -> int:
+        """The number of the latest step the run reported; 0 before any."""
+        return max(self.numbers, default=0)
+
     def before(self, step: int) -> int:
         """Steps the run made before step number `step`."""
         return sum(n < step for n in self.numbers)
@@ -113,3 +127,46 @@ class RunSteps:
         if not isinstance(self.end, Finished):
             return None
         return record_summary(self.end.summary, self.book.rows())
+
+
+class RunEnd:
+    """How the tune's run ends, and every event until then relayed to `on_event`: by
+    itself at its last step (`wait`), stopped by the tune once its search is over (`end`),
+    or as its user asked (`stopped`), as a headless run is: at the next look at the worker
+    after a Ctrl-C or the output's reader gone, the step under way ending at its next
+    layer; at once after a second Ctrl-C or SIGTERM (tuitrain.stop_requests.Stopping)."""
+
+    def __init__(self, worker: ProcessWorker, stopping: Stopping, seen: RunSteps,
+                 on_event: Callable[[Event], None], *, last_step: int) -> None:
+        self.worker = worker
+        self.stopping = stopping
+        self.seen = seen
+        self.on_event = on_event
+        self.last_step = last_step
+
+    def stopped(self) -> bool:
+        """Whether the run was asked to stop. Asked before each wait for the worker, so
+        that the first request sends it Stop at once, whatever waits; a reader that goes
+        after the run's last step stops nothing, the run ending as it is."""
+        self.stopping.look(reader_matters=self.seen.latest < self.last_step)
+        return self.stopping.asked
+
+    def wait(self) -> bool:
+        """Wait for the run's last step: True once it has ended, False when asked to stop
+        first."""
+        return wait_for_end(self.worker, self.on_event, stopped=self.stopped)
+
+    def end(self) -> None:
+        """End the run now: one asked to stop once it has (or as soon as it is to be
+        ended at once), any other with a Stop; then relay what came meanwhile, its
+        summary or why there is none."""
+        if self.stopping.asked:
+            wait_for_end(self.worker, self._quiet, stopped=self.stopping.look)
+        self.stopping.end()
+        for event in self.worker.poll():
+            self._quiet(event)
+
+    def _quiet(self, event: Event) -> None:
+        # The step a stop cut short is a warning, no news to whoever stopped it.
+        if not (isinstance(event, Log) and event.level == "warning"):
+            self.on_event(event)

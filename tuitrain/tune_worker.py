@@ -170,10 +170,19 @@ class WorkerTrainer:
             raise Ended(self.ended) if self.finished else TrialFailed(self.ended)
 
 
-def client_events(client: ProcessWorker) -> Callable[[], list[Event]]:
-    """`events` for a WorkerTrainer that reads the worker itself (no UI polls it)."""
+class Stopped(Exception):
+    """The run was asked to stop (tuitrain.stop_requests): what waited for the worker ends
+    where it is, a search in the middle of a trial."""
+
+
+def client_events(client: ProcessWorker, stopped: Callable[[], bool] = lambda: False
+                  ) -> Callable[[], list[Event]]:
+    """`events` for a WorkerTrainer that reads the worker itself (no UI polls it); it
+    raises Stopped once `stopped()`, asked before each wait, says the run is stopping."""
 
     def events() -> list[Event]:
+        if stopped():
+            raise Stopped
         client.wait(WAIT_SECONDS)
         return client.poll()
 
@@ -181,11 +190,15 @@ def client_events(client: ProcessWorker) -> Callable[[], list[Event]]:
 
 
 def wait_for_start(client: ProcessWorker, on_event: Callable[[Event], None],
-                   timeout: float | None = None) -> bool:
-    """Relay events until the run has started (True) or ended first (False)."""
+                   timeout: float | None = None,
+                   stopped: Callable[[], bool] = lambda: False) -> bool:
+    """Relay events until the run has started (True), or ended first, or `stopped()`,
+    asked before each wait, said it is stopping (False)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while client.started is None:
         if client.result is not None or (deadline is not None and time.monotonic() > deadline):
+            return False
+        if stopped():
             return False
         client.wait(WAIT_SECONDS)
         for event in client.poll():
@@ -193,10 +206,15 @@ def wait_for_start(client: ProcessWorker, on_event: Callable[[Event], None],
     return True
 
 
-def wait_for_end(client: ProcessWorker, on_event: Callable[[Event], None]) -> None:
-    """Relay events until the run has ended (Finished or Failed): a run of --steps N
-    that goes on after the search."""
+def wait_for_end(client: ProcessWorker, on_event: Callable[[Event], None],
+                 stopped: Callable[[], bool] = lambda: False) -> bool:
+    """Relay events until the run has ended, Finished or Failed (True: a run of --steps N
+    that goes on after the search, or one asked to stop), or `stopped()`, asked before
+    each wait, says to wait no more (False)."""
     while client.result is None:
+        if stopped():
+            return False
         client.wait(WAIT_SECONDS)
         for event in client.poll():
             on_event(event)
+    return True

@@ -470,7 +470,7 @@ def test_a_reader_gone_after_the_last_step_stops_nothing_and_says_nothing():
 
     from tests.tuitrain.fakeworker import fake_stats
     from tuitrain.headless import _follow, _Report
-    from tuitrain.stop_requests import StopRequests
+    from tuitrain.stop_requests import Stopping, StopRequests
 
     class Gone:
         def reader_gone(self) -> bool:
@@ -498,12 +498,12 @@ def test_a_reader_gone_after_the_last_step_stops_nothing_and_says_nothing():
     report.latest = fake_stats(3)
     worker = Ending()
     with pytest.raises(EOFError):
-        _follow(worker, report, StopRequests((Gone(),)))
+        _follow(worker, report, Stopping(StopRequests((Gone(),)), worker, report.say_err))
     assert worker.sent == [] and "stopping" not in err.getvalue()
     report.latest = fake_stats(2)  # a step to go: the reader's going stops the run
     worker.looks = 0
     with pytest.raises(EOFError):
-        _follow(worker, report, StopRequests((Gone(),)))
+        _follow(worker, report, Stopping(StopRequests((Gone(),)), worker, report.say_err))
     assert len(worker.sent) == 1 and "stopping (nothing reads the output" in err.getvalue()
 
 
@@ -539,7 +539,7 @@ def test_a_sigterm_that_comes_while_events_are_relayed_is_a_stop_now_and_says_no
     step's events were shown must not read as a first Ctrl-C ("stopping... Ctrl-C again")
     on its way to stopping at once."""
     from tuitrain.headless import _follow
-    from tuitrain.stop_requests import StopRequests
+    from tuitrain.stop_requests import Stopping, StopRequests
 
     interrupts = StopRequests()
 
@@ -560,7 +560,7 @@ def test_a_sigterm_that_comes_while_events_are_relayed_is_a_stop_now_and_says_no
     report = _Report(settings=Settings(model="tiny", training={"steps": 3}), out=io.StringIO(),
                      err=err, log_path="worker.log")
     worker = Signalled()
-    assert _follow(worker, report, interrupts) is None
+    assert _follow(worker, report, Stopping(interrupts, worker, report.say_err)) is None
     assert worker.sent == [] and err.getvalue() == ""
 
 

@@ -55,13 +55,10 @@ from tuitrain.tui.ranks_table import RanksTable
 from tuitrain.tui.run_panels import PANELS_CSS, RunPanels
 from tuitrain.tui.save_dialog import PresetSaving
 from tuitrain.tui.screenshot import save_screenshot
-from tuitrain.tui.spawn import (
-    WorkerFactory,
-    default_worker_factory,
-    start_worker,
-)
+from tuitrain.tui.spawn import WorkerFactory, default_worker_factory, start_worker
 from tuitrain.tui.steering import Steering
 from tuitrain.tui.step_panel import StepPanel
+from tuitrain.tui.termination import Termination
 from tuitrain.tui.trials_table import TrialsTable
 from tuitrain.tui.tuning import LiveTune, toggle_tune
 
@@ -119,6 +116,7 @@ class TuitrainApp(App[None]):
         self.tuning: LiveTune | None = None  # the search of `a`, once started
         self.preset_pace: PresetPace | None = None  # a tuned preset's pace, said if far off
         self.saving = PresetSaving(self, report=self._report_save)
+        self.termination = Termination(self)  # SIGTERM, SIGHUP: the run stopped at once
 
     # --- the panels -----------------------------------------------------------------------
 
@@ -152,6 +150,7 @@ class TuitrainApp(App[None]):
     def on_mount(self) -> None:
         self.query_one(RunHeader).show(read_only=self.read_only)
         self.panels.lay_out(self.size.width, self.size.height)
+        self.termination.catch()  # before the worker starts: no signal leaves it behind
         self._start_worker()
         self.set_interval(POLL_INTERVAL, self.poll_worker)
         self.set_interval(PANEL_INTERVAL, self.panels.redraw_panels)
@@ -159,6 +158,7 @@ class TuitrainApp(App[None]):
 
     async def on_unmount(self) -> None:
         await asyncio.to_thread(self._stop_worker)
+        self.termination.release()
 
     # --- the worker -----------------------------------------------------------------------
 
