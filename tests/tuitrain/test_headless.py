@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -337,6 +338,20 @@ def _end(*processes: subprocess.Popen, session: int) -> None:
         process.wait()
 
 
+@contextlib.contextmanager
+def _ended(run: subprocess.Popen, readers: list[threading.Thread]) -> Iterator[None]:
+    """Inside, the test stops `run` (in a session of its own) as a user would; after it,
+    whatever a failed assertion left running is ended, what the run said is all read, and
+    no process of its session may be left."""
+    try:
+        yield
+    finally:
+        _end(run, session=run.pid)
+    for reader in readers:
+        reader.join(timeout=10)
+    assert _session_empties(run.pid), "a process of the run is still alive"
+
+
 def test_a_ctrl_c_that_ends_the_tee_first_still_ends_the_run_as_ctrl_c_does(
         tmp_path: Path, runtime_dir: Path) -> None:
     """`tuitrain run ... 2>&1 | tee out`, then Ctrl-C: the terminal signals the whole group,
@@ -402,12 +417,18 @@ def test_a_reader_that_goes_away_ends_the_run_soon_with_its_summary_and_no_noise
 
 def _run_to_its_first_step(tmp_path: Path, *args: str
                            ) -> tuple[subprocess.Popen, list[str], list[str], list]:
-    """A headless run in a session of its own (a signal to the group reaches every process
-    of it, as a terminal's does), its output read as it comes, once its first step is in:
-    the process, its stdout and stderr lines so far, and the threads reading them."""
-    run = subprocess.Popen(
-        _run_command(tmp_path, *args), cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """A headless run started as _started starts one, once its first step is in."""
+    return _started(_run_command(tmp_path, *args), tmp_path, "step 1/")
+
+
+def _started(command: list[str], tmp_path: Path, said: str, env: dict | None = None
+             ) -> tuple[subprocess.Popen, list[str], list[str], list[threading.Thread]]:
+    """`command` in a session of its own (a signal to the group reaches every process of
+    it, as a terminal's does), its output read as it comes, once a line of its output
+    starts with `said`: the process, its stdout and stderr lines so far, and the threads
+    reading them."""
+    run = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
     out: list[str] = []
     err: list[str] = []
     readers = [threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s),
@@ -416,8 +437,8 @@ def _run_to_its_first_step(tmp_path: Path, *args: str
     for reader in readers:
         reader.start()
     try:
-        _until(lambda: any(line.startswith("step 1/") for line in out) or run.poll() is not None,
-               START_SECONDS, "the first step")
+        _until(lambda: any(line.startswith(said) for line in out) or run.poll() is not None,
+               START_SECONDS, said)
         assert run.poll() is None, "".join(err)
     except BaseException:
         _end(run, session=run.pid)
@@ -432,19 +453,13 @@ def test_a_second_ctrl_c_stops_at_once_as_it_says_and_the_run_ends_interrupted(
     exit status 130, the summary in the metrics, listed `interrupted`."""
     run, out, err, readers = _run_to_its_first_step(tmp_path, "--checkpoint-dir",
                                                     str(tmp_path / "ck"))
-    try:
+    with _ended(run, readers):
         worker = int(next(re.search(r"pid (\d+)", x)[1] for x in out if "worker   pid" in x))
         os.kill(worker, signal.SIGSTOP)  # a step that would take long to end
         os.killpg(run.pid, signal.SIGINT)
         _until(lambda: any(line.startswith("stopping:") for line in err), 30, "the first stop")
         os.killpg(run.pid, signal.SIGINT)
         assert run.wait(timeout=30) == 130
-    finally:
-        _end(run, session=run.pid)
-    for reader in readers:
-        reader.join(timeout=10)
-
-    assert _session_empties(run.pid), "a process of the run is still alive"
     assert not psutil.pid_exists(worker)
     steps, summary = _records(tmp_path)
     assert summary["stopped"] and summary["stopped_now"]
@@ -514,18 +529,12 @@ def test_sigterm_stops_a_run_at_once_with_its_summary(tmp_path: Path, runtime_di
     run stops at once, as after a second Ctrl-C, and still ends its metrics with the
     summary; exit status 143 (128 + SIGTERM), listed `interrupted`."""
     run, out, err, readers = _run_to_its_first_step(tmp_path)
-    try:
+    with _ended(run, readers):
         if to == "the run":
             os.kill(run.pid, signal.SIGTERM)
         else:
             os.killpg(run.pid, signal.SIGTERM)
         assert run.wait(timeout=30) == 143
-    finally:
-        _end(run, session=run.pid)
-    for reader in readers:
-        reader.join(timeout=10)
-
-    assert _session_empties(run.pid), "a process of the run is still alive"
     _, summary = _records(tmp_path)
     assert summary["stopped"] and summary["stopped_now"]
     said = [line.rstrip("\n") for line in err]

@@ -21,8 +21,10 @@ from tests.tuitrain.fakeworker import fake_stats
 from tests.tuitrain.test_headless import (
     START_SECONDS,
     _end,
+    _ended,
     _records,
     _session_empties,
+    _started,
     _until,
 )
 from tuitrain.events import Step, Stop
@@ -127,27 +129,9 @@ def _left_behind(tmp_path: Path) -> list[str]:
 
 def _tune_until(tmp_path: Path, said: str, *extra: str
                 ) -> tuple[subprocess.Popen, list[str], list[str], list[threading.Thread]]:
-    """A tune in a session of its own (a signal to the group reaches every process of it,
-    as a terminal's does), its output read as it comes, once a line of its output starts
-    with `said`: the process, its stdout and stderr lines so far, and their readers."""
-    run = subprocess.Popen(_tune_command(tmp_path, *extra), cwd=tmp_path,
-                           env=_environment(tmp_path), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    out: list[str] = []
-    err: list[str] = []
-    readers = [threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s),
-                                daemon=True) for stream, lines in ((run.stdout, out),
-                                                                   (run.stderr, err))]
-    for reader in readers:
-        reader.start()
-    try:
-        _until(lambda: any(line.startswith(said) for line in out) or run.poll() is not None,
-               START_SECONDS, said)
-        assert run.poll() is None, "".join(err)
-    except BaseException:
-        _end(run, session=run.pid)
-        raise
-    return run, out, err, readers
+    """A tune started as test_headless._started starts a run, once a line of its output
+    starts with `said`."""
+    return _started(_tune_command(tmp_path, *extra), tmp_path, said, _environment(tmp_path))
 
 
 def _worker(run: subprocess.Popen) -> psutil.Process:
@@ -177,18 +161,12 @@ def test_sigterm_while_the_best_trains_on_stops_at_once_with_the_summary(
     one line, and the worker's log gone with it."""
     run, out, err, readers = _tune_until(tmp_path, "training on with it",
                                          "--steps", "100000", "--trial-steps", "3")
-    try:
+    with _ended(run, readers):
         if to == "the tune":
             os.kill(run.pid, signal.SIGTERM)
         else:
             os.killpg(run.pid, signal.SIGTERM)
         assert run.wait(timeout=30) == 143
-    finally:
-        _end(run, session=run.pid)
-    for reader in readers:
-        reader.join(timeout=10)
-
-    assert _session_empties(run.pid), "a process of the tune is still alive"
     assert _left_behind(tmp_path) == []
     steps, summary = _records(tmp_path)
     assert summary["stopped"] and summary["stopped_now"]
@@ -211,19 +189,13 @@ def test_ctrl_c_during_the_search_leaves_it_where_it_is_and_saves_no_preset(
     preset = tmp_path / "tuned.yaml"
     run, out, err, readers = _tune_until(tmp_path, "tuning tiny", "--trial-steps", "30",
                                          "--save-preset", str(preset))
-    try:
+    with _ended(run, readers):
         worker = _worker(run)
         worker.suspend()
         os.killpg(run.pid, signal.SIGINT)
         _until(lambda: any(line.startswith("stopping:") for line in err), 30, "the stop")
         worker.resume()
         assert run.wait(timeout=60) == 130
-    finally:
-        _end(run, session=run.pid)
-    for reader in readers:
-        reader.join(timeout=10)
-
-    assert _session_empties(run.pid), "a process of the tune is still alive"
     assert _left_behind(tmp_path) == []
     assert not preset.exists()
     _, summary = _records(tmp_path)
@@ -242,18 +214,12 @@ def test_a_second_ctrl_c_during_the_search_stops_at_once(tmp_path: Path) -> None
     the step under way (a worker that cannot move at all), and it is no failure: exit
     status 130, the summary of the steps reported, with `stopped_now`."""
     run, out, err, readers = _tune_until(tmp_path, "tuning tiny", "--trial-steps", "30")
-    try:
+    with _ended(run, readers):
         _worker(run).suspend()
         os.killpg(run.pid, signal.SIGINT)
         _until(lambda: any(line.startswith("stopping:") for line in err), 30, "the first stop")
         os.killpg(run.pid, signal.SIGINT)
         assert run.wait(timeout=30) == 130
-    finally:
-        _end(run, session=run.pid)
-    for reader in readers:
-        reader.join(timeout=10)
-
-    assert _session_empties(run.pid), "a process of the tune is still alive"
     assert _left_behind(tmp_path) == []
     steps, summary = _records(tmp_path)
     assert summary["stopped"] and summary["stopped_now"]
