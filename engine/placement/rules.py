@@ -374,8 +374,8 @@ def cuda_need(resident_costs: Sequence[int], *, trace: Trace | None, working_set
     and beside them the whole `working_set`: the chunks gathered for each use and their
     gradient buffers come on top of the activations.
 
-    Where cuda_peaks_beside_gradients, the two together are the step's peak; otherwise a
-    bound above it."""
+    Where cuda_peaks_beside_gradients, in one process, the two together are the step's
+    peak; otherwise (sharded too) a bound above it."""
     activations = trace.non_model_peak if trace else 0
     return sum(resident_costs), working_set if sharded else activations
 

@@ -139,7 +139,10 @@ class SettingChanges:
     def _end_trace(self) -> bool:
         """Close this step's trace, if it recorded one; refuse a budget it overran, or one
         that a later micro-batch would overrun (rules.cuda_peaks_beside_gradients: its
-        peak is not the traced one's), before that one runs."""
+        peak is not the traced one's), before that one runs. Not with ranks: there the
+        need (shards beside the whole working set) is a bound above the peak, which the
+        plan holds a run to before it starts, and each rank's own capacity could refuse on
+        one rank while the others wait in the next micro-batch's collectives."""
         trace = self.runner.end_trace()
         overrun = self.manager.overrun  # data parallel: every rank's, once the trace is
         if trace is None:
@@ -147,7 +150,8 @@ class SettingChanges:
         try:
             if overrun > 0 or trace.working_set > self.device.capacity():
                 raise overrun_error(trace, self.device.capacity(), overrun, self.policy)
-            if rules.cuda_peaks_beside_gradients(self.settings.grad_accum):
+            if self.collectives is None and rules.cuda_peaks_beside_gradients(
+                    self.settings.grad_accum):
                 self._check_budget(self.settings.device_budget, self.settings.policy)
         except rules.BudgetTooSmall:
             for chunk in self.chunks:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from dp_harness import build, make_batches
 from twin_rank import TwinCollectives
 
@@ -114,3 +115,27 @@ def test_the_plan_for_two_ranks_says_the_peak_a_rank_measures_at_the_least_cuda_
     eng.close()
     assert peak <= least
     assert forecast.device_peak == peak
+
+
+def test_a_sharded_cuda_step_in_micro_batches_is_not_held_to_the_bound_above_its_peak(twin):
+    """Sharded, cuda's need (the shards beside the whole working set) is a bound above a
+    rank's peak, which the plan holds a run to before it starts. The engine refuses no
+    budget a rank's micro-batches fit in: the check one process makes after its first
+    micro-batch is not a sharded rank's, which on its own could also refuse on one rank
+    while the others wait in the next micro-batch's collectives. tiny in bf16, a rank's
+    two micro-batches of 1 x 128 tokens: the bound is 19,325,964 bytes, the peak
+    18,932,108."""
+    from engine.models.zoo import build_model
+
+    torch.manual_seed(0)
+    budget = 19_000_000
+    eng = Engine(build_model("tiny"), EngineConfig(policy="cuda", device_budget=budget,
+                                                   precision="bf16", grad_accum=2))
+    for seed in range(2):
+        ids = torch.randint(0, 8192, (2, 128), generator=torch.Generator().manual_seed(seed))
+        assert eng.step({"input_ids": ids, "labels": ids}).memory.device_peak <= budget
+    need = sum(rules.cuda_need([eng.manager.resident_cost(c) for c in eng.chunks],
+                               trace=eng.trace, working_set=eng.trace.working_set,
+                               sharded=True))
+    eng.close()
+    assert need > budget  # the bound the engine no longer holds a rank to
