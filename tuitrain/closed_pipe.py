@@ -97,3 +97,27 @@ def _no_reader(stream: TextIO) -> bool:
         return any(revents & select.POLLERR for _, revents in poller.poll(0))
     except (AttributeError, OSError, ValueError):
         return False
+
+
+def hung_up(fd: int) -> bool:
+    """Whether `fd` is a terminal that has hung up: every write there fails (EIO), even one
+    of no bytes, which a file, a pipe or a terminal still there takes."""
+    try:
+        os.write(fd, b"")
+    except OSError:
+        return True
+    return False
+
+
+def leave_a_hung_up_terminal() -> bool:
+    """Point standard output and error at the null device where the terminal behind them
+    has hung up; returns whether one had. Textual draws on standard error from a thread of
+    its own, which a failed write ends; the app's exit would then wait for it for ever. A
+    terminal still there (a `kill -HUP` by hand) is kept, and given back as it was."""
+    gone = [fd for fd in (1, 2) if hung_up(fd)]
+    if gone:
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in gone:
+            os.dup2(null, fd)
+        os.close(null)
+    return bool(gone)

@@ -130,6 +130,7 @@ class Rejected(Event):
 
 
 TRAINING_FINISHED = "training has finished"  # why a command after the last step is refused
+STEP_NOT_KEPT = "; nothing of it was kept"  # how the worker's word on a step cut short ends
 
 
 @dataclass

@@ -23,9 +23,7 @@ from tuitrain.errors import (
     EXIT_BAD_INPUT,
     EXIT_CLOSED_PIPE,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_TERMINATED,
 )
 from tuitrain.events import Eval, Event, Failed, Finished, Log, Rejected, Started, Step
 from tuitrain.formatting import (
@@ -40,7 +38,7 @@ from tuitrain.run_preset import PresetPace
 from tuitrain.run_summary import held_out, interrupted_line, peaks_line, record_summary
 from tuitrain.served import serve
 from tuitrain.settings import Settings
-from tuitrain.stop_requests import Stopping, StopRequests
+from tuitrain.stop_requests import Stopping, StopRequests, repeats_the_stop
 from tuitrain.trials import TrialBook, summary_lines
 from tuitrain.worker import ProcessWorker
 from tuitrain.worker_log import rank_log_path
@@ -116,7 +114,7 @@ def run_headless(
     with interrupts.catching():
         worker.start()
         report.starting(tentative=True)
-        stopping = Stopping(interrupts, worker, report.say_err)
+        stopping = Stopping(interrupts, worker, report.say_err if place.leader else _quiet)
         try:
             code = _follow(worker, report, stopping)
         finally:  # a rank its launcher ended: the launcher keeps or removes its log
@@ -127,14 +125,19 @@ def run_headless(
         report.close_line()
     if served is not None:
         served.close()
-    if interrupts.count:
-        if place.leader or not interrupts.terminated:  # the launcher's SIGTERM: rank 0 says
+    # A signal as the run was ending found it finished: so it ends (its summary says so).
+    if interrupts.count and not (report.summary and not report.ended_early):
+        if place.leader:  # rank 0 speaks for the ranks
             report.interrupted(now=interrupts.count > 1)
-        return EXIT_TERMINATED if interrupts.terminated else EXIT_INTERRUPTED
+        return interrupts.status
     if interrupts.reader_gone and report.ended_early:
         report.interrupted()
         return EXIT_CLOSED_PIPE
     return EXIT_FAILED if code is None else code
+
+
+def _quiet(line: str) -> None:
+    """What a rank other than 0 says of a stop: nothing (rank 0 says it)."""
 
 
 def _follow(worker: ProcessWorker, report: _Report, stopping: Stopping) -> int | None:
@@ -146,6 +149,8 @@ def _follow(worker: ProcessWorker, report: _Report, stopping: Stopping) -> int |
         for event in worker.poll():
             if not (isinstance(event, Failed) and event.exitcode == EXIT_BAD_INPUT):
                 report.starting()
+            if stopping.asked and repeats_the_stop(event):
+                continue
             code = report.handle(event)
             if code is not None:
                 return code

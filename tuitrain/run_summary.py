@@ -65,7 +65,11 @@ def interrupted_line(settings: Settings, step: int, *, now: bool,
     the worker was stopped before it began the file (ProcessWorker's report of a run it
     ended), which the line must not send the user to. The headless runner, the tuner and
     the app end a run so stopped alike."""
-    if now:
+    if summary is not None:  # what the run says of itself, whatever was asked of it
+        now = bool(summary.get("stopped_now"))
+    if now and not step:
+        head = "stopped before its first step; "
+    elif now:
         head = f"stopped now after step {step}: the step under way was not kept"
         if settings.checkpoint.dir is not None:
             newest = newest_after_a_kill(settings.checkpoint.dir)
@@ -78,7 +82,7 @@ def interrupted_line(settings: Settings, step: int, *, now: bool,
     if not where:
         return head + "no metrics file was asked for"
     if summary is not None and not summary.get("metrics"):
-        return head + f"nothing was written to {where} (stopped before the run began)"
+        return head + f"nothing was written to {where}"
     return head + f"metrics in {where}"
 
 

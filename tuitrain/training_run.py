@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from tuitrain import ranks
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from tuitrain.events import (
+    STEP_NOT_KEPT,
     Eval,
     Event,
     Failed,
@@ -244,7 +245,7 @@ class TrainingRun:
                     # and the step runs again without them
                     self.commands.refuse_untried(str(err))
                 else:
-                    self.say(f"{err}; nothing of it was kept", level="warning")
+                    self.say(f"{err}{STEP_NOT_KEPT}", level="warning")
                 continue  # the Stop behind an interrupt ends the loop at the top
             self.commands.first_step_ran(stats.step)
             ended = time.time()

@@ -223,11 +223,16 @@ def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
                 metrics.close()
             if problem := seen.append_summary():
                 print(f"{PROG}: {problem}", file=err)
-    if (status := stopping.status()) is not None:
+    summary = seen.end.summary if isinstance(seen.end, Finished) else None
+    # A request as the run was ending found it finished: so it ends (its summary says so).
+    if (status := stopping.status()) is not None and not (summary and not summary["stopped"]):
         if isinstance(seen.end, Failed):  # not stopped within the wait, or failed first
             _failed(failure, worker, err)
-        unsaved = f"; no preset saved to {save_to}" if save_to is not None else ""
-        summary = seen.end.summary if isinstance(seen.end, Finished) else None
+        # A search that was over has its result, whatever became of the training after it.
+        if save_to is not None and record is not None:
+            _save(settings, save_to, record, overwrite=overwrite, out=out, err=err)
+        unsaved = (f"; no preset saved to {save_to} (the search was cut short)"
+                   if save_to is not None and record is None else "")
         print(interrupted_line(run, seen.latest, now=requests.count > 1, summary=summary)
               + unsaved, file=err, flush=True)
         return status

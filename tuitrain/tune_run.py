@@ -16,9 +16,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tuitrain.errors import UsageError
-from tuitrain.events import Event, Failed, Finished, Log, Step
+from tuitrain.events import Event, Failed, Finished, Step
 from tuitrain.run_summary import record_summary
 from tuitrain.settings import Settings
+from tuitrain.stop_requests import repeats_the_stop
 from tuitrain.trials import TrialBook
 from tuitrain.tune import RUN_OFF
 from tuitrain.tune_worker import wait_for_end
@@ -167,6 +168,5 @@ class RunEnd:
             self._quiet(event)
 
     def _quiet(self, event: Event) -> None:
-        # The step a stop cut short is a warning, no news to whoever stopped it.
-        if not (isinstance(event, Log) and event.level == "warning"):
+        if not repeats_the_stop(event):  # no news to whoever stopped it
             self.on_event(event)

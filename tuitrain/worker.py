@@ -37,7 +37,7 @@ from tuitrain.events import (
 )
 from tuitrain.run_summary import StepTally
 from tuitrain.settings import Settings
-from tuitrain.stop_requests import sigint_handled
+from tuitrain.stop_requests import sighup_held, sigint_handled
 from tuitrain.worker_log import default_log_path, read_log_tail
 from tuitrain.worker_main import INTERRUPT_SIGNAL, worker_main
 
@@ -131,7 +131,7 @@ class ProcessWorker:
             # Daemonic: a parent that exits normally takes its worker with it.
             daemon=True,
         )
-        with _sigint_ignored(), _stderr_with_a_descriptor():
+        with _sigint_ignored(), sighup_held(), _stderr_with_a_descriptor():
             process.start()
         # Only the child holds these ends now: its death shows up here as end-of-file.
         command_reader.close()

@@ -387,10 +387,12 @@ def test_a_ctrl_c_that_ends_the_tee_first_still_ends_the_run_as_ctrl_c_does(
 
 def test_a_reader_that_goes_away_ends_the_run_soon_with_its_summary_and_no_noise(
         tmp_path: Path, runtime_dir: Path) -> None:
-    """`tuitrain run ... | head -3`: as a Unix tool ends when its reader goes, the run
+    """`tuitrain run ... | head -11`: as a Unix tool ends when its reader goes, the run
     stops, as Ctrl-C stops it, once head has its lines; stderr says so and nothing else."""
     read_end, write_end = os.pipe()
-    head = subprocess.Popen(["head", "-3"], stdin=read_end, stdout=subprocess.PIPE)
+    # Past the settings block to the first step line: the worker trains by then (before,
+    # it has nothing to keep, and is ended at once).
+    head = subprocess.Popen(["head", "-11"], stdin=read_end, stdout=subprocess.PIPE)
     with (tmp_path / "err").open("w") as err:
         run = subprocess.Popen(_run_command(tmp_path), cwd=tmp_path, stdout=write_end,
                                stderr=err, start_new_session=True)
@@ -398,7 +400,8 @@ def test_a_reader_that_goes_away_ends_the_run_soon_with_its_summary_and_no_noise
     os.close(write_end)
     try:
         shown = head.communicate(timeout=START_SECONDS)[0].decode().splitlines()
-        assert len(shown) == 3 and shown[0].startswith("starting tiny"), shown
+        assert len(shown) == 11 and shown[0].startswith("starting tiny"), shown
+        assert shown[-1].startswith("step 1/"), shown
         assert run.wait(timeout=START_SECONDS) == 141  # 128 + SIGPIPE, as a shell says
     finally:
         _end(run, head, session=run.pid)
@@ -590,7 +593,7 @@ def test_a_stop_before_the_run_began_says_its_metrics_file_was_not_written():
         report.handle(Finished(summary=summary))
         report.interrupted(now=True)
         last = err.getvalue().splitlines()[-1]
-        assert last.startswith("stopped now after step 0") and said in last, last
+        assert last.startswith("stopped before its first step; ") and said in last, last
         assert began or "metrics in" not in last, last
 
 
@@ -607,3 +610,51 @@ def test_a_stop_that_came_after_the_last_step_is_not_reported_as_rejected():
     assert err.getvalue() == ""
     report.handle(Rejected(2, "the command channel closed"))
     assert err.getvalue() == "rejected: the command channel closed\n"
+
+
+def test_a_closed_terminal_stops_a_run_at_once_with_its_summary(tmp_path: Path,
+                                                                 runtime_dir: Path) -> None:
+    """SIGHUP to the run's process group, as the terminal it runs in sends when it closes
+    (`tmux kill-session`, a dropped ssh): as SIGTERM, the run stops at once with its summary
+    and nothing left behind, exit status 129 (128 + SIGHUP). Its worker is held back from
+    the hangup, so that the run ends it, not the signal."""
+    run, out, err, readers = _run_to_its_first_step(tmp_path)
+    with _ended(run, readers):
+        os.killpg(run.pid, signal.SIGHUP)
+        assert run.wait(timeout=30) == 129
+    _, summary = _records(tmp_path)
+    assert summary["stopped"] and summary["stopped_now"]
+    said = [line.rstrip("\n") for line in err]
+    assert len(said) == 1 and said[0].startswith(
+        f"stopped now after step {summary['last_step']}: the step under way was not kept"), said
+    assert _listed(runtime_dir) == "interrupted"
+
+
+def test_a_ctrl_c_before_the_worker_has_started_ends_it_at_once():
+    """While the worker builds the model or reads the data it has trained nothing and reads
+    no command: a first Ctrl-C ends it at once, rather than a Stop that would go unread
+    until the 30 s wait ran out and the run was reported failed."""
+    from tuitrain.stop_requests import Stopping, StopRequests
+
+    class Starting:
+        started = None
+        sent: list = []
+        ended = ""
+
+        def send(self, command) -> int:
+            self.sent.append(command)
+            return 1
+
+        def stop(self, timeout: float = 0.0) -> None:
+            self.ended = "waited for"
+
+        def stop_now(self, *, keep_log: bool = False) -> None:
+            self.ended = "at once"
+
+    requests, said, worker = StopRequests(), [], Starting()
+    stopping = Stopping(requests, worker, said.append)
+    assert not stopping.look()
+    requests._on_sigint(signal.SIGINT, None)
+    assert stopping.look() and stopping.asked and said == [] and worker.sent == []
+    stopping.end()
+    assert worker.ended == "at once" and stopping.status() == 130

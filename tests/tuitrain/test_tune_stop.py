@@ -204,7 +204,7 @@ def test_ctrl_c_during_the_search_leaves_it_where_it_is_and_saves_no_preset(
     assert _said(err) == [
         STOPPING,
         f"interrupted after step {summary['last_step']}; metrics in "
-        f"{tmp_path / 'metrics.jsonl'}; no preset saved to {preset}"]
+        f"{tmp_path / 'metrics.jsonl'}; no preset saved to {preset} (the search was cut short)"]
     assert not any(line.startswith("tuned in") for line in out)
 
 
@@ -226,10 +226,9 @@ def test_a_second_ctrl_c_during_the_search_stops_at_once(tmp_path: Path) -> None
     last = summary.get("last_step", 0)  # the steps the tune was told of, as above
     assert abs(last - (steps[-1]["step"] if steps else 0)) <= 1
     assert "tuned" not in _kinds(tmp_path)
-    assert _said(err) == [
-        STOPPING,
-        f"stopped now after step {last}: the step under way was not kept; "
-        f"metrics in {tmp_path / 'metrics.jsonl'}"]
+    head = (f"stopped now after step {last}: the step under way was not kept" if last
+            else "stopped before its first step")  # a worker frozen before it made one
+    assert _said(err) == [STOPPING, f"{head}; metrics in {tmp_path / 'metrics.jsonl'}"]
 
 
 @pytest.mark.slow

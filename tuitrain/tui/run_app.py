@@ -33,9 +33,10 @@ def run_app(settings: Settings, *, nproc: int = 1, err: TextIO | None = None,
     if app.failure_at_quit is not None:
         line = failure_line(app.failure_at_quit, log_path=app.log_path)
     elif app.termination.stopped_run:
+        summary = app.finished.summary if app.finished else None
         step = app.latest.step if app.latest is not None else 0
-        line = interrupted_line(app.settings, step, now=True,
-                                summary=app.finished.summary if app.finished else None)
+        if summary is None or summary.get("stopped"):  # else it had finished as it came
+            line = interrupted_line(app.settings, step, now=True, summary=summary)
     if line is not None:
         # After a hangup the terminal may be gone; the line is then for nobody.
         with contextlib.suppress(OSError):

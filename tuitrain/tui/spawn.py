@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 
 from tuitrain.client import WorkerClient
 from tuitrain.settings import Settings
+from tuitrain.stop_requests import sighup_held
 
 WorkerFactory = Callable[[Settings], WorkerClient]
 
@@ -30,18 +30,10 @@ def data_parallel_factory(nproc: int) -> WorkerFactory:
 
 
 def start_worker(factory: WorkerFactory, settings: Settings) -> WorkerClient:
-    """Build a worker and start it (ProcessWorker.start copes with Textual's stderr).
-
-    Its processes start with SIGHUP held back, a mask they keep through exec: a terminal
-    that goes away signals every process of the app's job, and it is the app that then
-    stops the run (tuitrain.tui.termination), with its summary and without the log that a
-    worker the hangup ended would leave. This thread holds the signal only while the
-    processes start, and takes it after, if another of the app's threads has not.
-    """
+    """Build a worker and start it (ProcessWorker.start copes with Textual's stderr), its
+    processes with SIGHUP held back (stop_requests.sighup_held): after a hangup, the app
+    stops the run (tuitrain.tui.termination)."""
     worker = factory(settings)
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
-    try:
+    with sighup_held():
         worker.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return worker

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from tuitrain.client import WorkerClient
+from tuitrain.closed_pipe import hung_up, leave_a_hung_up_terminal
 from tuitrain.errors import EXIT_HUNG_UP, EXIT_TERMINATED
 from tuitrain.events import Failed
 
@@ -142,27 +142,3 @@ def _stop_at_once(worker: WorkerClient) -> None:
         stop_now()
     else:
         worker.stop()
-
-
-def hung_up(fd: int) -> bool:
-    """Whether `fd` is a terminal that has hung up: every write there fails (EIO), even one
-    of no bytes, which a file, a pipe or a terminal still there takes."""
-    try:
-        os.write(fd, b"")
-    except OSError:
-        return True
-    return False
-
-
-def leave_a_hung_up_terminal() -> bool:
-    """Point standard output and error at the null device where the terminal behind them
-    has hung up; returns whether one had. Textual draws on standard error from a thread of
-    its own, which a failed write ends; the app's exit would then wait for it for ever. A
-    terminal still there (a `kill -HUP` by hand) is kept, and given back as it was."""
-    gone = [fd for fd in (1, 2) if hung_up(fd)]
-    if gone:
-        null = os.open(os.devnull, os.O_WRONLY)
-        for fd in gone:
-            os.dup2(null, fd)
-        os.close(null)
-    return bool(gone)
