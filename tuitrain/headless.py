@@ -123,17 +123,18 @@ def run_headless(
             outcome = report.handle(event)
             code = outcome if code is None else code
         report.close_line()
-    if served is not None:
-        served.close()
-    # A signal as the run was ending found it finished: so it ends (its summary says so).
-    if interrupts.count and not (report.summary and not report.ended_early):
-        if place.leader:  # rank 0 speaks for the ranks
-            report.interrupted(now=interrupts.count > 1)
-        return interrupts.status
-    if interrupts.reader_gone and report.ended_early:
-        report.interrupted()
-        return EXIT_CLOSED_PIPE
-    return EXIT_FAILED if code is None else code
+        # Inside to the last line: a Ctrl-C that comes as the run ends ends nothing more.
+        if served is not None:
+            served.close()
+        # A signal as the run was ending found it finished: so it ends (its summary says so).
+        if interrupts.count and not (report.summary and not report.ended_early):
+            if place.leader:  # rank 0 speaks for the ranks
+                report.interrupted(now=interrupts.count > 1)
+            return interrupts.status
+        if interrupts.reader_gone and report.ended_early:
+            report.interrupted()
+            return EXIT_CLOSED_PIPE
+        return EXIT_FAILED if code is None else code
 
 
 def _quiet(line: str) -> None:
