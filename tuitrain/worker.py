@@ -328,7 +328,8 @@ class ProcessWorker:
             return not isinstance(self.result, Failed)
         if isinstance(self.result, Failed):
             return self.result.exitcode == process.exitcode == EXIT_BAD_INPUT
-        return isinstance(self.result, Finished) and process.exitcode == 0
+        # Finished, then ended by a SIGTERM to the whole job as it exited: nothing to read.
+        return isinstance(self.result, Finished) and process.exitcode in (0, -signal.SIGTERM)
 
     def _stopped_report(self) -> Finished:
         """A worker ended at once (stop_now) as a run stopped: its summary, from its steps."""

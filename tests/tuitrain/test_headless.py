@@ -658,3 +658,32 @@ def test_a_ctrl_c_before_the_worker_has_started_ends_it_at_once():
     assert stopping.look() and stopping.asked and said == [] and worker.sent == []
     stopping.end()
     assert worker.ended == "at once" and stopping.status() == 130
+
+
+def test_a_sigterm_as_the_run_ends_finds_it_finished_and_nothing_is_left(tmp_path: Path,
+                                                                           runtime_dir: Path):
+    """`done` is printed, and the job is sent SIGTERM as the worker exits (a batch system's
+    end, a user who sees the process linger): the run had finished, so it ends as finished
+    (exit 0, no word of a stop), and the worker, ended by that SIGTERM with its run done,
+    leaves no log."""
+    (tmp_path / "tmp").mkdir()
+    command = [*_run_command(tmp_path)]
+    command[command.index("1000000")] = "30"
+    run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+    try:
+        for line in run.stdout:
+            if line.startswith("done"):
+                os.killpg(run.pid, signal.SIGTERM)
+                break
+        _, err = run.communicate(timeout=30)
+    finally:
+        _end(run, session=run.pid)
+    assert run.returncode == 0 and err == "", err
+    assert _session_empties(run.pid)
+    _, summary = _records(tmp_path)
+    assert not summary["stopped"]
+    logs = tmp_path / "tmp" / "tuitrain"
+    assert not logs.exists() or list(logs.iterdir()) == []
+    assert _listed(runtime_dir) == "finished"

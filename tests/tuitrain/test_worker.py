@@ -376,3 +376,18 @@ def test_an_error_after_start_reaches_the_client_with_the_log_tail(tmp_path: Pat
     assert "No space left on device" in failed.log_tail[-1]
     assert worker.exitcode == 1
     assert worker_processes() == []
+
+
+def test_a_worker_ended_by_the_jobs_sigterm_after_its_run_finished_needs_no_log() -> None:
+    """A SIGTERM to the whole job (a batch system's end) that reaches the worker as it exits
+    after reporting its run finished: that end is no failure, and its log holds nothing
+    anyone needs, so it goes as after any clean end. Before its run finished, a death by
+    SIGTERM nobody asked for still keeps the log."""
+    from types import SimpleNamespace
+
+    worker = ProcessWorker(settings=Settings(model="tiny"))
+    worker._process = SimpleNamespace(exitcode=-signal.SIGTERM)
+    worker.result = Finished(summary={"steps": 3})
+    assert worker._log_unneeded()
+    worker.result = None
+    assert not worker._log_unneeded()
