@@ -35,7 +35,13 @@ from tuitrain.formatting import (
     plural,
 )
 from tuitrain.run_preset import PresetPace
-from tuitrain.run_summary import held_out, interrupted_line, peaks_line, record_summary
+from tuitrain.run_summary import (
+    held_out,
+    interrupted_line,
+    peaks_line,
+    ran_to_its_end,
+    record_summary,
+)
 from tuitrain.served import serve
 from tuitrain.settings import Settings
 from tuitrain.stop_requests import Stopping, StopRequests, repeats_the_stop
@@ -127,7 +133,7 @@ def run_headless(
         if served is not None:
             served.close()
         # A signal as the run was ending found it finished: so it ends (its summary says so).
-        if interrupts.count and not (report.summary and not report.ended_early):
+        if interrupts.count and not ran_to_its_end(report.summary):
             if place.leader:  # rank 0 speaks for the ranks
                 report.interrupted(now=interrupts.count > 1)
             return interrupts.status

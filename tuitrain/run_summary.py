@@ -55,6 +55,12 @@ def run_summary_lines(summary: dict, rows: list[Trial]) -> list[str]:
     return lines
 
 
+def ran_to_its_end(summary: dict | None) -> bool:
+    """Whether `summary`, a run's, says it made every step it was to: a stop asked for as it
+    ended found it finished, and it ends as finished."""
+    return summary is not None and not summary.get("stopped")
+
+
 def interrupted_line(settings: Settings, step: int, *, now: bool,
                      summary: dict | None = None) -> str:
     """The last line of a run stopped before its end, for the terminal: the step it stopped

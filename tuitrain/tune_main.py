@@ -24,7 +24,7 @@ from tuitrain.closed_pipe import WatchedOutput
 from tuitrain.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError
 from tuitrain.events import Event, Failed, Finished, Log
 from tuitrain.formatting import format_seconds
-from tuitrain.run_summary import interrupted_line
+from tuitrain.run_summary import interrupted_line, ran_to_its_end
 from tuitrain.settings import Settings
 from tuitrain.stop_requests import Stopping, StopRequests
 from tuitrain.tune import (
@@ -225,7 +225,7 @@ def _tune(run: Settings, settings: Settings, space: list[Candidate], forecast,
                 print(f"{PROG}: {problem}", file=err)
     summary = seen.end.summary if isinstance(seen.end, Finished) else None
     # A request as the run was ending found it finished: so it ends (its summary says so).
-    if (status := stopping.status()) is not None and not (summary and not summary["stopped"]):
+    if (status := stopping.status()) is not None and not ran_to_its_end(summary):
         if isinstance(seen.end, Failed):  # not stopped within the wait, or failed first
             _failed(failure, worker, err)
         # A search that was over has its result, whatever became of the training after it.

@@ -525,19 +525,24 @@ def test_a_reader_gone_after_the_last_step_stops_nothing_and_says_nothing():
     assert len(worker.sent) == 1 and "stopping (nothing reads the output" in err.getvalue()
 
 
-@pytest.mark.parametrize("to", ["the run", "its process group"])
-def test_sigterm_stops_a_run_at_once_with_its_summary(tmp_path: Path, runtime_dir: Path,
-                                                      to: str) -> None:
+@pytest.mark.parametrize(("signum", "to", "status"), [
+    (signal.SIGTERM, "the run", 143), (signal.SIGTERM, "its process group", 143),
+    (signal.SIGHUP, "its process group", 129)])
+def test_sigterm_or_a_closed_terminal_stops_a_run_at_once_with_its_summary(
+        tmp_path: Path, runtime_dir: Path, signum: int, to: str, status: int) -> None:
     """`kill PID`, or a batch system's time limit signalling every process of the job: the
     run stops at once, as after a second Ctrl-C, and still ends its metrics with the
-    summary; exit status 143 (128 + SIGTERM), listed `interrupted`."""
+    summary; exit status 143 (128 + SIGTERM), listed `interrupted`. SIGHUP to the group, as
+    the terminal it runs in sends when it closes (`tmux kill-session`, a dropped ssh), does
+    the same, exit status 129; its worker is held back from the hangup, so that the run
+    ends it, not the signal."""
     run, out, err, readers = _run_to_its_first_step(tmp_path)
     with _ended(run, readers):
         if to == "the run":
-            os.kill(run.pid, signal.SIGTERM)
+            os.kill(run.pid, signum)
         else:
-            os.killpg(run.pid, signal.SIGTERM)
-        assert run.wait(timeout=30) == 143
+            os.killpg(run.pid, signum)
+        assert run.wait(timeout=30) == status
     _, summary = _records(tmp_path)
     assert summary["stopped"] and summary["stopped_now"]
     said = [line.rstrip("\n") for line in err]
@@ -610,24 +615,6 @@ def test_a_stop_that_came_after_the_last_step_is_not_reported_as_rejected():
     assert err.getvalue() == ""
     report.handle(Rejected(2, "the command channel closed"))
     assert err.getvalue() == "rejected: the command channel closed\n"
-
-
-def test_a_closed_terminal_stops_a_run_at_once_with_its_summary(tmp_path: Path,
-                                                                 runtime_dir: Path) -> None:
-    """SIGHUP to the run's process group, as the terminal it runs in sends when it closes
-    (`tmux kill-session`, a dropped ssh): as SIGTERM, the run stops at once with its summary
-    and nothing left behind, exit status 129 (128 + SIGHUP). Its worker is held back from
-    the hangup, so that the run ends it, not the signal."""
-    run, out, err, readers = _run_to_its_first_step(tmp_path)
-    with _ended(run, readers):
-        os.killpg(run.pid, signal.SIGHUP)
-        assert run.wait(timeout=30) == 129
-    _, summary = _records(tmp_path)
-    assert summary["stopped"] and summary["stopped_now"]
-    said = [line.rstrip("\n") for line in err]
-    assert len(said) == 1 and said[0].startswith(
-        f"stopped now after step {summary['last_step']}: the step under way was not kept"), said
-    assert _listed(runtime_dir) == "interrupted"
 
 
 def test_a_ctrl_c_before_the_worker_has_started_ends_it_at_once():

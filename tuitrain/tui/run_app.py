@@ -7,7 +7,7 @@ import sys
 from typing import TextIO
 
 from tuitrain.run_preset import PresetPace
-from tuitrain.run_summary import interrupted_line
+from tuitrain.run_summary import interrupted_line, ran_to_its_end
 from tuitrain.settings import Settings
 from tuitrain.tui.app import TuitrainApp
 from tuitrain.tui.failure_panel import failure_line
@@ -35,7 +35,7 @@ def run_app(settings: Settings, *, nproc: int = 1, err: TextIO | None = None,
     elif app.termination.stopped_run:
         summary = app.finished.summary if app.finished else None
         step = app.latest.step if app.latest is not None else 0
-        if summary is None or summary.get("stopped"):  # else it had finished as it came
+        if not ran_to_its_end(summary):  # else it had finished as the signal came
             line = interrupted_line(app.settings, step, now=True, summary=summary)
     if line is not None:
         # After a hangup the terminal may be gone; the line is then for nobody.
