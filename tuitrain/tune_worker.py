@@ -181,12 +181,22 @@ def client_events(client: ProcessWorker, stopped: Callable[[], bool] = lambda: F
     raises Stopped once `stopped()`, asked before each wait, says the run is stopping."""
 
     def events() -> list[Event]:
-        if stopped():
+        found = _next_events(client, stopped)
+        if found is None:
             raise Stopped
-        client.wait(WAIT_SECONDS)
-        return client.poll()
+        return found
 
     return events
+
+
+def _next_events(client: ProcessWorker, stopped: Callable[[], bool]) -> list[Event] | None:
+    """The worker's events after one wait, or None once `stopped()` says the run is
+    stopping: asked before the wait and after it, so that a SIGTERM to the whole job that
+    came during the wait stops the run before the worker's death by it reads as a failure."""
+    if stopped():
+        return None
+    client.wait(WAIT_SECONDS)
+    return None if stopped() else client.poll()
 
 
 def wait_for_start(client: ProcessWorker, on_event: Callable[[Event], None],
@@ -198,10 +208,9 @@ def wait_for_start(client: ProcessWorker, on_event: Callable[[Event], None],
     while client.started is None:
         if client.result is not None or (deadline is not None and time.monotonic() > deadline):
             return False
-        if stopped():
+        if (found := _next_events(client, stopped)) is None:
             return False
-        client.wait(WAIT_SECONDS)
-        for event in client.poll():
+        for event in found:
             on_event(event)
     return True
 
@@ -212,9 +221,8 @@ def wait_for_end(client: ProcessWorker, on_event: Callable[[Event], None],
     that goes on after the search, or one asked to stop), or `stopped()`, asked before
     each wait, says to wait no more (False)."""
     while client.result is None:
-        if stopped():
+        if (found := _next_events(client, stopped)) is None:
             return False
-        client.wait(WAIT_SECONDS)
-        for event in client.poll():
+        for event in found:
             on_event(event)
     return True

@@ -325,7 +325,8 @@ class ProcessWorker:
         if self._forced is not None or process is None:
             return False
         if self._ended_now:  # ended as asked, unless it had reported a failure of its own
-            return not isinstance(self.result, Failed)
+            # (its death by the job's SIGTERM, seen before the stop was asked, is none)
+            return not isinstance(self.result, Failed) or self.result.exitcode == -signal.SIGTERM
         if isinstance(self.result, Failed):
             return self.result.exitcode == process.exitcode == EXIT_BAD_INPUT
         # Finished, then ended by a SIGTERM to the whole job as it exited: nothing to read.

@@ -391,3 +391,9 @@ def test_a_worker_ended_by_the_jobs_sigterm_after_its_run_finished_needs_no_log(
     assert worker._log_unneeded()
     worker.result = None
     assert not worker._log_unneeded()
+    # Stopped at once (stop_now) after its death by that SIGTERM was seen: ended as asked.
+    worker._ended_now = True
+    worker.result = Failed(reason="worker exited with signal 15", exitcode=-signal.SIGTERM)
+    assert worker._log_unneeded()
+    worker.result = Failed(reason="out of memory", exitcode=1)  # its own failure: kept
+    assert not worker._log_unneeded()
