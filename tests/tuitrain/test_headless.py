@@ -466,9 +466,10 @@ def test_a_second_ctrl_c_stops_at_once_as_it_says_and_the_run_ends_interrupted(
     assert not psutil.pid_exists(worker)
     steps, summary = _records(tmp_path)
     assert summary["stopped"] and summary["stopped_now"]
-    # The steps the run reported; the worker may have written the line of one more.
+    # The steps the run reported; the worker, frozen then ended at once, may have written
+    # the line of one more, or sent the last without writing its line.
     last = summary["last_step"]
-    assert last in (steps[-1]["step"], steps[-1]["step"] - 1) and summary["steps"] == last
+    assert abs(last - steps[-1]["step"]) <= 1 and summary["steps"] == last
     assert [line.rstrip("\n") for line in err] == [
         "stopping: the step under way ends at its next layer, and nothing of it is kept "
         "(Ctrl-C again to stop now)",
